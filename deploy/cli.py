@@ -1,0 +1,110 @@
+"""The ``pdserve`` command line.
+
+``pdserve generate``: run the offline engine on a model (a tiny random one it creates if none is
+given) and print the generations and throughput. Serving commands (serve, bench, scale, status)
+join as their parts land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PROMPTS = [
+    "the world is",
+    "there was a man who",
+    "in the first years of the new state",
+    "what people know about life",
+]
+TINY_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "tiny-llama"
+
+
+def _ensure_tiny_model() -> Path:
+    from engine.tiny_model import create_tiny_model
+
+    if not (TINY_MODEL_DIR / "config.json").exists():
+        print(f"no --model given: creating a tiny random Llama in {TINY_MODEL_DIR}", file=sys.stderr)
+        create_tiny_model(
+            TINY_MODEL_DIR,
+            "llama",
+            vocab_size=8192,
+            hidden_size=512,
+            intermediate_size=1376,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=1024,
+        )
+    return TINY_MODEL_DIR
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    model = args.model or str(_ensure_tiny_model())
+    print(f"loading {model} ...", file=sys.stderr)
+    llm = LLM(model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks, seed=args.seed)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    prompts = prompts * max(1, args.repeat)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    for out in outputs[: len(args.prompt or DEFAULT_PROMPTS)]:
+        print(
+            f"\nprompt: {out.prompt!r}\noutput: {out.text!r}  [{out.finish_reason}, {len(out.token_ids)} tokens]"
+        )
+    generated = sum(len(o.token_ids) for o in outputs)
+    stats = llm.stats()
+    print(
+        f"\n{len(outputs)} requests, {generated} tokens in {elapsed:.2f}s: {generated / elapsed:.1f} tokens/s "
+        f"(prefix-cache hit rate {stats.prefix_cache_hit_rate:.0%}, preemptions {stats.num_preemptions})"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="offline generation with the engine")
+    g.add_argument("--model", help="checkpoint directory or Hugging Face id (default: a tiny random Llama)")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--repeat", type=int, default=8, help="submit the prompts this many times (default 8)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="pin the KV pool size (default: from memory)")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Chained, process-stable block hashes for prefix caching.
+
+h_0 = H(root(salt), tokens of block 0), h_i = H(h_{i-1}, tokens of block i), where H is blake2b
+(16-byte digest) over a canonical little-endian int64 encoding of the token ids. Identical on
+every process and machine, unlike Python's ``hash()``.
+
+NOTE: this module must not import torch (or anything heavy): the router imports it to compute the
+same keys as the engines' prefix caches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+_DIGEST_SIZE = 16
+_VERSION = b"pdserve-kv-v1"
+
+
+def root_hash(salt: str = "") -> BlockHash:
+    """The parent of a sequence's first block; ``salt`` namespaces a model (and its KV layout)."""
+    return hashlib.blake2b(_VERSION + salt.encode(), digest_size=_DIGEST_SIZE).digest()
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    h = hashlib.blake2b(parent, digest_size=_DIGEST_SIZE)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str = "",
+    parent: BlockHash | None = None,
+    start_block: int = 0,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids`` from ``start_block`` on.
+
+    ``parent`` is the hash of block ``start_block - 1`` (or None to start at the root), so a caller
+    can extend an existing chain as tokens arrive without rehashing its prefix.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    prev = parent if parent is not None else root_hash(salt)
+    out: list[BlockHash] = []
+    for i in range(start_block, len(token_ids) // block_size):
+        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(prev)
+    return out

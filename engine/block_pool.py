@@ -1,0 +1,123 @@
+"""The pool of KV blocks: reference counts, a free queue in eviction order, and the prefix cache.
+
+A block is free when its reference count is 0. A free block keeps its hash (lazy eviction) so a
+later request with the same prefix can take it back; it loses the hash only when it is handed out
+for new content. The free queue is LRU: blocks freed last are evicted last, and callers free a
+request's blocks tail-first so a shared prefix outlives its suffixes. Every change to the set of
+cached hashes is recorded as an event for the global prefix index.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.block_hash import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: list[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: list[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        self._events: list[KVEvent] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        return self._cached.get(block_hash)
+
+    def is_free(self, block_id: int) -> bool:
+        return self.ref_cnt[block_id] == 0
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on blocks found in the cache (they may be free-but-cached)."""
+        for b in block_ids:
+            if self.ref_cnt[b] == 0:
+                del self._free[b]
+            self.ref_cnt[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"cannot allocate {n} blocks, only {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            self._evict(b)
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference per block; pass a request's blocks tail-first (see module doc)."""
+        for b in block_ids:
+            rc = self.ref_cnt[b] - 1
+            if rc < 0:
+                raise RuntimeError(f"block {b} freed more often than referenced")
+            self.ref_cnt[b] = rc
+            if rc == 0:
+                self._free[b] = None
+
+    def cache(self, block_id: int, block_hash: BlockHash) -> None:
+        """Register a full, computed block under its hash (first writer wins on duplicates)."""
+        if not self.enable_caching or self.block_hash[block_id] is not None:
+            return
+        if block_hash in self._cached:
+            return
+        self.block_hash[block_id] = block_hash
+        self._cached[block_hash] = block_id
+        self._events.append(BlockStored([block_hash]))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for b in self._cached.values():
+            self.block_hash[b] = None
+        self._cached.clear()
+        self._events.append(AllBlocksCleared())
+        return True
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _evict(self, block_id: int) -> None:
+        h = self.block_hash[block_id]
+        if h is not None:
+            self.block_hash[block_id] = None
+            if self._cached.get(h) == block_id:
+                del self._cached[h]
+                self._events.append(BlockRemoved([h]))

@@ -1,0 +1,50 @@
+"""Incremental detokenization and stop strings, per output sequence.
+
+Decoding only a short window of recent tokens keeps each step O(1) in the output length; a
+window that ends in an incomplete UTF-8 sequence (U+FFFD) waits for the next token. Stop strings
+are searched in the tail where a new match can start; on a match the text is cut before the stop
+string (or after it with ``include_stop_str_in_output``).
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.tokens: list[int] = list(prompt_token_ids[-6:])
+        # Offsets into self.tokens: [prefix, read) is decoded context, [read, end) is pending.
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+        self._max_stop = max((len(s) for s in params.stop), default=0)
+
+    def add(self, token_ids: list[int]) -> str | None:
+        """Append tokens; returns the matched stop string, if the output now contains one."""
+        start = len(self.text)
+        for tok in token_ids:
+            self.tokens.append(tok)
+            self.text += self._step()
+        if not self._max_stop:
+            return None
+        lo = max(0, start - self._max_stop + 1)
+        for stop in self.params.stop:
+            idx = self.text.find(stop, lo)
+            if idx != -1:
+                end = idx + len(stop) if self.params.include_stop_str_in_output else idx
+                self.text = self.text[:end]
+                return stop
+        return None
+
+    def _step(self) -> str:
+        dec = self.tokenizer.decode
+        prefix = dec(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = dec(self.tokens[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.tokens)
+            return full[len(prefix) :]
+        return ""

@@ -1,0 +1,237 @@
+"""The engine: requests in, one ``step()`` at a time, sequence outputs out.
+
+``step()`` is the whole loop: schedule, execute, update. Every role uses this class: the offline
+``LLM``, the prefill worker (which stops a request after its first token) and the decode worker.
+Requests are validated when added; one that can never fit (prompt + max_tokens beyond the model's
+context or beyond the whole KV pool) is refused at once with a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import get_attention_backend
+from engine.block_pool import KVEvent
+from engine.config import EngineConfig
+from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.models import load_model, resolve_model_path
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SequenceOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.device = torch.device(config.device)
+        backend = get_attention_backend(config.attention_backend, config.device)
+        t0 = time.perf_counter()
+        self.model = load_model(self.model_path, config.dtype, config.device, backend)
+        self.spec = self.model.spec
+        logger.info("model loaded in %.2fs", time.perf_counter() - t0)
+        limit = self.spec.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {limit}")
+        self.max_model_len = config.max_model_len or limit
+        self.layout = KVLayout.from_spec(self.spec, config.block_size, config.dtype)
+        num_blocks = config.num_blocks or self._blocks_from_budget()
+        num_cpu_blocks = int(config.swap_space * (1 << 30)) // self.layout.block_bytes
+        kv_cache = self.layout.allocate(num_blocks, self.device)
+        cpu_cache = self.layout.allocate(num_cpu_blocks, "cpu") if num_cpu_blocks else None
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB), %d CPU swap blocks",
+            num_blocks,
+            config.block_size,
+            num_blocks * self.layout.block_bytes / 2**20,
+            num_cpu_blocks,
+        )
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
+            salt=config.cache_salt,
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+            admission_margin=config.admission_margin,
+        )
+        self.runner = ModelRunner(self.model, backend, self.layout, kv_cache, cpu_cache, self.device)
+        self.eos_token_ids = _eos_token_ids(self.model_path)
+        self._rng = random.Random(config.seed)
+        self._generation_tokens = 0
+
+    def _blocks_from_budget(self) -> int:
+        if self.device.type == "cuda":
+            return num_blocks_for_budget(
+                self.layout, gpu_kv_budget(self.device, self.config.gpu_memory_utilization)
+            )
+        return num_blocks_for_budget(self.layout, self.config.kv_cache_memory_bytes)
+
+    # Requests ---------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` for a request this engine can never serve."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        total = n + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model's "
+                f"context length of {self.max_model_len} tokens"
+            )
+        blocks = self.kv.blocks_needed(total)
+        if blocks > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks but the "
+                f"whole pool has {self.kv.num_blocks}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.scheduler.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            seed=seed,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            arrival_time=arrival_time,
+        )
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> list[SequenceOutput]:
+        return self._finish_group(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def stop_sequence(self, request_id: str, sample_index: int, stop_reason: str) -> SequenceOutput | None:
+        """End one sample because its text reached a stop string."""
+        seq_id = request_id if sample_index == 0 else f"{request_id}#{sample_index}"
+        req = self.scheduler.finish(seq_id, RequestStatus.FINISHED_STOPPED)
+        if req is None:
+            return None
+        req.stop_reason = stop_reason
+        return SequenceOutput(request_id, sample_index, [], finish_reason="stop", stop_reason=stop_reason)
+
+    def _finish_group(
+        self, request_id: str, status: RequestStatus, error: str | None = None
+    ) -> list[SequenceOutput]:
+        outs = []
+        for seq_id in self.scheduler.sequences_of(request_id):
+            req = self.scheduler.finish(seq_id, status)
+            if req is not None:
+                outs.append(
+                    SequenceOutput(
+                        req.group_id, req.sample_index, [], finish_reason=status.finish_reason, error=error
+                    )
+                )
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # The loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[SequenceOutput]:
+        sched = self.scheduler.schedule()
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:  # a bad batch fails its requests, never the engine
+            logger.exception(
+                "model step failed; failing the %d scheduled sequences", len(sched.num_scheduled_tokens)
+            )
+            outs = []
+            groups = {
+                self.scheduler.requests[s].group_id
+                for s in sched.num_scheduled_tokens
+                if s in self.scheduler.requests
+            }
+            for g in groups:
+                outs.extend(self._finish_group(g, RequestStatus.FINISHED_ERROR, f"engine error: {exc}"))
+            return outs
+        outs = self.scheduler.update(sched, result)
+        self._generation_tokens += sum(len(o.new_token_ids) for o in outs)
+        return outs
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv.pool.drain_events()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_swapped=len(s.swapped),
+            num_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            kv_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens=s.num_prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )
+
+
+def _eos_token_ids(path: Path) -> frozenset[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(e for e in eos if isinstance(e, int))
+    return frozenset(ids)

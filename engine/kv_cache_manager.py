@@ -1,0 +1,183 @@
+"""Per-sequence block tables on top of the block pool.
+
+The scheduler talks to this class only: how many tokens of a prompt are already cached, can a
+sequence get slots for ``k`` more tokens (and with what safety margin), fork a sequence's blocks
+for a parallel sample, copy-on-write a shared block before it is written, swap a sequence's blocks
+to the CPU pool and back, and free. Block operations the model runner must apply to the KV tensor
+(copies, swaps) are returned as (src, dst) pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    block_ids: list[int]
+    num_tokens: int
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        num_cpu_blocks: int = 0,
+        salt: str = "",
+    ) -> None:
+        self.block_size = block_size
+        self.salt = salt
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.num_cpu_blocks = num_cpu_blocks
+        self.tables: dict[str, list[int]] = {}
+        self.cpu_tables: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix_hit(self, req: Request) -> PrefixHit:
+        """Longest run of the prompt's full blocks already in the cache.
+
+        NOTE: at least the prompt's last token is always recomputed: its logits give the first token.
+        """
+        if not self.enable_caching:
+            return PrefixHit([], 0)
+        req.update_block_hashes(self.block_size, self.salt)
+        max_blocks = (req.prompt_len - 1) // self.block_size
+        hit: list[int] = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hit.append(b)
+        return PrefixHit(hit, len(hit) * self.block_size)
+
+    def record_prefix_query(self, req: Request, hit_tokens: int) -> None:
+        self.prefix_queries += req.prompt_len
+        self.prefix_hits += hit_tokens
+
+    def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None, margin: int) -> bool:
+        table = self.tables.get(req.request_id, [])
+        hit_blocks = hit.block_ids if hit else []
+        total = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
+        new = max(0, total - len(table) - len(hit_blocks))
+        # Free-but-cached hit blocks leave the free queue when taken.
+        reclaimed = sum(1 for b in hit_blocks if self.pool.is_free(b))
+        return new + self._cow_needed(req) <= self.pool.num_free - reclaimed - margin
+
+    def allocate(
+        self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> list[tuple[int, int]]:
+        """Give ``req`` slots for ``num_new_tokens`` more tokens (call ``can_allocate`` first).
+
+        Returns block copies (src, dst) owed to copy-on-write. Blocks that these tokens fill are
+        registered in the prefix cache now: the step that computes them runs before any reader.
+        """
+        table = self.tables.setdefault(req.request_id, [])
+        if hit and hit.block_ids:
+            self.pool.touch(hit.block_ids)
+            table.extend(hit.block_ids)
+            self._num_cached_blocks[req.request_id] = len(hit.block_ids)
+        copies = self._copy_on_write(req, table)
+        total = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
+        if total > len(table):
+            table.extend(self.pool.allocate(total - len(table)))
+        if self.enable_caching:
+            self._cache_full_blocks(req, table, req.num_computed_tokens + num_new_tokens)
+        return copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        table = self.tables[parent.request_id]
+        self.pool.touch(table)
+        self.tables[child.request_id] = list(table)
+        self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
+
+    def free(self, req: Request) -> None:
+        table = self.tables.pop(req.request_id, None)
+        if table:
+            self.pool.free(table[::-1])
+        self._num_cached_blocks.pop(req.request_id, None)
+        cpu = self.cpu_tables.pop(req.request_id, None)
+        if cpu:
+            self.cpu_free.extend(cpu)
+
+    def block_ids(self, req: Request) -> list[int]:
+        return self.tables.get(req.request_id, [])
+
+    # Swap -----------------------------------------------------------------------------------
+
+    def can_swap_out(self, req: Request) -> bool:
+        return len(self.tables.get(req.request_id, ())) <= len(self.cpu_free)
+
+    def swap_out(self, req: Request) -> list[tuple[int, int]]:
+        table = self.tables.pop(req.request_id)
+        cpu = [self.cpu_free.pop() for _ in table]
+        self.cpu_tables[req.request_id] = cpu
+        self.pool.free(table[::-1])
+        self._num_cached_blocks.pop(req.request_id, None)
+        return list(zip(table, cpu))
+
+    def can_swap_in(self, req: Request, margin: int) -> bool:
+        return len(self.cpu_tables[req.request_id]) <= self.pool.num_free - margin
+
+    def swap_in(self, req: Request) -> list[tuple[int, int]]:
+        cpu = self.cpu_tables.pop(req.request_id)
+        table = self.pool.allocate(len(cpu))
+        self.tables[req.request_id] = table
+        self.cpu_free.extend(cpu)
+        if self.enable_caching:
+            self._cache_full_blocks(req, table, req.num_computed_tokens)
+        return list(zip(cpu, table))
+
+    # Internals ------------------------------------------------------------------------------
+
+    def _cow_needed(self, req: Request) -> int:
+        table = self.tables.get(req.request_id)
+        idx = req.num_computed_tokens // self.block_size
+        if table and idx < len(table) and self.pool.ref_cnt[table[idx]] > 1:
+            return 1
+        return 0
+
+    def _copy_on_write(self, req: Request, table: list[int]) -> list[tuple[int, int]]:
+        """The block the next token is written into must be this sequence's alone."""
+        idx = req.num_computed_tokens // self.block_size
+        if idx >= len(table) or self.pool.ref_cnt[table[idx]] == 1:
+            return []
+        src = table[idx]
+        (dst,) = self.pool.allocate(1)
+        self.pool.free([src])
+        table[idx] = dst
+        return [(src, dst)]
+
+    def _cache_full_blocks(self, req: Request, table: list[int], num_computed: int) -> None:
+        done = self._num_cached_blocks.get(req.request_id, 0)
+        full = min(num_computed // self.block_size, len(table))
+        if full <= done:
+            return
+        req.update_block_hashes(self.block_size, self.salt)
+        full = min(full, len(req.block_hashes))
+        for i in range(done, full):
+            self.pool.cache(table[i], req.block_hashes[i])
+        self._num_cached_blocks[req.request_id] = full

@@ -1,0 +1,134 @@
+"""The offline API: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_core import EngineCore, EngineStats
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SequenceOutput
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine plus a tokenizer, for batch generation in one process.
+
+    ``engine_args`` are ``EngineConfig`` fields: block_size, num_blocks, max_num_batched_tokens,
+    max_num_seqs, enable_prefix_caching, swap_space, dtype, seed, scheduling_policy, ...
+    """
+
+    def __init__(self, model: str, tokenizer: str | None = None, **engine_args) -> None:
+        self.core = EngineCore(EngineConfig(model=model, tokenizer=tokenizer, **engine_args))
+        self.tokenizer = _load_tokenizer(tokenizer or str(self.core.model_path))
+        self._ids = itertools.count()
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priorities: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        token_lists = [self._tokenize(p) for p in prompts]
+        for toks, p in zip(token_lists, plist):
+            self.core.validate(toks, p)  # all or nothing: refuse before anything is queued
+        results: dict[str, RequestOutput] = {}
+        detoks: dict[tuple[str, int], IncrementalDetokenizer] = {}
+        for i, (prompt, toks, p) in enumerate(zip(prompts, token_lists, plist)):
+            rid = f"offline-{next(self._ids)}"
+            results[rid] = RequestOutput(
+                rid,
+                prompt if isinstance(prompt, str) else None,
+                toks,
+                [CompletionOutput(j, logprobs=[] if p.logprobs is not None else None) for j in range(p.n)],
+            )
+            if self.tokenizer is not None:
+                for j in range(p.n):
+                    detoks[(rid, j)] = IncrementalDetokenizer(self.tokenizer, toks, p)
+            self.core.add_request(rid, toks, p, priority=priorities[i] if priorities else 0)
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
+        start, generated, done = time.perf_counter(), 0, 0
+        try:
+            while self.core.has_unfinished():
+                for out in self.core.step():
+                    stop = self._apply(
+                        results[out.request_id], out, detoks.get((out.request_id, out.sample_index))
+                    )
+                    generated += len(out.new_token_ids)
+                    if stop is not None:
+                        stopped = self.core.stop_sequence(out.request_id, out.sample_index, stop)
+                        if stopped is not None:
+                            self._apply(results[out.request_id], stopped, None)
+                finished = sum(r.finished for r in results.values())
+                if finished != done:
+                    bar.update(finished - done)
+                    done = finished
+                    bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.0f}")
+        finally:
+            bar.close()
+            for rid, r in results.items():
+                if not r.finished:
+                    self.core.abort_request(rid)
+        return list(results.values())
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as token-id lists")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return prompt
+
+    @staticmethod
+    def _apply(
+        result: RequestOutput, out: SequenceOutput, detok: IncrementalDetokenizer | None
+    ) -> str | None:
+        comp = result.outputs[out.sample_index]
+        comp.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs and comp.logprobs is not None:
+            comp.logprobs.extend(out.new_logprobs)
+        result.num_cached_tokens = out.num_cached_tokens
+        stop = None
+        if detok is not None and out.new_token_ids:
+            stop = detok.add(out.new_token_ids)
+            comp.text = detok.text
+        if out.finish_reason is not None:
+            comp.finish_reason = out.finish_reason
+            comp.stop_reason = out.stop_reason
+        return None if comp.finish_reason is not None else stop
+
+
+def _load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer at %s (%s): token-id prompts only, no text output", name, exc)
+        return None

@@ -1,0 +1,191 @@
+"""Turns a scheduler step into one forward pass and its samples.
+
+The runner keeps a small state per sequence (tokens, block table, sampling fields) fed by the
+scheduler's deltas, builds the flattened varlen batch (decodes first, then prefill chunks) with
+positions, slot mapping and block tables, applies pending block swaps/copies, runs the model, and
+samples where a sequence reached the end of its known tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.kv_cache import KVLayout
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import Sampler, SamplingBatch, sample_seed
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import RunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True)
+class _SeqState:
+    token_ids: list[int]
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int
+    sample_index: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        layout: KVLayout,
+        kv_cache: torch.Tensor,
+        cpu_cache: torch.Tensor | None,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.layout = layout
+        self.kv_cache = kv_cache
+        self.cpu_cache = cpu_cache
+        self.device = device
+        self.sampler = Sampler()
+        self.seqs: dict[str, _SeqState] = {}
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._apply_block_ops(sched)
+        self._update_states(sched)
+        if sched.is_empty:
+            return RunnerOutput()
+        order = sorted(sched.num_scheduled_tokens, key=lambda s: sched.num_scheduled_tokens[s] != 1)
+        input_ids, positions, meta, sample_rows = self._prepare(sched, order)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if not sample_rows:
+            return RunnerOutput()
+        rows = [r for r, _, _ in sample_rows]
+        logits = self.model.compute_logits(hidden[rows])
+        return self._sample(logits, sample_rows)
+
+    def _apply_block_ops(self, sched: SchedulerOutput) -> None:
+        for src, dst in sched.blocks_to_swap_out:
+            self.cpu_cache[dst].copy_(self.kv_cache[src])
+        for src, dst in sched.blocks_to_swap_in:
+            self.kv_cache[dst].copy_(self.cpu_cache[src])
+        for src, dst in sched.blocks_to_copy:
+            self.kv_cache[dst].copy_(self.kv_cache[src])
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for seq_id in sched.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in sched.new_seqs:
+            self.seqs[new.seq_id] = _SeqState(
+                list(new.token_ids), list(new.block_ids), new.params, new.seed, new.sample_index
+            )
+        for run in sched.running_seqs:
+            state = self.seqs[run.seq_id]
+            if run.block_ids is not None:
+                state.block_ids = list(run.block_ids)
+            else:
+                state.block_ids.extend(run.new_block_ids)
+
+    def _prepare(self, sched: SchedulerOutput, order: list[str]):
+        bs = self.layout.block_size
+        computed = {d.seq_id: d.num_computed_tokens for d in sched.new_seqs}
+        computed.update({d.seq_id: d.num_computed_tokens for d in sched.running_seqs})
+        samples = {d.seq_id: d.num_samples for d in sched.new_seqs}
+        samples.update({d.seq_id: d.num_samples for d in sched.running_seqs})
+        tokens: list[int] = []
+        pos: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        sample_rows: list[tuple[int, str, int]] = []
+        num_decodes = 0
+        for seq_id in order:
+            state = self.seqs[seq_id]
+            n = sched.num_scheduled_tokens[seq_id]
+            start = computed[seq_id]
+            end = start + n
+            tokens.extend(state.token_ids[start:end])
+            pos.extend(range(start, end))
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + n)
+            if n == 1:
+                num_decodes += 1
+            if end == len(state.token_ids):
+                sample_rows.append((qsl[-1] - 1, seq_id, samples[seq_id]))
+        max_blocks = max(-(-s // bs) for s in seq_lens)
+        tables = torch.zeros((len(order), max_blocks), dtype=torch.int64)
+        for i, seq_id in enumerate(order):
+            ids = self.seqs[seq_id].block_ids[: -(-seq_lens[i] // bs)]
+            tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        pos_t = torch.tensor(pos, dtype=torch.int64)
+        q_seq = torch.repeat_interleave(
+            torch.arange(len(order)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1])
+        )
+        slot_blocks = tables[q_seq, pos_t // bs]
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            slot_blocks=slot_blocks.to(self.device),
+            slot_offsets=(pos_t % bs).to(self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+            seq_lens_list=seq_lens,
+            query_start_loc=qsl,
+            block_tables=tables.to(self.device),
+            block_size=bs,
+        )
+        self.backend.prepare(meta)
+        input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        return input_ids, pos_t.to(self.device), meta, sample_rows
+
+    def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[int, str, int]]) -> RunnerOutput:
+        expand: list[int] = []
+        temps, top_ks, top_ps, min_ps, seeds, positions = [], [], [], [], [], []
+        want_logprobs: list[int | None] = []
+        for i, (_, seq_id, n) in enumerate(sample_rows):
+            state = self.seqs[seq_id]
+            p = state.params
+            for s in range(n):
+                expand.append(i)
+                temps.append(p.temperature)
+                top_ks.append(p.top_k)
+                top_ps.append(p.top_p)
+                min_ps.append(p.min_p)
+                seeds.append(sample_seed(state.seed, state.sample_index + s))
+                positions.append(len(state.token_ids))
+                want_logprobs.append(p.logprobs)
+        if len(expand) != len(sample_rows):
+            logits = logits[torch.tensor(expand, device=logits.device)]
+        wanted = [k for k in want_logprobs if k is not None]
+        dev = logits.device
+        batch = SamplingBatch(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            top_k=torch.tensor(top_ks, dtype=torch.int64, device=dev),
+            top_p=torch.tensor(top_ps, dtype=torch.float32, device=dev),
+            min_p=torch.tensor(min_ps, dtype=torch.float32, device=dev),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            all_greedy=all(t == 0 or k == 1 for t, k in zip(temps, top_ks)),
+            any_top_k=any(k > 0 for k in top_ks),
+            any_top_p=any(p < 1 for p in top_ps),
+            any_min_p=any(m > 0 for m in min_ps),
+            max_logprobs=max(wanted) if wanted else None,
+        )
+        result = self.sampler(logits, batch)
+        token_list = result.token_ids.tolist()
+        out = RunnerOutput()
+        row = 0
+        for _, seq_id, n in sample_rows:
+            toks = token_list[row : row + n]
+            out.sampled[seq_id] = toks
+            self.seqs[seq_id].token_ids.append(toks[0])
+            if result.sampled_logprobs is not None and want_logprobs[row] is not None:
+                out.logprobs[seq_id] = [
+                    self._logprob_dict(result, row + s, want_logprobs[row]) for s in range(n)
+                ]
+            row += n
+        return out
+
+    @staticmethod
+    def _logprob_dict(result, row: int, k: int) -> dict[int, float]:
+        d = {int(result.token_ids[row]): float(result.sampled_logprobs[row])}
+        if k:
+            for tid, lp in zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()):
+                d.setdefault(tid, lp)
+        return d

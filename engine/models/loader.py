@@ -1,0 +1,178 @@
+"""Load a Hugging Face checkpoint (config.json + safetensors, single or sharded) into our model.
+
+``transformers`` parses the config; the weights are read with ``safetensors`` straight into our
+modules, concatenating q/k/v and gate/up into their fused projections. A Hugging Face id instead of
+a directory is resolved with ``huggingface_hub.snapshot_download`` (config, tokenizer, weights).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.attention.backend import AttentionBackend
+from engine.models.llama import LlamaForCausalLM, ModelSpec
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# checkpoint name suffix -> (fused parameter suffix, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def resolve_model_path(model: str) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/")):
+        raise ValueError(f"model path {model!r} is not a checkpoint directory")
+    from huggingface_hub import snapshot_download
+
+    logger.info("resolving %s from the Hugging Face hub", model)
+    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def spec_from_hf_config(cfg) -> ModelSpec:
+    archs = getattr(cfg, "architectures", None) or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs}; pdserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if "rope_theta" not in rope and getattr(cfg, "rope_theta", None) is not None:
+        rope["rope_theta"] = cfg.rope_theta
+    return ModelSpec(
+        architecture=arch,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope=rope,
+        max_position_embeddings=cfg.max_position_embeddings,
+        qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False)),
+        o_bias=arch != "Qwen2ForCausalLM" and bool(getattr(cfg, "attention_bias", False)),
+        mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        sliding_windows=_sliding_windows(cfg, arch),
+    )
+
+
+def _sliding_windows(cfg, arch: str) -> tuple[int | None, ...]:
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if arch == "MistralForCausalLM" and window:
+        return (window,) * n
+    if getattr(cfg, "use_sliding_window", False) and window:
+        first = getattr(cfg, "max_window_layers", n)
+        return tuple(window if i >= first else None for i in range(n))
+    return (None,) * n
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def load_model(path: Path, dtype: torch.dtype, device: str, backend: AttentionBackend) -> LlamaForCausalLM:
+    spec = spec_from_hf_config(load_hf_config(path))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec, backend)
+    model = model.to_empty(device=device).to(dtype)
+    # Rotary tables are computed, not loaded: rebuild them on the real device in float32.
+    _rebuild_rotary(model, spec, device)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    files = _weight_files(path)
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not iterable)
+                _load_one(params, name, st.get_tensor(name), spec, loaded)
+    expected: set[str] = set()
+    for n in params:
+        fused = n.rsplit(".", 2)[-2] if n.count(".") >= 2 else ""
+        shards = 3 if fused == "qkv_proj" else 2 if fused == "gate_up_proj" else 0
+        if shards:
+            expected.update(f"{n}#{i}" for i in range(shards))
+        else:
+            expected.add(n)
+    if spec.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:8]}")
+    logger.info("loaded %s (%d tensors from %d files)", spec.architecture, len(loaded), len(files))
+    return model.eval()
+
+
+def _rebuild_rotary(model: LlamaForCausalLM, spec: ModelSpec, device: str) -> None:
+    from engine.models.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope).to(device)
+    for layer in model.model.layers:
+        layer.self_attn.rotary = rotary
+
+
+def _load_one(params: dict, name: str, tensor: torch.Tensor, spec: ModelSpec, loaded: set[str]) -> None:
+    if "rotary_emb" in name:
+        return
+    parts = name.rsplit(".", 2)  # [..., proj, weight|bias]
+    fused = _FUSED.get(parts[-2]) if len(parts) == 3 else None
+    if fused is None:
+        if name not in params:
+            if name == "lm_head.weight" and spec.tie_word_embeddings:
+                return
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        _copy(params[name], tensor, name)
+        loaded.add(name)
+        return
+    target_name = f"{parts[0]}.{fused[0]}.{parts[-1]}"
+    target = params[target_name]
+    if fused[0] == "qkv_proj":
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        offsets = (0, q, q + kv, q + 2 * kv)
+    else:
+        offsets = (0, spec.intermediate_size, 2 * spec.intermediate_size)
+    i = fused[1]
+    _copy(target.data[offsets[i] : offsets[i + 1]], tensor, name)
+    loaded.add(f"{target_name}#{i}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src.to(dst.dtype))

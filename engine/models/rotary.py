@@ -1,0 +1,56 @@
+"""Rotary position embeddings (rotate-half convention of the Llama family), precomputed per position."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+    theta = float(rope.get("rope_theta", 10000.0))
+    rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(rope["factor"])
+    if kind == "llama3":
+        factor = float(rope["factor"])
+        low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old_len = float(rope["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r}: pdserve supports default, linear and llama3")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, rope: dict) -> None:
+        super().__init__()
+        inv = _inv_freq(head_dim, rope)
+        if inv.numel() * 2 != head_dim:
+            raise ValueError("partial rotary embeddings are not supported")
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D]; rotation computed in float32 like the reference."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype)).to(x.dtype)

@@ -1,0 +1,131 @@
+"""One sequence's lifecycle inside the engine.
+
+States: WAITING (queued; also after preemption by recompute) -> RUNNING (has KV blocks; computed
+tokens catch up with total tokens: several steps for a chunked prompt, then one per decoded token)
+-> SWAPPED (preempted with its blocks copied to the CPU pool; back to RUNNING when swapped in)
+-> FINISHED_* (blocks freed). A request with ``n`` > 1 runs as one sequence until its prompt is
+computed; then ``n`` - 1 child sequences fork from it and share its blocks copy-on-write.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.block_hash import BlockHash, hash_blocks
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """A sequence the scheduler moves through its states; ``request_id`` is unique per sequence."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        priority: int = 0,
+        arrival_time: float | None = None,
+        group_id: str | None = None,
+        sample_index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.group_id = group_id if group_id is not None else request_id
+        self.sample_index = sample_index
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.prompt_len = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_logprobs: list[dict[int, float]] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first schedule; -1 until then
+        self.num_preemptions = 0
+        # Forks still owed: children are created when the prompt's last chunk has run.
+        self.pending_forks = params.n - 1 if sample_index == 0 else 0
+        self.block_hashes: list[BlockHash] = []
+        self.error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.prompt_len
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.prompt_len + self.params.max_tokens
+
+    def update_block_hashes(self, block_size: int, salt: str) -> None:
+        """Extend the hash chain over any newly full blocks of ``token_ids``."""
+        done = len(self.block_hashes)
+        if (done + 1) * block_size <= len(self.token_ids):
+            parent = self.block_hashes[-1] if done else None
+            self.block_hashes.extend(hash_blocks(self.token_ids, block_size, salt, parent, start_block=done))
+
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Token-level stop conditions after a token was appended (stop strings live elsewhere)."""
+        last = self.token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            self.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if last in self.params.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,117 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, logprobs.
+
+Randomness is counter-based: the uniform draw for (seed, position, token) is a hash of the three,
+computed in int64 tensors. Seeded sampling is therefore a pure function of (seed, position) on any
+device and batch composition, which is what lets a prefill worker sample the first token and a
+decode worker the rest, and still match one engine. No generator state, no host syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer on int64 tensors holding uint32 values (products wrap mod 2^64)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] float32 uniforms in (0, 1), one row per (seed, position)."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    row = _fmix32(_fmix32(lo ^ _fmix32(hi + 0x9E3779B9)) ^ (positions & _M32))
+    idx = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    x = _fmix32(row[:, None] ^ _fmix32(idx[None, :] * 0x27D4EB2F + 0x165667B1))
+    return (x.to(torch.float32) + 0.5) / 4294967296.0
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """Seed of parallel sample ``sample_index`` of a request seeded with ``seed``."""
+    if sample_index == 0:
+        return seed
+    x = torch.tensor([seed & _M32, sample_index], dtype=torch.int64)
+    mixed = _fmix32(_fmix32(x[0]) ^ _fmix32(x[1] + 0x7F4A7C15))
+    return (seed & ~_M32) | int(mixed)
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters as tensors; built by the model runner each step."""
+
+    temperature: torch.Tensor  # [N] float32; 0 = greedy
+    top_k: torch.Tensor  # [N] int64; 0 = off
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor  # [N] float32
+    seeds: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64: index of the token being sampled
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    max_logprobs: int | None  # None: no row wants logprobs
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N]
+    sampled_logprobs: torch.Tensor | None  # [N]
+    top_ids: torch.Tensor | None  # [N, k]
+    top_logprobs: torch.Tensor | None  # [N, k]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            tokens = greedy
+        else:
+            tokens = torch.where(batch.temperature == 0, greedy, self._random(logits, batch))
+        if logprobs is None:
+            return SamplerOutput(tokens, None, None, None)
+        sampled = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        if batch.max_logprobs:
+            top_lp, top_ids = logprobs.topk(batch.max_logprobs, dim=-1)
+        else:
+            top_lp = top_ids = None
+        return SamplerOutput(tokens, sampled, top_ids, top_lp)
+
+    def _random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temp = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+        logits = logits / temp[:, None]
+        if batch.any_top_k:
+            logits = _apply_top_k(logits, batch.top_k)
+        if batch.any_top_p:
+            logits = _apply_top_p(logits, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if batch.any_min_p:
+            keep = probs >= batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(keep, probs, 0.0)
+        # Exponential race (Gumbel-max): argmax p / E with E ~ Exp(1) samples from p.
+        u = uniform_noise(batch.seeds, batch.positions, logits.shape[-1])
+        return (probs / -torch.log(u)).argmax(dim=-1)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
+    sorted_desc = logits.sort(dim=-1, descending=True).values
+    kth = sorted_desc.gather(1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the mass strictly before it already reaches top_p (the top one always stays).
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,332 @@
+"""Iteration-level scheduler: continuous batching with chunked prefill, prefix caching, preemption.
+
+One idea covers prompts, chunks, prefix hits and decodes: each step a sequence gets up to
+``num_tokens - num_computed_tokens`` tokens of the step's token budget. A prompt longer than the
+budget runs in chunks over several steps; a prefix-cache hit starts ``num_computed_tokens`` past
+the hit; a decode is a sequence one token behind.
+
+Order within a step, by policy:
+- ``fifo``: running decodes, running prefill chunks, swapped-in sequences, new requests (FIFO).
+- ``prefill_first``: running prefill chunks, new requests, swapped-in, then decodes.
+- ``priority``: as fifo, but queues sorted by (priority, arrival); a waiting request may preempt
+  running ones of lower priority (higher value).
+When a running sequence cannot get a block, the latest-arrived (or lowest-priority) running sequence
+not yet scheduled this step is preempted: swapped to the CPU pool if there is room, else freed and
+requeued for recompute. New requests are admitted only while a margin of free blocks remains.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import (
+    NewSequenceData,
+    RunnerOutput,
+    RunningSequenceData,
+    SchedulerOutput,
+    SequenceOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        policy: str = "fifo",
+        admission_margin: float = 0.01,
+    ) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.margin_blocks = int(admission_margin * kv.num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[str]] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self._finished_ids: set[str] = set()
+        self._sent_to_runner: set[str] = set()
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+
+    # Queue management -------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.groups.setdefault(req.group_id, []).append(req.request_id)
+        self.waiting.append(req)
+        if self.policy == "priority":
+            self._sort_waiting()
+
+    def finish(self, seq_id: str, status: RequestStatus) -> Request | None:
+        """End a sequence (abort, stop string, error) wherever it is; frees its blocks."""
+        req = self.requests.pop(seq_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+        elif req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        req.status = status
+        self._release(req)
+        return req
+
+    def sequences_of(self, group_id: str) -> list[str]:
+        return list(self.groups.get(group_id, ()))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.swapped)
+
+    # Scheduling -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_seq_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = [self.max_num_batched_tokens]
+        scheduled: set[str] = set()
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if self.policy == "priority":
+            decodes.sort(key=_priority_key)
+            prefills.sort(key=_priority_key)
+        if self.policy == "prefill_first":
+            self._schedule_running(prefills, out, budget, scheduled)
+            self._schedule_waiting(out, budget, scheduled)
+            self._schedule_swapped(out, budget, scheduled)
+            self._schedule_running(decodes, out, budget, scheduled)
+        else:
+            self._schedule_running(decodes, out, budget, scheduled)
+            self._schedule_running(prefills, out, budget, scheduled)
+            self._schedule_swapped(out, budget, scheduled)
+            self._schedule_waiting(out, budget, scheduled)
+        for seq_id, n in out.num_scheduled_tokens.items():
+            self.requests[seq_id].num_computed_tokens += n
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget[0]
+        return out
+
+    def _schedule_running(
+        self, candidates: list[Request], out: SchedulerOutput, budget: list[int], scheduled: set[str]
+    ) -> None:
+        for req in candidates:
+            if budget[0] == 0:
+                return
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget[0])
+            while not self.kv.can_allocate(req, num_new, None, 0):
+                victim = self._pick_victim(scheduled | {req.request_id})
+                self._preempt(victim or req, out)
+                if victim is None:
+                    break
+            else:
+                self._emit(req, num_new, out, scheduled, budget)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: list[int], scheduled: set[str]) -> None:
+        while self.swapped and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            # One block of headroom beyond the margin for the token the sequence will write.
+            if not self.kv.can_swap_in(req, self.margin_blocks + 1):
+                return
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.kv.swap_in(req))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._sent_to_runner.discard(req.request_id)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget[0])
+            if self.kv.can_allocate(req, num_new, None, 0):
+                self._emit(req, num_new, out, scheduled, budget)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], scheduled: set[str]) -> None:
+        while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.kv.find_prefix_hit(req)
+            req.num_computed_tokens = hit.num_tokens
+            num_new = min(req.num_tokens - hit.num_tokens, budget[0])
+            margin = self.margin_blocks if self.running else 0
+            if not self.kv.can_allocate(req, num_new, hit, margin):
+                req.num_computed_tokens = 0
+                if self.policy == "priority" and self._preempt_lower_priority(req, scheduled, out):
+                    continue
+                return
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit.num_tokens
+                self.num_prompt_tokens += req.prompt_len
+                self.kv.record_prefix_query(req, hit.num_tokens)
+            out.blocks_to_copy.extend(self.kv.allocate(req, num_new, hit))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._sent_to_runner.discard(req.request_id)
+            self._emit(req, num_new, out, scheduled, budget, allocated=True)
+
+    def _emit(
+        self,
+        req: Request,
+        num_new: int,
+        out: SchedulerOutput,
+        scheduled: set[str],
+        budget: list[int],
+        allocated: bool = False,
+    ) -> None:
+        seq_id = req.request_id
+        old_len = len(self.kv.block_ids(req))
+        cow = []
+        if not allocated:
+            cow = self.kv.allocate(req, num_new)
+            out.blocks_to_copy.extend(cow)
+        table = self.kv.tables[seq_id]
+        ends_known_tokens = req.num_computed_tokens + num_new == req.num_tokens
+        num_samples = req.pending_forks + 1 if ends_known_tokens else 1
+        if seq_id not in self._sent_to_runner:
+            self._sent_to_runner.add(seq_id)
+            out.new_seqs.append(
+                NewSequenceData(
+                    seq_id,
+                    list(req.token_ids),
+                    list(table),
+                    req.num_computed_tokens,
+                    req.params,
+                    req.seed,
+                    req.sample_index,
+                    num_samples,
+                )
+            )
+        elif cow:
+            out.running_seqs.append(
+                RunningSequenceData(seq_id, [], list(table), req.num_computed_tokens, num_samples)
+            )
+        else:
+            out.running_seqs.append(
+                RunningSequenceData(seq_id, table[old_len:], None, req.num_computed_tokens, num_samples)
+            )
+        out.num_scheduled_tokens[seq_id] = num_new
+        scheduled.add(seq_id)
+        budget[0] -= num_new
+
+    # Preemption -------------------------------------------------------------------------------
+
+    def _pick_victim(self, exclude: set[str]) -> Request | None:
+        pool = [r for r in self.running if r.request_id not in exclude]
+        if not pool:
+            return None
+        if self.policy == "priority":
+            return max(pool, key=_priority_key)
+        return pool[-1]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.num_preemptions += 1
+        req.num_preemptions += 1
+        self._sent_to_runner.discard(req.request_id)
+        out.finished_seq_ids.add(req.request_id)  # the runner drops its state either way
+        if self.kv.num_cpu_blocks and self.kv.can_swap_out(req):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            logger.debug("swapped out %s", req.request_id)
+            return
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        if self.policy == "priority":
+            self._sort_waiting()
+        logger.debug("preempted %s for recompute", req.request_id)
+
+    def _preempt_lower_priority(self, req: Request, scheduled: set[str], out: SchedulerOutput) -> bool:
+        victim = self._pick_victim(scheduled)
+        if victim is None or _priority_key(victim) <= _priority_key(req):
+            return False
+        self._preempt(victim, out)
+        return True
+
+    def _sort_waiting(self) -> None:
+        self.waiting = deque(sorted(self.waiting, key=_priority_key))
+
+    # Results ----------------------------------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SequenceOutput]:
+        outputs: list[SequenceOutput] = []
+        for seq_id, tokens in result.sampled.items():
+            req = self.requests.get(seq_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            logprobs = result.logprobs.get(seq_id)
+            if req.pending_forks:
+                for i, tok in enumerate(tokens[1:], start=1):
+                    outputs.append(self._fork(req, i, tok, logprobs[i] if logprobs else None))
+                req.pending_forks = 0
+            outputs.append(self._append(req, tokens[0], logprobs[0] if logprobs else None))
+        return outputs
+
+    def _append(self, req: Request, token: int, logprobs: dict[int, float] | None) -> SequenceOutput:
+        req.append_token(token, logprobs)
+        status = req.check_stop(self.max_model_len)
+        out = SequenceOutput(
+            req.group_id,
+            req.sample_index,
+            [token],
+            [logprobs] if logprobs is not None else None,
+            num_prompt_tokens=req.prompt_len,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+        if status is not None:
+            self.finish(req.request_id, status)
+            out.finish_reason = status.finish_reason
+            out.stop_reason = req.stop_reason
+        return out
+
+    def _fork(
+        self, parent: Request, index: int, token: int, logprobs: dict[int, float] | None
+    ) -> SequenceOutput:
+        child = Request(
+            f"{parent.group_id}#{index}",
+            parent.token_ids[: parent.prompt_len],
+            parent.params,
+            seed=parent.seed,
+            eos_token_ids=parent.eos_token_ids,
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+            group_id=parent.group_id,
+            sample_index=index,
+        )
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.status = RequestStatus.RUNNING
+        self.kv.fork(parent, child)
+        self.requests[child.request_id] = child
+        self.groups[parent.group_id].append(child.request_id)
+        self.running.append(child)
+        return self._append(child, token, logprobs)
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req)
+        self._finished_ids.add(req.request_id)
+        self._sent_to_runner.discard(req.request_id)
+        ids = self.groups.get(req.group_id)
+        if ids is not None:
+            ids.remove(req.request_id)
+            if not ids:
+                del self.groups[req.group_id]
+
+
+def _priority_key(req: Request) -> tuple[int, float]:
+    return (req.priority, req.arrival_time)

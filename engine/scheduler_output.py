@@ -1,0 +1,79 @@
+"""What one scheduler step hands the model runner, and what the runner hands back.
+
+New (or resumed) sequences travel in full; running ones as deltas (new block ids). The runner keeps
+its own per-sequence state and appends the tokens it samples, so a running decode costs a few
+integers per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewSequenceData:
+    seq_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    seed: int
+    sample_index: int
+    # Tokens to draw from this sequence's next logits: 1, or n when parallel samples fork here.
+    num_samples: int = 1
+
+
+@dataclass(slots=True)
+class RunningSequenceData:
+    seq_id: str
+    new_block_ids: list[int]
+    # Set instead of ``new_block_ids`` when a block in the middle of the table changed (copy-on-write).
+    block_ids: list[int] | None
+    num_computed_tokens: int
+    num_samples: int = 1
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_seqs: list[NewSequenceData] = field(default_factory=list)
+    running_seqs: list[RunningSequenceData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_seq_ids: set[str] = field(default_factory=set)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    # seq_id -> sampled tokens (1, or n for a sequence that forks) for sequences whose scheduled
+    # tokens reached the end of their known tokens; partial prefill chunks sample nothing.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # seq_id -> per sample: {token_id: logprob}, the sampled token first.
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    """One sequence's progress in one step, as the engine reports it to its caller."""
+
+    request_id: str
+    sample_index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
