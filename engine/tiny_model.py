@@ -201,12 +201,20 @@ def make_config(arch: str = "llama", **overrides):
 
 
 def create_tiny_model(
-    path: str | Path, arch: str = "llama", seed: int = 0, weight_scale: float = 1.0, **overrides
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    weight_scale: float = 1.0,
+    randomize_all: bool = False,
+    max_shard_size: str | None = None,
+    **overrides,
 ) -> Path:
     """Write a random-weight checkpoint + tokenizer to ``path`` and return it.
 
     ``weight_scale`` multiplies every weight after init: tests use > 1 so logits are not flat and
-    greedy comparisons are not decided by rounding.
+    greedy comparisons are not decided by rounding. ``randomize_all`` also draws biases and norm
+    weights (zeros and ones after a plain init) so that every parameter matters to the output.
+    ``max_shard_size`` (e.g. "200KB") writes a sharded checkpoint with an index.
     """
     import torch
     import transformers
@@ -216,12 +224,18 @@ def create_tiny_model(
     config = make_config(arch, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if weight_scale != 1.0:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" not in name:
-                    p.mul_(weight_scale)
-    model.save_pretrained(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                if randomize_all:
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                if randomize_all:
+                    p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.mul_(weight_scale)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
     build_tokenizer(config.vocab_size).save_pretrained(path)
     logger.info(
         "wrote a random %s (%d parameters) to %s", arch, sum(p.numel() for p in model.parameters()), path

@@ -112,6 +112,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str, backend: AttentionBa
     with torch.device("meta"):
         model = LlamaForCausalLM(spec, backend)
     model = model.to_empty(device=device).to(dtype)
+    if spec.tie_word_embeddings:  # NOTE: to_empty() materialises shared parameters separately
+        model.lm_head.weight = model.model.embed_tokens.weight
     # Rotary tables are computed, not loaded: rebuild them on the real device in float32.
     _rebuild_rotary(model, spec, device)
     params = dict(model.named_parameters())

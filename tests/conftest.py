@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random checkpoints (made here, never downloaded) and HF reference outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.tiny_model import create_tiny_model
+
+# Large enough that logits are far from flat, so greedy parity is not decided by rounding.
+WEIGHT_SCALE = 4.0
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """``make(arch, **config_overrides)`` -> checkpoint dir, cached per arguments for the session."""
+    cache: dict[str, Path] = {}
+
+    def make(arch: str = "llama", **kw) -> Path:
+        key = json.dumps([arch, sorted(kw.items())], default=str)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            kw.setdefault("weight_scale", WEIGHT_SCALE)
+            kw.setdefault("randomize_all", True)
+            cache[key] = create_tiny_model(path, arch, **kw)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """``ref(model_dir, prompt_ids, max_new_tokens)`` -> HF ``generate`` greedy continuation (EOS ignored)."""
+    import transformers
+
+    models: dict[Path, transformers.PreTrainedModel] = {}
+
+    def ref(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+        if model_dir not in models:
+            m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            m.generation_config.eos_token_id = None
+            models[model_dir] = m
+        with torch.no_grad():
+            out = models[model_dir].generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=0,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return out[0, len(prompt) :].tolist()
+
+    return ref

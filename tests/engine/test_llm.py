@@ -1,0 +1,206 @@
+"""The offline API as a user sees it: outputs, stop conditions, logprobs, errors, and block accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, EngineCore, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), block_size=8, num_blocks=96, max_model_len=256)
+
+
+def _all_free(llm: LLM) -> bool:
+    s = llm.stats()
+    return s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_waiting == 0
+
+
+def test_text_prompts_are_tokenized_and_outputs_detokenized(llm):
+    out = llm.generate(
+        "the world is", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert out.prompt == "the world is"
+    assert out.prompt_token_ids == llm.tokenizer.encode("the world is")
+    assert len(out.token_ids) == 6
+    assert out.text.strip() == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True).strip()
+    assert _all_free(llm)
+
+
+def test_stop_token_ids_and_max_tokens_set_finish_reason(llm):
+    first = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
+    stop_tok = first.token_ids[3]
+    out = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_tok]), use_tqdm=False
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop_tok
+    assert out.token_ids == first.token_ids[: first.token_ids.index(stop_tok) + 1]
+    assert first.finish_reason == "length"
+    assert _all_free(llm)
+
+
+def test_eos_stops_unless_ignored(tiny_model_factory):
+    # A model whose EOS is the token it greedily emits first.
+    probe_dir = tiny_model_factory("llama")
+    probe = LLM(str(probe_dir), num_blocks=32)
+    first = probe.generate([[9, 10, 11]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[
+        0
+    ].token_ids[0]
+    model_dir = tiny_model_factory("llama", eos_token_id=first)
+    llm = LLM(str(model_dir), num_blocks=32)
+    stopped = llm.generate([[9, 10, 11]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    ignored = llm.generate(
+        [[9, 10, 11]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert len(ignored.token_ids) == 5 and ignored.finish_reason == "length"
+
+
+def test_stop_string_cuts_text_and_frees_blocks(llm):
+    base = llm.generate(
+        "there was a man", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0]
+    words = base.text.split()
+    stop = words[2]
+    out = llm.generate(
+        "there was a man",
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop
+    assert stop not in out.text
+    assert base.text.startswith(out.text)
+    assert len(out.token_ids) < 10
+    assert _all_free(llm)
+
+
+def test_logprobs_match_reference_log_softmax(llm, tiny_llama):
+    import transformers
+
+    prompt = [11, 12, 13, 14]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5), use_tqdm=False
+    )[0]
+    assert len(out.logprobs) == 3
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], dim=-1)
+    first = out.logprobs[0]
+    assert next(iter(first)) == out.token_ids[0]  # sampled token first
+    assert len(first) == 5  # greedy token is also the top-1, so 5 distinct entries
+    for tok, lp in first.items():
+        assert lp == pytest.approx(ref[tok].item(), abs=1e-4)
+
+
+def test_never_fitting_requests_fail_at_once(llm):
+    with pytest.raises(ValueError, match="exceeds the model's context length of 256"):
+        llm.generate([[1] * 200], SamplingParams(max_tokens=100), use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 5000]], SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="at least one token"):
+        llm.generate([[]], SamplingParams(max_tokens=1), use_tqdm=False)
+    # A bad request in a batch refuses the whole batch before anything is queued.
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2, 3], [1] * 300], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert _all_free(llm)
+
+
+def test_request_larger_than_pool_fails_instead_of_hanging(tiny_llama):
+    llm = LLM(str(tiny_llama), block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="needs 9 KV blocks but the whole pool has 8"):
+        llm.generate([[1] * 30], SamplingParams(max_tokens=5), use_tqdm=False)
+
+
+def test_abort_and_interrupted_generate_free_every_block(tiny_llama):
+    core = EngineCore(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=64))
+    core.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    core.add_request("b", list(range(3, 20)), SamplingParams(max_tokens=50, ignore_eos=True, n=3))
+    for _ in range(4):
+        core.step()
+    assert core.stats().num_free_blocks < 64
+    outs = core.abort_request("b") + core.abort_request("a")
+    assert {o.finish_reason for o in outs} == {"abort"}
+    assert len(outs) == 4  # a, and the three samples of b
+    assert not core.has_unfinished()
+    assert core.stats().num_free_blocks == 64
+    core.step()  # the runner drops the aborted sequences' state
+
+    class Boom(Exception):
+        pass
+
+    llm = LLM(str(tiny_llama), block_size=4, num_blocks=64)
+    calls = 0
+    real_step = llm.core.step
+
+    def failing_step():
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise Boom()
+        return real_step()
+
+    llm.core.step = failing_step
+    with pytest.raises(Boom):
+        llm.generate([[5] * 10, [6] * 12], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert llm.stats().num_free_blocks == 64 and not llm.core.has_unfinished()
+
+
+def test_duplicate_request_id_is_refused(tiny_llama):
+    core = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=16))
+    core.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2))
+    core.abort_request("x")
+
+
+def test_model_step_failure_fails_requests_not_engine(tiny_llama):
+    core = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=16))
+    core.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4))
+    real = core.runner.execute
+    core.runner.execute = lambda sched: (_ for _ in ()).throw(RuntimeError("device lost"))
+    outs = core.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("x", "error")]
+    assert "device lost" in outs[0].error
+    core.runner.execute = real
+    assert core.stats().num_free_blocks == 16
+    core.add_request("y", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    while core.has_unfinished():
+        core.step()
+    assert core.stats().generation_tokens == 2
+
+
+def test_stats_count_prompt_and_generated_tokens(tiny_llama):
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=64)
+    llm.generate(
+        [[3] * 10, [4] * 20], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
+    s = llm.stats()
+    assert (s.prompt_tokens, s.generation_tokens) == (30, 10)
+    assert s.prefix_cache_queries == 30
+
+
+def test_priority_policy_serves_urgent_requests_first(tiny_llama):
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=64, max_num_seqs=1, scheduling_policy="priority")
+    seen: list[str] = []
+    real_step = llm.core.step
+
+    def recording_step():
+        outs = real_step()
+        seen.extend(o.request_id for o in outs if o.finished)
+        return outs
+
+    llm.core.step = recording_step
+    outs = llm.generate(
+        [[3] * 5, [4] * 5, [5] * 5],
+        SamplingParams(max_tokens=3, ignore_eos=True),
+        priorities=[5, 0, 9],
+        use_tqdm=False,
+    )
+    order = [outs[i].request_id for i in (1, 0, 2)]
+    assert seen == order
