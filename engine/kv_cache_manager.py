@@ -36,6 +36,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        # CPU blocks read by this step's swap-ins: reusable only from the next step on, because the
+        # runner applies swap-outs before swap-ins (a same-step swap-out must not overwrite them).
+        self._cpu_released: list[int] = []
         self.num_cpu_blocks = num_cpu_blocks
         self.tables: dict[str, list[int]] = {}
         self.cpu_tables: dict[str, list[int]] = {}
@@ -126,6 +129,26 @@ class KVCacheManager:
     def block_ids(self, req: Request) -> list[int]:
         return self.tables.get(req.request_id, [])
 
+    def begin_step(self) -> None:
+        if self._cpu_released:
+            self.cpu_free.extend(self._cpu_released)
+            self._cpu_released.clear()
+
+    def try_append_slot(self, req: Request) -> bool:
+        """Fast path for a decode: its next token fits in its own, unshared last block.
+
+        Returns False when the slow path (``can_allocate`` + ``allocate``) is needed.
+        """
+        table = self.tables[req.request_id]
+        pos = req.num_computed_tokens
+        bs = self.block_size
+        idx = pos // bs
+        if idx >= len(table) or self.pool.ref_cnt[table[idx]] != 1:
+            return False
+        if (pos + 1) % bs == 0 and self.enable_caching:
+            self._cache_full_blocks(req, table, pos + 1)
+        return True
+
     # Swap -----------------------------------------------------------------------------------
 
     def can_swap_out(self, req: Request) -> bool:
@@ -146,7 +169,7 @@ class KVCacheManager:
         cpu = self.cpu_tables.pop(req.request_id)
         table = self.pool.allocate(len(cpu))
         self.tables[req.request_id] = table
-        self.cpu_free.extend(cpu)
+        self._cpu_released.extend(cpu)
         if self.enable_caching:
             self._cache_full_blocks(req, table, req.num_computed_tokens)
         return list(zip(cpu, table))

@@ -43,6 +43,7 @@ class LLM:
         *,
         priorities: Sequence[int] | None = None,
         use_tqdm: bool = True,
+        desc: str = "generate",
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -71,7 +72,7 @@ class LLM:
                 for j in range(p.n):
                     detoks[(rid, j)] = IncrementalDetokenizer(self.tokenizer, toks, p)
             self.core.add_request(rid, toks, p, priority=priorities[i] if priorities else 0)
-        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
+        bar = tqdm(total=len(prompts), desc=desc, unit="req", disable=not use_tqdm)
         start, generated, done = time.perf_counter(), 0, 0
         try:
             while self.core.has_unfinished():

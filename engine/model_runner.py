@@ -54,7 +54,7 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return RunnerOutput()
-        order = sorted(sched.num_scheduled_tokens, key=lambda s: sched.num_scheduled_tokens[s] != 1)
+        order = self._batch_order(sched)
         input_ids, positions, meta, sample_rows = self._prepare(sched, order)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if not sample_rows:
@@ -62,6 +62,11 @@ class ModelRunner:
         rows = [r for r, _, _ in sample_rows]
         logits = self.model.compute_logits(hidden[rows])
         return self._sample(logits, sample_rows)
+
+    def _batch_order(self, sched: SchedulerOutput) -> list[str]:
+        """Decodes first, longest context first (the attention backend groups them by length)."""
+        n = sched.num_scheduled_tokens
+        return sorted(n, key=lambda s: (n[s] != 1, -len(self.seqs[s].token_ids)))
 
     def _apply_block_ops(self, sched: SchedulerOutput) -> None:
         for src, dst in sched.blocks_to_swap_out:

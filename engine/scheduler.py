@@ -97,12 +97,17 @@ class Scheduler:
     # Scheduling -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.begin_step()
         out = SchedulerOutput(finished_seq_ids=self._finished_ids)
         self._finished_ids = set()
         budget = [self.max_num_batched_tokens]
         scheduled: set[str] = set()
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if self.policy == "priority":
+            self._preempt_for_priority(out)
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
         if self.policy == "priority":
             decodes.sort(key=_priority_key)
             prefills.sort(key=_priority_key)
@@ -124,12 +129,27 @@ class Scheduler:
     def _schedule_running(
         self, candidates: list[Request], out: SchedulerOutput, budget: list[int], scheduled: set[str]
     ) -> None:
+        running_out = out.running_seqs
+        num_scheduled = out.num_scheduled_tokens
         for req in candidates:
             if budget[0] == 0:
                 return
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget[0])
+            num_new = min(len(req.token_ids) - req.num_computed_tokens, budget[0])
+            seq_id = req.request_id
+            if (
+                num_new == 1
+                and not req.pending_forks
+                and seq_id in self._sent_to_runner
+                and self.kv.try_append_slot(req)
+            ):
+                # Fast path: a decode whose token fits in its own last block.
+                running_out.append(RunningSequenceData(seq_id, _NO_BLOCKS, None, req.num_computed_tokens))
+                num_scheduled[seq_id] = 1
+                scheduled.add(seq_id)
+                budget[0] -= 1
+                continue
             while not self.kv.can_allocate(req, num_new, None, 0):
                 victim = self._pick_victim(scheduled | {req.request_id})
                 self._preempt(victim or req, out)
@@ -141,8 +161,9 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: list[int], scheduled: set[str]) -> None:
         while self.swapped and budget[0] > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
-            # One block of headroom beyond the margin for the token the sequence will write.
-            if not self.kv.can_swap_in(req, self.margin_blocks + 1):
+            # With others running, keep the margin plus a block for the token this one will write;
+            # alone it may take the whole pool (validation guarantees it fits).
+            if not self.kv.can_swap_in(req, self.margin_blocks + 1 if self.running else 0):
                 return
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.kv.swap_in(req))
@@ -154,17 +175,20 @@ class Scheduler:
                 self._emit(req, num_new, out, scheduled, budget)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], scheduled: set[str]) -> None:
-        while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+        # Parallel samples fork after their prompt: reserve their sequence slots at admission.
+        reserved = len(self.running) + sum(r.pending_forks for r in self.running)
+        while self.waiting and budget[0] > 0:
             req = self.waiting[0]
+            if reserved + 1 + req.pending_forks > self.max_num_seqs:
+                return
             hit = self.kv.find_prefix_hit(req)
             req.num_computed_tokens = hit.num_tokens
             num_new = min(req.num_tokens - hit.num_tokens, budget[0])
             margin = self.margin_blocks if self.running else 0
             if not self.kv.can_allocate(req, num_new, hit, margin):
                 req.num_computed_tokens = 0
-                if self.policy == "priority" and self._preempt_lower_priority(req, scheduled, out):
-                    continue
                 return
+            reserved += 1 + req.pending_forks
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
@@ -250,12 +274,25 @@ class Scheduler:
             self._sort_waiting()
         logger.debug("preempted %s for recompute", req.request_id)
 
-    def _preempt_lower_priority(self, req: Request, scheduled: set[str], out: SchedulerOutput) -> bool:
-        victim = self._pick_victim(scheduled)
-        if victim is None or _priority_key(victim) <= _priority_key(req):
-            return False
-        self._preempt(victim, out)
-        return True
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Before anything is scheduled: make room for the most urgent waiting request by preempting
+        running sequences of lower priority (higher value), lowest first."""
+        if not self.waiting:
+            return
+        req = self.waiting[0]
+        while self.running:
+            hit = self.kv.find_prefix_hit(req)
+            req.num_computed_tokens = hit.num_tokens
+            num_new = min(req.num_tokens - hit.num_tokens, self.max_num_batched_tokens)
+            fits = self.kv.can_allocate(req, num_new, hit, self.margin_blocks)
+            req.num_computed_tokens = 0
+            seats = len(self.running) + 1 + req.pending_forks <= self.max_num_seqs
+            if fits and seats:
+                return
+            victim = self._pick_victim(set())
+            if victim is None or _priority_key(victim) <= _priority_key(req):
+                return
+            self._preempt(victim, out)
 
     def _sort_waiting(self) -> None:
         self.waiting = deque(sorted(self.waiting, key=_priority_key))
@@ -326,6 +363,9 @@ class Scheduler:
             ids.remove(req.request_id)
             if not ids:
                 del self.groups[req.group_id]
+
+
+_NO_BLOCKS: list[int] = []
 
 
 def _priority_key(req: Request) -> tuple[int, float]:

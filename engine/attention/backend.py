@@ -28,8 +28,17 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [B + 1]
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     block_size: int
-    # Decode-only helpers, built once per step and shared by every layer.
-    decode_key_mask: torch.Tensor | None = None  # [D, 1, 1, ctx] bool
+    # Decode-only helpers, built once per step and shared by every layer: decodes (sorted by context
+    # length, longest first) split into groups of similar length, each with its key mask.
+    decode_groups: list[DecodeGroup] | None = None
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    start: int
+    end: int
+    num_blocks: int
+    key_mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size] bool
 
 
 class AttentionBackend(Protocol):

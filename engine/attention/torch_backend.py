@@ -1,8 +1,10 @@
 """Reference attention in plain torch: runs anywhere, the oracle for the Triton kernels.
 
 Decodes are batched: their block tables gather K/V into a padded [D, kv_heads, ctx, head_dim]
-tensor and one SDPA call serves all of them, with the query heads of a KV head grouped on the
-query axis (GQA without repeating K/V). Prefill chunks run one SDPA each, causal over the prefix.
+tensor and one SDPA call serves a group of them, with the query heads of a KV head grouped on the
+query axis (GQA without repeating K/V). Decodes arrive sorted by context length and are split into
+groups whose lengths differ by at most ``1 / GROUP_RATIO``, so padding costs little memory traffic
+(the step is memory-bound on CPU). Prefill chunks run one SDPA each, causal over the prefix.
 """
 
 from __future__ import annotations
@@ -10,20 +12,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, DecodeGroup
+
+GROUP_RATIO = 0.75
 
 
 class TorchAttentionBackend:
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        d = meta.num_decodes
-        if d == 0:
-            return
-        ctx = int(max(meta.seq_lens_list[:d]))
-        nb = -(-ctx // meta.block_size)
-        pos = torch.arange(nb * meta.block_size)
-        meta.decode_key_mask = (pos[None, :] < meta.seq_lens[:d, None]).view(d, 1, 1, -1)
+        lens = meta.seq_lens_list[: meta.num_decodes]
+        groups: list[DecodeGroup] = []
+        start = 0
+        bs = meta.block_size
+        for i in range(1, len(lens) + 1):
+            if i == len(lens) or lens[i] < GROUP_RATIO * lens[start]:
+                nb = -(-max(lens[start:i]) // bs)
+                pos = torch.arange(nb * bs, device=meta.seq_lens.device)
+                mask = (pos[None, :] < meta.seq_lens[start:i, None]).view(i - start, 1, 1, -1)
+                groups.append(DecodeGroup(start, i, nb, mask))
+                start = i
+        meta.decode_groups = groups
 
     def forward(
         self,
@@ -41,26 +50,26 @@ class TorchAttentionBackend:
         k_cache[meta.slot_blocks, meta.slot_offsets] = k
         v_cache[meta.slot_blocks, meta.slot_offsets] = v
         out = torch.empty_like(q)
-        d = meta.num_decodes
-        if d:
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, sliding_window)
-        for i in range(d, len(meta.seq_lens_list)):
+        for g in meta.decode_groups or ():
+            out[g.start : g.end] = self._decode(
+                q[g.start : g.end], k_cache, v_cache, meta, g, scale, sliding_window
+            )
+        for i in range(meta.num_decodes, len(meta.seq_lens_list)):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = self._prefill(q[start:end], k_cache, v_cache, meta, i, scale, sliding_window)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, sliding_window):
+    def _decode(self, q, k_cache, v_cache, meta, group: DecodeGroup, scale, sliding_window):
         d, num_heads, head_dim = q.shape
         num_kv = k_cache.shape[-2]
-        mask = meta.decode_key_mask
-        nb = mask.shape[-1] // meta.block_size
-        tables = meta.block_tables[:d, :nb]
+        mask = group.key_mask
+        tables = meta.block_tables[group.start : group.end, : group.num_blocks]
         # [D, nb, bs, kvh, hd] -> [D, kvh, ctx, hd]
         keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
         values = v_cache[tables].flatten(1, 2).transpose(1, 2)
         if sliding_window is not None:
             pos = torch.arange(mask.shape[-1])
-            first = (meta.seq_lens[:d] - sliding_window).view(d, 1, 1, 1)
+            first = (meta.seq_lens[group.start : group.end] - sliding_window).view(d, 1, 1, 1)
             mask = mask & (pos.view(1, 1, 1, -1) >= first)
         qg = q.view(d, num_kv, num_heads // num_kv, head_dim)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
