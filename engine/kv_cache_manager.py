@@ -141,11 +141,10 @@ class KVCacheManager:
         """
         table = self.tables[req.request_id]
         pos = req.num_computed_tokens
-        bs = self.block_size
-        idx = pos // bs
+        idx, offset = divmod(pos, self.block_size)
         if idx >= len(table) or self.pool.ref_cnt[table[idx]] != 1:
             return False
-        if (pos + 1) % bs == 0 and self.enable_caching:
+        if offset == self.block_size - 1 and self.enable_caching:
             self._cache_full_blocks(req, table, pos + 1)
         return True
 

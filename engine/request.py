@@ -113,14 +113,18 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions after a token was appended (stop strings live elsewhere)."""
-        last = self.token_ids[-1]
-        if not self.params.ignore_eos and last in self.eos_token_ids:
+        # NOTE: runs for every sequence every step; plain attribute reads on purpose.
+        tokens = self.token_ids
+        last = tokens[-1]
+        params = self.params
+        if last in self.eos_token_ids and not params.ignore_eos:
             self.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
-        if last in self.params.stop_token_ids:
+        if params.stop_token_ids and last in params.stop_token_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        n = len(tokens)
+        if n - self.prompt_len >= params.max_tokens or n >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -101,7 +101,7 @@ class Scheduler:
         out = SchedulerOutput(finished_seq_ids=self._finished_ids)
         self._finished_ids = set()
         budget = [self.max_num_batched_tokens]
-        scheduled: set[str] = set()
+        scheduled = out.num_scheduled_tokens  # seq_id -> tokens; membership = scheduled this step
         if self.policy == "priority":
             self._preempt_for_priority(out)
         decodes: list[Request] = []
@@ -121,13 +121,11 @@ class Scheduler:
             self._schedule_running(prefills, out, budget, scheduled)
             self._schedule_swapped(out, budget, scheduled)
             self._schedule_waiting(out, budget, scheduled)
-        for seq_id, n in out.num_scheduled_tokens.items():
-            self.requests[seq_id].num_computed_tokens += n
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget[0]
         return out
 
     def _schedule_running(
-        self, candidates: list[Request], out: SchedulerOutput, budget: list[int], scheduled: set[str]
+        self, candidates: list[Request], out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]
     ) -> None:
         running_out = out.running_seqs
         num_scheduled = out.num_scheduled_tokens
@@ -145,20 +143,21 @@ class Scheduler:
                 and self.kv.try_append_slot(req)
             ):
                 # Fast path: a decode whose token fits in its own last block.
-                running_out.append(RunningSequenceData(seq_id, _NO_BLOCKS, None, req.num_computed_tokens))
+                pos = req.num_computed_tokens
+                running_out.append(RunningSequenceData(seq_id, _NO_BLOCKS, None, pos))
+                req.num_computed_tokens = pos + 1
                 num_scheduled[seq_id] = 1
-                scheduled.add(seq_id)
                 budget[0] -= 1
                 continue
             while not self.kv.can_allocate(req, num_new, None, 0):
-                victim = self._pick_victim(scheduled | {req.request_id})
+                victim = self._pick_victim(scheduled.keys() | {req.request_id})
                 self._preempt(victim or req, out)
                 if victim is None:
                     break
             else:
                 self._emit(req, num_new, out, scheduled, budget)
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: list[int], scheduled: set[str]) -> None:
+    def _schedule_swapped(self, out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]) -> None:
         while self.swapped and budget[0] > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
             # With others running, keep the margin plus a block for the token this one will write;
@@ -174,7 +173,7 @@ class Scheduler:
             if self.kv.can_allocate(req, num_new, None, 0):
                 self._emit(req, num_new, out, scheduled, budget)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], scheduled: set[str]) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]) -> None:
         # Parallel samples fork after their prompt: reserve their sequence slots at admission.
         reserved = len(self.running) + sum(r.pending_forks for r in self.running)
         while self.waiting and budget[0] > 0:
@@ -205,7 +204,7 @@ class Scheduler:
         req: Request,
         num_new: int,
         out: SchedulerOutput,
-        scheduled: set[str],
+        scheduled: dict[str, int],
         budget: list[int],
         allocated: bool = False,
     ) -> None:
@@ -241,7 +240,7 @@ class Scheduler:
                 RunningSequenceData(seq_id, table[old_len:], None, req.num_computed_tokens, num_samples)
             )
         out.num_scheduled_tokens[seq_id] = num_new
-        scheduled.add(seq_id)
+        req.num_computed_tokens += num_new
         budget[0] -= num_new
 
     # Preemption -------------------------------------------------------------------------------
@@ -301,11 +300,14 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SequenceOutput]:
         outputs: list[SequenceOutput] = []
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        all_logprobs = result.logprobs
         for seq_id, tokens in result.sampled.items():
-            req = self.requests.get(seq_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = requests.get(seq_id)
+            if req is None or req.status != running:
                 continue
-            logprobs = result.logprobs.get(seq_id)
+            logprobs = all_logprobs.get(seq_id) if all_logprobs else None
             if req.pending_forks:
                 for i, tok in enumerate(tokens[1:], start=1):
                     outputs.append(self._fork(req, i, tok, logprobs[i] if logprobs else None))
@@ -314,15 +316,19 @@ class Scheduler:
         return outputs
 
     def _append(self, req: Request, token: int, logprobs: dict[int, float] | None) -> SequenceOutput:
-        req.append_token(token, logprobs)
+        req.token_ids.append(token)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
         status = req.check_stop(self.max_model_len)
         out = SequenceOutput(
             req.group_id,
             req.sample_index,
             [token],
-            [logprobs] if logprobs is not None else None,
-            num_prompt_tokens=req.prompt_len,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
+            None if logprobs is None else [logprobs],
+            None,
+            None,
+            req.prompt_len,
+            req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
         )
         if status is not None:
             self.finish(req.request_id, status)
