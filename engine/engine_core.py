@@ -43,6 +43,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_swap_outs: int
     prompt_tokens: int
     generation_tokens: int
 
@@ -221,6 +222,7 @@ class EngineCore:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=s.num_preemptions,
+            num_swap_outs=s.num_swap_outs,
             prompt_tokens=s.num_prompt_tokens,
             generation_tokens=self._generation_tokens,
         )

@@ -58,6 +58,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
+        self.num_swap_outs = 0
         self.num_prompt_tokens = 0
 
     # Queue management -------------------------------------------------------------------------
@@ -261,6 +262,7 @@ class Scheduler:
         out.finished_seq_ids.add(req.request_id)  # the runner drops its state either way
         if self.kv.num_cpu_blocks and self.kv.can_swap_out(req):
             out.blocks_to_swap_out.extend(self.kv.swap_out(req))
+            self.num_swap_outs += 1
             req.status = RequestStatus.SWAPPED
             self.swapped.append(req)
             logger.debug("swapped out %s", req.request_id)

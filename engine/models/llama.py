@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.models.rotary import RotaryEmbedding
+from engine.models.rotary import RotaryEmbedding, apply_rotary
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; same math as the reference below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -53,9 +55,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(
-        self, spec: ModelSpec, layer: int, backend: AttentionBackend, rotary: RotaryEmbedding
-    ) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -68,9 +68,8 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.sliding_window = spec.sliding_windows[layer]
         self.backend = backend
-        self.rotary = rotary
 
-    def forward(self, x, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -78,7 +77,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         out = self.backend.forward(self.layer, q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -96,17 +95,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self, spec: ModelSpec, layer: int, backend: AttentionBackend, rotary: RotaryEmbedding
-    ) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer, backend, rotary)
+        self.self_attn = Attention(spec, layer, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -114,8 +111,8 @@ class Backbone(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, backend, rotary) for i in range(spec.num_layers))
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, backend) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -130,8 +127,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary.lookup(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, cos_sin, kv_cache, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

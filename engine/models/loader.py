@@ -143,9 +143,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str, backend: AttentionBa
 def _rebuild_rotary(model: LlamaForCausalLM, spec: ModelSpec, device: str) -> None:
     from engine.models.rotary import RotaryEmbedding
 
-    rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope).to(device)
-    for layer in model.model.layers:
-        layer.self_attn.rotary = rotary
+    model.model.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope).to(device)
 
 
 def _load_one(params: dict, name: str, tensor: torch.Tensor, spec: ModelSpec, loaded: set[str]) -> None:
