@@ -28,24 +28,15 @@ import torch
 
 from bench.workloads import BenchRequest, skewed_workload
 
-BENCH_MODEL = dict(
-    vocab_size=8192,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=1024,
-)
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "bench-llama-35m"
 
 
 def ensure_model(path: Path) -> Path:
-    from engine.tiny_model import create_tiny_model
+    from engine.tiny_model import LLAMA_32M, create_tiny_model
 
     if not (path / "config.json").exists():
         print(f"creating the benchmark model in {path}", file=sys.stderr)
-        create_tiny_model(path, "llama", **BENCH_MODEL)
+        create_tiny_model(path, "llama", **LLAMA_32M)
     return path
 
 

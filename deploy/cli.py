@@ -23,21 +23,11 @@ TINY_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "tiny-llama"
 
 
 def _ensure_tiny_model() -> Path:
-    from engine.tiny_model import create_tiny_model
+    from engine.tiny_model import LLAMA_32M, create_tiny_model
 
     if not (TINY_MODEL_DIR / "config.json").exists():
         print(f"no --model given: creating a tiny random Llama in {TINY_MODEL_DIR}", file=sys.stderr)
-        create_tiny_model(
-            TINY_MODEL_DIR,
-            "llama",
-            vocab_size=8192,
-            hidden_size=512,
-            intermediate_size=1376,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            max_position_embeddings=1024,
-        )
+        create_tiny_model(TINY_MODEL_DIR, "llama", **LLAMA_32M)
     return TINY_MODEL_DIR
 
 

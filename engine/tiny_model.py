@@ -143,6 +143,18 @@ _WORDS = [
 ]
 
 
+# The ~32M-parameter Llama shape of the demo and the offline benchmark (float32: 126 MB of weights).
+LLAMA_32M = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
+
+
 def _vocabulary(vocab_size: int) -> list[str]:
     words = _SPECIAL + _WORDS
     syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
