@@ -1,6 +1,6 @@
 """Offline throughput: pdserve's engine vs HF transformers, same process, model and workload.
 
-Runs, one after another on the same random-weight Llama (~35M parameters: hidden 512, 8 layers,
+Runs, one after another on the same random-weight Llama (~32M parameters: hidden 512, 8 layers,
 8 heads, 4 KV heads, vocab 8192, float32) and the same skewed workload (48 requests, prompts 32-256
 tokens, outputs 70% 8-64 / 20% 64-192 / 10% 192-384 tokens, EOS ignored):
 
