@@ -33,6 +33,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """Where a pulled prompt's KV goes: ``local_block_ids[i]`` receives the peer's block
+    ``first_block_index + i`` of the request; earlier blocks were local prefix-cache hits."""
+
+    local_block_ids: list[int]
+    first_block_index: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -46,6 +56,8 @@ class EngineStats:
     num_swap_outs: int
     prompt_tokens: int
     generation_tokens: int
+    num_held: int = 0
+    num_transferring: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -139,11 +151,65 @@ class EngineCore:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        prefill_only: bool = False,
     ) -> None:
-        if request_id in self.scheduler.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        """Queue a request. ``prefill_only`` (prefill role): stop after the first token and hold the
+        prompt's blocks until ``release_held``; the output carries their ids and the seed used."""
+        self._check_new_id(request_id)
         self.validate(prompt_token_ids, params)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        if prefill_only and params.n != 1:
+            raise ValueError("disaggregated prefill serves n = 1 only; run n > 1 requests aggregated")
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            seed=self._seed_for(params),
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            arrival_time=arrival_time,
+            prefill_only=prefill_only,
+        )
+        self.scheduler.add(req)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.scheduler.groups or request_id in self.kv.held:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def _seed_for(self, params: SamplingParams) -> int:
+        return params.seed if params.seed is not None else self._rng.getrandbits(63)
+
+    # Disaggregation ---------------------------------------------------------------------------
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: free a held request's blocks (after the peer's read, or at lease expiry)."""
+        return self.kv.release_held(request_id)
+
+    def add_transferred_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+        first_logprobs: dict[int, float] | None = None,
+        priority: int = 0,
+    ) -> TransferPlan | None:
+        """Decode role: a request whose prompt KV a peer computed and whose first token it sampled.
+
+        Allocates blocks for the prompt (reusing local prefix hits) and parks the request until
+        ``complete_transfer`` (it then decodes from token 2 on) or ``fail_transfer`` (it recomputes
+        locally). Returns None when the first token already ends the request. Raises ValueError for
+        a request this engine can never serve, RuntimeError when the pool has no room right now.
+        """
+        self._check_new_id(request_id)
+        self.validate(prompt_token_ids, params)
+        if params.n != 1:
+            raise ValueError("disaggregated decode serves n = 1 only; run n > 1 requests aggregated")
+        if not 0 <= first_token < self.spec.vocab_size:
+            raise ValueError(
+                f"first token {first_token} is outside the vocabulary [0, {self.spec.vocab_size})"
+            )
         req = Request(
             request_id,
             list(prompt_token_ids),
@@ -151,9 +217,20 @@ class EngineCore:
             seed=seed,
             eos_token_ids=self.eos_token_ids,
             priority=priority,
-            arrival_time=arrival_time,
         )
-        self.scheduler.add(req)
+        req.append_token(first_token, first_logprobs)
+        if req.check_stop(self.max_model_len) is not None:
+            return None
+        fresh, first_index = self.scheduler.add_transferring(req, len(prompt_token_ids))
+        return TransferPlan(fresh, first_index, max(req.num_cached_tokens, 0))
+
+    def complete_transfer(self, request_id: str) -> None:
+        req = self.scheduler.transferring[request_id]
+        self.scheduler.complete_transfer(request_id, req.prompt_len)
+
+    def fail_transfer(self, request_id: str) -> None:
+        """The pull failed or timed out (and has settled): recompute the prompt locally."""
+        self.scheduler.fail_transfer(request_id)
 
     def abort_request(self, request_id: str) -> list[SequenceOutput]:
         return self._finish_group(request_id, RequestStatus.FINISHED_ABORTED)
@@ -223,6 +300,8 @@ class EngineCore:
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=s.num_preemptions,
             num_swap_outs=s.num_swap_outs,
+            num_held=len(self.kv.held),
+            num_transferring=len(s.transferring),
             prompt_tokens=s.num_prompt_tokens,
             generation_tokens=self._generation_tokens,
         )

@@ -41,6 +41,7 @@ class KVCacheManager:
         self._cpu_released: list[int] = []
         self.num_cpu_blocks = num_cpu_blocks
         self.tables: dict[str, list[int]] = {}
+        self.held: dict[str, list[int]] = {}
         self.cpu_tables: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0
@@ -125,6 +126,38 @@ class KVCacheManager:
         cpu = self.cpu_tables.pop(req.request_id, None)
         if cpu:
             self.cpu_free.extend(cpu)
+
+    # Disaggregation ------------------------------------------------------------------------------
+
+    def hold(self, req: Request) -> list[int]:
+        """Keep a finished sequence's blocks (prompt KV) alive for a peer to read; see ``release_held``."""
+        table = self.tables.pop(req.request_id)
+        self._num_cached_blocks.pop(req.request_id, None)
+        self.held[req.request_id] = table
+        return table
+
+    def release_held(self, request_id: str) -> bool:
+        table = self.held.pop(request_id, None)
+        if table is None:
+            return False
+        self.pool.free(table[::-1])
+        return True
+
+    def allocate_for_transfer(self, req: Request, hit: PrefixHit, num_tokens: int) -> list[int]:
+        """Blocks for ``num_tokens`` of pulled KV: prefix hits reused, the rest fresh. Returns the fresh
+        ones (to be filled by the transfer). Nothing is registered in the prefix cache until the pull
+        completes (``commit_transfer``)."""
+        table = self.tables.setdefault(req.request_id, [])
+        self.pool.touch(hit.block_ids)
+        table.extend(hit.block_ids)
+        self._num_cached_blocks[req.request_id] = len(hit.block_ids)
+        fresh = self.pool.allocate(self.blocks_needed(num_tokens) - len(table))
+        table.extend(fresh)
+        return fresh
+
+    def commit_transfer(self, req: Request) -> None:
+        if self.enable_caching:
+            self._cache_full_blocks(req, self.tables[req.request_id], req.num_computed_tokens)
 
     def block_ids(self, req: Request) -> list[int]:
         return self.tables.get(req.request_id, [])

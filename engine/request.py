@@ -3,7 +3,10 @@
 States: WAITING (queued; also after preemption by recompute) -> RUNNING (has KV blocks; computed
 tokens catch up with total tokens: several steps for a chunked prompt, then one per decoded token)
 -> SWAPPED (preempted with its blocks copied to the CPU pool; back to RUNNING when swapped in)
--> FINISHED_* (blocks freed). A request with ``n`` > 1 runs as one sequence until its prompt is
+-> FINISHED_* (blocks freed). Disaggregation adds two detours: a prefill-only request finishes after
+its first token with its blocks *held* for a peer to read (freed on release); a request whose prompt
+KV is pulled from a peer starts in TRANSFERRING (blocks allocated, not scheduled) and joins RUNNING
+when the pull completes, or WAITING (recompute) when it fails. A request with ``n`` > 1 runs as one sequence until its prompt is
 computed; then ``n`` - 1 child sequences fork from it and share its blocks copy-on-write.
 """
 
@@ -20,10 +23,11 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     SWAPPED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    TRANSFERRING = 3
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
 
     @property
     def finished(self) -> bool:
@@ -57,6 +61,7 @@ class Request:
         arrival_time: float | None = None,
         group_id: str | None = None,
         sample_index: int = 0,
+        prefill_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id
@@ -78,6 +83,8 @@ class Request:
         self.pending_forks = params.n - 1 if sample_index == 0 else 0
         self.block_hashes: list[BlockHash] = []
         self.error: str | None = None
+        # Prefill role: stop after the first token and hold the blocks for a peer to read.
+        self.prefill_only = prefill_only
 
     @property
     def num_tokens(self) -> int:

@@ -55,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        self.transferring: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
@@ -81,9 +82,52 @@ class Scheduler:
             self.swapped.remove(req)
         elif req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.TRANSFERRING:
+            # NOTE: the caller must have settled the pull first: a live transfer may still write.
+            del self.transferring[seq_id]
         req.status = status
         self._release(req)
         return req
+
+    # Disaggregation ---------------------------------------------------------------------------
+
+    def add_transferring(self, req: Request, num_prompt_tokens: int) -> tuple[list[int], int]:
+        """Allocate blocks for a prompt whose KV will be pulled from a peer.
+
+        Returns (fresh local block ids to fill, index of the first of them in the sequence's block
+        table); blocks before it are local prefix-cache hits. Raises RuntimeError when the pool
+        cannot hold the prompt now (the caller may fall back to recompute or retry).
+        """
+        hit = self.kv.find_prefix_hit(req)
+        needed = self.kv.blocks_needed(num_prompt_tokens) - len(hit.block_ids)
+        reclaimed = sum(1 for b in hit.block_ids if self.kv.pool.is_free(b))
+        if needed > self.kv.num_free_blocks - reclaimed:
+            raise RuntimeError(f"no room for {needed} KV blocks ({self.kv.num_free_blocks} free)")
+        fresh = self.kv.allocate_for_transfer(req, hit, num_prompt_tokens)
+        req.num_cached_tokens = hit.num_tokens
+        self.num_prompt_tokens += req.prompt_len
+        self.kv.record_prefix_query(req, hit.num_tokens)
+        req.status = RequestStatus.TRANSFERRING
+        self.requests[req.request_id] = req
+        self.groups.setdefault(req.group_id, []).append(req.request_id)
+        self.transferring[req.request_id] = req
+        return fresh, len(hit.block_ids)
+
+    def complete_transfer(self, seq_id: str, num_prompt_tokens: int) -> None:
+        """The pulled KV is in place: the sequence joins the batch, its next input the first token."""
+        req = self.transferring.pop(seq_id)
+        req.num_computed_tokens = num_prompt_tokens
+        self.kv.commit_transfer(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def fail_transfer(self, seq_id: str) -> None:
+        """The pull failed: drop its blocks and recompute the prompt (and first token) locally."""
+        req = self.transferring.pop(seq_id)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     def sequences_of(self, group_id: str) -> list[str]:
         return list(self.groups.get(group_id, ()))
@@ -332,11 +376,21 @@ class Scheduler:
             req.prompt_len,
             req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
         )
-        if status is not None:
+        if req.prefill_only and status is None:
+            out.held_block_ids = self._hold(req)
+            out.seed = req.seed
+        elif status is not None:
             self.finish(req.request_id, status)
             out.finish_reason = status.finish_reason
             out.stop_reason = req.stop_reason
         return out
+
+    def _hold(self, req: Request) -> list[int]:
+        """Prefill role: the first token is out; keep the prompt's blocks for a peer to read."""
+        self.running.remove(req)
+        del self.requests[req.request_id]
+        req.status = RequestStatus.FINISHED_LENGTH
+        return self._release(req, hold=True)
 
     def _fork(
         self, parent: Request, index: int, token: int, logprobs: dict[int, float] | None
@@ -362,8 +416,10 @@ class Scheduler:
         self.running.append(child)
         return self._append(child, token, logprobs)
 
-    def _release(self, req: Request) -> None:
-        self.kv.free(req)
+    def _release(self, req: Request, hold: bool = False) -> list[int]:
+        held = self.kv.hold(req) if hold else []
+        if not hold:
+            self.kv.free(req)
         self._finished_ids.add(req.request_id)
         self._sent_to_runner.discard(req.request_id)
         ids = self.groups.get(req.group_id)
@@ -371,6 +427,7 @@ class Scheduler:
             ids.remove(req.request_id)
             if not ids:
                 del self.groups[req.group_id]
+        return held
 
 
 _NO_BLOCKS: list[int] = []

@@ -73,6 +73,9 @@ class SequenceOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # Prefill role: the blocks now held for a peer (their KV covers the prompt) and the seed used.
+    held_block_ids: list[int] | None = None
+    seed: int | None = None
 
     @property
     def finished(self) -> bool:
