@@ -235,6 +235,10 @@ class EngineCore:
     def abort_request(self, request_id: str) -> list[SequenceOutput]:
         return self._finish_group(request_id, RequestStatus.FINISHED_ABORTED)
 
+    def fail_request(self, request_id: str, error: str) -> list[SequenceOutput]:
+        """End a request with an error (finish_reason "error"); frees its blocks."""
+        return self._finish_group(request_id, RequestStatus.FINISHED_ERROR, error)
+
     def stop_sequence(self, request_id: str, sample_index: int, stop_reason: str) -> SequenceOutput | None:
         """End one sample because its text reached a stop string."""
         seq_id = request_id if sample_index == 0 else f"{request_id}#{sample_index}"

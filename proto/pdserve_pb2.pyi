@@ -49,7 +49,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "worker_id", "epoch", "agent_name", "block_ids", "num_tokens", "compat_hash", "lease_expiry_unix", "first_token", "first_logprobs", "seed", "num_cached_tokens")
+    __slots__ = ("request_id", "worker_id", "epoch", "agent_name", "block_ids", "num_tokens", "compat_hash", "lease_expiry_unix", "first_token", "first_logprobs", "seed", "num_cached_tokens", "address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class KVHandle(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     epoch: int
@@ -74,7 +75,8 @@ class KVHandle(_message.Message):
     first_logprobs: TokenLogprobs
     seed: int
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., lease_expiry_unix: _Optional[float] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., seed: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    address: str
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., lease_expiry_unix: _Optional[float] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., seed: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "priority")
@@ -89,10 +91,12 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "finished")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     handle: KVHandle
-    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+    finished: Finished
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "epoch")

@@ -1,0 +1,227 @@
+"""The decode role: continue requests from KV pulled off a prefill worker, stream their tokens.
+
+A disaggregated request's life here: Decode arrives with a KV handle -> the peer's NIXL metadata is
+fetched once per prefill incarnation (worker id + epoch) and checked for compatibility -> blocks
+are allocated, reusing local prefix-cache hits -> the missing blocks are READ over NIXL while the
+running batch keeps stepping (the loop's tick polls the transfer) -> on success the prefill worker is
+notified (NIXL sends it with the read) and the request joins the batch from token 2 -> tokens
+stream until it finishes. A failed or timed-out read either recomputes the prompt locally
+(``kv_failure_policy="recompute"``) or ends the stream with an error (``"fail"``); a request never
+decodes from blocks it did not fully receive, and its blocks are freed only once the read settled.
+Without a handle the request runs here whole (aggregated mode). A cancelled stream aborts its
+request. Every engine and NIXL call runs on the engine-loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, EngineStats
+from engine.engine_loop import EngineLoop
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SequenceOutput
+from kv_transfer import KVCompat, NixlBackend, RemoteKVInfo, TransferState
+
+logger = logging.getLogger(__name__)
+
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(slots=True)
+class DecodeWorkerConfig:
+    engine: EngineConfig
+    worker_id: str = "decode-0"
+    kv_failure_policy: str = "recompute"
+    transfer_timeout_s: float = 10.0
+    model_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PulledKV:
+    """What the decode side needs of a prefill worker's KV handle."""
+
+    agent_name: str
+    address: str
+    block_ids: list[int]
+    num_tokens: int
+    compat_hash: str
+    first_token: int
+    first_logprobs: dict[int, float] | None
+    seed: int
+
+
+@dataclass(slots=True)
+class _Transfer:
+    handle: object | None
+    agent: str
+    policy: str
+    aborted: bool = False
+
+
+class KVTransferError(RuntimeError):
+    pass
+
+
+class DecodeWorker:
+    role = "decode"
+
+    def __init__(
+        self,
+        config: DecodeWorkerConfig,
+        fetch_peer: Callable[[str], Awaitable[RemoteKVInfo]] | None = None,
+    ) -> None:
+        if config.kv_failure_policy not in FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_failure_policy must be one of {FAILURE_POLICIES}, got {config.kv_failure_policy!r}"
+            )
+        self.config = config
+        self.worker_id = config.worker_id
+        self.epoch = time.time_ns()
+        self.core = EngineCore(config.engine)
+        self.compat = KVCompat.from_layout(config.model_name or str(config.engine.model), self.core.layout)
+        self.transfer = NixlBackend(f"{self.worker_id}-{self.epoch}", self.core.runner.kv_cache, self.compat)
+        self.fetch_peer = fetch_peer  # address -> the prefill worker's RemoteKVInfo (its GetState)
+        self.loop = EngineLoop(self.core)
+        self.loop.add_tick(self._tick)
+        self.transfers: dict[str, _Transfer] = {}  # engine thread only
+        self._peers: set[str] = set()
+        self.counters = {"pulled": 0, "recomputed": 0, "failed": 0, "bytes": 0, "transfer_seconds": 0.0}
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.transfer.close()
+
+    def transfer_info(self) -> RemoteKVInfo:
+        return self.transfer.local_info()
+
+    async def stats(self) -> EngineStats:
+        return await self.loop.run(self.core.stats)
+
+    # Requests ---------------------------------------------------------------------------------
+
+    async def decode(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        kv: PulledKV | None = None,
+        policy: str | None = None,
+    ) -> AsyncIterator[SequenceOutput]:
+        """Stream the request's outputs (from token 2 on when ``kv`` is given).
+
+        Raises ValueError for a request the engine can never serve or an incompatible peer, and
+        KVTransferError when the pull fails under the ``fail`` policy.
+        """
+        policy = policy or self.config.kv_failure_policy
+        stream = self.loop.open_stream(request_id)
+        try:
+            if kv is None:
+                await self.loop.run(
+                    lambda: self.core.add_request(request_id, prompt, params, priority=priority)
+                )
+            else:
+                if kv.compat_hash != self.compat.hash():
+                    raise ValueError(
+                        f"KV handle of {request_id} comes from an incompatible engine "
+                        f"({kv.compat_hash} != {self.compat.hash()}): check model, dtype and block size"
+                    )
+                await self._ensure_peer(kv)
+                started = await self.loop.run(
+                    lambda: self._start_pull(request_id, prompt, params, priority, kv, policy)
+                )
+                if not started:  # the first token already ended the request
+                    return
+            while True:
+                out: SequenceOutput = await stream.get()
+                if out.error and out.finish_reason == "error":
+                    raise (
+                        KVTransferError(out.error)
+                        if out.error.startswith("kv transfer")
+                        else RuntimeError(out.error)
+                    )
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            self.loop.close_stream(request_id)
+            self.loop.call(lambda: self._abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.loop.run(lambda: self._abort(request_id))
+
+    async def _ensure_peer(self, kv: PulledKV) -> None:
+        if kv.agent_name in self._peers:
+            return
+        if self.fetch_peer is None:
+            raise KVTransferError(f"no way to reach prefill worker {kv.address} for its NIXL metadata")
+        info = await self.fetch_peer(kv.address)
+        if info.agent_name != kv.agent_name:
+            raise KVTransferError(
+                f"prefill worker at {kv.address} is now {info.agent_name}, not {kv.agent_name} (it restarted)"
+            )
+        await self.loop.run(lambda: self.transfer.add_peer(info))
+        self._peers.add(kv.agent_name)
+
+    # Engine thread ----------------------------------------------------------------------------
+
+    def _start_pull(self, rid, prompt, params, priority, kv: PulledKV, policy: str) -> bool:
+        plan = self.core.add_transferred_request(
+            rid,
+            prompt,
+            kv.first_token,
+            params,
+            seed=kv.seed,
+            first_logprobs=kv.first_logprobs,
+            priority=priority,
+        )
+        notify = rid.encode()
+        if plan is None:
+            self.transfer.send_notification(kv.agent_name, notify)
+            return False
+        remote = kv.block_ids[plan.first_block_index : plan.first_block_index + len(plan.local_block_ids)]
+        if not plan.local_block_ids:  # everything was a local prefix hit
+            self.transfer.send_notification(kv.agent_name, notify)
+            self.core.complete_transfer(rid)
+            return True
+        handle = self.transfer.start_read(
+            kv.agent_name, remote, plan.local_block_ids, notify, self.config.transfer_timeout_s
+        )
+        self.transfers[rid] = _Transfer(handle, kv.agent_name, policy)
+        self.counters["bytes"] += len(remote) * self.core.layout.block_bytes
+        return True
+
+    def _tick(self) -> None:
+        for rid, t in list(self.transfers.items()):
+            state = self.transfer.poll(t.handle)
+            if state == TransferState.IN_PROGRESS:
+                continue
+            del self.transfers[rid]
+            self.transfer.release(t.handle)
+            if t.aborted:
+                self.loop.publish(self.core.abort_request(rid))
+            elif state == TransferState.DONE:
+                self.counters["pulled"] += 1
+                self.core.complete_transfer(rid)
+            elif t.policy == "recompute":
+                logger.warning("KV pull of %s failed: recomputing its prompt locally", rid)
+                self.counters["recomputed"] += 1
+                self.core.fail_transfer(rid)
+            else:
+                self.counters["failed"] += 1
+                self.loop.publish(self.core.fail_request(rid, f"kv transfer of {rid} failed or timed out"))
+
+    def _abort(self, rid: str) -> bool:
+        t = self.transfers.get(rid)
+        if t is not None:
+            t.aborted = True  # freed by _tick once the read has settled
+            return True
+        return bool(self.core.abort_request(rid))

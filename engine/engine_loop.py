@@ -1,0 +1,128 @@
+"""The engine's serving loop: ``EngineCore.step()`` in a dedicated thread, asyncio on the outside.
+
+Lifecycle: ``start()`` spawns the thread; it runs queued commands (add, abort, release, ...), then one
+engine step if anything is unfinished, then the registered tick callbacks (lease expiry, transfer
+polling); when there is nothing to do it sleeps on the command queue until a command arrives or
+``idle_tick_s`` passes. ``stop()`` ends it. Per-request outputs go to asyncio queues on the caller's
+event loop through ``call_soon_threadsafe``, so a slow stream never stalls a step and a step never
+blocks a handler. ``last_progress`` lets a health check tell a stuck loop from an idle one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from engine.engine_core import EngineCore
+from engine.scheduler_output import SequenceOutput
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, *, idle_tick_s: float = 0.005) -> None:
+        self.core = core
+        self.idle_tick_s = idle_tick_s
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ticks: list[Callable[[], None]] = []
+        self._output_hooks: list[Callable[[SequenceOutput], None]] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.last_progress = time.monotonic()
+        self.busy_since: float | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, concurrent.futures.Future()))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def add_tick(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread after every step and at least every ``idle_tick_s``."""
+        self._ticks.append(fn)
+
+    def add_output_hook(self, fn: Callable[[SequenceOutput], None]) -> None:
+        """Run ``fn`` on the engine thread for every output, before it is delivered."""
+        self._output_hooks.append(fn)
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the engine thread (the only thread that touches the engine)."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """Outputs of ``request_id`` arrive on the returned queue (of the calling event loop)."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def stuck_for(self) -> float:
+        """Seconds the loop has had work without finishing a step (0 when idle or progressing)."""
+        return 0.0 if self.busy_since is None else time.monotonic() - max(self.busy_since, self.last_progress)
+
+    def publish(self, outputs: list[SequenceOutput]) -> None:
+        """Deliver outputs produced outside ``step()`` (aborts, stop strings) to their streams."""
+        for out in outputs:
+            for hook in self._output_hooks:
+                hook(out)
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                loop, q = target
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _run(self) -> None:
+        core = self.core
+        while not self._stop.is_set():
+            has_work = core.has_unfinished()
+            try:
+                fn, fut = self._commands.get(timeout=0 if has_work else self.idle_tick_s)
+            except queue.Empty:
+                fn = None
+            while fn is not None:
+                self._execute(fn, fut)
+                try:
+                    fn, fut = self._commands.get_nowait()
+                except queue.Empty:
+                    fn = None
+            if core.has_unfinished():
+                self.busy_since = self.busy_since or time.monotonic()
+                self.publish(core.step())
+                self.last_progress = time.monotonic()
+            else:
+                self.busy_since = None
+            for tick in self._ticks:
+                try:
+                    tick()
+                except Exception:
+                    logger.exception("engine loop tick failed")
+
+    @staticmethod
+    def _execute(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # handed to the awaiting caller
+            fut.set_exception(exc)

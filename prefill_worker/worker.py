@@ -1,0 +1,162 @@
+"""The prefill role: compute prompts, sample the first token, hold the prompt's KV under a lease.
+
+A request's life here: Prefill arrives -> it joins the engine's batch (chunked prefill; prefix-cache
+hits skip compute) -> its last chunk runs and the first token is sampled -> its blocks are *held*
+and a KV handle goes back to the caller -> the blocks are freed by whichever comes first: the decode
+worker's completion notification (sent by NIXL with its read), an explicit ``release``, or the lease
+expiring. A caller that goes away before the handle is returned aborts the request (or frees its
+blocks if they were already held). Every engine and NIXL call runs on the engine-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, EngineStats
+from engine.engine_loop import EngineLoop
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SequenceOutput
+from kv_transfer import KVCompat, NixlBackend, RemoteKVInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PrefillWorkerConfig:
+    engine: EngineConfig
+    worker_id: str = "prefill-0"
+    lease_seconds: float = 30.0
+    model_name: str | None = None  # the name peers check compatibility against; default: engine.model
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """The first token and where its prompt's KV is held (``block_ids`` empty when finished)."""
+
+    request_id: str
+    first_token: int
+    first_logprobs: dict[int, float] | None
+    block_ids: list[int]
+    num_tokens: int
+    seed: int
+    num_cached_tokens: int
+    lease_expiry_unix: float
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class _Lease:
+    expiry: float  # time.monotonic()
+    expiry_unix: float
+
+
+class PrefillWorker:
+    role = "prefill"
+
+    def __init__(self, config: PrefillWorkerConfig) -> None:
+        if config.lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be positive, got {config.lease_seconds}")
+        self.config = config
+        self.worker_id = config.worker_id
+        self.epoch = time.time_ns()
+        self.core = EngineCore(config.engine)
+        self.compat = KVCompat.from_layout(config.model_name or str(config.engine.model), self.core.layout)
+        self.transfer = NixlBackend(f"{self.worker_id}-{self.epoch}", self.core.runner.kv_cache, self.compat)
+        self.loop = EngineLoop(self.core)
+        self.loop.add_output_hook(self._on_output)
+        self.loop.add_tick(self._tick)
+        self.leases: dict[str, _Lease] = {}  # engine thread only
+        self.released = {"notification": 0, "release": 0, "expiry": 0, "abandoned": 0}
+
+    # Lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.transfer.close()
+
+    def transfer_info(self) -> RemoteKVInfo:
+        return self.transfer.local_info()
+
+    async def stats(self) -> tuple[EngineStats, int]:
+        return await self.loop.run(lambda: (self.core.stats(), len(self.leases)))
+
+    # Requests ---------------------------------------------------------------------------------
+
+    async def prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0
+    ) -> PrefillResult:
+        """Raises ValueError for a request the engine can never serve; RuntimeError on engine error."""
+        stream = self.loop.open_stream(request_id)
+        try:
+            await self.loop.run(
+                lambda: self.core.add_request(
+                    request_id, prompt, params, priority=priority, prefill_only=True
+                )
+            )
+            out: SequenceOutput = await stream.get()
+        except asyncio.CancelledError:
+            self.loop.close_stream(request_id)
+            self.loop.call(lambda: self._abandon(request_id))
+            raise
+        self.loop.close_stream(request_id)
+        if out.error:
+            raise RuntimeError(out.error)
+        if out.finish_reason is not None and not out.new_token_ids:
+            raise RuntimeError(f"request {request_id} ended before its first token: {out.finish_reason}")
+        lease = await self.loop.run(lambda: self.leases.get(request_id))
+        return PrefillResult(
+            request_id=request_id,
+            first_token=out.new_token_ids[0],
+            first_logprobs=out.new_logprobs[0] if out.new_logprobs else None,
+            block_ids=list(out.held_block_ids or []),
+            num_tokens=len(prompt),
+            seed=out.seed if out.seed is not None else 0,
+            num_cached_tokens=out.num_cached_tokens,
+            lease_expiry_unix=lease.expiry_unix if lease else 0.0,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+
+    async def release(self, request_id: str) -> bool:
+        return await self.loop.run(lambda: self._release(request_id, "release"))
+
+    # Engine thread ----------------------------------------------------------------------------
+
+    def _on_output(self, out: SequenceOutput) -> None:
+        if out.held_block_ids is None:
+            return
+        now = time.monotonic()
+        self.leases[out.request_id] = _Lease(
+            now + self.config.lease_seconds, time.time() + self.config.lease_seconds
+        )
+        if not self.loop.has_stream(out.request_id):  # the caller left before the handle was ready
+            self._release(out.request_id, "abandoned")
+
+    def _abandon(self, request_id: str) -> None:
+        self.core.abort_request(request_id)
+        self._release(request_id, "abandoned")
+
+    def _release(self, request_id: str, why: str) -> bool:
+        if self.leases.pop(request_id, None) is None:
+            return False  # already freed: a late notification or a repeated release is harmless
+        self.core.release_held(request_id)
+        self.released[why] += 1
+        logger.debug("released %s (%s)", request_id, why)
+        return True
+
+    def _tick(self) -> None:
+        for _peer, msg in self.transfer.get_notifications():
+            self._release(msg.decode("utf-8", "replace"), "notification")
+        if self.leases:
+            now = time.monotonic()
+            for rid in [r for r, lease in self.leases.items() if lease.expiry <= now]:
+                logger.warning("lease of %s expired: freeing its blocks", rid)
+                self._release(rid, "expiry")

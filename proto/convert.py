@@ -1,0 +1,61 @@
+"""Conversions between protobuf messages and the engine's plain values, shared by every service.
+
+NOTE: imports only ``engine.sampling_params`` (torch-free), so the router may use it too.
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2 as pb
+
+
+def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError (from SamplingParams' own validation) for out-of-range values."""
+    return SamplingParams(
+        n=p.n or 1,
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+    )
+
+
+def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        n=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        max_tokens=s.max_tokens,
+        stop=s.stop,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+    )
+    if s.seed is not None:
+        msg.seed = s.seed
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
+    return msg
+
+
+def logprobs_to_proto(entries: dict[int, float] | None) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(
+        entries=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in (entries or {}).items()]
+    )
+
+
+def logprobs_from_proto(msg: pb.TokenLogprobs) -> dict[int, float] | None:
+    return {e.token_id: e.logprob for e in msg.entries} or None
+
+
+def stop_reason_text(reason: str | int | None) -> str:
+    return "" if reason is None else str(reason)
