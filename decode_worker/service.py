@@ -1,0 +1,123 @@
+"""gRPC face of the decode worker (asyncio): Decode (server stream), Abort, GetState.
+
+Bad requests are refused with INVALID_ARGUMENT before the engine is touched; failures after the
+stream started arrive in-band as a ``StreamError`` message, then the stream ends. A cancelled call
+(client gone, deadline passed) aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from decode_worker.worker import DecodeWorker, KVTransferError, PulledKV
+from kv_transfer import RemoteKVInfo
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from proto.convert import logprobs_from_proto, logprobs_to_proto, params_from_proto, stop_reason_text
+from proto.worker_state import stats_to_proto, transfer_info_from_proto, transfer_info_to_proto
+
+logger = logging.getLogger(__name__)
+
+
+async def fetch_prefill_peer(address: str, timeout_s: float = 10.0) -> RemoteKVInfo:
+    """A prefill worker's NIXL metadata, from its GetState (protobuf over gRPC, never pickle)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        state = await pb_grpc.PrefillWorkerStub(channel).GetState(pb.GetStateRequest(), timeout=timeout_s)
+    return transfer_info_from_proto(state.transfer)
+
+
+def pulled_kv_from_handle(h: pb.KVHandle) -> PulledKV:
+    return PulledKV(
+        agent_name=h.agent_name,
+        address=h.address,
+        block_ids=list(h.block_ids),
+        num_tokens=h.num_tokens,
+        compat_hash=h.compat_hash,
+        first_token=h.first_token,
+        first_logprobs=logprobs_from_proto(h.first_logprobs),
+        seed=h.seed,
+    )
+
+
+class DecodeService(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker, address: str) -> None:
+        self.worker = worker
+        self.address = address
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        try:
+            if not rid:
+                raise ValueError("request_id is required")
+            params = params_from_proto(request.params)
+            kv = pulled_kv_from_handle(request.handle) if request.HasField("handle") else None
+            if kv is not None and kv.num_tokens != len(prompt):
+                raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        completion = 1 if kv is not None else 0
+        try:
+            async for out in self.worker.decode(rid, prompt, params, priority=request.priority, kv=kv):
+                if out.new_token_ids:
+                    completion += len(out.new_token_ids)
+                    yield pb.GenerateResponse(
+                        tokens=pb.TokenChunk(
+                            sample_index=out.sample_index,
+                            token_ids=out.new_token_ids,
+                            logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs or []],
+                        )
+                    )
+                if out.finish_reason is not None:
+                    yield pb.GenerateResponse(
+                        finished=pb.Finished(
+                            sample_index=out.sample_index,
+                            finish_reason=out.finish_reason,
+                            stop_reason=stop_reason_text(out.stop_reason),
+                            usage=pb.Usage(
+                                prompt_tokens=len(prompt),
+                                completion_tokens=completion,
+                                cached_tokens=out.num_cached_tokens,
+                            ),
+                        )
+                    )
+        except ValueError as exc:
+            yield pb.GenerateResponse(error=pb.StreamError(code="invalid_argument", message=str(exc)))
+        except KVTransferError as exc:
+            yield pb.GenerateResponse(error=pb.StreamError(code="kv_transfer_failed", message=str(exc)))
+        except RuntimeError as exc:
+            logger.warning("decode of %s failed: %s", rid, exc)
+            yield pb.GenerateResponse(error=pb.StreamError(code="internal", message=str(exc)))
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        return pb.AbortResponse(aborted=await self.worker.abort(request.request_id))
+
+    async def GetState(self, request, context) -> pb.WorkerState:
+        core = self.worker.core
+        return pb.WorkerState(
+            worker_id=self.worker.worker_id,
+            epoch=self.worker.epoch,
+            role=self.worker.role,
+            address=self.address,
+            transfer=transfer_info_to_proto(self.worker.transfer_info()),
+            stats=stats_to_proto(await self.worker.stats()),
+            model=self.worker.compat.model,
+            max_model_len=core.max_model_len,
+            vocab_size=core.spec.vocab_size,
+            cache_salt=core.config.cache_salt,
+        )
+
+
+async def serve(worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    address = f"{host}:{bound}"
+    pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker, address), server)
+    worker.start()
+    await server.start()
+    logger.info("decode worker %s (epoch %d) on %s", worker.worker_id, worker.epoch, address)
+    return server, address

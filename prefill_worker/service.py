@@ -1,0 +1,101 @@
+"""gRPC face of the prefill worker (asyncio): Prefill, Release, GetState."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from prefill_worker.worker import PrefillWorker
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from proto.convert import logprobs_to_proto, params_from_proto, stop_reason_text
+from proto.worker_state import stats_to_proto, transfer_info_to_proto
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillService(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker, address: str) -> None:
+        self.worker = worker
+        self.address = address
+
+    async def Prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefillResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        try:
+            params = params_from_proto(request.params)
+            result = await self.worker.prefill(
+                request.request_id, list(request.prompt_token_ids), params, request.priority
+            )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            logger.warning("prefill of %s failed: %s", request.request_id, exc)
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        handle = pb.KVHandle(
+            request_id=result.request_id,
+            worker_id=self.worker.worker_id,
+            epoch=self.worker.epoch,
+            agent_name=self.worker.transfer_info().agent_name,
+            block_ids=result.block_ids,
+            num_tokens=result.num_tokens,
+            compat_hash=self.worker.compat.hash(),
+            lease_expiry_unix=result.lease_expiry_unix,
+            first_token=result.first_token,
+            first_logprobs=logprobs_to_proto(result.first_logprobs),
+            seed=result.seed,
+            num_cached_tokens=result.num_cached_tokens,
+            address=self.address,
+        )
+        resp = pb.PrefillResponse(handle=handle)
+        if result.finish_reason is not None:
+            resp.finished.CopyFrom(
+                pb.Finished(
+                    finish_reason=result.finish_reason,
+                    stop_reason=stop_reason_text(result.stop_reason),
+                    usage=pb.Usage(
+                        prompt_tokens=result.num_tokens,
+                        completion_tokens=1,
+                        cached_tokens=result.num_cached_tokens,
+                    ),
+                )
+            )
+        return resp
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        if request.epoch and request.epoch != self.worker.epoch:
+            return pb.ReleaseResponse(released=False)  # a previous incarnation's blocks are long gone
+        return pb.ReleaseResponse(released=await self.worker.release(request.request_id))
+
+    async def GetState(self, request, context) -> pb.WorkerState:
+        stats, _ = await self.worker.stats()
+        core = self.worker.core
+        return pb.WorkerState(
+            worker_id=self.worker.worker_id,
+            epoch=self.worker.epoch,
+            role=self.worker.role,
+            address=self.address,
+            transfer=transfer_info_to_proto(self.worker.transfer_info()),
+            stats=stats_to_proto(stats),
+            model=self.worker.compat.model,
+            max_model_len=core.max_model_len,
+            vocab_size=core.spec.vocab_size,
+            cache_salt=core.config.cache_salt,
+        )
+
+
+async def serve(worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
+    """Start the worker's engine loop and its gRPC server; returns (server, "host:port")."""
+    server = grpc.aio.server()
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    address = f"{host}:{bound}"
+    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker, address), server)
+    worker.start()
+    await server.start()
+    logger.info("prefill worker %s (epoch %d) on %s", worker.worker_id, worker.epoch, address)
+    return server, address

@@ -1,0 +1,71 @@
+"""``WorkerState`` / ``KVTransferInfo`` messages <-> the transfer layer's peer description."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kv_transfer import KVCompat, RemoteKVInfo
+from proto import pdserve_pb2 as pb
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineStats
+
+
+def transfer_info_to_proto(info: RemoteKVInfo) -> pb.KVTransferInfo:
+    c = info.compat
+    return pb.KVTransferInfo(
+        agent_name=info.agent_name,
+        agent_metadata=info.agent_metadata,
+        base_addr=info.base_addr,
+        block_bytes=info.block_bytes,
+        num_blocks=info.num_blocks,
+        compat_hash=c.hash(),
+        layout=pb.KVLayoutInfo(
+            num_layers=c.num_layers,
+            block_size=c.block_size,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=c.dtype,
+            model=c.model,
+        ),
+    )
+
+
+def transfer_info_from_proto(msg: pb.KVTransferInfo) -> RemoteKVInfo:
+    lay = msg.layout
+    compat = KVCompat(
+        model=lay.model,
+        dtype=lay.dtype,
+        block_size=lay.block_size,
+        num_layers=lay.num_layers,
+        num_kv_heads=lay.num_kv_heads,
+        head_dim=lay.head_dim,
+    )
+    if compat.hash() != msg.compat_hash:
+        raise ValueError(f"peer {msg.agent_name} sent a layout that does not match its compatibility hash")
+    return RemoteKVInfo(
+        agent_name=msg.agent_name,
+        agent_metadata=msg.agent_metadata,
+        base_addr=msg.base_addr,
+        block_bytes=msg.block_bytes,
+        num_blocks=msg.num_blocks,
+        compat=compat,
+    )
+
+
+def stats_to_proto(s: EngineStats) -> pb.EngineStats:
+    return pb.EngineStats(
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        num_swapped=s.num_swapped,
+        num_blocks=s.num_blocks,
+        num_free_blocks=s.num_free_blocks,
+        kv_usage=s.kv_usage,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        num_preemptions=s.num_preemptions,
+        prompt_tokens=s.prompt_tokens,
+        generation_tokens=s.generation_tokens,
+        num_held_requests=s.num_held,
+        num_transferring=s.num_transferring,
+    )
