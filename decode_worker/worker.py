@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+import grpc
+
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineStats
 from engine.engine_loop import EngineLoop
@@ -134,9 +136,18 @@ class DecodeWorker:
                         f"KV handle of {request_id} comes from an incompatible engine "
                         f"({kv.compat_hash} != {self.compat.hash()}): check model, dtype and block size"
                     )
-                await self._ensure_peer(kv)
+                try:
+                    await self._ensure_peer(kv)
+                    reachable = True
+                except (KVTransferError, OSError, grpc.RpcError) as exc:
+                    if policy != "recompute":
+                        raise KVTransferError(f"kv transfer of {request_id} failed: {exc}") from exc
+                    logger.warning(
+                        "prefill worker %s unreachable (%s): recomputing %s", kv.address, exc, request_id
+                    )
+                    reachable = False
                 started = await self.loop.run(
-                    lambda: self._start_pull(request_id, prompt, params, priority, kv, policy)
+                    lambda: self._start_pull(request_id, prompt, params, priority, kv, policy, reachable)
                 )
                 if not started:  # the first token already ended the request
                     return
@@ -173,7 +184,7 @@ class DecodeWorker:
 
     # Engine thread ----------------------------------------------------------------------------
 
-    def _start_pull(self, rid, prompt, params, priority, kv: PulledKV, policy: str) -> bool:
+    def _start_pull(self, rid, prompt, params, priority, kv: PulledKV, policy: str, reachable: bool) -> bool:
         plan = self.core.add_transferred_request(
             rid,
             prompt,
@@ -184,6 +195,11 @@ class DecodeWorker:
             priority=priority,
         )
         notify = rid.encode()
+        if not reachable:
+            if plan is not None:
+                self.counters["recomputed"] += 1
+                self.core.fail_transfer(rid)  # recompute locally, the first token kept
+            return plan is not None
         if plan is None:
             self.transfer.send_notification(kv.agent_name, notify)
             return False
