@@ -56,6 +56,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             kv = pulled_kv_from_handle(request.handle) if request.HasField("handle") else None
             if kv is not None and kv.num_tokens != len(prompt):
                 raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}")
+            self.worker.core.validate(prompt, params)  # static checks only: safe off the engine thread
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         completion = 1 if kv is not None else 0
