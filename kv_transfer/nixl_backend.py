@@ -1,0 +1,244 @@
+"""KV transfer over NIXL (UCX): one agent per engine, the whole KV tensor registered once.
+
+A read: pair remote and local block ids, merge them into runs (``merge_block_runs``), build one
+``(addr, len, device)`` descriptor per run on each side, ``initialize_xfer("READ", ...)`` with the
+notification, post it; ``InflightReads`` then tracks the request until it ends (see there for the
+NIXL semantics of time-outs and aborts); ``NixlPeers`` keeps the remote agents.
+
+Progress: by default NIXL runs a UCX progress thread per agent, which spins one CPU core (measured:
+a full core while idle). With ``progress_thread=False`` UCX progresses only inside this backend's
+calls, so a read (and its connection set-up) moves only while the reader polls *and* the owner
+calls ``get_notifications``: an owner that stops polling stalls its readers.
+
+Each public call takes a lock, so threads may share one backend.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from kv_transfer.base import RemoteKVInfo, TransferHandle, TransferState, merge_block_runs
+from kv_transfer.compat import KVCompat, dtype_name
+from kv_transfer.nixl_inflight import InflightReads, describe
+from kv_transfer.nixl_peers import NixlPeers
+
+logger = logging.getLogger(__name__)
+
+
+class NixlUnavailableError(RuntimeError):
+    """NIXL (or its UCX plugin) cannot run in this environment."""
+
+
+def _import_nixl() -> tuple[ModuleType, ModuleType]:
+    try:
+        from nixl import _api, _bindings
+    except Exception as e:  # ImportError, or a native library that fails to load
+        raise NixlUnavailableError(
+            f"NIXL is required for KV transfer but cannot be imported ({describe(e)}); "
+            "install it with `pip install nixl`"
+        ) from e
+    return _api, _bindings
+
+
+class NixlBackend:
+    """``KVTransferBackend`` over NIXL/UCX for one engine's block-major KV tensor."""
+
+    def __init__(
+        self,
+        agent_name: str,
+        kv: torch.Tensor,
+        compat: KVCompat,
+        *,
+        progress_thread: bool = True,
+        num_threads: int = 0,
+    ) -> None:
+        expected = (compat.num_layers, 2, compat.block_size, compat.num_kv_heads, compat.head_dim)
+        if kv.dim() != 6 or tuple(kv.shape[1:]) != expected or dtype_name(kv.dtype) != compat.dtype:
+            raise ValueError(
+                f"KV tensor {tuple(kv.shape)} {dtype_name(kv.dtype)} does not match its KVCompat: "
+                f"expected [num_blocks, *{expected}] {compat.dtype}"
+            )
+        if not kv.is_contiguous():
+            raise ValueError("the KV tensor must be contiguous (block-major, one region per block)")
+        api, bindings = _import_nixl()
+        config = api.nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=["UCX"], num_threads=num_threads
+        )
+        agent = api.nixl_agent(agent_name, config)
+        if "UCX" not in agent.backends:
+            raise NixlUnavailableError(f"NIXL agent {agent_name!r} could not create its UCX backend")
+        self._agent: Any = agent
+        self.agent_name = agent_name
+        self.compat = compat
+        self._kv = kv  # NOTE: keeps the registered memory alive as long as the agent
+        self.num_blocks = kv.shape[0]
+        self.block_bytes = kv[0].numel() * kv.element_size()
+        self._mem_type = "VRAM" if kv.is_cuda else "DRAM"
+        self._device_id = (kv.device.index or 0) if kv.is_cuda else 0
+        region = (kv.data_ptr(), self.num_blocks * self.block_bytes, self._device_id, "")
+        self._reg = agent.register_memory([region], self._mem_type)
+        self._metadata: bytes = agent.get_agent_metadata()
+        self._inflight = InflightReads(agent, bindings.nixlRemoteDisconnectError, bindings.nixlNotFoundError)
+        self._peers = NixlPeers(agent, agent_name, compat, self.block_bytes)
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self._closed = False
+        logger.info("NIXL agent %s: %d KV blocks in %s", agent_name, self.num_blocks, self._mem_type)
+
+    def local_info(self) -> RemoteKVInfo:
+        return RemoteKVInfo(
+            agent_name=self.agent_name,
+            agent_metadata=self._metadata,
+            base_addr=self._kv.data_ptr(),
+            block_bytes=self.block_bytes,
+            num_blocks=self.num_blocks,
+            compat=self.compat,
+            mem_type=self._mem_type,
+            device_id=self._device_id,
+        )
+
+    def add_peer(self, info: RemoteKVInfo) -> None:
+        with self._lock:
+            self._check_open()
+            self._peers.add(info, self._inflight)
+
+    def remove_peer(self, agent_name: str) -> None:
+        with self._lock:
+            if not self._closed:
+                self._peers.remove(agent_name, self._inflight)
+                self._reap()
+
+    def start_read(
+        self,
+        remote_agent: str,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        notify: bytes,
+        timeout_s: float,
+    ) -> TransferHandle:
+        with self._lock:
+            self._check_open()
+            self._reap()
+            peer = self._peers.get(remote_agent)
+            if peer is None:
+                raise ValueError(f"unknown peer {remote_agent!r}: add_peer() its RemoteKVInfo first")
+            remote, local = [int(b) for b in remote_block_ids], [int(b) for b in local_block_ids]
+            _check_ids("remote", remote, peer.num_blocks)
+            _check_ids("local", local, self.num_blocks)
+            if len(set(local)) != len(local):
+                raise ValueError(f"local block ids repeat: {local}")
+            if not timeout_s > 0:
+                raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+            handle = TransferHandle(
+                transfer_id=next(self._ids),
+                remote_agent=remote_agent,
+                remote_block_ids=tuple(remote),
+                local_block_ids=tuple(local),
+                num_bytes=len(local) * self.block_bytes,
+                notify=bytes(notify),
+                deadline=time.monotonic() + timeout_s,
+            )
+            if not local:  # nothing to move (all prefix hits): the owner still needs its notification
+                try:
+                    self._agent.send_notif(remote_agent, handle.notify)
+                except Exception as e:
+                    handle.finish(TransferState.FAILED, f"cannot notify: {describe(e)}", settled=True)
+                else:
+                    handle.finish(TransferState.DONE, settled=True)
+                return handle
+            bb, base = self.block_bytes, self._kv.data_ptr()
+            runs = merge_block_runs(remote, local)
+            src = np.array([(peer.block_addr(r), n * bb, peer.device_id) for r, _, n in runs], np.uint64)
+            dst = np.array([(base + lo * bb, n * bb, self._device_id) for _, lo, n in runs], np.uint64)
+            try:
+                xfer = self._agent.initialize_xfer(
+                    "READ",
+                    self._agent.get_xfer_descs(dst, self._mem_type),
+                    self._agent.get_xfer_descs(src, peer.mem_type),
+                    remote_agent,
+                    handle.notify,
+                )
+            except Exception as e:  # nothing was posted: the local blocks are untouched
+                handle.finish(TransferState.FAILED, f"cannot create the read: {describe(e)}", settled=True)
+                return handle
+            self._inflight.post(handle, xfer)
+            return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        with self._lock:
+            if not self._closed:
+                self._inflight.check(handle)
+                self._inflight.check_all(only_failed=True)
+            return handle.state
+
+    def release(self, handle: TransferHandle) -> None:
+        with self._lock:
+            if self._closed or not self._inflight.is_tracked(handle):
+                return
+            self._inflight.check(handle)
+            handle.finish(TransferState.FAILED, "released before completion", settled=False)
+            if not handle.local_blocks_reusable:
+                logger.warning(
+                    "transfer %d released in flight; its local blocks stay exposed", handle.transfer_id
+                )
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            self._check_open()
+            self._reap()
+            notifs = self._agent.get_new_notifs()
+            return [(agent, bytes(msg)) for agent, msgs in notifs.items() for msg in msgs]
+
+    def send_notification(self, remote_agent: str, msg: bytes) -> None:
+        with self._lock:
+            self._check_open()
+            if self._peers.get(remote_agent) is None:
+                raise ValueError(f"unknown peer {remote_agent!r}: add_peer() its RemoteKVInfo first")
+            self._agent.send_notif(remote_agent, bytes(msg))
+
+    def close(self) -> None:
+        """Tear down the agent; afterwards no transfer can write into the KV tensor."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._inflight.check_all()
+            abandoned = self._inflight.close("backend closed")
+            self._peers.close()
+            try:
+                self._agent.deregister_memory(self._reg)
+            finally:
+                # NOTE: dropping the agent destroys its UCX worker, and the memory is deregistered:
+                # nothing of an abandoned request can land any more.
+                self._agent = None
+                for handle in abandoned:
+                    handle.local_blocks_reusable = True
+
+    def __enter__(self) -> NixlBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"NIXL backend {self.agent_name!r} is closed")
+
+    def _reap(self) -> None:
+        """Check every request in flight, then invalidate removed peers that have none left."""
+        self._inflight.check_all()
+        self._peers.retire_idle(self._inflight.busy_peers())
+
+
+def _check_ids(side: str, ids: list[int], num_blocks: int) -> None:
+    bad = [b for b in ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"{side} block ids {bad} out of range [0, {num_blocks})")
