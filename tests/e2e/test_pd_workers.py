@@ -192,3 +192,28 @@ def test_bad_requests_are_refused_at_the_edge(workers):
         await _wait_all_free(p, d)
 
     asyncio.run(run())
+
+
+def test_read_timeout_falls_back_to_recompute(workers, tiny_llama, hf_greedy):
+    import signal
+
+    p, d = workers("prefill", "--lease-seconds", "4"), workers("decode", "--transfer-timeout", "2")
+    prompt = _prompt(3 * BLOCK + 5, 10)
+
+    async def run():
+        await generate(p.address, d.address, "warm", _prompt(4), GREEDY)  # the decode side knows the peer
+        resp = await prefill(p.address, "slow", prompt, GREEDY)
+        p.proc.send_signal(signal.SIGSTOP)  # the owner cannot serve the read: it must time out
+        try:
+            started = time.monotonic()
+            rest = await decode(d.address, "slow", prompt, GREEDY, resp.handle)
+            assert time.monotonic() - started >= 2
+        finally:
+            p.proc.send_signal(signal.SIGCONT)
+        assert [resp.handle.first_token, *rest] == hf_greedy(tiny_llama, prompt, 10)
+        state_d = await state(d.address, "decode")
+        assert state_d.stats.num_transferring == 0
+        await _wait_all_free(d)
+        await _wait_all_free(p, timeout=15)  # its lease frees the blocks it still held
+
+    asyncio.run(run())
