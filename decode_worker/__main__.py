@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 from decode_worker.service import fetch_prefill_peer, serve
@@ -42,8 +43,16 @@ def main() -> None:
     p.add_argument("--worker-id", default="decode-0")
     p.add_argument("--kv-failure-policy", default="recompute", choices=FAILURE_POLICIES)
     p.add_argument("--transfer-timeout", type=float, default=10.0, help="seconds before a KV pull fails")
+    p.add_argument(
+        "--ucx-net-devices",
+        default=None,
+        help="network devices NIXL/UCX may use (UCX_NET_DEVICES); default: lo when bound to loopback",
+    )
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args()
+    devices = args.ucx_net_devices or ("lo" if args.host in ("127.0.0.1", "localhost", "::1") else None)
+    if devices:  # before NIXL initialises UCX
+        os.environ["UCX_NET_DEVICES"] = devices
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -85,11 +85,16 @@ class DecodeWorker:
         self.epoch = time.time_ns()
         self.core = EngineCore(config.engine)
         self.compat = KVCompat.from_layout(config.model_name or str(config.engine.model), self.core.layout)
-        self.transfer = NixlBackend(f"{self.worker_id}-{self.epoch}", self.core.runner.kv_cache, self.compat)
+        # The engine loop ticks every few ms and drives NIXL progress; a progress thread per agent
+        # would spin a whole core even when idle.
+        self.transfer = NixlBackend(
+            f"{self.worker_id}-{self.epoch}", self.core.runner.kv_cache, self.compat, progress_thread=False
+        )
         self.fetch_peer = fetch_peer  # address -> the prefill worker's RemoteKVInfo (its GetState)
         self.loop = EngineLoop(self.core)
         self.loop.add_tick(self._tick)
         self.transfers: dict[str, _Transfer] = {}  # engine thread only
+        self._quarantine: dict[str, object] = {}  # held-block key -> unsettled transfer handle
         self._peers: set[str] = set()
         self.counters = {"pulled": 0, "recomputed": 0, "failed": 0, "bytes": 0, "transfer_seconds": 0.0}
 
@@ -221,12 +226,22 @@ class DecodeWorker:
             if state == TransferState.IN_PROGRESS:
                 continue
             del self.transfers[rid]
-            self.transfer.release(t.handle)
+            if state == TransferState.DONE:
+                self.transfer.release(t.handle)
+                if t.aborted:
+                    self.loop.publish(self.core.abort_request(rid))
+                else:
+                    self.counters["pulled"] += 1
+                    self.core.complete_transfer(rid)
+                continue
+            # NOTE: NIXL cannot abort a READ in flight: until the backend says the local blocks are
+            # reusable, they stay allocated (quarantined) and the request goes on without them.
+            if not t.handle.local_blocks_reusable:
+                self._quarantine[self.core.quarantine_blocks(rid)] = t.handle
+            else:
+                self.transfer.release(t.handle)
             if t.aborted:
                 self.loop.publish(self.core.abort_request(rid))
-            elif state == TransferState.DONE:
-                self.counters["pulled"] += 1
-                self.core.complete_transfer(rid)
             elif t.policy == "recompute":
                 logger.warning("KV pull of %s failed: recomputing its prompt locally", rid)
                 self.counters["recomputed"] += 1
@@ -234,6 +249,12 @@ class DecodeWorker:
             else:
                 self.counters["failed"] += 1
                 self.loop.publish(self.core.fail_request(rid, f"kv transfer of {rid} failed or timed out"))
+        for key, handle in list(self._quarantine.items()):
+            self.transfer.poll(handle)
+            if handle.local_blocks_reusable:
+                self.transfer.release(handle)
+                self.core.release_held(key)
+                del self._quarantine[key]
 
     def _abort(self, rid: str) -> bool:
         t = self.transfers.get(rid)

@@ -228,6 +228,13 @@ class EngineCore:
         req = self.scheduler.transferring[request_id]
         self.scheduler.complete_transfer(request_id, req.prompt_len)
 
+    def quarantine_blocks(self, request_id: str) -> str:
+        """Detach a transferring request's blocks and keep them allocated (a timed-out read that NIXL
+        cannot abort may still write them); returns the key for ``release_held`` once it settled."""
+        key = f"{request_id}#quarantine"
+        self.kv.hold(self.scheduler.transferring[request_id], key)
+        return key
+
     def fail_transfer(self, request_id: str) -> None:
         """The pull failed or timed out (and has settled): recompute the prompt locally."""
         self.scheduler.fail_transfer(request_id)

@@ -129,11 +129,12 @@ class KVCacheManager:
 
     # Disaggregation ------------------------------------------------------------------------------
 
-    def hold(self, req: Request) -> list[int]:
-        """Keep a finished sequence's blocks (prompt KV) alive for a peer to read; see ``release_held``."""
-        table = self.tables.pop(req.request_id)
+    def hold(self, req: Request, key: str | None = None) -> list[int]:
+        """Detach a sequence's blocks and keep them allocated under ``key`` (default: its id) until
+        ``release_held``: prompt KV a peer will read, or blocks an unfinished transfer may still write."""
+        table = self.tables.pop(req.request_id, [])
         self._num_cached_blocks.pop(req.request_id, None)
-        self.held[req.request_id] = table
+        self.held[key or req.request_id] = table
         return table
 
     def release_held(self, request_id: str) -> bool:

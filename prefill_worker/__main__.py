@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 from engine.args import add_engine_args, engine_config_from_args
@@ -39,8 +40,16 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--worker-id", default="prefill-0")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="held KV is freed after this long")
+    p.add_argument(
+        "--ucx-net-devices",
+        default=None,
+        help="network devices NIXL/UCX may use (UCX_NET_DEVICES); default: lo when bound to loopback",
+    )
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args()
+    devices = args.ucx_net_devices or ("lo" if args.host in ("127.0.0.1", "localhost", "::1") else None)
+    if devices:  # before NIXL initialises UCX
+        os.environ["UCX_NET_DEVICES"] = devices
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

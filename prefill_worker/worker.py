@@ -66,7 +66,11 @@ class PrefillWorker:
         self.epoch = time.time_ns()
         self.core = EngineCore(config.engine)
         self.compat = KVCompat.from_layout(config.model_name or str(config.engine.model), self.core.layout)
-        self.transfer = NixlBackend(f"{self.worker_id}-{self.epoch}", self.core.runner.kv_cache, self.compat)
+        # The engine loop ticks every few ms (get_notifications drives NIXL progress for readers); a
+        # progress thread per agent would spin a whole core even when idle.
+        self.transfer = NixlBackend(
+            f"{self.worker_id}-{self.epoch}", self.core.runner.kv_cache, self.compat, progress_thread=False
+        )
         self.loop = EngineLoop(self.core)
         self.loop.add_output_hook(self._on_output)
         self.loop.add_tick(self._tick)
