@@ -218,3 +218,36 @@ def test_read_timeout_falls_back_to_recompute(workers, tiny_llama, hf_greedy):
         await _wait_all_free(p, timeout=15)  # its lease frees the blocks it still held
 
     asyncio.run(run())
+
+
+def test_prefill_deadline_aborts_the_request(workers):
+    p = workers("prefill", "--max-num-batched-tokens", "1")  # one token per step: ~500 steps
+    prompt = _prompt(500, 11)
+
+    async def run():
+        async with grpc.aio.insecure_channel(p.address) as ch:
+            from proto import pdserve_pb2 as pb
+            from proto import pdserve_pb2_grpc as pb_grpc
+            from proto.convert import params_to_proto
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pb_grpc.PrefillWorkerStub(ch).Prefill(
+                    pb.PrefillRequest(
+                        request_id="late", prompt_token_ids=prompt, params=params_to_proto(GREEDY)
+                    ),
+                    timeout=0.1,
+                )
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await _wait_all_free(p)
+        # The id is free again: nothing of the expired request is left behind.
+        assert (await prefill(p.address, "late", _prompt(5), GREEDY)).handle.block_ids
+        async with grpc.aio.insecure_channel(p.address) as ch:
+            from proto import pdserve_pb2 as pb
+            from proto import pdserve_pb2_grpc as pb_grpc
+
+            assert (
+                await pb_grpc.PrefillWorkerStub(ch).Release(pb.ReleaseRequest(request_id="late"))
+            ).released
+        await _wait_all_free(p)
+
+    asyncio.run(run())
