@@ -10,8 +10,9 @@ The reader (decode side) pulls blocks from an owner (prefill side):
     reader: backend.release(h)
 
 A transfer moves through ``IN_PROGRESS`` to ``DONE`` or ``FAILED`` (an error, its peer removed, or
-its deadline passed). ``poll`` drives it: the owner's notification is sent by the ``poll`` that
-sees the data complete, so a reader that stops polling never notifies.
+its deadline passed). ``poll`` drives it: the owner's notification goes out once the data is
+complete (from ``start_read`` if the read completed at once, else from the ``poll`` that sees it
+done), so a reader that stops polling never notifies.
 
 Block reuse after a failure (``TransferHandle.local_blocks_reusable``): a transfer that failed with
 an error reported by the transport is over, and its local blocks may be reused at once. A transfer
@@ -19,9 +20,14 @@ that timed out may still be running: NIXL over UCX cannot abort an RMA read in f
 releasing the request, or removing the peer, does not stop bytes from landing once a stalled peer
 resumes). So a timed-out handle reports ``FAILED`` at its deadline, for the caller to fall back
 (recompute into other blocks), while its local blocks stay exposed until the backend sees the
-underlying request end (the peer resumes and it completes, or the peer dies and it errors);
-``poll``, ``start_read``, ``get_notifications`` and ``release`` keep checking such requests and then
-set ``local_blocks_reusable``. Free a failed transfer's local blocks only once it is True.
+underlying request end (the peer resumes and it completes, or the peer dies and it errors) or the
+backend is closed; ``poll``, ``start_read``, ``get_notifications`` and ``release`` keep checking
+such requests and then set ``local_blocks_reusable``. Free a failed transfer's local blocks only
+once it is True. A peer that never resumes nor dies keeps them: they leak (the time-out warning
+names them).
+
+The owner must keep the blocks it published unchanged until the reader's deadline has passed (its
+lease outlives the read's ``timeout_s``): a READ copies whatever the blocks hold when it runs.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kv_transfer.compat import KVCompat
 
@@ -86,6 +92,7 @@ class TransferHandle:
             self.local_blocks_reusable = True
 
 
+@runtime_checkable
 class KVTransferBackend(Protocol):
     """Moves KV blocks between engines. One backend per engine; it owns that engine's KV memory."""
 

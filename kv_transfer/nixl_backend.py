@@ -7,8 +7,8 @@ NIXL semantics of time-outs and aborts); ``NixlPeers`` keeps the remote agents.
 
 Progress: by default NIXL runs a UCX progress thread per agent, which spins one CPU core (measured:
 a full core while idle). With ``progress_thread=False`` UCX progresses only inside this backend's
-calls, so a read (and its connection set-up) moves only while the reader polls *and* the owner
-calls ``get_notifications``: an owner that stops polling stalls its readers.
+calls: a read's connection set-up (and, over TCP, all of it) moves only while the reader polls
+*and* the owner calls ``get_notifications``, so an owner that stops polling stalls its readers.
 
 Each public call takes a lock, so threads may share one backend.
 """

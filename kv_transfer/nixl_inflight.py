@@ -5,14 +5,15 @@ Its ``TransferHandle`` may reach ``FAILED`` before the request ends (deadline pa
 removed, handle released): NIXL over UCX cannot abort an RMA read in flight, so the request is
 kept and checked until it ends, and only then are the handle's local blocks marked reusable.
 
-NIXL facts this relies on (nixl 1.5, UCX plugin; ``tests/kv_transfer`` exercises them):
-- ``check_xfer_state`` returns ``"PROC"`` / ``"DONE"`` / ``"ERR"`` or raises a bindings error; the
-  check that first sees ``DONE`` is what sends the transfer's notification to the owner.
+NIXL facts this relies on (nixl 1.5, UCX plugin; measured, and exercised by tests/kv_transfer):
+- ``check_xfer_state`` returns ``"PROC"`` / ``"DONE"`` / ``"ERR"`` or raises a bindings error.
+- The notification goes out once the data is complete: from ``transfer`` if the post completed at
+  once, else from the check that first sees ``DONE``. A reader that stops checking never notifies.
 - A peer that died fails its requests fast with ``nixlRemoteDisconnectError``.
-- Releasing a request in flight calls ``ucp_request_cancel``, which does not stop an RMA read: its
-  bytes land when a stalled peer resumes. Removing the peer does not fence either, and afterwards
+- Releasing a request in flight (NIXL "cancels" it) does not stop an RMA read: over TCP its bytes
+  still land when a stalled peer resumes. Removing the peer does not fence either, and afterwards
   checks raise ``nixlNotFoundError``, hiding the request's end; hence peers are invalidated only
-  once their requests have ended.
+  once their requests have ended. Destroying the agent does fence: UCX drops what is unflushed.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 from nixl_agent_server import COMPAT
 
-from kv_transfer import KVCompat, NixlBackend, NixlUnavailableError
+from kv_transfer import KVCompat, KVTransferBackend, NixlBackend, NixlUnavailableError
 
 compat = KVCompat(**COMPAT)
 SHAPE = (4, compat.num_layers, 2, compat.block_size, compat.num_kv_heads, compat.head_dim)
@@ -33,3 +33,7 @@ def test_missing_nixl_is_a_clear_error(monkeypatch):
 def test_kv_tensor_must_match_its_compat(kv, problem):
     with pytest.raises(ValueError, match=problem):
         NixlBackend("a", kv, compat)
+
+
+def test_nixl_backend_implements_the_interface():
+    assert issubclass(NixlBackend, KVTransferBackend)

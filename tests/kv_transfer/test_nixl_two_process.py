@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -105,8 +106,19 @@ def stalled_pair(spawn_agents):
     reader.call("add_peer", owner_info)
     assert reader.call("read", "owner", [0], [15], b"warm", 10.0, 20.0)["state"] == "done"
     assert owner.call("notifications", 1, 10.0) == [("reader", b"warm")]
-    os.kill(owner.pid, signal.SIGSTOP)
+    stop_process(owner.pid)
     return owner, reader
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP, then wait until the kernel reports the process stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    for _ in range(5000):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.001)
+    raise TimeoutError(f"process {pid} did not stop")
 
 
 def test_stalled_peer_times_out_and_late_bytes_are_fenced(spawn_agents):
