@@ -16,7 +16,7 @@ from kv_transfer import RemoteKVInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import logprobs_from_proto, logprobs_to_proto, params_from_proto, stop_reason_text
-from proto.worker_state import stats_to_proto, transfer_info_from_proto, transfer_info_to_proto
+from proto.worker_state import transfer_info_from_proto, worker_state_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -96,19 +96,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return pb.AbortResponse(aborted=await self.worker.abort(request.request_id))
 
     async def GetState(self, request, context) -> pb.WorkerState:
-        core = self.worker.core
-        return pb.WorkerState(
-            worker_id=self.worker.worker_id,
-            epoch=self.worker.epoch,
-            role=self.worker.role,
-            address=self.address,
-            transfer=transfer_info_to_proto(self.worker.transfer_info()),
-            stats=stats_to_proto(await self.worker.stats()),
-            model=self.worker.compat.model,
-            max_model_len=core.max_model_len,
-            vocab_size=core.spec.vocab_size,
-            cache_salt=core.config.cache_salt,
-        )
+        return worker_state_to_proto(self.worker, self.address, await self.worker.stats())
 
 
 async def serve(worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:

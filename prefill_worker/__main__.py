@@ -7,53 +7,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
-import signal
 
 from engine.args import add_engine_args, engine_config_from_args
 from prefill_worker.service import serve
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
-
-
-async def _main(args: argparse.Namespace) -> None:
-    worker = PrefillWorker(
-        PrefillWorkerConfig(
-            engine_config_from_args(args), worker_id=args.worker_id, lease_seconds=args.lease_seconds
-        )
-    )
-    server, address = await serve(worker, args.host, args.port)
-    print(f"LISTENING {address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(grace=2)
-    worker.stop()
+from proto.worker_process import add_worker_args, prepare_process, serve_until_signal
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m prefill_worker", description=__doc__)
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--worker-id", default="prefill-0")
+    add_worker_args(p, "prefill")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="held KV is freed after this long")
-    p.add_argument(
-        "--ucx-net-devices",
-        default=None,
-        help="network devices NIXL/UCX may use (UCX_NET_DEVICES); default: lo when bound to loopback",
-    )
-    p.add_argument("--log-level", default="WARNING")
     args = p.parse_args()
-    devices = args.ucx_net_devices or ("lo" if args.host in ("127.0.0.1", "localhost", "::1") else None)
-    if devices:  # before NIXL initialises UCX
-        os.environ["UCX_NET_DEVICES"] = devices
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    prepare_process(args)
+    config = PrefillWorkerConfig(
+        engine_config_from_args(args), worker_id=args.worker_id, lease_seconds=args.lease_seconds
     )
-    asyncio.run(_main(args))
+    asyncio.run(serve_until_signal(PrefillWorker(config), serve, args.host, args.port))
 
 
 if __name__ == "__main__":

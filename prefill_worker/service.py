@@ -10,7 +10,7 @@ from prefill_worker.worker import PrefillWorker
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import logprobs_to_proto, params_from_proto, stop_reason_text
-from proto.worker_state import stats_to_proto, transfer_info_to_proto
+from proto.worker_state import worker_state_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -72,19 +72,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     async def GetState(self, request, context) -> pb.WorkerState:
         stats, _ = await self.worker.stats()
-        core = self.worker.core
-        return pb.WorkerState(
-            worker_id=self.worker.worker_id,
-            epoch=self.worker.epoch,
-            role=self.worker.role,
-            address=self.address,
-            transfer=transfer_info_to_proto(self.worker.transfer_info()),
-            stats=stats_to_proto(stats),
-            model=self.worker.compat.model,
-            max_model_len=core.max_model_len,
-            vocab_size=core.spec.vocab_size,
-            cache_salt=core.config.cache_salt,
-        )
+        return worker_state_to_proto(self.worker, self.address, stats)
 
 
 async def serve(worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:

@@ -20,7 +20,8 @@ from engine.engine_core import EngineCore, EngineStats
 from engine.engine_loop import EngineLoop
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
-from kv_transfer import KVCompat, NixlBackend, RemoteKVInfo
+from kv_transfer import RemoteKVInfo
+from kv_transfer.engine_agent import engine_agent
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,8 @@ class PrefillWorker:
         self.worker_id = config.worker_id
         self.epoch = time.time_ns()
         self.core = EngineCore(config.engine)
-        self.compat = KVCompat.from_layout(config.model_name or str(config.engine.model), self.core.layout)
-        # The engine loop ticks every few ms (get_notifications drives NIXL progress for readers); a
-        # progress thread per agent would spin a whole core even when idle.
-        self.transfer = NixlBackend(
-            f"{self.worker_id}-{self.epoch}", self.core.runner.kv_cache, self.compat, progress_thread=False
+        self.compat, self.transfer = engine_agent(
+            self.core, self.worker_id, self.epoch, config.model_name or str(config.engine.model)
         )
         self.loop = EngineLoop(self.core)
         self.loop.add_output_hook(self._on_output)

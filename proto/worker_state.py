@@ -69,3 +69,20 @@ def stats_to_proto(s: EngineStats) -> pb.EngineStats:
         num_held_requests=s.num_held,
         num_transferring=s.num_transferring,
     )
+
+
+def worker_state_to_proto(worker, address: str, stats: EngineStats) -> pb.WorkerState:
+    """A worker's GetState answer; ``worker`` is a prefill or decode worker object."""
+    core = worker.core
+    return pb.WorkerState(
+        worker_id=worker.worker_id,
+        epoch=worker.epoch,
+        role=worker.role,
+        address=address,
+        transfer=transfer_info_to_proto(worker.transfer_info()),
+        stats=stats_to_proto(stats),
+        model=worker.compat.model,
+        max_model_len=core.max_model_len,
+        vocab_size=core.spec.vocab_size,
+        cache_salt=core.config.cache_salt,
+    )

@@ -1,0 +1,53 @@
+"""What every worker process shares: common flags, UCX device choice, and serving until a signal.
+
+Used by ``python -m prefill_worker`` and ``python -m decode_worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--worker-id", default=f"{role}-0")
+    parser.add_argument(
+        "--ucx-net-devices",
+        default=None,
+        help="network devices NIXL/UCX may use (UCX_NET_DEVICES); default: lo when bound to loopback",
+    )
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def prepare_process(args: argparse.Namespace) -> None:
+    """Logging, and UCX's devices (before NIXL initialises UCX): loopback-bound workers stay local."""
+    devices = args.ucx_net_devices or ("lo" if args.host in LOOPBACK else None)
+    if devices:
+        os.environ["UCX_NET_DEVICES"] = devices
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+async def serve_until_signal(
+    worker: Any, serve: Callable[[Any, str, int], Awaitable[tuple[Any, str]]], host: str, port: int
+) -> None:
+    """Serve, print ``LISTENING host:port`` (for supervisors and tests), stop on SIGINT/SIGTERM."""
+    server, address = await serve(worker, host, port)
+    print(f"LISTENING {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2)
+    worker.stop()
