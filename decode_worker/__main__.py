@@ -25,6 +25,7 @@ def main() -> None:
     config = DecodeWorkerConfig(
         engine_config_from_args(args),
         worker_id=args.worker_id,
+        redis_url=args.redis_url,
         kv_failure_policy=args.kv_failure_policy,
         transfer_timeout_s=args.transfer_timeout,
     )

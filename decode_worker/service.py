@@ -107,6 +107,7 @@ async def serve(worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0) ->
     address = f"{host}:{bound}"
     pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker, address), server)
     worker.start()
+    worker.attach_registry(address)
     await server.start()
     logger.info("decode worker %s (epoch %d) on %s", worker.worker_id, worker.epoch, address)
     return server, address

@@ -28,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from kv_transfer import RemoteKVInfo, TransferState
 from kv_transfer.engine_agent import engine_agent
+from proto.registry_publisher import RegistryPublisher, publish_worker
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class DecodeWorkerConfig:
     kv_failure_policy: str = "recompute"
     transfer_timeout_s: float = 10.0
     model_name: str | None = None
+    redis_url: str | None = None  # registry + KV events (Redis); None: standalone
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,7 @@ class DecodeWorker:
         self.fetch_peer = fetch_peer  # address -> the prefill worker's RemoteKVInfo (its GetState)
         self.loop = EngineLoop(self.core)
         self.loop.add_tick(self._tick)
+        self.registry: RegistryPublisher | None = None
         self.transfers: dict[str, _Transfer] = {}  # engine thread only
         self._quarantine: dict[str, object] = {}  # held-block key -> unsettled transfer handle
         self._peers: set[str] = set()
@@ -99,8 +102,15 @@ class DecodeWorker:
     def start(self) -> None:
         self.loop.start()
 
+    def attach_registry(self, address: str) -> None:
+        """Register in Redis under ``address`` and publish this worker's KV events (from the loop)."""
+        if self.config.redis_url:
+            self.registry = publish_worker(self, address, self.config.redis_url)
+
     def stop(self) -> None:
         self.loop.stop()
+        if self.registry is not None:
+            self.registry.stop()
         self.transfer.close()
 
     def transfer_info(self) -> RemoteKVInfo:

@@ -56,6 +56,10 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache (for a full snapshot of this engine's index entries)."""
+        return list(self._cached)
+
     def lookup(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)
 

@@ -295,6 +295,16 @@ class EngineCore:
         self._generation_tokens += sum(len(o.new_token_ids) for o in outs)
         return outs
 
+    def pending_prompt_tokens(self) -> int:
+        """Prompt tokens queued or mid-prefill: the load signal a router balances prefill work on."""
+        s = self.scheduler
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+        return pending + sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in s.running
+            if r.num_tokens - r.num_computed_tokens > 1
+        )
+
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.drain_events()
 

@@ -22,7 +22,10 @@ def main() -> None:
     args = p.parse_args()
     prepare_process(args)
     config = PrefillWorkerConfig(
-        engine_config_from_args(args), worker_id=args.worker_id, lease_seconds=args.lease_seconds
+        engine_config_from_args(args),
+        worker_id=args.worker_id,
+        redis_url=args.redis_url,
+        lease_seconds=args.lease_seconds,
     )
     asyncio.run(serve_until_signal(PrefillWorker(config), serve, args.host, args.port))
 

@@ -84,6 +84,7 @@ async def serve(worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0) -
     address = f"{host}:{bound}"
     pb_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker, address), server)
     worker.start()
+    worker.attach_registry(address)
     await server.start()
     logger.info("prefill worker %s (epoch %d) on %s", worker.worker_id, worker.epoch, address)
     return server, address

@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from kv_transfer import RemoteKVInfo
 from kv_transfer.engine_agent import engine_agent
+from proto.registry_publisher import RegistryPublisher, publish_worker
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class PrefillWorkerConfig:
     worker_id: str = "prefill-0"
     lease_seconds: float = 30.0
     model_name: str | None = None  # the name peers check compatibility against; default: engine.model
+    redis_url: str | None = None  # registry + KV events (Redis); None: standalone
 
 
 @dataclass(slots=True)
@@ -72,6 +74,7 @@ class PrefillWorker:
         self.loop = EngineLoop(self.core)
         self.loop.add_output_hook(self._on_output)
         self.loop.add_tick(self._tick)
+        self.registry: RegistryPublisher | None = None
         self.leases: dict[str, _Lease] = {}  # engine thread only
         self.released = {"notification": 0, "release": 0, "expiry": 0, "abandoned": 0}
 
@@ -80,8 +83,15 @@ class PrefillWorker:
     def start(self) -> None:
         self.loop.start()
 
+    def attach_registry(self, address: str) -> None:
+        """Register in Redis under ``address`` and publish this worker's KV events (from the loop)."""
+        if self.config.redis_url:
+            self.registry = publish_worker(self, address, self.config.redis_url)
+
     def stop(self) -> None:
         self.loop.stop()
+        if self.registry is not None:
+            self.registry.stop()
         self.transfer.close()
 
     def transfer_info(self) -> RemoteKVInfo:

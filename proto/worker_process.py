@@ -25,6 +25,11 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
         default=None,
         help="network devices NIXL/UCX may use (UCX_NET_DEVICES); default: lo when bound to loopback",
     )
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("PDSERVE_REDIS_URL"),
+        help="registry and KV-event Redis (redis:// or rediss://, AUTH in the URL); env PDSERVE_REDIS_URL",
+    )
     parser.add_argument("--log-level", default="WARNING")
 
 

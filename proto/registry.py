@@ -1,0 +1,209 @@
+"""The cluster's shared state in Redis: which workers are alive, and which KV blocks each one caches.
+
+Schema (all keys under ``pdserve:``; the wire format both the workers and the router speak):
+- ``worker:{id}`` HASH — role, address, epoch, model, block_size, num_blocks, cache_salt, load
+  fields; expires ``ttl_s`` after the last heartbeat. ``workers`` SET lists ids ever registered.
+- ``kv_events`` STREAM — one entry per batch of a worker's block events: ``w`` worker id, ``e``
+  epoch, ``s`` sequence number (per worker and epoch, from 1, no gaps), ``k`` kind (``S`` stored,
+  ``R`` removed, ``C`` cleared, ``Z`` resynced), ``h`` the 16-byte block hashes concatenated.
+- ``kv:{id}`` SET of the worker's cached block hashes and ``kvmeta:{id}`` HASH {epoch, seq}: the
+  snapshot a reader resynchronises from. A worker updates the snapshot and appends the stream
+  entry in one MULTI/EXEC, so a snapshot at seq N is exactly the state after events 1..N.
+A worker that restarts registers a new epoch: its snapshot is replaced and a ``C`` event tells
+readers to drop the previous incarnation's entries.
+
+NOTE: torch-free; the router imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pdserve:"
+EVENTS_STREAM = PREFIX + "kv_events"
+WORKERS_SET = PREFIX + "workers"
+STREAM_MAXLEN = 500_000
+HASH_BYTES = 16
+
+STORED, REMOVED, CLEARED, RESYNCED = "S", "R", "C", "Z"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{PREFIX}worker:{worker_id}"
+
+
+def snapshot_key(worker_id: str) -> str:
+    return f"{PREFIX}kv:{worker_id}"
+
+
+def snapshot_meta_key(worker_id: str) -> str:
+    return f"{PREFIX}kvmeta:{worker_id}"
+
+
+def pack_hashes(hashes: list[bytes]) -> bytes:
+    return b"".join(hashes)
+
+
+def unpack_hashes(blob: bytes) -> list[bytes]:
+    if len(blob) % HASH_BYTES:
+        raise ValueError(f"hash blob of {len(blob)} bytes is not a multiple of {HASH_BYTES}")
+    return [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventRecord:
+    worker_id: str
+    epoch: int
+    seq: int
+    kind: str
+    hashes: list[bytes]
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> KVEventRecord:
+        return cls(
+            worker_id=fields[b"w"].decode(),
+            epoch=int(fields[b"e"]),
+            seq=int(fields[b"s"]),
+            kind=fields[b"k"].decode(),
+            hashes=unpack_hashes(fields.get(b"h", b"")),
+        )
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    worker_id: str
+    role: str
+    address: str
+    epoch: int
+    model: str = ""
+    block_size: int = 16
+    num_blocks: int = 0
+    cache_salt: str = ""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    queued_prompt_tokens: int = 0
+
+    def to_fields(self) -> dict[str, str | int]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> WorkerRecord:
+        d = {k.decode(): v.decode() for k, v in fields.items()}
+        ints = (
+            "epoch",
+            "block_size",
+            "num_blocks",
+            "num_running",
+            "num_waiting",
+            "num_free_blocks",
+            "queued_prompt_tokens",
+        )
+        return cls(**{k: (int(v) if k in ints else v) for k, v in d.items() if k in cls.__slots__})
+
+
+def connect(url: str) -> redis.Redis:
+    """A client for ``redis://`` or ``rediss://`` (TLS) URLs, with AUTH from the URL if any.
+
+    Short timeouts: a Redis outage must never stall a worker's engine loop or a routing decision.
+    """
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"unsupported Redis URL {url!r}: use redis://, rediss:// or unix://")
+    return redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0, health_check_interval=10)
+
+
+class WorkerRegistration:
+    """A worker's side: register/heartbeat its record, and publish its KV events with snapshots.
+
+    Not thread-safe; one owner thread (the worker's publisher) calls it.
+    """
+
+    def __init__(self, client: redis.Redis, record: WorkerRecord, ttl_s: float = 10.0) -> None:
+        self.client = client
+        self.record = record
+        self.ttl_ms = int(ttl_s * 1000)
+        self.seq = 0
+
+    def register(self, cached_hashes: list[bytes]) -> None:
+        """(Re)start this incarnation: record, fresh snapshot, and a CLEARED event for readers."""
+        wid = self.record.worker_id
+        self.seq += 1
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(worker_key(wid), mapping=self.record.to_fields())
+        pipe.pexpire(worker_key(wid), self.ttl_ms)
+        pipe.sadd(WORKERS_SET, wid)
+        pipe.delete(snapshot_key(wid))
+        if cached_hashes:
+            pipe.sadd(snapshot_key(wid), *cached_hashes)
+        pipe.hset(snapshot_meta_key(wid), mapping={"epoch": self.record.epoch, "seq": self.seq})
+        pipe.xadd(
+            EVENTS_STREAM,
+            self._entry(CLEARED if not cached_hashes else RESYNCED, cached_hashes),
+            maxlen=STREAM_MAXLEN,
+            approximate=True,
+        )
+        pipe.execute()
+
+    def heartbeat(self, **load: int) -> None:
+        for k, v in load.items():
+            setattr(self.record, k, v)
+        key = worker_key(self.record.worker_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(key, mapping=self.record.to_fields())
+        pipe.pexpire(key, self.ttl_ms)
+        pipe.execute()
+
+    def publish(self, kind: str, hashes: list[bytes]) -> None:
+        """One batch of stored/removed block hashes, snapshot and stream updated atomically."""
+        if not hashes and kind != CLEARED:
+            return
+        wid = self.record.worker_id
+        self.seq += 1
+        pipe = self.client.pipeline(transaction=True)
+        if kind == STORED:
+            pipe.sadd(snapshot_key(wid), *hashes)
+        elif kind == REMOVED:
+            pipe.srem(snapshot_key(wid), *hashes)
+        else:
+            pipe.delete(snapshot_key(wid))
+        pipe.hset(snapshot_meta_key(wid), mapping={"epoch": self.record.epoch, "seq": self.seq})
+        pipe.xadd(EVENTS_STREAM, self._entry(kind, hashes), maxlen=STREAM_MAXLEN, approximate=True)
+        pipe.execute()
+
+    def deregister(self) -> None:
+        wid = self.record.worker_id
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(worker_key(wid), snapshot_key(wid), snapshot_meta_key(wid))
+        pipe.srem(WORKERS_SET, wid)
+        pipe.execute()
+
+    def _entry(self, kind: str, hashes: list[bytes]) -> dict[str, bytes | str | int]:
+        r = self.record
+        return {"w": r.worker_id, "e": r.epoch, "s": self.seq, "k": kind, "h": pack_hashes(hashes)}
+
+
+def read_snapshot(client: redis.Redis, worker_id: str) -> tuple[int, int, set[bytes]]:
+    """(epoch, seq, cached hashes) of a worker, read atomically."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(snapshot_meta_key(worker_id))
+    pipe.smembers(snapshot_key(worker_id))
+    meta, members = pipe.execute()
+    return int(meta.get(b"epoch", 0)), int(meta.get(b"seq", 0)), set(members)
+
+
+def read_workers(client: redis.Redis) -> dict[str, WorkerRecord]:
+    """Live workers (their record has not expired)."""
+    ids = sorted(i.decode() for i in client.smembers(WORKERS_SET))
+    pipe = client.pipeline(transaction=False)
+    for wid in ids:
+        pipe.hgetall(worker_key(wid))
+    out = {}
+    for wid, fields in zip(ids, pipe.execute()):
+        if fields:
+            out[wid] = WorkerRecord.from_fields(fields)
+    return out

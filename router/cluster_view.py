@@ -1,0 +1,131 @@
+"""The router's view of the cluster, kept current from Redis by a background thread.
+
+Lifecycle: ``start()`` -> the thread (1) notes the event stream's tail, (2) reads every live worker's
+record and snapshot into the ``PrefixIndex``, then (3) follows the stream (XREAD, blocking briefly),
+applying events and resynchronising a worker from its snapshot whenever ``apply`` reports a gap;
+every ``poll_s`` it re-reads the worker records (load, liveness) and drops workers whose record
+expired. Any Redis error marks the view ``degraded``: routing goes on from the last known index and
+worker table, and when Redis answers again the thread starts over at (1), catching up. Routing
+never waits on Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+
+from proto.registry import EVENTS_STREAM, KVEventRecord, WorkerRecord, connect, read_snapshot, read_workers
+from router.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterView:
+    def __init__(self, redis_url: str, *, poll_s: float = 0.5, block_ms: int = 100) -> None:
+        self.redis_url = redis_url
+        self.poll_s = poll_s
+        self.block_ms = block_ms
+        self.index = PrefixIndex()
+        self.workers: dict[str, WorkerRecord] = {}
+        self.degraded = True  # until the first successful sync
+        self.events_applied = 0
+        self.resyncs = 0
+        self.event_lag_s = 0.0
+        self.last_sync = 0.0
+        self._stop = threading.Event()
+        self._synced = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: redis.Redis | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="cluster-view", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def wait_synced(self, timeout: float = 10.0) -> bool:
+        return self._synced.wait(timeout)
+
+    def live_workers(self, role: str | None = None) -> list[WorkerRecord]:
+        return [w for w in list(self.workers.values()) if role is None or w.role == role]
+
+    # The thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                self._client = self._client or connect(self.redis_url)
+                last_id = self._full_sync()
+                self.degraded = False
+                backoff = 0.1
+                self._follow(last_id)
+            except redis.RedisError as exc:
+                if not self.degraded:
+                    logger.warning("Redis unreachable (%s): routing on the last known cluster state", exc)
+                self.degraded = True
+                self._synced.clear()
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _full_sync(self) -> bytes:
+        client = self._client
+        tail = client.xrevrange(EVENTS_STREAM, count=1)
+        last_id = tail[0][0] if tail else b"0-0"
+        self._refresh_workers()
+        for wid in list(self.workers):
+            self._resync(wid)
+        self._synced.set()
+        return last_id
+
+    def _follow(self, last_id: bytes) -> None:
+        client = self._client
+        next_poll = time.monotonic() + self.poll_s
+        while not self._stop.is_set():
+            batches = client.xread({EVENTS_STREAM: last_id}, count=1000, block=self.block_ms)
+            for _stream, entries in batches or ():
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    self._apply(KVEventRecord.from_fields(fields))
+                if entries:
+                    ms = int(entries[-1][0].split(b"-")[0])
+                    self.event_lag_s = max(0.0, time.time() - ms / 1000)
+            if time.monotonic() >= next_poll:
+                self._refresh_workers()
+                next_poll = time.monotonic() + self.poll_s
+
+    def _apply(self, ev: KVEventRecord) -> None:
+        with self.index.lock:
+            ok = self.index.apply(ev)
+        self.events_applied += 1
+        if not ok:
+            logger.info("gap in %s's KV events (seq %d): resynchronising", ev.worker_id, ev.seq)
+            self._resync(ev.worker_id)
+
+    def _resync(self, worker_id: str) -> None:
+        epoch, seq, hashes = read_snapshot(self._client, worker_id)
+        with self.index.lock:
+            if epoch == 0:
+                self.index.drop(worker_id)
+            else:
+                self.index.replace(worker_id, epoch, seq, hashes)
+        self.resyncs += 1
+
+    def _refresh_workers(self) -> None:
+        live = read_workers(self._client)
+        for wid in set(self.workers) - set(live):
+            logger.info("worker %s left (its registration expired)", wid)
+            with self.index.lock:
+                self.index.drop(wid)
+        for wid, rec in live.items():
+            known = self.index.epoch_of(wid)
+            if known is not None and rec.epoch > known:
+                self._resync(wid)  # restarted: its old incarnation's blocks are gone
+        self.workers = live
+        self.last_sync = time.time()

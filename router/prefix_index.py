@@ -1,0 +1,134 @@
+"""The router's in-process replica of the global prefix index: block hash -> workers holding it.
+
+Fed by the workers' KV events (``proto.registry``). Per worker it tracks the incarnation (epoch)
+and the last applied sequence number: an event that skips a number, or a new incarnation that does
+not start at 1 with CLEARED/RESYNCED, makes ``apply`` return False and the caller resynchronises
+that worker from its snapshot (``replace``). Events a snapshot already covers are skipped, and
+events of an older incarnation are ignored. Routing reads it under a lock, never touching Redis.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from proto.registry import CLEARED, REMOVED, RESYNCED, STORED, KVEventRecord
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._holders: dict[bytes, set[str]] = {}
+        self._blocks: dict[str, set[bytes]] = {}
+        self._epoch: dict[str, int] = {}
+        self._seq: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.gaps_detected = 0
+
+    # Updates (the cluster view's thread) -------------------------------------------------------
+
+    def apply(self, ev: KVEventRecord) -> bool:
+        """Apply one event; False when the worker must be resynchronised from its snapshot."""
+        w = ev.worker_id
+        known = self._epoch.get(w)
+        if known is not None and ev.epoch < known:
+            return True  # a previous incarnation's late event
+        if known is None or ev.epoch > known:
+            self._drop(w)
+            self._epoch[w] = ev.epoch
+            self._seq[w] = 0
+            if ev.seq != 1 or ev.kind not in (CLEARED, RESYNCED):
+                self.gaps_detected += 1
+                return False
+        elif ev.seq <= self._seq[w]:
+            return True  # already in the snapshot we resynchronised from
+        elif ev.seq != self._seq[w] + 1:
+            self.gaps_detected += 1
+            return False
+        if ev.kind == STORED:
+            self._add(w, ev.hashes)
+        elif ev.kind == REMOVED:
+            self._remove(w, ev.hashes)
+        else:  # CLEARED / RESYNCED: the event carries the whole set
+            self._drop(w)
+            self._add(w, ev.hashes)
+        self._seq[w] = ev.seq
+        return True
+
+    def replace(self, worker_id: str, epoch: int, seq: int, hashes: Iterable[bytes]) -> None:
+        """Resynchronise one worker from its snapshot (state after its events 1..seq)."""
+        self._drop(worker_id)
+        self._epoch[worker_id] = epoch
+        self._seq[worker_id] = seq
+        self._add(worker_id, hashes)
+
+    def drop(self, worker_id: str) -> None:
+        self._drop(worker_id)
+        self._epoch.pop(worker_id, None)
+        self._seq.pop(worker_id, None)
+
+    # Queries (routing) ------------------------------------------------------------------------
+
+    def match(self, hashes: list[bytes], workers: Iterable[str]) -> dict[str, int]:
+        """For each worker: how many leading blocks of ``hashes`` it holds."""
+        holders = self._holders
+        alive = set(workers)
+        lengths = dict.fromkeys(alive, 0)
+        for i, h in enumerate(hashes):
+            held = holders.get(h)
+            if not held:
+                break
+            alive &= held
+            if not alive:
+                break
+            for w in alive:
+                lengths[w] = i + 1
+        return lengths
+
+    def blocks_of(self, worker_id: str) -> set[bytes]:
+        return set(self._blocks.get(worker_id, ()))
+
+    def epoch_of(self, worker_id: str) -> int | None:
+        return self._epoch.get(worker_id)
+
+    def workers(self) -> list[str]:
+        return list(self._epoch)
+
+    @property
+    def size(self) -> int:
+        """Indexed (block, worker) entries."""
+        return sum(len(b) for b in self._blocks.values())
+
+    # Internals --------------------------------------------------------------------------------
+
+    def _add(self, w: str, hashes: Iterable[bytes]) -> None:
+        mine = self._blocks.setdefault(w, set())
+        for h in hashes:
+            if h not in mine:
+                mine.add(h)
+                self._holders.setdefault(h, set()).add(w)
+
+    def _remove(self, w: str, hashes: Iterable[bytes]) -> None:
+        mine = self._blocks.get(w)
+        if not mine:
+            return
+        for h in hashes:
+            if h in mine:
+                mine.discard(h)
+                held = self._holders.get(h)
+                if held is not None:
+                    held.discard(w)
+                    if not held:
+                        del self._holders[h]
+
+    def _drop(self, w: str) -> None:
+        mine = self._blocks.pop(w, None)
+        if mine:
+            self._remove_all(w, mine)
+
+    def _remove_all(self, w: str, hashes: set[bytes]) -> None:
+        for h in hashes:
+            held = self._holders.get(h)
+            if held is not None:
+                held.discard(w)
+                if not held:
+                    del self._holders[h]
