@@ -73,6 +73,11 @@ class ClusterView:
                 self._synced.clear()
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
+            except Exception:  # a malformed entry must not kill the view: resync from scratch
+                logger.exception("cluster view failed; resynchronising")
+                self.degraded = True
+                self._synced.clear()
+                self._stop.wait(backoff)
 
     def _full_sync(self) -> bytes:
         client = self._client

@@ -1,0 +1,43 @@
+"""The router's index replica: events by sequence number, gaps, incarnations, longest-prefix match."""
+
+from __future__ import annotations
+
+from proto.registry import CLEARED, REMOVED, RESYNCED, STORED, KVEventRecord
+from router.prefix_index import PrefixIndex
+
+H = [bytes([i]) * 16 for i in range(10)]
+
+
+def ev(w: str, epoch: int, seq: int, kind: str, *idx: int) -> KVEventRecord:
+    return KVEventRecord(w, epoch, seq, kind, [H[i] for i in idx])
+
+
+def test_events_in_order_build_the_index_and_match_prefixes():
+    idx = PrefixIndex()
+    assert idx.apply(ev("a", 1, 1, CLEARED))
+    assert idx.apply(ev("a", 1, 2, STORED, 0, 1, 2))
+    assert idx.apply(ev("b", 7, 1, RESYNCED, 0, 1))
+    assert idx.apply(ev("a", 1, 3, REMOVED, 1))
+    assert idx.match([H[0], H[1], H[2]], ["a", "b", "c"]) == {"a": 1, "b": 2, "c": 0}
+    assert idx.blocks_of("a") == {H[0], H[2]} and idx.size == 4
+
+
+def test_a_gap_asks_for_a_resync_and_covered_events_are_skipped():
+    idx = PrefixIndex()
+    assert idx.apply(ev("a", 1, 1, CLEARED))
+    assert not idx.apply(ev("a", 1, 3, STORED, 5))  # seq 2 is missing
+    assert idx.gaps_detected == 1
+    idx.replace("a", 1, 3, [H[4], H[5]])  # the snapshot at seq 3
+    assert idx.apply(ev("a", 1, 3, STORED, 5))  # already covered: ignored
+    assert idx.apply(ev("a", 1, 4, STORED, 6))
+    assert idx.blocks_of("a") == {H[4], H[5], H[6]}
+
+
+def test_a_new_incarnation_drops_the_old_ones_entries():
+    idx = PrefixIndex()
+    idx.apply(ev("a", 1, 1, RESYNCED, 0, 1, 2))
+    assert idx.apply(ev("a", 2, 1, CLEARED))  # restarted with an empty cache
+    assert idx.blocks_of("a") == set() and idx.epoch_of("a") == 2
+    assert idx.apply(ev("a", 1, 2, STORED, 3))  # the old incarnation's late event is ignored
+    assert idx.blocks_of("a") == set()
+    assert not idx.apply(ev("b", 5, 4, STORED, 1))  # first sight of a worker mid-stream: resync
