@@ -1,0 +1,57 @@
+"""``python -m router --redis-url URL [--policy cache_aware] [--port N]``: the router on its own.
+
+Prints ``LISTENING <host:port>`` once it serves. The Redis URL (``redis://`` or ``rediss://``, AUTH in
+the URL) may come from the environment as PDSERVE_REDIS_URL, so no secret lands on a command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+from router.cluster_view import ClusterView
+from router.policies import POLICIES
+from router.router import Router
+from router.service import serve
+
+
+async def _main(args: argparse.Namespace) -> None:
+    view = ClusterView(args.redis_url)
+    view.start()
+    view.wait_synced(10)
+    router = Router(view, args.policy)
+    server, address = await serve(router, args.host, args.port)
+    print(f"LISTENING {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2)
+    await router.close()
+    view.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m router", description=__doc__)
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("PDSERVE_REDIS_URL"),
+        required="PDSERVE_REDIS_URL" not in os.environ,
+    )
+    p.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args()
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(_main(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Request orchestration: route, Prefill, stream the first token, Decode with the KV handle, relay.
+
+A request's life: validated -> block-hashed with the engines' hash (no torch here) -> a (P, D) pair
+chosen by the policy from the in-process index -> ``Prefill`` on P (its first token is streamed to
+the caller at once: TTFT does not wait for the KV transfer) -> ``Decode`` on D with the handle,
+whose stream is relayed. If P fails, another prefill worker is tried, then the request runs
+aggregated on D; it is never silently lost, and the caller's deadline bounds every call.
+Cancellation propagates: a cancelled caller cancels the worker calls (the decode worker aborts and
+frees its blocks) and, if the KV was never pulled, the router releases it on P.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from engine.block_hash import hash_blocks
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from proto.convert import params_to_proto
+from proto.registry import WorkerRecord
+from router.cluster_view import ClusterView
+from router.policies import Policy, RoutingInput, WorkerLoad, make_policy
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class NoWorkersError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class RouterStats:
+    requests: int = 0
+    prefill_retries: int = 0
+    aggregated_fallbacks: int = 0
+    failed: int = 0
+    predicted_hit_tokens: int = 0
+    delivered_hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+class Router:
+    def __init__(self, view: ClusterView, policy: str = "cache_aware", prefill_attempts: int = 2) -> None:
+        self.view = view
+        self.policy: Policy = make_policy(policy)
+        self.prefill_attempts = prefill_attempts
+        self.inflight: dict[str, WorkerLoad] = {}
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (role, worker) -> routed requests
+        self.stats = RouterStats()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._background: set[asyncio.Future] = set()
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+        return ch
+
+    # Routing ----------------------------------------------------------------------------------
+
+    def route(self, prompt: list[int], exclude: frozenset[str] = frozenset()):
+        prefills = [w for w in self.view.live_workers("prefill") if w.worker_id not in exclude]
+        decodes = self.view.live_workers("decode")
+        if not decodes:
+            raise NoWorkersError("no decode worker is registered")
+        ref = (prefills or decodes)[0]
+        hashes = hash_blocks(prompt, ref.block_size, ref.cache_salt)
+        inp = RoutingInput(hashes, len(prompt), ref.block_size, prefills, decodes, self.inflight)
+        return self.policy.choose(inp, self.view.index)
+
+    # Orchestration ----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Yields the caller's stream: the first token as soon as prefill has it, then the rest."""
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(prompt)
+        proto_params = params_to_proto(params)
+        exclude: set[str] = set()
+        route = self.route(prompt)
+        resp = None
+        if route.prefill is not None and params.n == 1:
+            for attempt in range(self.prefill_attempts):
+                try:
+                    resp = await self._prefill(
+                        route.prefill, request_id, prompt, proto_params, priority, deadline
+                    )
+                    self.stats.predicted_hit_tokens += route.predicted_hit_tokens
+                    self.stats.delivered_hit_tokens += resp.handle.num_cached_tokens
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in _RETRYABLE or _expired(deadline):
+                        raise
+                    logger.warning(
+                        "prefill on %s failed (%s); retrying elsewhere", route.prefill.worker_id, exc.code()
+                    )
+                    self.stats.prefill_retries += attempt == 0
+                    exclude.add(route.prefill.worker_id)
+                    route = self.route(prompt, frozenset(exclude))
+                    if route.prefill is None:
+                        break
+        if resp is None:
+            self.stats.aggregated_fallbacks += route.prefill is not None or (params.n == 1 and bool(exclude))
+            async for msg in self._decode(
+                route.decode, request_id, prompt, proto_params, priority, None, deadline
+            ):
+                yield msg
+            return
+        yield pb.GenerateResponse(
+            tokens=pb.TokenChunk(token_ids=[resp.handle.first_token], logprobs=[resp.handle.first_logprobs])
+        )
+        if resp.HasField("finished"):
+            yield pb.GenerateResponse(finished=resp.finished)
+            return
+        pulled = False
+        try:
+            async for msg in self._decode(
+                route.decode, request_id, prompt, proto_params, priority, resp.handle, deadline
+            ):
+                pulled = True
+                yield msg
+        finally:
+            if not pulled:  # the decode side never got going: do not leave the KV to its lease
+                task = asyncio.ensure_future(self._release(route.prefill, request_id, resp.handle.epoch))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _prefill(self, w: WorkerRecord, rid, prompt, params, priority, deadline) -> pb.PrefillResponse:
+        self.decisions[("prefill", w.worker_id)] += 1
+        load = self.inflight.setdefault(w.worker_id, WorkerLoad())
+        load.prompt_tokens += len(prompt)
+        load.requests += 1
+        try:
+            stub = pb_grpc.PrefillWorkerStub(self._channel(w.address))
+            return await stub.Prefill(
+                pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority),
+                timeout=_remaining(deadline),
+            )
+        finally:
+            load.prompt_tokens -= len(prompt)
+            load.requests -= 1
+
+    async def _decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline):
+        self.decisions[("decode", w.worker_id)] += 1
+        load = self.inflight.setdefault(w.worker_id, WorkerLoad())
+        load.requests += 1
+        req = pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority)
+        if handle is not None:
+            req.handle.CopyFrom(handle)
+        call = pb_grpc.DecodeWorkerStub(self._channel(w.address)).Decode(req, timeout=_remaining(deadline))
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            load.requests -= 1
+            call.cancel()  # no-op when finished; aborts the request on the worker otherwise
+
+    async def _release(self, w: WorkerRecord, rid: str, epoch: int) -> None:
+        try:
+            await pb_grpc.PrefillWorkerStub(self._channel(w.address)).Release(
+                pb.ReleaseRequest(request_id=rid, epoch=epoch), timeout=5
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.info(
+                "release of %s on %s failed (%s): its lease will free it", rid, w.worker_id, exc.code()
+            )
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort on every decode worker (the request lives on at most one)."""
+        aborted = False
+        for w in self.view.live_workers("decode"):
+            try:
+                r = await pb_grpc.DecodeWorkerStub(self._channel(w.address)).Abort(
+                    pb.AbortRequest(request_id=request_id), timeout=5
+                )
+                aborted |= r.aborted
+            except grpc.aio.AioRpcError:
+                continue
+        return aborted
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.001, deadline - time.monotonic())
+
+
+def _expired(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline

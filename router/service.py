@@ -1,0 +1,94 @@
+"""gRPC face of the router (asyncio): Generate (server stream), Abort, GetClusterState."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from proto.convert import params_from_proto
+from router.router import NoWorkersError, Router
+
+logger = logging.getLogger(__name__)
+
+
+class RouterService(pb_grpc.RouterServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        prompt = list(request.prompt_token_ids)
+        try:
+            if not request.request_id:
+                raise ValueError("request_id is required")
+            if not prompt:
+                raise ValueError("prompt must contain at least one token")
+            params = params_from_proto(request.params)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        try:
+            async for msg in self.router.generate(
+                request.request_id, prompt, params, priority=request.priority, deadline=deadline
+            ):
+                yield msg
+        except NoWorkersError as exc:
+            self.router.stats.failed += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except grpc.aio.AioRpcError as exc:  # a worker's refusal or failure, passed on as is
+            self.router.stats.failed += 1
+            await context.abort(exc.code(), exc.details() or str(exc.code()))
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        return pb.AbortResponse(aborted=await self.router.abort(request.request_id))
+
+    async def GetClusterState(self, request, context) -> pb.ClusterState:
+        r, view = self.router, self.router.view
+        workers = []
+        for w in view.live_workers():
+            load = r.inflight.get(w.worker_id)
+            workers.append(
+                pb.WorkerSummary(
+                    state=pb.WorkerState(
+                        worker_id=w.worker_id,
+                        epoch=w.epoch,
+                        role=w.role,
+                        address=w.address,
+                        model=w.model,
+                        stats=pb.EngineStats(
+                            num_running=w.num_running,
+                            num_waiting=w.num_waiting,
+                            num_blocks=w.num_blocks,
+                            num_free_blocks=w.num_free_blocks,
+                            kv_usage=1 - w.num_free_blocks / w.num_blocks if w.num_blocks else 0.0,
+                        ),
+                    ),
+                    healthy=True,
+                    queued_prompt_tokens=max(w.queued_prompt_tokens, load.prompt_tokens if load else 0),
+                )
+            )
+        s = r.stats
+        return pb.ClusterState(
+            workers=workers,
+            degraded=view.degraded,
+            policy=r.policy.name,
+            requests_routed=s.requests,
+            predicted_prefix_hit_rate=s.predicted_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            delivered_prefix_hit_rate=s.delivered_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+        )
+
+
+async def serve(router: Router, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    pb_grpc.add_RouterServicer_to_server(RouterService(router), server)
+    await server.start()
+    address = f"{host}:{bound}"
+    logger.info("router (%s) on %s", router.policy.name, address)
+    return server, address
