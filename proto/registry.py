@@ -123,7 +123,7 @@ class WorkerRegistration:
     Not thread-safe; one owner thread (the worker's publisher) calls it.
     """
 
-    def __init__(self, client: redis.Redis, record: WorkerRecord, ttl_s: float = 10.0) -> None:
+    def __init__(self, client: redis.Redis | None, record: WorkerRecord, ttl_s: float = 10.0) -> None:
         self.client = client
         self.record = record
         self.ttl_ms = int(ttl_s * 1000)

@@ -82,7 +82,9 @@ class RegistryPublisher:
     # Publisher thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        reg: WorkerRegistration | None = None
+        # NOTE: one registration for the whole incarnation: its sequence numbers must keep rising
+        # across reconnects, or readers would take the new events for ones they already have.
+        reg = WorkerRegistration(None, self.record, self.ttl_s)
         next_beat = 0.0
         awaiting_snapshot = True
         while not self._stop.is_set():
@@ -93,8 +95,8 @@ class RegistryPublisher:
             if kind == "stop":
                 return
             try:
-                if reg is None:
-                    reg = WorkerRegistration(connect(self.redis_url), self.record, self.ttl_s)
+                if reg.client is None:
+                    reg.client = connect(self.redis_url)
                 if kind == "snapshot":
                     reg.register(payload)
                     awaiting_snapshot = False
@@ -110,7 +112,7 @@ class RegistryPublisher:
                 if self.connected:
                     logger.warning("registry unreachable (%s): will resync when it returns", exc)
                 self.connected = False
-                reg = None
+                reg.client = None
                 awaiting_snapshot = True
                 self._want_snapshot.set()
                 self._stop.wait(0.5)

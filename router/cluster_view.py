@@ -3,8 +3,9 @@
 Lifecycle: ``start()`` -> the thread (1) notes the event stream's tail, (2) reads every live worker's
 record and snapshot into the ``PrefixIndex``, then (3) follows the stream (XREAD, blocking briefly),
 applying events and resynchronising a worker from its snapshot whenever ``apply`` reports a gap;
-every ``poll_s`` it re-reads the worker records (load, liveness) and drops workers whose record
-expired. Any Redis error marks the view ``degraded``: routing goes on from the last known index and
+every ``poll_s`` it re-reads the worker records (load, liveness) and drops a worker once its record
+has been gone for ``grace_s`` (a Redis restarted empty lists nobody until the workers re-register:
+that is an outage, not a cluster without workers). Any Redis error marks the view ``degraded``: routing goes on from the last known index and
 worker table, and when Redis answers again the thread starts over at (1), catching up. Routing
 never waits on Redis.
 """
@@ -24,8 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 class ClusterView:
-    def __init__(self, redis_url: str, *, poll_s: float = 0.5, block_ms: int = 100) -> None:
+    def __init__(
+        self, redis_url: str, *, poll_s: float = 0.5, block_ms: int = 100, grace_s: float = 10.0
+    ) -> None:
         self.redis_url = redis_url
+        self.grace_s = grace_s
+        self._missing_since: dict[str, float] = {}
         self.poll_s = poll_s
         self.block_ms = block_ms
         self.index = PrefixIndex()
@@ -35,6 +40,7 @@ class ClusterView:
         self.resyncs = 0
         self.event_lag_s = 0.0
         self.last_sync = 0.0
+        self.last_id = b"0-0"  # position in the event stream
         self._stop = threading.Event()
         self._synced = threading.Event()
         self._thread: threading.Thread | None = None
@@ -96,7 +102,7 @@ class ClusterView:
             batches = client.xread({EVENTS_STREAM: last_id}, count=1000, block=self.block_ms)
             for _stream, entries in batches or ():
                 for entry_id, fields in entries:
-                    last_id = entry_id
+                    last_id = self.last_id = entry_id
                     self._apply(KVEventRecord.from_fields(fields))
                 if entries:
                     ms = int(entries[-1][0].split(b"-")[0])
@@ -116,16 +122,25 @@ class ClusterView:
     def _resync(self, worker_id: str) -> None:
         epoch, seq, hashes = read_snapshot(self._client, worker_id)
         with self.index.lock:
-            if epoch == 0:
-                self.index.drop(worker_id)
-            else:
+            if epoch != 0:
                 self.index.replace(worker_id, epoch, seq, hashes)
+            elif worker_id not in self._missing_since:
+                self.index.drop(worker_id)
+            # else: missing from a Redis that lost its data; keep the last known entries for now
         self.resyncs += 1
 
     def _refresh_workers(self) -> None:
         live = read_workers(self._client)
+        now = time.monotonic()
+        for wid in live:
+            self._missing_since.pop(wid, None)
         for wid in set(self.workers) - set(live):
-            logger.info("worker %s left (its registration expired)", wid)
+            since = self._missing_since.setdefault(wid, now)
+            if now - since < self.grace_s:
+                live[wid] = self.workers[wid]  # not gone yet: Redis may have restarted empty
+                continue
+            logger.info("worker %s left (its registration is gone)", wid)
+            del self._missing_since[wid]
             with self.index.lock:
                 self.index.drop(wid)
         for wid, rec in live.items():

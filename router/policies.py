@@ -4,7 +4,8 @@ Every policy sees the same inputs: the prompt's block hashes, the live workers w
 (registry heartbeat, raised by the router's own count of what it has in flight there), and the
 prefix index. ``cache_aware`` (default) sends the prompt where the estimated time to its first token
 is least — the prompt tokens a worker would still compute plus those already queued there — so a
-warm worker wins until its queue costs more than the recompute elsewhere; a decode worker is chosen
+warm worker wins until its queue costs more than the recompute elsewhere, and a new prefix goes
+where the cache has the most room; a decode worker is chosen
 by free KV blocks and running requests, its own cached prefix breaking ties.
 """
 
@@ -99,14 +100,18 @@ class CacheAware(LeastLoad):
         workers = [w.worker_id for w in inp.prefills] + [w.worker_id for w in inp.decodes]
         with index.lock:
             hits = index.match(inp.hashes, workers)
+            cached = {w.worker_id: index.num_blocks_of(w.worker_id) for w in inp.prefills}
         bs = inp.block_size
         prefill = None
         if inp.prefills:
+            # Ties (e.g. a new prefix on idle workers) go where the cache has the most room, which
+            # spreads tenants over the workers instead of piling them onto the first one.
             prefill = min(
                 inp.prefills,
                 key=lambda w: (
                     inp.prompt_len - hits.get(w.worker_id, 0) * bs + self._queued_tokens(inp, w),
                     -hits.get(w.worker_id, 0),
+                    cached[w.worker_id],
                     w.worker_id,
                 ),
             )

@@ -84,6 +84,9 @@ class PrefixIndex:
                 lengths[w] = i + 1
         return lengths
 
+    def num_blocks_of(self, worker_id: str) -> int:
+        return len(self._blocks.get(worker_id, ()))
+
     def blocks_of(self, worker_id: str) -> set[bytes]:
         return set(self._blocks.get(worker_id, ()))
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 from triton.runtime import JITFunction
 
 LOG2E = 1.4426950408889634
@@ -53,7 +54,7 @@ def is_interpreted() -> bool:
     return not isinstance(_store_kv_kernel, JITFunction)
 
 
-def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+def _check_attention_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> int:
     """Shared invariants of the attention launchers; returns query heads per KV head."""
     assert q.dim() == 3 and k_cache.dim() == 4, "q is [tokens, heads, dim], caches are [blocks, bs, kvh, dim]"
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
@@ -93,12 +94,12 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
-    v_cache: torch.Tensor,
-    slot_blocks: torch.Tensor,  # [T] int64
-    slot_offsets: torch.Tensor,  # [T] int64
+    k: Tensor,  # [T, num_kv_heads, head_dim]
+    v: Tensor,
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
+    v_cache: Tensor,
+    slot_blocks: Tensor,  # [T] int64
+    slot_offsets: Tensor,  # [T] int64
 ) -> None:
     t, kvh, d = k.shape
     assert v.shape == k.shape and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
@@ -119,7 +120,9 @@ def store_kv(
     )  # fmt: skip
 
 
-def store_kv_ref(k, v, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
+def store_kv_ref(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_blocks: Tensor, slot_offsets: Tensor
+) -> None:
     k_cache[slot_blocks, slot_offsets] = k
     v_cache[slot_blocks, slot_offsets] = v
 
@@ -221,24 +224,24 @@ def _decode_reduce_kernel(
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # [B, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int64
-    seq_lens: torch.Tensor,  # [B] int64, context length including the query token
+    q: Tensor,  # [B, num_heads, head_dim]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
+    v_cache: Tensor,
+    block_tables: Tensor,  # [B, max_blocks] int64
+    seq_lens: Tensor,  # [B] int64, context length including the query token
     max_seq_len: int,  # host-side max of seq_lens (sizes the split without a device sync)
     scale: float,
     sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
+    out: Tensor | None = None,
     partition_size: int = 512,
-) -> torch.Tensor:
+) -> Tensor:
     qpk = _check_attention_inputs(q, k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
     assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.stride(1) == 1
     assert block_tables.dtype == seq_lens.dtype == torch.int64 and seq_lens.shape == (batch,)
     assert seq_lens.is_contiguous()
     assert block_tables.shape[1] * k_cache.shape[1] >= max_seq_len, "block tables too short for max_seq_len"
-    assert partition_size > 0 and partition_size % DECODE_TILE == 0, f"partition_size: multiple of {DECODE_TILE}"
+    assert partition_size > 0 and partition_size % DECODE_TILE == 0, f"not a multiple of {DECODE_TILE}"
     assert sliding_window is None or sliding_window > 0
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
@@ -270,13 +273,15 @@ def paged_decode_attention(
     return out
 
 
-def _context_ref(cache: torch.Tensor, table: torch.Tensor, ctx: int) -> torch.Tensor:
+def _context_ref(cache: Tensor, table: Tensor, ctx: int) -> Tensor:
     """The first ``ctx`` tokens of a sequence's paged K or V: ``[ctx, num_kv_heads, head_dim]``."""
     num_blocks = -(-ctx // cache.shape[1])
     return cache[table[:num_blocks]].flatten(0, 1)[:ctx]
 
 
-def _attention_ref(q, keys, values, q_pos: torch.Tensor, scale: float, sliding_window: int | None):
+def _attention_ref(
+    q: Tensor, keys: Tensor, values: Tensor, q_pos: Tensor, scale: float, sliding_window: int | None
+) -> Tensor:
     """Float32 softmax attention of ``q`` [n, H, D] at ``q_pos`` [n] over keys at positions 0..ctx-1."""
     group = q.shape[1] // keys.shape[1]
     k = keys.float().repeat_interleave(group, dim=1)
@@ -291,8 +296,14 @@ def _attention_ref(q, keys, values, q_pos: torch.Tensor, scale: float, sliding_w
 
 
 def paged_decode_attention_ref(
-    q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int | None = None
-) -> torch.Tensor:
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
     out = torch.empty_like(q)
     for i, ctx in enumerate(seq_lens.tolist()):
         keys = _context_ref(k_cache, block_tables[i], ctx)
@@ -367,21 +378,22 @@ def _prefill_kernel(
 
 
 def paged_prefill_attention(
-    q: torch.Tensor,  # [T, num_heads, head_dim], the chunks back to back
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], strided; holds the chunks
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int64
-    query_start_loc: torch.Tensor,  # [B + 1] int64, offsets into q
-    seq_lens: torch.Tensor,  # [B] int64, context length after the chunk
+    q: Tensor,  # [T, num_heads, head_dim], the chunks back to back
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], strided; holds the chunks
+    v_cache: Tensor,
+    block_tables: Tensor,  # [B, max_blocks] int64
+    query_start_loc: Tensor,  # [B + 1] int64, offsets into q
+    seq_lens: Tensor,  # [B] int64, context length after the chunk
     max_query_len: int,  # host-side max chunk length (sizes the grid without a device sync)
     scale: float,
     sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    out: Tensor | None = None,
+) -> Tensor:
     qpk = _check_attention_inputs(q, k_cache, v_cache)
     batch = seq_lens.shape[0]
     assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.stride(1) == 1
-    assert query_start_loc.shape == (batch + 1,) and query_start_loc.is_contiguous() and seq_lens.is_contiguous()
+    assert query_start_loc.shape == (batch + 1,) and query_start_loc.is_contiguous()
+    assert seq_lens.is_contiguous()
     assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int64
     assert sliding_window is None or sliding_window > 0
     out = torch.empty_like(q) if out is None else out
@@ -403,8 +415,15 @@ def paged_prefill_attention(
 
 
 def paged_prefill_attention_ref(
-    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale: float, sliding_window: int | None = None
-) -> torch.Tensor:
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for i, ctx in enumerate(seq_lens.tolist()):

@@ -65,9 +65,25 @@ def _converged(view: ClusterView, workers: list[Worker], timeout: float = 10.0) 
         for w in workers:
             w.publisher.engine_tick(w.core)
         time.sleep(0.05)
-    diffs = {w.worker_id: (len(view.index.blocks_of(w.worker_id)), len(w.cached())) for w in workers}
+    from proto.registry import read_snapshot
+
+    diffs = {
+        w.worker_id: (
+            len(view.index.blocks_of(w.worker_id)),
+            len(w.cached()),
+            len(read_snapshot(connect(w.publisher.redis_url), w.worker_id)[2]),
+            w.publisher.connected,
+            w.publisher.published,
+            w.publisher._thread.is_alive(),
+        )
+        for w in workers
+    }
     raise AssertionError(
-        f"index did not converge (index, actual) per worker: {diffs}; degraded={view.degraded}"
+        f"index did not converge (index, actual, snapshot, connected, published, alive): {diffs}; "
+        f"degraded={view.degraded} alive={view._thread.is_alive()} applied={view.events_applied} "
+        f"view at {view.last_id} stream tail {connect(workers[0].publisher.redis_url).xrevrange('pdserve:kv_events', count=1)[0][0]} "
+        f"len {connect(workers[0].publisher.redis_url).xlen('pdserve:kv_events')} resyncs={view.resyncs} "
+        f"clients {[c['addr'] + ':' + c['cmd'] for c in connect(workers[0].publisher.redis_url).client_list()]}"
     )
 
 
@@ -107,6 +123,7 @@ def test_restarted_worker_replaces_its_stale_entries(redis_server, view, tiny_ll
 
 
 def test_dropped_events_are_detected_and_resynchronised(redis_server, view):
+    assert view.wait_synced(10)  # following the stream before the events are written
     client = connect(redis_server.url)
     reg = WorkerRegistration(client, WorkerRecord(worker_id="d0", role="decode", address="-", epoch=3))
     hashes = [bytes([i]) * 16 for i in range(5)]
@@ -140,5 +157,19 @@ def test_redis_restart_mid_workload_index_catches_up(redis_server, view, tiny_ll
     assert all(len(w.cached()) for w in workers)
     redis_server.start()  # empty: the workers re-register from snapshots of their caches
     _converged(view, workers, timeout=15)
+    for w in workers:
+        w.publisher.stop()
+
+
+def test_publisher_reconnect_within_an_incarnation_keeps_the_index_exact(redis_server, view, tiny_llama):
+    # Regression: a reconnecting publisher restarted its sequence numbers, and readers silently
+    # skipped everything after as "already seen".
+    workers = [Worker(tiny_llama, redis_server.url, f"p{i}") for i in range(2)]
+    workers[0].run(_workload(30))
+    _converged(view, workers)
+    redis_server.client().client_kill_filter(_type="normal", skipme=True)  # every connection drops
+    for i, w in enumerate(workers):
+        w.run(_workload(40 + i))
+    _converged(view, workers)
     for w in workers:
         w.publisher.stop()
