@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+import sys
+from array import array
+from collections.abc import Iterator, Sequence
 
 BlockHash = bytes
 
 _DIGEST_SIZE = 16
+_PACK_CHUNK_BLOCKS = 32
 _VERSION = b"pdserve-kv-v1"
 
 
@@ -43,11 +46,38 @@ def hash_blocks(
     ``parent`` is the hash of block ``start_block - 1`` (or None to start at the root), so a caller
     can extend an existing chain as tokens arrive without rehashing its prefix.
     """
+    return list(iter_block_hashes(token_ids, block_size, salt, parent, start_block))
+
+
+def iter_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str = "",
+    parent: BlockHash | None = None,
+    start_block: int = 0,
+) -> Iterator[BlockHash]:
+    """``hash_blocks`` lazily: a consumer that stops at the first unknown block (the router's
+    longest-prefix lookup) never pays for hashing the rest of a long prompt."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     prev = parent if parent is not None else root_hash(salt)
-    out: list[BlockHash] = []
-    for i in range(start_block, len(token_ids) // block_size):
-        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(prev)
-    return out
+    end = len(token_ids) // block_size
+    if end <= start_block:
+        return
+    # Tokens are packed a chunk of blocks at a time and hashed per block slice: the same bytes
+    # hash_block() feeds (parent || tokens), far cheaper than packing block by block, and a
+    # consumer that stops early never packs the rest.
+    step = block_size * 8
+    blake2b = hashlib.blake2b
+    for chunk in range(start_block, end, _PACK_CHUNK_BLOCKS):
+        data = _pack(token_ids[chunk * block_size : min(end, chunk + _PACK_CHUNK_BLOCKS) * block_size])
+        for off in range(0, len(data), step):
+            prev = blake2b(prev + data[off : off + step], digest_size=_DIGEST_SIZE).digest()
+            yield prev
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """Canonical little-endian int64 encoding."""
+    if sys.byteorder == "little":
+        return array("q", token_ids).tobytes()
+    return struct.pack(f"<{len(token_ids)}q", *token_ids)

@@ -12,6 +12,7 @@ by free KV blocks and running requests, its own cached prefix breaking ties.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from proto.registry import WorkerRecord
@@ -37,7 +38,7 @@ class Route:
 
 @dataclass(slots=True)
 class RoutingInput:
-    hashes: list[bytes]
+    hashes: Iterator[bytes]  # lazy: consumed once, up to the first block nobody holds
     prompt_len: int
     block_size: int
     prefills: list[WorkerRecord]

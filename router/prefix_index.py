@@ -68,20 +68,26 @@ class PrefixIndex:
 
     # Queries (routing) ------------------------------------------------------------------------
 
-    def match(self, hashes: list[bytes], workers: Iterable[str]) -> dict[str, int]:
-        """For each worker: how many leading blocks of ``hashes`` it holds."""
+    def match(self, hashes: Iterable[bytes], workers: Iterable[str]) -> dict[str, int]:
+        """For each worker: how many leading blocks of ``hashes`` it holds. ``hashes`` may be lazy:
+        it is consumed only up to the first block none of ``workers`` holds."""
         holders = self._holders
         alive = set(workers)
         lengths = dict.fromkeys(alive, 0)
-        for i, h in enumerate(hashes):
+        depth = 0
+        for h in hashes:
             held = holders.get(h)
             if not held:
                 break
-            alive &= held
-            if not alive:
-                break
-            for w in alive:
-                lengths[w] = i + 1
+            if not alive <= held:  # someone's prefix ends here: record it, go on with the rest
+                for w in alive - held:
+                    lengths[w] = depth
+                alive &= held
+                if not alive:
+                    break
+            depth += 1
+        for w in alive:
+            lengths[w] = depth
         return lengths
 
     def num_blocks_of(self, worker_id: str) -> int:

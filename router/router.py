@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.block_hash import hash_blocks
+from engine.block_hash import iter_block_hashes
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -84,7 +84,7 @@ class Router:
         if not decodes:
             raise NoWorkersError("no decode worker is registered")
         ref = (prefills or decodes)[0]
-        hashes = hash_blocks(prompt, ref.block_size, ref.cache_salt)
+        hashes = iter_block_hashes(prompt, ref.block_size, ref.cache_salt)
         inp = RoutingInput(hashes, len(prompt), ref.block_size, prefills, decodes, self.inflight)
         return self.policy.choose(inp, self.view.index)
 
