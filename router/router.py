@@ -27,7 +27,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_to_proto
 from proto.registry import WorkerRecord
 from router.cluster_view import ClusterView
-from router.policies import Policy, RoutingInput, WorkerLoad, make_policy
+from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +109,7 @@ class Router:
         if route.prefill is not None and params.n == 1:
             for attempt in range(self.prefill_attempts):
                 try:
-                    resp = await self._prefill(
-                        route.prefill, request_id, prompt, proto_params, priority, deadline
-                    )
+                    resp = await self._prefill(route, request_id, prompt, proto_params, priority, deadline)
                     self.stats.predicted_hit_tokens += route.predicted_hit_tokens
                     self.stats.delivered_hit_tokens += resp.handle.num_cached_tokens
                     break
@@ -152,10 +150,13 @@ class Router:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
 
-    async def _prefill(self, w: WorkerRecord, rid, prompt, params, priority, deadline) -> pb.PrefillResponse:
+    async def _prefill(self, route: Route, rid, prompt, params, priority, deadline) -> pb.PrefillResponse:
+        w = route.prefill
         self.decisions[("prefill", w.worker_id)] += 1
         load = self.inflight.setdefault(w.worker_id, WorkerLoad())
-        load.prompt_tokens += len(prompt)
+        # The work this puts in front of later requests: the tokens the worker must still compute.
+        work = len(prompt) - route.predicted_hit_tokens
+        load.prompt_tokens += work
         load.requests += 1
         try:
             stub = pb_grpc.PrefillWorkerStub(self._channel(w.address))
@@ -164,7 +165,7 @@ class Router:
                 timeout=_remaining(deadline),
             )
         finally:
-            load.prompt_tokens -= len(prompt)
+            load.prompt_tokens -= work
             load.requests -= 1
 
     async def _decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline):
