@@ -166,15 +166,29 @@ class StreamError(_message.Message):
     message: str
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class RouteInfo(_message.Message):
+    __slots__ = ("prefill_worker", "decode_worker", "predicted_hit_tokens", "delivered_hit_tokens")
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker: str
+    decode_worker: str
+    predicted_hit_tokens: int
+    delivered_hit_tokens: int
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., predicted_hit_tokens: _Optional[int] = ..., delivered_hit_tokens: _Optional[int] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "finished", "error")
+    __slots__ = ("tokens", "finished", "error", "route")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenChunk
     finished: Finished
     error: StreamError
-    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+    route: RouteInfo
+    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -310,18 +324,46 @@ class ClusterStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RoutingCount(_message.Message):
+    __slots__ = ("role", "worker_id", "requests")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    worker_id: str
+    requests: int
+    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., requests: _Optional[int] = ...) -> None: ...
+
 class ClusterState(_message.Message):
-    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate")
+    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    GAPS_DETECTED_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATED_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSummary]
     degraded: bool
     policy: str
     requests_routed: int
     predicted_prefix_hit_rate: float
     delivered_prefix_hit_rate: float
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ...) -> None: ...
+    index_entries: int
+    event_lag_seconds: float
+    events_applied: int
+    gaps_detected: int
+    resyncs: int
+    decisions: _containers.RepeatedCompositeFieldContainer[RoutingCount]
+    prefill_retries: int
+    aggregated_fallbacks: int
+    failed_requests: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ...) -> None: ...

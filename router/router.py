@@ -134,6 +134,22 @@ class Router:
         yield pb.GenerateResponse(
             tokens=pb.TokenChunk(token_ids=[resp.handle.first_token], logprobs=[resp.handle.first_logprobs])
         )
+        yield pb.GenerateResponse(
+            route=pb.RouteInfo(
+                prefill_worker=route.prefill.worker_id,
+                decode_worker=route.decode.worker_id,
+                predicted_hit_tokens=route.predicted_hit_tokens,
+                delivered_hit_tokens=resp.handle.num_cached_tokens,
+            )
+        )
+        logger.debug(
+            "%s: P=%s D=%s predicted hit %d, delivered %d",
+            request_id,
+            route.prefill.worker_id,
+            route.decode.worker_id,
+            route.predicted_hit_tokens,
+            resp.handle.num_cached_tokens,
+        )
         if resp.HasField("finished"):
             yield pb.GenerateResponse(finished=resp.finished)
             return

@@ -79,6 +79,17 @@ class RouterService(pb_grpc.RouterServicer):
             requests_routed=s.requests,
             predicted_prefix_hit_rate=s.predicted_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             delivered_prefix_hit_rate=s.delivered_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            index_entries=view.index.size,
+            event_lag_seconds=view.event_lag_s,
+            events_applied=view.events_applied,
+            gaps_detected=view.index.gaps_detected,
+            resyncs=view.resyncs,
+            decisions=[
+                pb.RoutingCount(role=role, worker_id=w, requests=n) for (role, w), n in r.decisions.items()
+            ],
+            prefill_retries=s.prefill_retries,
+            aggregated_fallbacks=s.aggregated_fallbacks,
+            failed_requests=s.failed,
         )
 
 

@@ -68,7 +68,7 @@ def hf_greedy():
 
 
 class RedisServer:
-    def __init__(self, tmp_path) -> None:
+    def __init__(self, tmp_path, password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail(
@@ -76,10 +76,13 @@ class RedisServer:
             )
         self.binary = binary
         self.dir = tmp_path
+        self.dir.mkdir(parents=True, exist_ok=True)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -97,11 +100,12 @@ class RedisServer:
                 "no",
                 "--dir",
                 str(self.dir),
+                *(["--requirepass", self.password] if self.password else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -117,7 +121,7 @@ class RedisServer:
             self.proc.wait(5)
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
+        return redis.Redis(port=self.port, password=self.password)
 
 
 @pytest.fixture
@@ -125,3 +129,17 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path)
     yield server
     server.kill()
+
+
+@pytest.fixture
+def redis_server_factory(tmp_path):
+    """``make(password=None)`` -> another real redis-server, killed after the test."""
+    servers: list[RedisServer] = []
+
+    def make(password: str | None = None) -> RedisServer:
+        servers.append(RedisServer(tmp_path / f"redis-{len(servers)}", password))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.kill()

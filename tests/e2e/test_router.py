@@ -34,6 +34,7 @@ class Cluster:
         self.decode = workers("decode", "--redis-url", url, "--worker-id", "d0")
         self.view = ClusterView(url, poll_s=0.2)
         self.router = Router(self.view, policy)
+        self.routes: dict[str, pb.RouteInfo] = {}
 
     async def start(self) -> None:
         self.view.start()
@@ -55,7 +56,10 @@ class Cluster:
         tokens = []
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params_to_proto(params))
         async for msg in self.stub.Generate(req, timeout=60):
-            assert msg.WhichOneof("kind") != "error", msg.error
+            kind = msg.WhichOneof("kind")
+            assert kind != "error", msg.error
+            if kind == "route":
+                self.routes[rid] = msg.route
             tokens.extend(msg.tokens.token_ids)
         return tokens
 
@@ -108,14 +112,11 @@ def test_router_serves_hf_identical_tokens_and_routes_tenants_to_their_prefix(
         reqs = _tenant_prompts(1, tenants=4, per_tenant=5)
         seen: dict[int, list[str]] = {}
         for i, (t, p) in enumerate(reqs):
-            before = dict(cluster.router.decisions)
             await cluster.generate(f"t{t}-{i}", p)
-            chosen = [
-                w
-                for (role, w), n in cluster.router.decisions.items()
-                if role == "prefill" and n > before.get((role, w), 0)
-            ]
-            seen.setdefault(t, []).extend(chosen)
+            route = cluster.routes[f"t{t}-{i}"]
+            seen.setdefault(t, []).append(route.prefill_worker)
+            # Per request, the router's predicted prefix hit is what the prefill engine delivered.
+            assert route.predicted_hit_tokens == route.delivered_hit_tokens, route
             await asyncio.sleep(0.3)  # let the workers' KV events reach the index
         # After its first request, each tenant sticks to the worker holding its prefix...
         for t, ws in seen.items():
@@ -130,6 +131,8 @@ def test_router_serves_hf_identical_tokens_and_routes_tenants_to_their_prefix(
         assert abs(s.predicted_hit_tokens - s.delivered_hit_tokens) <= 0.1 * best
         cs = await cluster.stub.GetClusterState(pb.ClusterStateRequest())
         assert {w.state.worker_id for w in cs.workers} == {"p0", "p1", "d0"} and not cs.degraded
+        assert cs.index_entries > 0 and cs.events_applied > 0 and cs.delivered_prefix_hit_rate > 0.5
+        assert sum(d.requests for d in cs.decisions if d.role == "prefill") == len(reqs) + 1
         await cluster.all_free()
 
     asyncio.run(run())

@@ -173,3 +173,18 @@ def test_publisher_reconnect_within_an_incarnation_keeps_the_index_exact(redis_s
     _converged(view, workers)
     for w in workers:
         w.publisher.stop()
+
+
+def test_redis_auth_from_the_url(redis_server_factory, tiny_llama):
+    server = redis_server_factory(password="s3cret-for-test")
+    good = ClusterView(server.url, poll_s=0.2)
+    bad = ClusterView(server.url.replace("s3cret-for-test", "wrong"), poll_s=0.2)
+    good.start()
+    bad.start()
+    w = Worker(tiny_llama, server.url, "p0")
+    w.run(_workload(3))
+    _converged(good, [w])
+    assert bad.degraded and bad.index.size == 0  # refused, and says so, without crashing
+    w.publisher.stop()
+    good.stop()
+    bad.stop()
