@@ -16,6 +16,7 @@ from kv_transfer import RemoteKVInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import logprobs_from_proto, logprobs_to_proto, params_from_proto, stop_reason_text
+from proto.worker_process import start_server
 from proto.worker_state import transfer_info_from_proto, worker_state_to_proto
 
 logger = logging.getLogger(__name__)
@@ -100,14 +101,12 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
 
 async def serve(worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    address = f"{host}:{bound}"
-    pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker, address), server)
-    worker.start()
-    worker.attach_registry(address)
-    await server.start()
-    logger.info("decode worker %s (epoch %d) on %s", worker.worker_id, worker.epoch, address)
-    return server, address
+    """Start the worker's engine loop, registry link and gRPC server; returns (server, "host:port")."""
+    return await start_server(
+        worker,
+        host,
+        port,
+        lambda server, address: pb_grpc.add_DecodeWorkerServicer_to_server(
+            DecodeService(worker, address), server
+        ),
+    )

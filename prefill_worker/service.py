@@ -10,6 +10,7 @@ from prefill_worker.worker import PrefillWorker
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import logprobs_to_proto, params_from_proto, stop_reason_text
+from proto.worker_process import start_server
 from proto.worker_state import worker_state_to_proto
 
 logger = logging.getLogger(__name__)
@@ -76,15 +77,12 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
 
 async def serve(worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
-    """Start the worker's engine loop and its gRPC server; returns (server, "host:port")."""
-    server = grpc.aio.server()
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    address = f"{host}:{bound}"
-    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker, address), server)
-    worker.start()
-    worker.attach_registry(address)
-    await server.start()
-    logger.info("prefill worker %s (epoch %d) on %s", worker.worker_id, worker.epoch, address)
-    return server, address
+    """Start the worker's engine loop, registry link and gRPC server; returns (server, "host:port")."""
+    return await start_server(
+        worker,
+        host,
+        port,
+        lambda server, address: pb_grpc.add_PrefillWorkerServicer_to_server(
+            PrefillService(worker, address), server
+        ),
+    )

@@ -13,6 +13,8 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import grpc
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -41,6 +43,26 @@ def prepare_process(args: argparse.Namespace) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+async def start_server(
+    worker: Any, host: str, port: int, add_service: Callable[[grpc.aio.Server, str], None]
+) -> tuple[grpc.aio.Server, str]:
+    """Bind ``host:port`` (0 picks a port), add the worker's service, start its engine loop, then
+    its registry link and the server; returns (server, "host:port")."""
+    server = grpc.aio.server()
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    address = f"{host}:{bound}"
+    add_service(server, address)
+    worker.start()
+    worker.attach_registry(address)
+    await server.start()
+    logging.getLogger(__name__).info(
+        "%s worker %s (epoch %d) on %s", worker.role, worker.worker_id, worker.epoch, address
+    )
+    return server, address
 
 
 async def serve_until_signal(
