@@ -97,7 +97,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return pb.AbortResponse(aborted=await self.worker.abort(request.request_id))
 
     async def GetState(self, request, context) -> pb.WorkerState:
-        return worker_state_to_proto(self.worker, self.address, await self.worker.stats())
+        w = self.worker
+        return worker_state_to_proto(w, self.address, await w.stats(), await w.transfer_snapshot())
 
 
 async def serve(worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:

@@ -28,7 +28,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from kv_transfer import RemoteKVInfo, TransferState
 from kv_transfer.engine_agent import engine_agent
+from kv_transfer.stats import TransferStats
 from proto.registry_publisher import RegistryPublisher, publish_worker
+from proto.worker_process import drain_worker
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class _Transfer:
     handle: object | None
     agent: str
     policy: str
+    started: float  # time.monotonic() at start_read
     aborted: bool = False
 
 
@@ -94,10 +97,11 @@ class DecodeWorker:
         self.loop = EngineLoop(self.core)
         self.loop.add_tick(self._tick)
         self.registry: RegistryPublisher | None = None
+        self.draining = False
         self.transfers: dict[str, _Transfer] = {}  # engine thread only
         self._quarantine: dict[str, object] = {}  # held-block key -> unsettled transfer handle
         self._peers: set[str] = set()
-        self.counters = {"pulled": 0, "recomputed": 0, "failed": 0, "bytes": 0, "transfer_seconds": 0.0}
+        self.transfer_stats = TransferStats()  # engine thread only
 
     def start(self) -> None:
         self.loop.start()
@@ -113,11 +117,22 @@ class DecodeWorker:
             self.registry.stop()
         self.transfer.close()
 
+    async def drain(self, timeout_s: float = 30.0) -> bool:
+        """Leave the registry (no new routes), then wait for running work to end; False on timeout."""
+        return await drain_worker(self, self._busy, timeout_s)
+
+    async def _busy(self) -> int:
+        s = await self.stats()
+        return s.num_running + s.num_waiting + s.num_swapped + s.num_transferring
+
     def transfer_info(self) -> RemoteKVInfo:
         return self.transfer.local_info()
 
     async def stats(self) -> EngineStats:
         return await self.loop.run(self.core.stats)
+
+    async def transfer_snapshot(self) -> TransferStats:
+        return await self.loop.run(self.transfer_stats.snapshot)
 
     # Requests ---------------------------------------------------------------------------------
 
@@ -210,7 +225,7 @@ class DecodeWorker:
         notify = rid.encode()
         if not reachable:
             if plan is not None:
-                self.counters["recomputed"] += 1
+                self.transfer_stats.recomputed += 1
                 self.core.fail_transfer(rid)  # recompute locally, the first token kept
             return plan is not None
         if plan is None:
@@ -224,8 +239,8 @@ class DecodeWorker:
         handle = self.transfer.start_read(
             kv.agent_name, remote, plan.local_block_ids, notify, self.config.transfer_timeout_s
         )
-        self.transfers[rid] = _Transfer(handle, kv.agent_name, policy)
-        self.counters["bytes"] += len(remote) * self.core.layout.block_bytes
+        self.transfers[rid] = _Transfer(handle, kv.agent_name, policy, time.monotonic())
+        self.transfer_stats.bytes += len(remote) * self.core.layout.block_bytes
         return True
 
     def _tick(self) -> None:
@@ -239,7 +254,7 @@ class DecodeWorker:
                 if t.aborted:
                     self.loop.publish(self.core.abort_request(rid))
                 else:
-                    self.counters["pulled"] += 1
+                    self.transfer_stats.record_done(time.monotonic() - t.started)
                     self.core.complete_transfer(rid)
                 continue
             # NOTE: NIXL cannot abort a READ in flight: until the backend says the local blocks are
@@ -248,14 +263,14 @@ class DecodeWorker:
                 self._quarantine[self.core.quarantine_blocks(rid)] = t.handle
             else:
                 self.transfer.release(t.handle)
+            self.transfer_stats.failures += 1
             if t.aborted:
                 self.loop.publish(self.core.abort_request(rid))
             elif t.policy == "recompute":
                 logger.warning("KV pull of %s failed: recomputing its prompt locally", rid)
-                self.counters["recomputed"] += 1
+                self.transfer_stats.recomputed += 1
                 self.core.fail_transfer(rid)
             else:
-                self.counters["failed"] += 1
                 self.loop.publish(self.core.fail_request(rid, f"kv transfer of {rid} failed or timed out"))
         for key, handle in list(self._quarantine.items()):
             self.transfer.poll(handle)

@@ -1,14 +1,16 @@
 """The ``pdserve`` command line.
 
 ``pdserve generate``: run the offline engine on a model (a tiny random one it creates if none is
-given) and print the generations and throughput. Serving commands (serve, bench, scale, status)
-join as their parts land.
+given) and print the generations and throughput. ``pdserve serve``: the OpenAI-compatible service on
+Ray Serve (``--demo``: send a few requests through it and exit). ``pdserve status``: the workers of
+a running service.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,19 +24,21 @@ DEFAULT_PROMPTS = [
 TINY_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "tiny-llama"
 
 
-def _ensure_tiny_model() -> Path:
-    from engine.tiny_model import LLAMA_32M, create_tiny_model
+def ensure_tiny_model() -> Path:
+    from engine.tiny_model import LLAMA_32M, build_tokenizer, create_tiny_model
 
     if not (TINY_MODEL_DIR / "config.json").exists():
         print(f"no --model given: creating a tiny random Llama in {TINY_MODEL_DIR}", file=sys.stderr)
         create_tiny_model(TINY_MODEL_DIR, "llama", **LLAMA_32M)
+    elif not (TINY_MODEL_DIR / "chat_template.jinja").exists():  # made before chat templates
+        build_tokenizer(LLAMA_32M.get("vocab_size", 1024)).save_pretrained(TINY_MODEL_DIR)
     return TINY_MODEL_DIR
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    model = args.model or str(_ensure_tiny_model())
+    model = args.model or str(ensure_tiny_model())
     print(f"loading {model} ...", file=sys.stderr)
     llm = LLM(model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks, seed=args.seed)
     prompts = args.prompt or DEFAULT_PROMPTS
@@ -81,7 +85,59 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="pin the KV pool size (default: from memory)")
     g.set_defaults(func=cmd_generate)
+    _add_serve_parser(sub)
+    st = sub.add_parser("status", help="workers, roles, load, KV usage and hit rates of a running service")
+    st.add_argument("--address", default=None, help="Ray cluster address (default: the local one)")
+    st.add_argument("--app", default="pdserve", help="Serve application name")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.set_defaults(func=lambda a: _serve_module().cmd_status(a))
     return parser
+
+
+def _serve_module():
+    from deploy import serve_command
+
+    return serve_command
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve (prefill, decode, router)")
+    s.add_argument("--model", help="checkpoint directory or Hugging Face id (default: a tiny random Llama)")
+    s.add_argument("--served-model-name", help="the model name clients use (default: --model)")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--prefill", type=int, default=1, help="prefill replicas")
+    s.add_argument("--decode", type=int, default=1, help="decode replicas")
+    s.add_argument("--mode", default="disaggregated", choices=["disaggregated", "aggregated"])
+    s.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"])
+    s.add_argument(
+        "--redis-url",
+        default=os.environ.get("PDSERVE_REDIS_URL"),
+        help="registry Redis (env PDSERVE_REDIS_URL; default: an embedded Redis-protocol server)",
+    )
+    s.add_argument(
+        "--api-key", default=None, help="require this bearer key on /v1 (prefer env PDSERVE_API_KEY)"
+    )
+    s.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--device", default=None, help="engine device (default: cpu)")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-blocks", type=int, default=None, help="pin each worker's KV pool size")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=256)
+    s.add_argument(
+        "--max-concurrent-requests", type=int, default=256, help="beyond it requests queue, then 429"
+    )
+    s.add_argument(
+        "--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per prefill/decode replica"
+    )
+    s.add_argument("--worker-gpus", type=float, default=0.0, help="GPUs per prefill/decode replica")
+    s.add_argument("--ray-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
+    s.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on shutdown"
+    )
+    s.add_argument("--demo", action="store_true", help="send a few requests through the service, then exit")
+    s.set_defaults(func=lambda a: _serve_module().cmd_serve(a))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,11 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (False before start and after it died or stopped)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def add_tick(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine thread after every step and at least every ``idle_tick_s``."""
         self._ticks.append(fn)

@@ -166,6 +166,13 @@ def _vocabulary(vocab_size: int) -> list[str]:
     raise AssertionError("unreachable")
 
 
+# A plain role-prefixed template, so chat requests work on the demo model like on a real one.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
 def build_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -180,6 +187,7 @@ def build_tokenizer(vocab_size: int):
         bos_token="<s>",
         eos_token="</s>",
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -23,6 +23,7 @@ from engine.scheduler_output import SequenceOutput
 from kv_transfer import RemoteKVInfo
 from kv_transfer.engine_agent import engine_agent
 from proto.registry_publisher import RegistryPublisher, publish_worker
+from proto.worker_process import drain_worker
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class PrefillWorker:
         self.loop.add_output_hook(self._on_output)
         self.loop.add_tick(self._tick)
         self.registry: RegistryPublisher | None = None
+        self.draining = False
         self.leases: dict[str, _Lease] = {}  # engine thread only
         self.released = {"notification": 0, "release": 0, "expiry": 0, "abandoned": 0}
 
@@ -93,6 +95,14 @@ class PrefillWorker:
         if self.registry is not None:
             self.registry.stop()
         self.transfer.close()
+
+    async def drain(self, timeout_s: float = 30.0) -> bool:
+        """Leave the registry (no new routes), then wait for running work to end; False on timeout."""
+        return await drain_worker(self, self._busy, timeout_s)
+
+    async def _busy(self) -> int:
+        stats, leases = await self.stats()
+        return stats.num_running + stats.num_waiting + stats.num_swapped + leases
 
     def transfer_info(self) -> RemoteKVInfo:
         return self.transfer.local_info()

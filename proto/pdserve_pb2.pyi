@@ -270,12 +270,30 @@ class EngineStats(_message.Message):
     num_transferring: int
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., num_transferring: _Optional[int] = ...) -> None: ...
 
+class KVTransferStats(_message.Message):
+    __slots__ = ("bytes", "completed", "failures", "recomputed", "seconds_sum", "bucket_bounds", "bucket_counts")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    completed: int
+    failures: int
+    recomputed: int
+    seconds_sum: float
+    bucket_bounds: _containers.RepeatedScalarFieldContainer[float]
+    bucket_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, bytes: _Optional[int] = ..., completed: _Optional[int] = ..., failures: _Optional[int] = ..., recomputed: _Optional[int] = ..., seconds_sum: _Optional[float] = ..., bucket_bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GetStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("worker_id", "epoch", "role", "address", "transfer", "stats", "model", "max_model_len", "vocab_size", "cache_salt")
+    __slots__ = ("worker_id", "epoch", "role", "address", "transfer", "stats", "model", "max_model_len", "vocab_size", "cache_salt", "transfer_stats", "pid", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +304,9 @@ class WorkerState(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_STATS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     role: str
@@ -296,7 +317,10 @@ class WorkerState(_message.Message):
     max_model_len: int
     vocab_size: int
     cache_salt: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    transfer_stats: KVTransferStats
+    pid: int
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., cache_salt: _Optional[str] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "priority")
@@ -335,7 +359,7 @@ class RoutingCount(_message.Message):
     def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests")
+    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +375,8 @@ class ClusterState(_message.Message):
     PREFILL_RETRIES_FIELD_NUMBER: _ClassVar[int]
     AGGREGATED_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSummary]
     degraded: bool
     policy: str
@@ -366,4 +392,6 @@ class ClusterState(_message.Message):
     prefill_retries: int
     aggregated_fallbacks: int
     failed_requests: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ...) -> None: ...
+    active_requests: int
+    draining: bool
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...

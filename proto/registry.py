@@ -6,6 +6,8 @@ Schema (all keys under ``pdserve:``; the wire format both the workers and the ro
 - ``kv_events`` STREAM — one entry per batch of a worker's block events: ``w`` worker id, ``e``
   epoch, ``s`` sequence number (per worker and epoch, from 1, no gaps), ``k`` kind (``S`` stored,
   ``R`` removed, ``C`` cleared, ``Z`` resynced), ``h`` the 16-byte block hashes concatenated.
+- ``draining`` STRING — present while the application is shutting down (set by ``pdserve serve``
+  on SIGTERM, with a TTL): routers refuse new requests and let the running ones finish.
 - ``kv:{id}`` SET of the worker's cached block hashes and ``kvmeta:{id}`` HASH {epoch, seq}: the
   snapshot a reader resynchronises from. A worker updates the snapshot and appends the stream
   entry in one MULTI/EXEC, so a snapshot at seq N is exactly the state after events 1..N.
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 PREFIX = "pdserve:"
 EVENTS_STREAM = PREFIX + "kv_events"
 WORKERS_SET = PREFIX + "workers"
+DRAINING_KEY = PREFIX + "draining"
 STREAM_MAXLEN = 500_000
 HASH_BYTES = 16
 
@@ -207,3 +210,11 @@ def read_workers(client: redis.Redis) -> dict[str, WorkerRecord]:
         if fields:
             out[wid] = WorkerRecord.from_fields(fields)
     return out
+
+
+def set_draining(client: redis.Redis, on: bool, ttl_s: float = 300.0) -> None:
+    """Tell every router to stop taking new requests (``on``), or to take them again."""
+    if on:
+        client.set(DRAINING_KEY, b"1", px=int(ttl_s * 1000))
+    else:
+        client.delete(DRAINING_KEY)

@@ -78,3 +78,40 @@ async def serve_until_signal(
     await stop.wait()
     await server.stop(grace=2)
     worker.stop()
+
+
+async def drain_worker(
+    worker: Any, busy: Callable[[], Awaitable[int]], timeout_s: float, quiet_s: float = 1.0
+) -> bool:
+    """Leave the registry so no new request is routed here, then wait until ``busy()`` stays 0.
+
+    Requests already routed (the router's view lags by an event) are still served; ``quiet_s`` of
+    continuous idleness covers a request between its prefill and its decode call. Returns False if
+    work remained after ``timeout_s``.
+    """
+    worker.draining = True
+    if worker.registry is not None:
+        registry, worker.registry = worker.registry, None
+        await asyncio.to_thread(registry.stop)  # deregisters
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    idle_since = None
+    while True:
+        left = await busy()
+        now = loop.time()
+        if left == 0:
+            idle_since = idle_since if idle_since is not None else now
+            if now - idle_since >= quiet_s:
+                return True
+        else:
+            idle_since = None
+        if now >= deadline:
+            logging.getLogger(__name__).warning(
+                "%s %s: %d requests still running after %.0fs of draining",
+                worker.role,
+                worker.worker_id,
+                left,
+                timeout_s,
+            )
+            return left == 0
+        await asyncio.sleep(0.05)

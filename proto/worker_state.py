@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from kv_transfer import KVCompat, RemoteKVInfo
@@ -9,6 +10,7 @@ from proto import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineStats
+    from kv_transfer.stats import TransferStats
 
 
 def transfer_info_to_proto(info: RemoteKVInfo) -> pb.KVTransferInfo:
@@ -71,10 +73,29 @@ def stats_to_proto(s: EngineStats) -> pb.EngineStats:
     )
 
 
-def worker_state_to_proto(worker, address: str, stats: EngineStats) -> pb.WorkerState:
+def transfer_stats_to_proto(t: TransferStats) -> pb.KVTransferStats:
+    from kv_transfer.stats import TRANSFER_SECONDS_BUCKETS
+
+    return pb.KVTransferStats(
+        bytes=t.bytes,
+        completed=t.completed,
+        failures=t.failures,
+        recomputed=t.recomputed,
+        seconds_sum=t.seconds_sum,
+        bucket_bounds=TRANSFER_SECONDS_BUCKETS,
+        bucket_counts=t.bucket_counts,
+    )
+
+
+def worker_state_to_proto(
+    worker, address: str, stats: EngineStats, transfer: TransferStats | None = None
+) -> pb.WorkerState:
     """A worker's GetState answer; ``worker`` is a prefill or decode worker object."""
     core = worker.core
     return pb.WorkerState(
+        pid=os.getpid(),
+        draining=worker.draining,
+        transfer_stats=transfer_stats_to_proto(transfer) if transfer is not None else None,
         worker_id=worker.worker_id,
         epoch=worker.epoch,
         role=worker.role,

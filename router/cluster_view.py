@@ -18,7 +18,15 @@ import time
 
 import redis
 
-from proto.registry import EVENTS_STREAM, KVEventRecord, WorkerRecord, connect, read_snapshot, read_workers
+from proto.registry import (
+    DRAINING_KEY,
+    EVENTS_STREAM,
+    KVEventRecord,
+    WorkerRecord,
+    connect,
+    read_snapshot,
+    read_workers,
+)
 from router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -36,6 +44,7 @@ class ClusterView:
         self.index = PrefixIndex()
         self.workers: dict[str, WorkerRecord] = {}
         self.degraded = True  # until the first successful sync
+        self.draining = False  # the application is shutting down: take no new requests
         self.events_applied = 0
         self.resyncs = 0
         self.event_lag_s = 0.0
@@ -49,6 +58,10 @@ class ClusterView:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="cluster-view", daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         self._stop.set()
@@ -130,6 +143,7 @@ class ClusterView:
         self.resyncs += 1
 
     def _refresh_workers(self) -> None:
+        self.draining = bool(self._client.exists(DRAINING_KEY))
         live = read_workers(self._client)
         now = time.monotonic()
         for wid in live:

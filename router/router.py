@@ -16,6 +16,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -63,6 +64,7 @@ class Router:
         self.inflight: dict[str, WorkerLoad] = {}
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, worker) -> routed requests
         self.stats = RouterStats()
+        self.active = 0  # Generate streams in progress (shutdown waits for them)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Future] = set()
 
@@ -100,6 +102,17 @@ class Router:
         deadline: float | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Yields the caller's stream: the first token as soon as prefill has it, then the rest."""
+        self.active += 1
+        try:
+            async with aclosing(self._generate(request_id, prompt, params, priority, deadline)) as stream:
+                async for msg in stream:
+                    yield msg
+        finally:
+            self.active -= 1
+
+    async def _generate(
+        self, request_id, prompt, params, priority, deadline
+    ) -> AsyncIterator[pb.GenerateResponse]:
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt)
         proto_params = params_to_proto(params)

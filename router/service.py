@@ -90,6 +90,8 @@ class RouterService(pb_grpc.RouterServicer):
             prefill_retries=s.prefill_retries,
             aggregated_fallbacks=s.aggregated_fallbacks,
             failed_requests=s.failed,
+            active_requests=r.active,
+            draining=view.draining,
         )
 
 

@@ -143,3 +143,11 @@ def redis_server_factory(tmp_path):
     yield make
     for server in servers:
         server.kill()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server(tmp_path_factory):
+    """A real redis-server shared by one test module (e.g. one long-lived ``pdserve serve``)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.kill()

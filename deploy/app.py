@@ -1,0 +1,32 @@
+"""Build the pdserve Ray Serve application from one validated config.
+
+``build_app`` is also the Serve config's ``import_path`` (``deploy.app:build_app``), so
+``serve deploy`` / KubeRay build exactly what ``pdserve serve`` builds: its ``args`` are a
+``PDServeConfig``. Deployments: Ingress (HTTP) -> Router -> Prefill + Decode; in aggregated mode
+there is no Prefill deployment and decode replicas prefill locally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from deploy.config import PDServeConfig
+from deploy.deployments import DecodeServer, IngressServer, PrefillServer, RouterServer
+
+# Serve-level request cap for the ingress; pdserve's own admission control (429) acts well before.
+_INGRESS_MAX_ONGOING = 100_000
+
+
+def build_app(args: PDServeConfig | dict[str, Any]) -> Application:
+    config = args if isinstance(args, PDServeConfig) else PDServeConfig.model_validate(args)
+    decode = DecodeServer.options(**config.decode.deployment_options()).bind(config)
+    prefill = None
+    if config.mode == "disaggregated":
+        prefill = PrefillServer.options(**config.prefill.deployment_options()).bind(config)
+    # The router finds workers through Redis, not through Serve; binding them here makes Serve start
+    # and stop them as parts of this one application.
+    router = RouterServer.options(**config.router.deployment_options()).bind(config, [decode, prefill])
+    ingress_opts = config.ingress.deployment_options() | {"max_ongoing_requests": _INGRESS_MAX_ONGOING}
+    return IngressServer.options(**ingress_opts).bind(config, router)

@@ -1,0 +1,239 @@
+"""Ray Serve deployments: thin wrappers that construct the plain worker, router and ingress objects.
+
+Each replica's life: constructed by Serve (model loaded, gRPC server bound, registered in Redis) ->
+serving, with ``check_health`` failing when its engine loop is stuck or dead, not only when the
+process is gone -> stopped by Serve (scale-down, redeploy, shutdown): ``__del__`` drains first —
+a worker leaves the registry so nothing new is routed to it, then waits for its running requests;
+the router waits for its open streams — and only then closes. Everything between replicas travels
+over gRPC (protobuf) and NIXL; Serve handles carry only the router's address string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from ray import serve
+
+from deploy.config import PDServeConfig
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _bind_host(config: PDServeConfig) -> str:
+    if config.worker_host == "auto":
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return config.worker_host
+
+
+def _redis_url(config: PDServeConfig) -> str:
+    url = config.redis_url or os.environ.get("PDSERVE_REDIS_URL")
+    if not url:
+        raise ValueError("no Redis: set redis_url in the config or PDSERVE_REDIS_URL in the environment")
+    return url
+
+
+def _replica_id() -> str:
+    return serve.get_replica_context().replica_id.unique_id
+
+
+def _prepare_ucx(host: str) -> None:
+    # NOTE: before the worker creates its NIXL agent (which initialises UCX): a loopback-bound
+    # worker keeps its KV traffic on lo too, instead of UCX listening on every interface.
+    if host in LOOPBACK and "UCX_NET_DEVICES" not in os.environ:
+        os.environ["UCX_NET_DEVICES"] = "lo"
+
+
+class _WorkerReplica:
+    """What the prefill and decode replicas share: health, state, draining shutdown."""
+
+    worker = None
+    server = None
+    address = ""
+    config: PDServeConfig
+
+    async def get_address(self) -> str:
+        return self.address
+
+    async def check_health(self) -> None:
+        loop = self.worker.loop
+        if not loop.alive:
+            raise RuntimeError(f"{self.worker.worker_id}: engine loop is not running")
+        stuck = loop.stuck_for()
+        if stuck > self.config.engine_stuck_timeout_s:
+            raise RuntimeError(f"{self.worker.worker_id}: engine loop made no progress for {stuck:.0f}s")
+
+    async def __del__(self) -> None:
+        if self.worker is None:
+            return
+        timeout = self._options().graceful_shutdown_timeout_s
+        drained = await self.worker.drain(max(0.0, timeout - 2.0))
+        logger.info("%s drained (%s); stopping", self.worker.worker_id, "clean" if drained else "timed out")
+        await self.server.stop(grace=1.0)
+        await asyncio.to_thread(self.worker.stop)
+        self.worker = None
+
+
+@serve.deployment(name="Prefill")
+class PrefillServer(_WorkerReplica):
+    async def __init__(self, config: PDServeConfig) -> None:
+        from prefill_worker.service import serve as serve_prefill
+        from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+
+        self.config = config
+        host = _bind_host(config)
+        _prepare_ucx(host)
+        t0 = time.perf_counter()
+        self.worker = PrefillWorker(
+            PrefillWorkerConfig(
+                config.engine.engine_config(config.model),
+                worker_id=f"prefill-{_replica_id()}",
+                lease_seconds=config.prefill.lease_seconds,
+                model_name=config.model_name,
+                redis_url=_redis_url(config),
+            )
+        )
+        self.server, self.address = await serve_prefill(self.worker, host, 0)
+        logger.info("%s ready on %s in %.1fs", self.worker.worker_id, self.address, time.perf_counter() - t0)
+
+    def _options(self):
+        return self.config.prefill
+
+
+@serve.deployment(name="Decode")
+class DecodeServer(_WorkerReplica):
+    async def __init__(self, config: PDServeConfig) -> None:
+        from decode_worker.service import fetch_prefill_peer
+        from decode_worker.service import serve as serve_decode
+        from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+
+        self.config = config
+        host = _bind_host(config)
+        _prepare_ucx(host)
+        t0 = time.perf_counter()
+        self.worker = DecodeWorker(
+            DecodeWorkerConfig(
+                config.engine.engine_config(config.model),
+                worker_id=f"decode-{_replica_id()}",
+                kv_failure_policy=config.decode.kv_failure_policy,
+                transfer_timeout_s=config.decode.transfer_timeout_s,
+                model_name=config.model_name,
+                redis_url=_redis_url(config),
+            ),
+            fetch_peer=fetch_prefill_peer,
+        )
+        self.server, self.address = await serve_decode(self.worker, host, 0)
+        logger.info("%s ready on %s in %.1fs", self.worker.worker_id, self.address, time.perf_counter() - t0)
+
+    def _options(self):
+        return self.config.decode
+
+
+@serve.deployment(name="Router")
+class RouterServer:
+    async def __init__(self, config: PDServeConfig, workers: list | None = None) -> None:
+        from router.cluster_view import ClusterView
+        from router.router import Router
+        from router.service import serve as serve_router
+
+        self.config = config
+        self.view = ClusterView(_redis_url(config))
+        self.view.start()
+        if not await asyncio.to_thread(self.view.wait_synced, 10.0):
+            logger.warning("router started before the registry answered; routing once it does")
+        self.router = Router(self.view, config.router.policy)
+        self.server, self.address = await serve_router(self.router, _bind_host(config), 0)
+
+    async def get_address(self) -> str:
+        return self.address
+
+    async def check_health(self) -> None:
+        if not self.view.alive:
+            raise RuntimeError("the router's cluster view thread died")
+
+    async def __del__(self) -> None:
+        deadline = time.monotonic() + max(0.0, self.config.router.graceful_shutdown_timeout_s - 2.0)
+        while self.router.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(grace=1.0)
+        await self.router.close()
+        await asyncio.to_thread(self.view.stop)
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress()
+class IngressServer:
+    """The OpenAI HTTP endpoint. Its FastAPI app is built per replica by ``deploy.http_app``."""
+
+    async def __init__(self, config: PDServeConfig, router) -> None:
+        from deploy.http_app import build_http_app
+        from deploy.metrics import IngressMetrics
+        from deploy.model_info import load_model_info
+        from deploy.openai_serving import OpenAIServing
+        from deploy.router_client import RouterClient
+
+        self.config = config
+        info = await asyncio.to_thread(
+            load_model_info, config.model, config.model_name, config.engine.max_model_len, config.tiny_model
+        )
+        self.client = RouterClient(lambda: router.get_address.remote())
+        self.serving = OpenAIServing(info, config.ingress, self.client, IngressMetrics(info.name))
+        self.replica = _replica_id()
+        self._http = build_http_app(self.serving, _api_key(config), self._health, self._metrics)
+
+    def __serve_build_asgi_app__(self):
+        return self._http
+
+    async def _health(self) -> tuple[bool, dict]:
+        try:
+            cluster = await self.client.cluster_state(timeout_s=2.0)
+        except Exception as exc:  # any failure to reach the router means "not serving"
+            return False, {"status": "unavailable", "reason": f"router unreachable: {type(exc).__name__}"}
+        roles = [w.state.role for w in cluster.workers]
+        detail = {
+            "status": "ok",
+            "model": self.serving.info.name,
+            "prefill_workers": roles.count("prefill"),
+            "decode_workers": roles.count("decode"),
+            "registry": "degraded" if cluster.degraded else "ok",
+        }
+        if self.serving.draining:
+            detail["status"] = "draining"
+            return False, detail
+        if not detail["decode_workers"]:
+            detail["status"] = "unavailable"
+            return False, detail
+        if cluster.degraded or (self.config.mode == "disaggregated" and not detail["prefill_workers"]):
+            detail["status"] = "degraded"
+        return True, detail
+
+    async def _metrics(self) -> bytes:
+        try:
+            cluster, workers = await self.client.worker_states(timeout_s=2.0)
+        except Exception as exc:  # the request-level series are still worth a scrape
+            logger.warning("metrics: cluster state unavailable (%s)", type(exc).__name__)
+            cluster, workers = None, []
+        adm = self.serving.admission
+        return self.serving.metrics.render(cluster, workers, (self.replica, adm.running, adm.waiting))
+
+    async def __del__(self) -> None:
+        self.serving.draining = True
+        await self.client.close()
+
+
+def _api_key(config: PDServeConfig) -> str | None:
+    """From ``ingress.api_key_file`` or PDSERVE_API_KEY; never from the config itself."""
+    path = config.ingress.api_key_file
+    if path:
+        with open(path) as f:
+            key = f.read().strip()
+        if not key:
+            raise ValueError(f"API key file {path} is empty")
+        return key
+    return os.environ.get("PDSERVE_API_KEY") or None

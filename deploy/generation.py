@@ -1,0 +1,184 @@
+"""One request's generation as the ingress sees it: the router's token stream turned into text.
+
+Per sample: tokens are detokenized incrementally; stop strings are matched here (text never reaches
+the workers) and the text that could still become a stop string is held back while streaming; a
+stop-string match ends the sample, and the stream is cancelled once every sample has ended, which
+aborts the request on its decode worker. Router/worker failures become ``APIError``s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+
+from deploy.metrics import IngressMetrics
+from deploy.openai_protocol import APIError
+from deploy.request_validation import GenerationRequest
+from deploy.router_client import RouterClient
+from engine.detokenizer import IncrementalDetokenizer
+
+_GRPC_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "overloaded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+_STREAM_STATUS = {"invalid_argument": 400, "kv_transfer_failed": 503, "unavailable": 503}
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]  # the most likely tokens at this position, best first
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Sample:
+    detok: IncrementalDetokenizer
+    emitted: int = 0  # characters of detok.text already handed out
+    tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(slots=True)
+class Generation:
+    request_id: str
+    req: GenerationRequest
+    tokenizer: object
+    metrics: IngressMetrics
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    route: tuple[str, str] | None = None  # (prefill worker, decode worker)
+    samples: list[_Sample] = field(default_factory=list)
+    usage: Usage | None = None
+    hold: int = 0  # characters held back while streaming: a stop string may still complete there
+
+    def __post_init__(self) -> None:
+        p = self.req.params
+        self.samples = [
+            _Sample(IncrementalDetokenizer(self.tokenizer, self.req.prompt_ids, p)) for _ in range(p.n)
+        ]
+        self.usage = Usage(len(self.req.prompt_ids))
+        self.hold = max(0, max((len(s) for s in p.stop), default=0) - 1) if self.req.stream else 0
+
+    async def events(self, router: RouterClient, timeout_s: float) -> AsyncIterator[list[ChoiceDelta]]:
+        """Yields the new text (and logprobs, finish reasons) of each router message."""
+        g = self.req
+        stream = router.generate(self.request_id, g.prompt_ids, g.params, g.priority, timeout_s)
+        async with aclosing(stream):
+            try:
+                async for msg in stream:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "tokens":
+                        deltas = self._on_tokens(msg.tokens)
+                    elif kind == "finished":
+                        deltas = self._on_finished(msg.finished)
+                    elif kind == "error":
+                        raise APIError(
+                            _STREAM_STATUS.get(msg.error.code, 500), msg.error.message, code=msg.error.code
+                        )
+                    else:
+                        self.route = (msg.route.prefill_worker, msg.route.decode_worker)
+                        continue
+                    if deltas:
+                        yield deltas
+                    if all(s.finish_reason is not None for s in self.samples):
+                        break
+            except grpc.aio.AioRpcError as exc:
+                status, code = _GRPC_STATUS.get(exc.code(), (500, "internal"))
+                raise APIError(status, exc.details() or exc.code().name.lower(), code=code) from exc
+        if any(s.finish_reason is None for s in self.samples):
+            raise APIError(500, "the generation stream ended before every sample finished", code="internal")
+        self.metrics.e2e.labels(self.metrics.model).observe(time.perf_counter() - self.started)
+
+    def _on_tokens(self, chunk) -> list[ChoiceDelta]:
+        s = self.samples[chunk.sample_index]
+        if s.finish_reason is not None:  # already ended by a stop string; the worker ran on
+            return []
+        now = time.perf_counter()
+        n = len(chunk.token_ids)
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.labels(self.metrics.model).observe(now - self.started)
+            if n > 1:
+                self.metrics.observe_token_gap(0.0, n - 1)
+        else:
+            self.metrics.observe_token_gap(now - self.last_token_at, n)
+        self.last_token_at = now
+        ids = list(chunk.token_ids)
+        s.tokens += n
+        self.usage.completion_tokens += n
+        stop = s.detok.add(ids)
+        if stop is not None:
+            s.finish_reason, s.stop_reason = "stop", stop
+        logprobs = self._logprobs(ids, chunk.logprobs) if self.req.logprobs is not None else []
+        return [self._delta(chunk.sample_index, s, logprobs)]
+
+    def _on_finished(self, fin) -> list[ChoiceDelta]:
+        s = self.samples[fin.sample_index]
+        self.usage.cached_tokens = max(self.usage.cached_tokens, fin.usage.cached_tokens)
+        if s.finish_reason is not None:
+            return []
+        s.finish_reason = fin.finish_reason
+        s.stop_reason = fin.stop_reason or None
+        return [self._delta(fin.sample_index, s, [])]
+
+    def _delta(self, index: int, s: _Sample, logprobs: list[TokenLogprob]) -> ChoiceDelta:
+        end = (
+            len(s.detok.text)
+            if s.finish_reason is not None
+            else max(s.emitted, len(s.detok.text) - self.hold)
+        )
+        text, s.emitted = s.detok.text[s.emitted : end], end
+        return ChoiceDelta(index, text, logprobs, s.finish_reason, s.stop_reason)
+
+    def _logprobs(self, ids: list[int], entries) -> list[TokenLogprob]:
+        dec = self.tokenizer.decode
+        k = self.req.logprobs or 0
+        out = []
+        for tid, lp in zip(ids, entries):
+            # -inf (a token outside top-k/top-p) is not JSON: clamp like other OpenAI servers do.
+            pairs = [(e.token_id, max(e.logprob, -9999.0)) for e in lp.entries]
+            sampled = next((v for t, v in pairs if t == tid), -9999.0)
+            top = sorted(pairs, key=lambda p: -p[1])[:k]
+            out.append(TokenLogprob(dec([tid]), sampled, [(dec([t]), v) for t, v in top]))
+        return out
+
+    def text(self, index: int) -> str:
+        return self.samples[index].detok.text
+
+    def finish(self, index: int) -> tuple[str | None, str | None]:
+        s = self.samples[index]
+        return s.finish_reason, s.stop_reason

@@ -1,0 +1,127 @@
+"""The HTTP surface (FastAPI): routes, API-key check, body-size cap, and OpenAI-shaped errors.
+
+Every error, including unknown routes and unexpected failures, answers with
+``{"error": {"message", "type", "param", "code"}}``; nothing internal (tracebacks, addresses) leaks.
+``/v1/*`` needs the API key when one is configured; ``/health`` and ``/metrics`` do not (probes and
+scrapers), and reveal no request content.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deploy.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from deploy.openai_serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+_REF = "#/components/schemas/{model}"
+
+
+def _body_schema(model) -> dict:
+    """The request body's schema for OpenAPI (the body is parsed by hand, to control every error)."""
+    schema = model.model_json_schema(ref_template=_REF)
+    schema.pop("$defs", None)  # hoisted into components by _with_components
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _with_components(app: FastAPI, models) -> None:
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = base()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in models:
+                components.update(m.model_json_schema(ref_template=_REF).get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build_http_app(
+    serving: OpenAIServing,
+    api_key: str | None,
+    health: Callable[[], Awaitable[tuple[bool, dict]]],
+    metrics: Callable[[], Awaitable[bytes]],
+) -> FastAPI:
+    app = FastAPI(title="pdserve", description="OpenAI-compatible disaggregated prefill/decode serving")
+    key = api_key.encode() if api_key else None
+    max_body = serving.options.max_body_bytes
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(APIError(500, "internal server error", code="internal").body(), status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if key is not None and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+                err = APIError(401, "missing or invalid API key", code="invalid_api_key")
+                return JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            raise APIError(413, f"request body over {max_body} bytes", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise APIError(413, f"request body over {max_body} bytes", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def respond(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(
+            result,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request):
+        return respond(await serving.completions(await read_body(request)))
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        return respond(await serving.chat(await read_body(request)))
+
+    @app.get("/v1/models")
+    async def models():
+        return serving.models()
+
+    @app.get("/health")
+    async def health_check():
+        ok, detail = await health()
+        return JSONResponse(detail, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(await metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    _with_components(app, (CompletionRequest, ChatCompletionRequest))
+    return app

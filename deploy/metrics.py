@@ -1,0 +1,155 @@
+"""Prometheus metrics under fixed names, so dashboards can rely on them.
+
+Request-level series (TTFT, ITL, end-to-end latency, requests by status) are measured in the
+ingress, where the client's view of the stream is. Worker-level series (running, waiting, KV usage,
+prefix-cache hits, preemptions, KV transfer bytes / latency / failures) are read from every worker's
+own GetState at scrape time and exported labelled by role and worker, so they are never stale and
+no worker needs an HTTP port. The router's predicted and delivered prefix-hit ratios ride along.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from proto import pdserve_pb2 as pb
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+STATUSES = ("success", "client_error", "rejected", "cancelled", "error")
+
+
+class IngressMetrics:
+    """One ingress replica's request-level metrics (its own registry: no process-global state)."""
+
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model = model
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Request arrival at the ingress to the first generated token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Request arrival to its last token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "pdserve_requests", "Finished requests by status", [*labels, "status"], registry=self.registry
+        )
+        for status in STATUSES:
+            self.requests.labels(model, status)
+
+    def observe_token_gap(self, gap_s: float, tokens: int) -> None:
+        child = self.itl.labels(self.model)
+        for _ in range(tokens):
+            child.observe(gap_s / tokens)
+
+    def count(self, status: str) -> None:
+        self.requests.labels(self.model, status).inc()
+
+    def render(
+        self, cluster: pb.ClusterState | None, workers: list[pb.WorkerState], ingress: tuple[str, int, int]
+    ) -> bytes:
+        """``ingress``: (this replica's id, requests it is streaming, requests waiting for a slot)."""
+        snapshot = CollectorRegistry()
+        snapshot.register(_ClusterCollector(cluster, workers, ingress))
+        return generate_latest(self.registry) + generate_latest(snapshot)
+
+
+class _ClusterCollector:
+    def __init__(
+        self, cluster: pb.ClusterState | None, workers: list[pb.WorkerState], ingress: tuple[str, int, int]
+    ) -> None:
+        self.cluster = cluster
+        self.workers = workers
+        self.ingress = ingress
+
+    def collect(self):
+        labels = ["role", "worker"]
+        running = GaugeMetricFamily(
+            "pdserve_requests_running", "Requests in the running batch", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "pdserve_requests_waiting", "Requests queued in the engine", labels=labels
+        )
+        kv = GaugeMetricFamily(
+            "pdserve_kv_cache_usage_ratio", "Used fraction of the KV block pool", labels=labels
+        )
+        hit = GaugeMetricFamily(
+            "pdserve_prefix_cache_hit_ratio",
+            "Prompt blocks found in the engine's prefix cache",
+            labels=labels,
+        )
+        free = GaugeMetricFamily("pdserve_kv_blocks_free", "Free (or evictable cached) KV blocks", labels=labels)
+        total = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks in the pool", labels=labels)
+        preempt = CounterMetricFamily("pdserve_preemptions", "Requests preempted for KV space", labels=labels)
+        tbytes = CounterMetricFamily(
+            "pdserve_kv_transfer_bytes", "KV bytes pulled from prefill workers", labels=["worker"]
+        )
+        tfail = CounterMetricFamily(
+            "pdserve_kv_transfer_failures", "KV pulls that failed or timed out", labels=["worker"]
+        )
+        tsec = HistogramMetricFamily(
+            "pdserve_kv_transfer_seconds",
+            "KV pull latency (READ start to all blocks landed)",
+            labels=["worker"],
+        )
+        replica, streaming, queued = self.ingress
+        running.add_metric(["ingress", replica], streaming)
+        waiting.add_metric(["ingress", replica], queued)
+        for w in self.workers:
+            s, ids = w.stats, [w.role, w.worker_id]
+            running.add_metric(ids, s.num_running)
+            waiting.add_metric(ids, s.num_waiting)
+            kv.add_metric(ids, s.kv_usage)
+            free.add_metric(ids, s.num_free_blocks)
+            total.add_metric(ids, s.num_blocks)
+            hit.add_metric(
+                ids, s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+            )
+            preempt.add_metric(ids, s.num_preemptions)
+            if w.role == "decode":
+                t = w.transfer_stats
+                tbytes.add_metric([w.worker_id], t.bytes)
+                tfail.add_metric([w.worker_id], t.failures)
+                buckets, acc = [], 0
+                for bound, n in zip([*t.bucket_bounds, float("inf")], t.bucket_counts):
+                    acc += n
+                    buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+                tsec.add_metric([w.worker_id], buckets, t.seconds_sum)
+        yield from (running, waiting, kv, free, total, hit, preempt, tbytes, tfail, tsec)
+        if self.cluster is not None:
+            c = self.cluster
+            r = GaugeMetricFamily(
+                "pdserve_router_prefix_hit_ratio",
+                "Prompt tokens the router predicted / the engines delivered as prefix-cache hits",
+                labels=["kind"],
+            )
+            r.add_metric(["predicted"], c.predicted_prefix_hit_rate)
+            r.add_metric(["delivered"], c.delivered_prefix_hit_rate)
+            yield r
+            yield CounterMetricFamily(
+                "pdserve_router_requests_routed", "Requests the router has routed", value=c.requests_routed
+            )
+            yield GaugeMetricFamily(
+                "pdserve_router_active_requests", "Generate streams open on the router", value=c.active_requests
+            )
+            yield GaugeMetricFamily(
+                "pdserve_router_degraded",
+                "1 while the registry (Redis) is unreachable",
+                value=float(c.degraded),
+            )

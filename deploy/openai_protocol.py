@@ -1,0 +1,152 @@
+"""OpenAI-compatible request bodies and the error schema.
+
+The models are strict (``extra="forbid"``, no type coercion): a field we do not implement is
+refused with a 400 naming it rather than silently ignored, and ``"max_tokens": "5"`` is a type
+error, as with OpenAI. Ranges that depend on the deployment (n, logprobs, the context length, the
+vocabulary) are checked by ``deploy.request_validation`` after parsing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+Number = StrictInt | StrictFloat
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's schema: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    TYPES: ClassVar[dict[int, str]] = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        499: "cancelled",
+        500: "server_error",
+        503: "service_unavailable",
+        504: "timeout_error",
+    }
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(
+                    self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+                ),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(_Request):
+    model: StrictStr
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    n: StrictInt = 1
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    priority: StrictInt = 0
+    # Accepted only at their neutral values, so clients that always send them keep working.
+    presence_penalty: Number = 0
+    frequency_penalty: Number = 0
+    logit_bias: dict[str, Number] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+
+def error_from_validation(exc) -> APIError:
+    """A pydantic ValidationError as a 400 naming the first offending field."""
+    first = exc.errors()[0]
+    # Union members add a type tag to the location ("temperature.float"): name the field only.
+    loc = ".".join(str(p) for p in first.get("loc", ()) if not _is_type_tag(p))
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        msg = f"unsupported field {loc!r}"
+    elif kind == "missing":
+        msg = f"missing required field {loc!r}"
+    else:
+        msg = f"invalid value for {loc!r}: {first.get('msg', 'invalid')}"
+    return APIError(
+        400, msg, param=loc or None, code="invalid_value" if kind != "missing" else "missing_field"
+    )
+
+
+def _is_type_tag(part) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
+
+
+_TYPE_TAGS = {"int", "float", "str", "bool", "none", "list", "dict", "TextPart"}

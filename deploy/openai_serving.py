@@ -1,0 +1,251 @@
+"""The OpenAI endpoints' logic: validate, admit, generate through the router, answer in OpenAI's shapes.
+
+A request's life in the ingress: body read (size-capped) -> parsed and validated (any failure: a 4xx
+with OpenAI's error schema, no worker touched) -> admitted (a slot among ``max_concurrent_requests``,
+or a place among ``max_queued_requests`` waiting for one; beyond that 429 + Retry-After) -> streamed
+from the router -> answered as JSON or SSE. A streaming answer starts only once the first token (or
+an error) is in, so early failures keep their HTTP status. A client that goes away cancels the
+router stream, which aborts the request on its workers and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+
+from deploy.config import IngressOptions
+from deploy.generation import ChoiceDelta, Generation
+from deploy.metrics import IngressMetrics
+from deploy.model_info import ModelInfo
+from deploy.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from deploy.request_validation import GenerationRequest, parse_body, validate_chat, validate_completion
+from deploy.router_client import RouterClient
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """A bounded queue in front of the router: ``limit`` streams at once, ``queue`` more may wait."""
+
+    def __init__(self, limit: int, queue: int) -> None:
+        self.limit = limit
+        self.queue = queue
+        self.running = 0
+        self.waiting = 0
+        self._cond = asyncio.Condition()
+
+    @asynccontextmanager
+    async def slot(self):
+        async with self._cond:
+            if self.running >= self.limit:
+                if self.waiting >= self.queue:
+                    retry = max(1, math.ceil(self.waiting / self.limit))
+                    raise APIError(
+                        429,
+                        f"server overloaded: {self.running} requests running and {self.waiting} queued",
+                        code="overloaded",
+                        headers={"Retry-After": str(retry)},
+                    )
+                self.waiting += 1
+                try:
+                    await self._cond.wait_for(lambda: self.running < self.limit)
+                finally:
+                    self.waiting -= 1
+            self.running += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.running -= 1
+                self._cond.notify()
+
+
+class OpenAIServing:
+    def __init__(
+        self, info: ModelInfo, options: IngressOptions, router: RouterClient, metrics: IngressMetrics
+    ) -> None:
+        self.info = info
+        self.options = options
+        self.router = router
+        self.metrics = metrics
+        self.admission = Admission(options.max_concurrent_requests, options.max_queued_requests)
+        self.draining = False
+
+    # Endpoints ---------------------------------------------------------------------------------
+
+    def models(self) -> dict:
+        card = {"id": self.info.name, "object": "model", "created": 0, "owned_by": "pdserve"}
+        card["max_model_len"] = self.info.max_model_len
+        if self.info.tiny:
+            card["description"] = "tiny random-weight demo model: its text is meaningless"
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, body: bytes):
+        req = self._validated(body, CompletionRequest, validate_completion)
+        return await self._serve(req, f"cmpl-{uuid.uuid4().hex}")
+
+    async def chat(self, body: bytes):
+        req = self._validated(body, ChatCompletionRequest, validate_chat)
+        return await self._serve(req, f"chatcmpl-{uuid.uuid4().hex}")
+
+    def _validated(self, body, model_cls, validate) -> GenerationRequest:
+        try:
+            if self.draining:
+                raise APIError(503, "server is shutting down", code="draining")
+            return validate(parse_body(body, model_cls), self.info, self.options)
+        except APIError as exc:
+            self.metrics.count("client_error" if exc.status < 500 else "rejected")
+            raise
+
+    # Generation --------------------------------------------------------------------------------
+
+    async def _serve(self, req: GenerationRequest, rid: str):
+        """A dict (non-streaming) or an async iterator of SSE lines (streaming); APIError on failure."""
+        gen = Generation(rid, req, self.info.tokenizer, self.metrics)
+        slot = self.admission.slot()
+        try:
+            await slot.__aenter__()
+        except APIError:
+            self.metrics.count("rejected")
+            raise
+        events = gen.events(self.router, self.options.request_timeout_s)
+        if not req.stream:
+            try:
+                choices: dict[int, list] = {i: [] for i in range(req.params.n)}
+                async for deltas in events:
+                    for d in deltas:
+                        choices[d.index].extend(d.logprobs)
+                self.metrics.count("success")
+                return self._full_response(rid, req, gen, choices)
+            except BaseException as exc:
+                self.metrics.count(_status_of(exc))
+                raise
+            finally:
+                await events.aclose()
+                await slot.__aexit__(None, None, None)
+        try:
+            first = await anext(events, None)
+            if first is None:
+                raise APIError(500, "the generation stream ended without output", code="internal")
+        except BaseException as exc:
+            await events.aclose()
+            await slot.__aexit__(None, None, None)
+            self.metrics.count(_status_of(exc))
+            raise
+        return self._sse(rid, req, gen, first, events, slot)
+
+    async def _sse(self, rid, req, gen: Generation, first, events, slot) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if req.chat else "text_completion"
+        status = "error"
+        try:
+            async with aclosing(events):
+                if req.chat:  # OpenAI opens every choice with the assistant role
+                    for i in range(req.params.n):
+                        yield _sse(_chunk(rid, obj, created, self.info.name, [_chat_delta(i, "", role=True)]))
+                batch: list[ChoiceDelta] | None = first
+                while batch is not None:
+                    choices = [self._stream_choice(req, d) for d in batch]
+                    yield _sse(_chunk(rid, obj, created, self.info.name, choices))
+                    batch = await anext(events, None)
+            if req.include_usage:
+                yield _sse(_chunk(rid, obj, created, self.info.name, [], usage=gen.usage.to_dict()))
+            status = "success"
+        except APIError as exc:
+            logger.warning("%s failed mid-stream: %s", rid, exc.message)
+            yield _sse(exc.body())
+        except BaseException as exc:
+            status = _status_of(exc)
+            raise
+        finally:
+            self.metrics.count(status)
+            await slot.__aexit__(None, None, None)
+        yield b"data: [DONE]\n\n"
+
+    def _stream_choice(self, req: GenerationRequest, d: ChoiceDelta) -> dict:
+        if req.chat:
+            c = _chat_delta(d.index, d.text)
+            c["logprobs"] = {"content": _chat_logprobs(d.logprobs)} if req.logprobs is not None else None
+        else:
+            c = {"index": d.index, "text": d.text}
+            c["logprobs"] = _completion_logprobs(d.logprobs) if req.logprobs is not None else None
+        c["finish_reason"] = d.finish_reason
+        if d.finish_reason is not None:
+            c["stop_reason"] = d.stop_reason
+        return c
+
+    def _full_response(self, rid, req: GenerationRequest, gen: Generation, logprobs: dict[int, list]) -> dict:
+        choices = []
+        for i in range(req.params.n):
+            reason, stop = gen.finish(i)
+            if req.chat:
+                c = {"index": i, "message": {"role": "assistant", "content": gen.text(i)}}
+                c["logprobs"] = {"content": _chat_logprobs(logprobs[i])} if req.logprobs is not None else None
+            else:
+                c = {"index": i, "text": gen.text(i)}
+                c["logprobs"] = _completion_logprobs(logprobs[i]) if req.logprobs is not None else None
+            c.update(finish_reason=reason, stop_reason=stop)
+            choices.append(c)
+        return {
+            "id": rid,
+            "object": "chat.completion" if req.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.info.name,
+            "choices": choices,
+            "usage": gen.usage.to_dict(),
+        }
+
+
+def _status_of(exc: BaseException) -> str:
+    if isinstance(exc, APIError):
+        return "client_error" if exc.status < 500 and exc.status != 429 else "error"
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "cancelled"
+    return "error"
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk(rid: str, obj: str, created: int, model: str, choices: list, usage: dict | None = None) -> dict:
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def _chat_delta(index: int, text: str, role: bool = False) -> dict:
+    delta = {"role": "assistant", "content": text} if role else {"content": text}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+
+def _completion_logprobs(entries) -> dict:
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(entries) -> list[dict]:
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.token.encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in e.top],
+        }
+        for e in entries
+    ]

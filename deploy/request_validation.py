@@ -1,0 +1,201 @@
+"""OpenAI request bodies -> token ids and ``SamplingParams``, or an ``APIError`` naming the field.
+
+Runs entirely in the ingress: every check that can fail does so here, before the router or any
+worker sees the request (range checks, the model name, the vocabulary, the context length).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from deploy.config import IngressOptions
+from deploy.model_info import ModelInfo
+from deploy.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_from_validation,
+)
+from engine.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """A validated request, ready for the router."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    chat: bool
+    priority: int
+    logprobs: int | None  # alternatives per token; None: no logprobs in the response
+
+
+def parse_body(body: bytes, model_cls: type[CompletionRequest] | type[ChatCompletionRequest]):
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(obj, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as exc:
+        raise error_from_validation(exc) from exc
+
+
+def validate_completion(req: CompletionRequest, info: ModelInfo, limits: IngressOptions) -> GenerationRequest:
+    _check_model(req.model, info)
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo", code="unsupported_parameter")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(
+            400, "best_of must equal n (or be omitted)", param="best_of", code="unsupported_parameter"
+        )
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(
+                400,
+                f"batched prompts are not supported ({len(prompt)} given): send one request per prompt",
+                param="prompt",
+                code="unsupported_parameter",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
+        ids = list(info.tokenizer.encode(prompt))
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise APIError(400, "prompt must contain at least one token", param="prompt", code="empty_prompt")
+    bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})",
+            param="prompt",
+            code="invalid_token_id",
+        )
+    logprobs = _bounded("logprobs", req.logprobs, limits.max_logprobs)
+    return _finish(req, ids, req.max_tokens, "max_tokens", logprobs, info, limits, chat=False)
+
+
+def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOptions) -> GenerationRequest:
+    _check_model(req.model, info)
+    if req.tools:
+        raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise APIError(
+            400,
+            "only response_format type 'text' is supported",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise APIError(400, "give max_completion_tokens or max_tokens, not both", param="max_tokens")
+    top = _bounded("top_logprobs", req.top_logprobs, limits.max_logprobs)
+    if top is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    tok = info.tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        raise APIError(
+            400, f"model {info.name} has no chat template: use /v1/completions", code="no_chat_template"
+        )
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # a template's own error (e.g. roles must alternate) is the client's
+        raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
+    ids = list(tok.encode(text, add_special_tokens=False))
+    if not ids:
+        raise APIError(400, "messages render to an empty prompt", param="messages", code="empty_prompt")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    logprobs = (top or 0) if req.logprobs else None
+    return _finish(req, ids, max_tokens, param, logprobs, info, limits, chat=True)
+
+
+def _finish(req, ids, max_tokens, max_param, logprobs, info, limits, *, chat: bool) -> GenerationRequest:
+    if not 1 <= req.n <= limits.max_n:
+        raise APIError(400, f"n must be in [1, {limits.max_n}], got {req.n}", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_parameter")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise APIError(400, f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    room = info.max_model_len - len(ids)
+    if max_tokens is None:  # chat default: whatever the context leaves
+        max_tokens = room
+    if max_tokens < 1:
+        raise APIError(400, f"{max_param} must be >= 1, got {max_tokens}", param=max_param)
+    if len(ids) + max_tokens > info.max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {info.max_model_len} tokens. However, you requested "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
+            "Please reduce the prompt or the completion length.",
+            param=max_param if room > 0 else ("messages" if chat else "prompt"),
+            code="context_length_exceeded",
+        )
+    top_k = req.top_k if req.top_k is not None else 0
+    if top_k < -1:
+        raise APIError(400, f"top_k must be -1 or 0 (off) or >= 1, got {top_k}", param="top_k")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    try:
+        params = SamplingParams(
+            n=req.n,
+            temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(top_k, 0),
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
+    bad = next((t for t in params.stop_token_ids if t >= info.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"stop token id {bad} is outside the vocabulary", param="stop_token_ids")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return GenerationRequest(ids, params, req.stream, include_usage, chat, req.priority, logprobs)
+
+
+def _check_model(model: str, info: ModelInfo) -> None:
+    if model != info.name:
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server serves {info.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _bounded(name: str, value: int | None, bound: int) -> int | None:
+    if value is not None and not 0 <= value <= bound:
+        raise APIError(400, f"{name} must be in [0, {bound}], got {value}", param=name)
+    return value
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams' messages start with the field name ("top_p must be in (0, 1], ...")."""
+    head = message.split(" ", 1)[0]
+    return head if head.isidentifier() else None

@@ -1,0 +1,94 @@
+"""The ingress's (and the CLI's) gRPC side: Generate through the router, and the cluster's state.
+
+The router's address comes from ``resolve`` (the router deployment, through a Serve handle) and is
+looked up again when the router answers UNAVAILABLE (a restarted replica has a new port). Only
+protobuf crosses these connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from proto.convert import params_to_proto
+
+logger = logging.getLogger(__name__)
+
+
+class RouterClient:
+    def __init__(self, resolve: Callable[[], Awaitable[str]]) -> None:
+        self._resolve = resolve
+        self._address: str | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._worker_channels: dict[str, grpc.aio.Channel] = {}
+
+    async def _stub(self, refresh: bool = False) -> pb_grpc.RouterStub:
+        if self._channel is None or refresh:
+            address = await self._resolve()
+            if address != self._address or self._channel is None:
+                if self._channel is not None:
+                    await self._channel.close()
+                self._address, self._channel = address, grpc.aio.insecure_channel(address)
+        return pb_grpc.RouterStub(self._channel)
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params, priority: int, timeout_s: float
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The router's stream; a router that is gone before answering is looked up and tried again.
+
+        Closing the iterator early cancels the call, which aborts the request down to the workers.
+        """
+        req = pb.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), priority=priority
+        )
+        for attempt in range(2):
+            call = (await self._stub(refresh=attempt > 0)).Generate(req, timeout=timeout_s)
+            started = False
+            try:
+                async for msg in call:
+                    started = True
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as exc:
+                if started or attempt or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                logger.warning(
+                    "router at %s unavailable (%s); looking it up again", self._address, exc.details()
+                )
+            finally:
+                call.cancel()
+
+    async def cluster_state(self, timeout_s: float = 5.0) -> pb.ClusterState:
+        try:
+            return await (await self._stub()).GetClusterState(pb.ClusterStateRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            return await (await self._stub(refresh=True)).GetClusterState(
+                pb.ClusterStateRequest(), timeout=timeout_s
+            )
+
+    async def worker_states(self, timeout_s: float = 5.0) -> tuple[pb.ClusterState, list[pb.WorkerState]]:
+        """The router's view plus each live worker's own, current state (its GetState)."""
+        cluster = await self.cluster_state(timeout_s)
+        states = await asyncio.gather(
+            *(self._worker_state(w.state, timeout_s) for w in cluster.workers), return_exceptions=True
+        )
+        return cluster, [s for s in states if isinstance(s, pb.WorkerState)]
+
+    async def _worker_state(self, w: pb.WorkerState, timeout_s: float) -> pb.WorkerState:
+        ch = self._worker_channels.get(w.address)
+        if ch is None:
+            ch = self._worker_channels[w.address] = grpc.aio.insecure_channel(w.address)
+        stub_cls = pb_grpc.PrefillWorkerStub if w.role == "prefill" else pb_grpc.DecodeWorkerStub
+        return await stub_cls(ch).GetState(pb.GetStateRequest(), timeout=timeout_s)
+
+    async def close(self) -> None:
+        for ch in [self._channel, *self._worker_channels.values()]:
+            if ch is not None:
+                await ch.close()

@@ -1,0 +1,155 @@
+"""The end-to-end tier: ``pdserve serve`` really running (Ray, Serve, workers, router, NIXL, Redis).
+
+``ServeProcess`` starts the CLI as a user would, in its own session (so every process it leaves
+behind can be found), waits for it to print its endpoint, and reads the cluster's state from the
+service's own ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+API_KEY = "test-key-0123456789"  # a test credential, given through the environment as in production
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    def __init__(self, model: Path, redis_url: str, *extra: str, api_key: str | None = API_KEY) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        env = dict(os.environ, PDSERVE_REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
+        env.pop("PDSERVE_API_KEY", None)
+        if api_key:
+            env["PDSERVE_API_KEY"] = api_key
+        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--model", str(model), "--port", str(self.port)]
+        self.proc = subprocess.Popen(
+            [*cmd, "--num-blocks", "64", "--drain-timeout", "60", *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + 240
+        while not self._ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail("pdserve serve did not come up:\n" + "".join(self.lines[-60:]))
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "pdserve is serving" in line:
+                self._ready.set()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    # HTTP -------------------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """(status, headers, parsed JSON or raw bytes) of one HTTP call, authenticated by default."""
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        h.update(headers or {})
+        req = urllib.request.Request(self.base + path, data=body, method=method, headers=h)
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                status, hdrs, raw = resp.status, dict(resp.headers), resp.read()
+        except urllib.error.HTTPError as err:
+            status, hdrs, raw = err.code, dict(err.headers), err.read()
+        try:
+            return status, hdrs, json.loads(raw)
+        except ValueError:
+            return status, hdrs, raw
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        _, _, raw = self.request("GET", "/metrics")
+        out = {}
+        for fam in text_string_to_metric_families(raw.decode()):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def workers(self) -> dict[str, dict[str, float]]:
+        """worker id -> {running, waiting, free, total} from /metrics (each worker's own GetState)."""
+        m = self.metrics()
+        out: dict[str, dict[str, float]] = {}
+        names = {
+            "pdserve_requests_running": "running",
+            "pdserve_requests_waiting": "waiting",
+            "pdserve_kv_blocks_free": "free",
+            "pdserve_kv_blocks": "total",
+        }
+        for (name, labels), v in m.items():
+            lab = dict(labels)
+            if name in names and lab.get("role") in ("prefill", "decode"):
+                out.setdefault(lab["worker"], {})[names[name]] = v
+        return out
+
+    def wait_idle(self, timeout_s: float = 60) -> dict[str, dict[str, float]]:
+        """Poll until no worker runs anything and every KV block is free; fail with the last state."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            w = self.workers()
+            m = self.metrics()
+            active = m.get(("pdserve_router_active_requests", ()), 0)
+            if w and not active and all(s["running"] == 0 and s["waiting"] == 0 and s["free"] == s["total"] for s in w.values()):
+                return w
+            if time.monotonic() > deadline:
+                pytest.fail(f"workers not idle with all blocks free after {timeout_s}s: {w}, router active {active}")
+            time.sleep(0.25)
+
+    # Lifecycle --------------------------------------------------------------------------------
+
+    def terminate(self, timeout_s: float = 120) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail("pdserve serve did not stop after SIGTERM:\n" + self.output[-4000:])
+
+    def leftover_processes(self) -> list[str]:
+        """Processes still in the CLI's session (Ray's raylet, GCS, workers would be here)."""
+        out = subprocess.run(["ps", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout
+        sid = str(self.proc.pid)
+        return [line for line in out.splitlines()[1:] if line.split(None, 2)[1] == sid]
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def serve_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with a chat template, large enough to stream a few hundred tokens."""
+    from engine.tiny_model import create_tiny_model
+
+    return create_tiny_model(tmp_path_factory.mktemp("serve-model"), "llama", weight_scale=4.0, randomize_all=True)

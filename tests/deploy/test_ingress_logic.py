@@ -1,0 +1,212 @@
+"""The ingress's logic without Ray: validation, admission, stop strings while streaming, metrics, config.
+
+The router stream here is a scripted list of protobuf messages (a fake of the router's output, for
+the logic around it); the real path runs in test_serve_app.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from deploy.config import IngressOptions, PDServeConfig
+from deploy.generation import Generation
+from deploy.metrics import IngressMetrics
+from deploy.model_info import load_model_info
+from deploy.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from deploy.openai_serving import Admission
+from deploy.request_validation import parse_body, validate_chat, validate_completion
+from proto import pdserve_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def info(tiny_llama):
+    return load_model_info(str(tiny_llama), "tiny", None, tiny=True)
+
+
+LIMITS = IngressOptions()
+
+
+def _completion(info, **body):
+    return validate_completion(CompletionRequest.model_validate({"model": "tiny", **body}), info, LIMITS)
+
+
+def test_completion_defaults_and_token_prompts(info):
+    g = _completion(info, prompt="the world is")
+    assert g.prompt_ids == info.tokenizer.encode("the world is")
+    assert g.params.max_tokens == 16 and g.params.temperature == 1.0 and not g.stream
+    g = _completion(info, prompt=[[3, 4, 5]], max_tokens=7, top_k=-1, stop="x", logprobs=2)
+    assert g.prompt_ids == [3, 4, 5] and g.params.max_tokens == 7 and g.params.top_k == 0
+    assert g.params.stop == ["x"] and g.logprobs == 2
+
+
+def test_chat_fills_the_context_by_default_and_maps_logprobs(info):
+    req = ChatCompletionRequest.model_validate(
+        {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "logprobs": True}
+    )
+    g = validate_chat(req, info, LIMITS)
+    assert g.params.max_tokens == info.max_model_len - len(g.prompt_ids)
+    assert g.logprobs == 0 and g.chat
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"prompt": "a", "min_p": 2}, 400, "min_p"),
+        ({"prompt": "a", "seed": -1}, 400, "seed"),
+        ({"prompt": "a", "top_k": -5}, 400, "top_k"),
+        ({"prompt": "a", "stop": [""]}, 400, "stop"),
+        ({"prompt": "a", "stop": ["s"] * 17}, 400, "stop"),
+        ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": "a", "echo": True}, 400, "echo"),
+        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": "a", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+        ({"prompt": [1] * 600}, 400, "prompt"),  # the prompt alone fills the context
+    ],
+)
+def test_completion_refusals(info, body, status, param):
+    with pytest.raises(APIError) as exc:
+        _completion(info, **body)
+    assert exc.value.status == status and exc.value.param == param
+
+
+def test_parse_body_errors():
+    for raw, code in [(b"{", "invalid_json"), (b'"x"', "invalid_json"), (b"\xff\xfe", "invalid_json")]:
+        with pytest.raises(APIError) as exc:
+            parse_body(raw, CompletionRequest)
+        assert exc.value.status == 400 and exc.value.code == code
+    with pytest.raises(APIError) as exc:
+        parse_body(b'{"model": "m", "prompt": "a", "temperature": "hot"}', CompletionRequest)
+    assert exc.value.param == "temperature"
+
+
+def test_admission_queues_then_refuses_with_retry_after():
+    async def main():
+        adm = Admission(limit=2, queue=1)
+        release = asyncio.Event()
+        entered = []
+
+        async def hold(i):
+            async with adm.slot():
+                entered.append(i)
+                await release.wait()
+
+        tasks = [asyncio.create_task(hold(i)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        assert entered == [0, 1] and adm.waiting == 1
+        with pytest.raises(APIError) as exc:
+            async with adm.slot():
+                pass
+        assert exc.value.status == 429 and int(exc.value.headers["Retry-After"]) >= 1
+        release.set()
+        await asyncio.gather(*tasks)
+        assert entered == [0, 1, 2] and adm.running == 0 and adm.waiting == 0
+
+    asyncio.run(main())
+
+
+class ScriptedRouter:
+    """Yields the given router messages; records whether the stream was closed early."""
+
+    def __init__(self, messages):
+        self.messages = messages
+        self.closed_early = False
+
+    async def generate(self, rid, prompt, params, priority, timeout_s):
+        sent = 0
+        try:
+            for m in self.messages:
+                sent += 1
+                yield m
+        finally:
+            self.closed_early = sent < len(self.messages)
+
+
+def _tokens(ids, index=0):
+    return pb.GenerateResponse(tokens=pb.TokenChunk(sample_index=index, token_ids=ids))
+
+
+def _finished(reason="length", index=0):
+    return pb.GenerateResponse(finished=pb.Finished(sample_index=index, finish_reason=reason, usage=pb.Usage()))
+
+
+def test_stop_string_is_held_back_while_streaming_and_ends_the_stream(info):
+    tok = info.tokenizer
+    ids = tok.encode("and more the world is in the")
+    stop = tok.decode(ids[2:4])  # "the world": tokens 2 and 3
+    g = _completion(info, prompt="a", stream=True, stop=[stop], max_tokens=20)
+    router = ScriptedRouter([_tokens([t]) for t in ids] + [_finished()])
+    gen = Generation("r1", g, tok, IngressMetrics("tiny"))
+
+    async def run():
+        return [d for deltas in [x async for x in gen.events(router, 5)] for d in deltas]
+
+    deltas = asyncio.run(run())
+    text = "".join(d.text for d in deltas)
+    full = tok.decode(tok.encode("a") + ids)[len(tok.decode(tok.encode("a"))) :]
+    assert text == full[: full.index(stop)] and stop not in text
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
+    assert router.closed_early  # the rest of the stream was cancelled (the worker aborts it)
+    assert gen.usage.completion_tokens == 4  # generation ended at the token completing the stop string
+
+
+def test_worker_error_becomes_an_api_error(info):
+    g = _completion(info, prompt="a", max_tokens=4)
+    router = ScriptedRouter(
+        [_tokens([5]), pb.GenerateResponse(error=pb.StreamError(code="kv_transfer_failed", message="pull failed"))]
+    )
+    gen = Generation("r2", g, info.tokenizer, IngressMetrics("tiny"))
+
+    async def run():
+        async for _ in gen.events(router, 5):
+            pass
+
+    with pytest.raises(APIError) as exc:
+        asyncio.run(run())
+    assert exc.value.status == 503 and exc.value.code == "kv_transfer_failed"
+
+
+def test_metrics_render_worker_and_transfer_series():
+    m = IngressMetrics("tiny")
+    m.ttft.labels("tiny").observe(0.1)
+    m.count("success")
+    stats = pb.EngineStats(num_running=2, num_blocks=10, num_free_blocks=4, kv_usage=0.6, num_preemptions=3)
+    transfer = pb.KVTransferStats(bytes=4096, completed=2, seconds_sum=0.03, bucket_bounds=[0.01, 0.1], bucket_counts=[1, 1, 0])
+    workers = [pb.WorkerState(worker_id="decode-a", role="decode", stats=stats, transfer_stats=transfer)]
+    text = m.render(pb.ClusterState(requests_routed=5), workers, ("ing-1", 1, 0)).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    assert samples[("pdserve_requests_running", (("role", "decode"), ("worker", "decode-a")))] == 2
+    assert samples[("pdserve_requests_running", (("role", "ingress"), ("worker", "ing-1")))] == 1
+    assert samples[("pdserve_preemptions_total", (("role", "decode"), ("worker", "decode-a")))] == 3
+    assert samples[("pdserve_kv_transfer_bytes_total", (("worker", "decode-a"),))] == 4096
+    assert samples[("pdserve_kv_transfer_seconds_bucket", (("le", "0.1"), ("worker", "decode-a")))] == 2
+    assert samples[("pdserve_kv_transfer_seconds_count", (("worker", "decode-a"),))] == 2
+    assert samples[("pdserve_requests_total", (("model_name", "tiny"), ("status", "success")))] == 1
+    assert samples[("pdserve_router_requests_routed_total", ())] == 5
+
+
+def test_config_validation():
+    c = PDServeConfig(model="m", prefill={"num_replicas": 2, "resources": {"prefill_gpu": 1}})
+    opts = c.prefill.deployment_options()
+    assert opts["num_replicas"] == 2 and opts["ray_actor_options"]["resources"] == {"prefill_gpu": 1}
+    auto = PDServeConfig(model="m", decode={"autoscaling": {"min_replicas": 1, "max_replicas": 3}})
+    assert "num_replicas" not in auto.decode.deployment_options()
+    for bad in (
+        {"mode": "both"},
+        {"decode": {"num_replicas": 0}},
+        {"prefill": {"num_replicas": 0}},
+        {"redis_url": "http://x"},
+        {"engine": {"block_size": 0}},
+        {"unknown": 1},
+        {"decode": {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}},
+    ):
+        with pytest.raises(ValidationError):
+            PDServeConfig(model="m", **bad)
+    assert PDServeConfig(model="m", mode="aggregated", prefill={"num_replicas": 0}).mode == "aggregated"

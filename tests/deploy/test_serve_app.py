@@ -1,0 +1,373 @@
+"""``pdserve serve`` (disaggregated: 1 prefill + 1 decode on Ray Serve) through the official ``openai``
+client: correct text (equal to HF transformers' greedy continuation), streaming equal to non-streaming,
+concurrency, bad input refused at the edge, disconnects, a killed prefill replica, and a SIGTERM
+drain that leaves nothing behind. Tests run in file order against one service; the last stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+from conftest import API_KEY, ServeProcess
+from transformers import AutoTokenizer
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROMPTS = ["the world is", "there was a man who", "in the first years of the new state", "what people know about"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def service(serve_model, module_redis_server):
+    svc = ServeProcess(serve_model, module_redis_server.url)
+    yield svc
+    svc.kill()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(serve_model):
+    return AutoTokenizer.from_pretrained(serve_model)
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return openai.OpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def reference(serve_model, tokenizer, hf_greedy):
+    """prompt ids -> (HF greedy continuation text, its token count), as a client would see it."""
+
+    def ref(ids: list[int], max_tokens: int = MAX_TOKENS) -> tuple[str, int]:
+        out = hf_greedy(serve_model, ids, max_tokens)
+        full = tokenizer.decode(ids + out, skip_special_tokens=True)
+        return full[len(tokenizer.decode(ids, skip_special_tokens=True)) :], len(out)
+
+    return ref
+
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def test_models_list(client, serve_model):
+    models = client.models.list().data
+    assert [m.id for m in models] == [str(serve_model)]
+
+
+def test_completions_equal_hf_greedy(client, model_name, tokenizer, reference):
+    for prompt in PROMPTS:
+        r = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, **GREEDY)
+        text, n = reference(tokenizer.encode(prompt))
+        assert r.choices[0].text == text
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == n == MAX_TOKENS
+        assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+
+
+def test_token_id_prompt(client, model_name, reference):
+    ids = [5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # more than a block
+    r = client.completions.create(model=model_name, prompt=ids, max_tokens=MAX_TOKENS, **GREEDY)
+    assert r.choices[0].text == reference(ids)[0]
+
+
+def test_chat_equals_hf_greedy_on_the_template(client, model_name, tokenizer, reference):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the world"}]
+    r = client.chat.completions.create(model=model_name, messages=messages, max_completion_tokens=MAX_TOKENS, **GREEDY)
+    ids = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == reference(ids)[0]
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_equals_non_streaming(client, model_name):
+    for prompt in PROMPTS[:2]:
+        full = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, **GREEDY)
+        chunks = list(
+            client.completions.create(
+                model=model_name,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                stream=True,
+                stream_options={"include_usage": True},
+                **GREEDY,
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+        assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    full = client.chat.completions.create(model=model_name, messages=messages, max_tokens=MAX_TOKENS, **GREEDY)
+    stream = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=MAX_TOKENS, stream=True, **GREEDY
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full.choices[0].message.content
+
+
+def test_stop_strings_logprobs_and_seeded_sampling(client, model_name, tokenizer, reference):
+    prompt = PROMPTS[0]
+    text, _ = reference(tokenizer.encode(prompt))
+    stop = text.split()[2]  # a word the greedy continuation reaches
+    for stream in (False, True):
+        kw = dict(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, stop=[stop], **GREEDY)
+        if stream:
+            got = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+        else:
+            r = client.completions.create(**kw)
+            got = r.choices[0].text
+            assert r.choices[0].finish_reason == "stop"
+        assert got == text[: text.index(stop)]
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=4, logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(len(t) == 3 for t in lp.top_logprobs)
+    assert all(lp.token_logprobs[i] == max(lp.top_logprobs[i].values()) for i in range(4))  # greedy = argmax
+    seeded = dict(model=model_name, prompt=prompt, max_tokens=8, temperature=1.0, seed=1234)
+    a, b = client.completions.create(**seeded), client.completions.create(**seeded)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_sixteen_concurrent_streams(service, model_name, tokenizer, reference):
+    expected = {p: reference(tokenizer.encode(p))[0] for p in PROMPTS}
+    aclient = openai.AsyncOpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def one(prompt: str) -> str:
+        stream = await aclient.completions.create(
+            model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, stream=True, **GREEDY
+        )
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(PROMPTS[i % 4]) for i in range(16)))
+        finally:
+            await aclient.close()
+
+    texts = asyncio.run(main())
+    assert texts == [expected[PROMPTS[i % 4]] for i in range(16)]
+    service.wait_idle()
+
+
+def _routed(service) -> float:
+    return service.metrics()[("pdserve_router_requests_routed_total", ())]
+
+
+BAD_INPUTS = [
+    # (name, path, body, status, param)
+    ("temperature < 0", "/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("top_p = 0", "/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("top_p > 1", "/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("n = 0", "/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("n over the bound", "/v1/completions", {"prompt": "a", "n": 1000}, 400, "n"),
+    ("logprobs over the bound", "/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    ("top_logprobs over the bound", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("max_tokens = 0", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("context exceeded", "/v1/completions", {"prompt": [5] * 500, "max_tokens": 100}, 400, "max_tokens"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("token id over vocab", "/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("negative token id", "/v1/completions", {"prompt": [1, -2]}, 400, "prompt"),
+    ("wrong type", "/v1/completions", {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    ("bool as number", "/v1/completions", {"prompt": "a", "temperature": True}, 400, "temperature"),
+    ("unknown field", "/v1/completions", {"prompt": "a", "bogus": 1}, 400, "bogus"),
+    ("missing prompt", "/v1/completions", {}, 400, "prompt"),
+    ("no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "a"}]}, 400, "messages.0.role"),
+    ("unknown model", "/v1/completions", {"prompt": "a", "model": "gpt-17"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_answered_at_the_edge(service, model_name, name, path, body, status, param):
+    before = _routed(service)
+    body = {"model": model_name, **body}
+    code, _, resp = service.request("POST", path, json.dumps(body).encode())
+    assert code == status, resp
+    err = resp["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert _routed(service) == before  # no worker (not even the router) was touched
+
+
+def test_malformed_oversized_unauthenticated_and_unknown_route(service, model_name):
+    before = _routed(service)
+    code, _, resp = service.request("POST", "/v1/completions", b"{not json")
+    assert code == 400 and resp["error"]["code"] == "invalid_json"
+    code, _, resp = service.request("POST", "/v1/completions", b"[1, 2]")
+    assert code == 400 and resp["error"]["type"] == "invalid_request_error"
+    big = json.dumps({"model": model_name, "prompt": "a " * 3_000_000}).encode()
+    code, _, resp = service.request("POST", "/v1/completions", big)
+    assert code == 413 and resp["error"]["code"] == "request_too_large"
+    code, hdrs, resp = service.request("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert code == 401 and resp["error"]["type"] == "authentication_error"
+    code, _, resp = service.request("GET", "/v1/models", headers={"Authorization": ""})
+    assert code == 401
+    code, _, resp = service.request("GET", "/v1/nothing-here")
+    assert code == 404 and "error" in resp
+    assert _routed(service) == before
+    service.wait_idle()
+
+
+def test_health_and_metrics(service):
+    code, _, health = service.request("GET", "/health", headers={"Authorization": ""})
+    assert code == 200 and health["status"] == "ok"
+    assert health["prefill_workers"] == 1 and health["decode_workers"] == 1
+    m = service.metrics()
+    names = {name for name, _ in m}
+    for required in (
+        "pdserve_time_to_first_token_seconds_bucket",
+        "pdserve_inter_token_latency_seconds_bucket",
+        "pdserve_e2e_request_latency_seconds_bucket",
+        "pdserve_requests_running",
+        "pdserve_requests_waiting",
+        "pdserve_kv_cache_usage_ratio",
+        "pdserve_prefix_cache_hit_ratio",
+        "pdserve_preemptions_total",
+        "pdserve_kv_transfer_bytes_total",
+        "pdserve_kv_transfer_seconds_bucket",
+        "pdserve_kv_transfer_failures_total",
+        "pdserve_requests_total",
+    ):
+        assert required in names, required
+    ok = sum(v for (n, lab), v in m.items() if n == "pdserve_requests_total" and ("status", "success") in lab)
+    assert ok >= 16
+    assert sum(v for (n, _), v in m.items() if n == "pdserve_kv_transfer_bytes_total") > 0  # KV moved by NIXL
+
+
+def test_client_disconnect_mid_stream_aborts_down_to_the_workers(service, model_name):
+    def cancelled() -> float:
+        m = service.metrics()
+        return sum(v for (n, lab), v in m.items() if n == "pdserve_requests_total" and ("status", "cancelled") in lab)
+
+    before = cancelled()
+    conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=60)
+    body = {"model": model_name, "prompt": PROMPTS[1], "max_tokens": 400, "stream": True, **GREEDY["extra_body"]}
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(body),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = 0
+    while events < 3:
+        if resp.readline().startswith(b"data:"):
+            events += 1
+    conn.sock.shutdown(2)
+    conn.close()
+    service.wait_idle()
+    deadline = time.monotonic() + 30
+    while cancelled() <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cancelled() == before + 1
+
+
+def _status_json(service) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "status", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_prefill_replica_killed_while_requests_run(service, model_name, tokenizer, reference):
+    status = _status_json(service)
+    prefill = [w for w in status["workers"] if w["role"] == "prefill"]
+    assert len(prefill) == 1
+    expected = {p: reference(tokenizer.encode(p), 24)[0] for p in PROMPTS}
+    aclient = openai.AsyncOpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def one(i: int) -> tuple[str, str | None]:
+        prompt = PROMPTS[i % 4] + " " + "and " * i  # distinct prompts: not all prefix hits
+        try:
+            r = await aclient.completions.create(model=model_name, prompt=prompt, max_tokens=24, **GREEDY)
+            return prompt, r.choices[0].text
+        except openai.APIStatusError as exc:
+            return prompt, f"error {exc.status_code}: {exc.message}"
+
+    async def main():
+        tasks = [asyncio.create_task(one(i)) for i in range(12)]
+        await asyncio.sleep(0.3)
+        os.kill(int(prefill[0]["pid"]), signal.SIGKILL)
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    ok = 0
+    for prompt, got in results:
+        if got.startswith("error "):
+            assert "50" in got[:10], got  # a clear server-side error, never a hang
+            continue
+        ok += 1
+        assert got == reference(tokenizer.encode(prompt), 24)[0], prompt
+    assert ok >= 1
+    # Serve restarts the replica; it registers as a new worker and takes traffic again.
+    deadline = time.monotonic() + 120
+    while True:
+        workers = service.workers()
+        new = [w for w in workers if w.startswith("prefill-") and w != prefill[0]["workerId"]]
+        if new:
+            break
+        assert time.monotonic() < deadline, f"no new prefill worker: {workers}"
+        time.sleep(1)
+    client = openai.OpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    r = client.completions.create(model=model_name, prompt=PROMPTS[3], max_tokens=24, **GREEDY)
+    assert r.choices[0].text == expected[PROMPTS[3]]
+    service.wait_idle()
+
+
+def test_sigterm_drains_ten_streams_and_leaves_nothing_behind(service, model_name, tokenizer, reference):
+    expected = {p: reference(tokenizer.encode(p), 64)[0] for p in PROMPTS}
+    aclient = openai.AsyncOpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def one(prompt: str, first: asyncio.Event) -> str:
+        stream = await aclient.completions.create(
+            model=model_name, prompt=prompt, max_tokens=64, stream=True, **GREEDY
+        )
+        parts = []
+        async for c in stream:
+            parts.append(c.choices[0].text)
+            first.set()
+        return "".join(parts)
+
+    async def main():
+        firsts = [asyncio.Event() for _ in range(10)]
+        tasks = [asyncio.create_task(one(PROMPTS[i % 4], firsts[i])) for i in range(10)]
+        await asyncio.gather(*(f.wait() for f in firsts))  # all ten are streaming
+        service.proc.send_signal(signal.SIGTERM)
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            await aclient.close()
+
+    texts = asyncio.run(main())
+    assert texts == [expected[PROMPTS[i % 4]] for i in range(10)]  # drained, not cut
+    assert service.terminate() == 0, service.output[-3000:]
+    out = service.output
+    drained = [line for line in out.splitlines() if "KV blocks free" in line]
+    assert len(drained) == 2, out[-3000:]
+    for line in drained:
+        assert " 0 running, 0 waiting, 0 held" in line, line
+        free, total = line.rsplit(" ", 4)[-4].split("/")
+        assert free == total, line
+    assert "pdserve stopped" in out
+    time.sleep(1)
+    assert service.leftover_processes() == []
