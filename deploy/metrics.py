@@ -94,7 +94,9 @@ class _ClusterCollector:
             "Prompt blocks found in the engine's prefix cache",
             labels=labels,
         )
-        free = GaugeMetricFamily("pdserve_kv_blocks_free", "Free (or evictable cached) KV blocks", labels=labels)
+        free = GaugeMetricFamily(
+            "pdserve_kv_blocks_free", "Free (or evictable cached) KV blocks", labels=labels
+        )
         total = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks in the pool", labels=labels)
         preempt = CounterMetricFamily("pdserve_preemptions", "Requests preempted for KV space", labels=labels)
         tbytes = CounterMetricFamily(
@@ -146,7 +148,9 @@ class _ClusterCollector:
                 "pdserve_router_requests_routed", "Requests the router has routed", value=c.requests_routed
             )
             yield GaugeMetricFamily(
-                "pdserve_router_active_requests", "Generate streams open on the router", value=c.active_requests
+                "pdserve_router_active_requests",
+                "Generate streams open on the router",
+                value=c.active_requests,
             )
             yield GaugeMetricFamily(
                 "pdserve_router_degraded",

@@ -7,6 +7,7 @@ service's own ``/metrics``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -118,10 +119,18 @@ class ServeProcess:
             w = self.workers()
             m = self.metrics()
             active = m.get(("pdserve_router_active_requests", ()), 0)
-            if w and not active and all(s["running"] == 0 and s["waiting"] == 0 and s["free"] == s["total"] for s in w.values()):
+            if (
+                w
+                and not active
+                and all(
+                    s["running"] == 0 and s["waiting"] == 0 and s["free"] == s["total"] for s in w.values()
+                )
+            ):
                 return w
             if time.monotonic() > deadline:
-                pytest.fail(f"workers not idle with all blocks free after {timeout_s}s: {w}, router active {active}")
+                pytest.fail(
+                    f"workers not idle with all blocks free after {timeout_s}s: {w}, router active {active}"
+                )
             time.sleep(0.25)
 
     # Lifecycle --------------------------------------------------------------------------------
@@ -141,10 +150,8 @@ class ServeProcess:
         return [line for line in out.splitlines()[1:] if line.split(None, 2)[1] == sid]
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture(scope="module")
@@ -152,4 +159,6 @@ def serve_model(tmp_path_factory) -> Path:
     """A tiny random Llama with a chat template, large enough to stream a few hundred tokens."""
     from engine.tiny_model import create_tiny_model
 
-    return create_tiny_model(tmp_path_factory.mktemp("serve-model"), "llama", weight_scale=4.0, randomize_all=True)
+    return create_tiny_model(
+        tmp_path_factory.mktemp("serve-model"), "llama", weight_scale=4.0, randomize_all=True
+    )

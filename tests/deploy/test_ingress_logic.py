@@ -45,7 +45,11 @@ def test_completion_defaults_and_token_prompts(info):
 
 def test_chat_fills_the_context_by_default_and_maps_logprobs(info):
     req = ChatCompletionRequest.model_validate(
-        {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "logprobs": True}
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "logprobs": True,
+        }
     )
     g = validate_chat(req, info, LIMITS)
     assert g.params.max_tokens == info.max_model_len - len(g.prompt_ids)
@@ -130,7 +134,9 @@ def _tokens(ids, index=0):
 
 
 def _finished(reason="length", index=0):
-    return pb.GenerateResponse(finished=pb.Finished(sample_index=index, finish_reason=reason, usage=pb.Usage()))
+    return pb.GenerateResponse(
+        finished=pb.Finished(sample_index=index, finish_reason=reason, usage=pb.Usage())
+    )
 
 
 def test_stop_string_is_held_back_while_streaming_and_ends_the_stream(info):
@@ -156,7 +162,10 @@ def test_stop_string_is_held_back_while_streaming_and_ends_the_stream(info):
 def test_worker_error_becomes_an_api_error(info):
     g = _completion(info, prompt="a", max_tokens=4)
     router = ScriptedRouter(
-        [_tokens([5]), pb.GenerateResponse(error=pb.StreamError(code="kv_transfer_failed", message="pull failed"))]
+        [
+            _tokens([5]),
+            pb.GenerateResponse(error=pb.StreamError(code="kv_transfer_failed", message="pull failed")),
+        ]
     )
     gen = Generation("r2", g, info.tokenizer, IngressMetrics("tiny"))
 
@@ -174,7 +183,9 @@ def test_metrics_render_worker_and_transfer_series():
     m.ttft.labels("tiny").observe(0.1)
     m.count("success")
     stats = pb.EngineStats(num_running=2, num_blocks=10, num_free_blocks=4, kv_usage=0.6, num_preemptions=3)
-    transfer = pb.KVTransferStats(bytes=4096, completed=2, seconds_sum=0.03, bucket_bounds=[0.01, 0.1], bucket_counts=[1, 1, 0])
+    transfer = pb.KVTransferStats(
+        bytes=4096, completed=2, seconds_sum=0.03, bucket_bounds=[0.01, 0.1], bucket_counts=[1, 1, 0]
+    )
     workers = [pb.WorkerState(worker_id="decode-a", role="decode", stats=stats, transfer_stats=transfer)]
     text = m.render(pb.ClusterState(requests_routed=5), workers, ("ing-1", 1, 0)).decode()
     samples = {

@@ -22,7 +22,12 @@ from transformers import AutoTokenizer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-PROMPTS = ["the world is", "there was a man who", "in the first years of the new state", "what people know about"]
+PROMPTS = [
+    "the world is",
+    "there was a man who",
+    "in the first years of the new state",
+    "what people know about",
+]
 MAX_TOKENS = 12
 
 
@@ -86,9 +91,12 @@ def test_token_id_prompt(client, model_name, reference):
 
 def test_chat_equals_hf_greedy_on_the_template(client, model_name, tokenizer, reference):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the world"}]
-    r = client.chat.completions.create(model=model_name, messages=messages, max_completion_tokens=MAX_TOKENS, **GREEDY)
+    r = client.chat.completions.create(
+        model=model_name, messages=messages, max_completion_tokens=MAX_TOKENS, **GREEDY
+    )
     ids = tokenizer.encode(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
     )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == reference(ids)[0]
@@ -112,7 +120,9 @@ def test_streaming_equals_non_streaming(client, model_name):
         assert chunks[-1].usage.completion_tokens == MAX_TOKENS
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     messages = [{"role": "user", "content": PROMPTS[2]}]
-    full = client.chat.completions.create(model=model_name, messages=messages, max_tokens=MAX_TOKENS, **GREEDY)
+    full = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=MAX_TOKENS, **GREEDY
+    )
     stream = client.chat.completions.create(
         model=model_name, messages=messages, max_tokens=MAX_TOKENS, stream=True, **GREEDY
     )
@@ -175,7 +185,13 @@ BAD_INPUTS = [
     ("n = 0", "/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
     ("n over the bound", "/v1/completions", {"prompt": "a", "n": 1000}, 400, "n"),
     ("logprobs over the bound", "/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
-    ("top_logprobs over the bound", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (
+        "top_logprobs over the bound",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
     ("max_tokens = 0", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("context exceeded", "/v1/completions", {"prompt": [5] * 500, "max_tokens": 100}, 400, "max_tokens"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
@@ -187,7 +203,13 @@ BAD_INPUTS = [
     ("unknown field", "/v1/completions", {"prompt": "a", "bogus": 1}, 400, "bogus"),
     ("missing prompt", "/v1/completions", {}, 400, "prompt"),
     ("no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "a"}]}, 400, "messages.0.role"),
+    (
+        "bad role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "a"}]},
+        400,
+        "messages.0.role",
+    ),
     ("unknown model", "/v1/completions", {"prompt": "a", "model": "gpt-17"}, 404, "model"),
 ]
 
@@ -213,7 +235,7 @@ def test_malformed_oversized_unauthenticated_and_unknown_route(service, model_na
     big = json.dumps({"model": model_name, "prompt": "a " * 3_000_000}).encode()
     code, _, resp = service.request("POST", "/v1/completions", big)
     assert code == 413 and resp["error"]["code"] == "request_too_large"
-    code, hdrs, resp = service.request("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})
+    code, _hdrs, resp = service.request("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert code == 401 and resp["error"]["type"] == "authentication_error"
     code, _, resp = service.request("GET", "/v1/models", headers={"Authorization": ""})
     assert code == 401
@@ -252,11 +274,19 @@ def test_health_and_metrics(service):
 def test_client_disconnect_mid_stream_aborts_down_to_the_workers(service, model_name):
     def cancelled() -> float:
         m = service.metrics()
-        return sum(v for (n, lab), v in m.items() if n == "pdserve_requests_total" and ("status", "cancelled") in lab)
+        return sum(
+            v for (n, lab), v in m.items() if n == "pdserve_requests_total" and ("status", "cancelled") in lab
+        )
 
     before = cancelled()
     conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=60)
-    body = {"model": model_name, "prompt": PROMPTS[1], "max_tokens": 400, "stream": True, **GREEDY["extra_body"]}
+    body = {
+        "model": model_name,
+        "prompt": PROMPTS[1],
+        "max_tokens": 400,
+        "stream": True,
+        **GREEDY["extra_body"],
+    }
     conn.request(
         "POST",
         "/v1/completions",
