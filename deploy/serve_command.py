@@ -73,8 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"redis_url": redis_url})
         print("no --redis-url: using an embedded Redis-protocol server (fakeredis, this process only)")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    _on_signals(stop)
     try:
         return _serve(args, config, redis_url, stop)
     finally:
@@ -103,6 +102,7 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
             logging_level=logging.WARNING,
             log_to_driver=args.verbose,
         )
+    _on_signals(stop)  # NOTE: again: ray.init replaces the SIGTERM handler with a plain exit
     try:
         serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
         if not _deploy(serve, build_app(config), config.app_name, stop):
@@ -127,6 +127,11 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
             set_draining(connect(redis_url), False)
     print("pdserve stopped")
     return 0
+
+
+def _on_signals(stop: threading.Event) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
 
 
 def _cpus_needed(config: PDServeConfig) -> int:
