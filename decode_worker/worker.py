@@ -179,6 +179,7 @@ class DecodeWorker:
                 )
                 if not started:  # the first token already ended the request
                     return
+            unfinished = params.n  # every sample ends with its own finish reason
             while True:
                 out: SequenceOutput = await stream.get()
                 if out.error and out.finish_reason == "error":
@@ -189,7 +190,9 @@ class DecodeWorker:
                     )
                 yield out
                 if out.finish_reason is not None:
-                    return
+                    unfinished -= 1
+                    if unfinished == 0:
+                        return
         finally:
             self.loop.close_stream(request_id)
             self.loop.call(lambda: self._abort(request_id))
