@@ -3,7 +3,9 @@
 ``build_app`` is also the Serve config's ``import_path`` (``deploy.app:build_app``), so
 ``serve deploy`` / KubeRay build exactly what ``pdserve serve`` builds: its ``args`` are a
 ``PDServeConfig``. Deployments: Ingress (HTTP) -> Router -> Prefill + Decode; in aggregated mode
-there is no Prefill deployment and decode replicas prefill locally.
+there is no Prefill deployment and decode replicas prefill locally; with ``autoscaling`` set, an
+Autoscaler deployment runs the P/D policy. Deploy with ``external_scaler_enabled`` set to
+``config.external_scaler_enabled`` so ``pdserve scale`` and the policy can change replica counts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from ray.serve import Application
 
 from deploy.config import PDServeConfig
-from deploy.deployments import DecodeServer, IngressServer, PrefillServer, RouterServer
+from deploy.deployments import AutoscalerServer, DecodeServer, IngressServer, PrefillServer, RouterServer
 
 # Serve-level request cap for the ingress; pdserve's own admission control (429) acts well before.
 _INGRESS_MAX_ONGOING = 100_000
@@ -28,5 +30,6 @@ def build_app(args: PDServeConfig | dict[str, Any]) -> Application:
     # The router finds workers through Redis, not through Serve; binding them here makes Serve start
     # and stop them as parts of this one application.
     router = RouterServer.options(**config.router.deployment_options()).bind(config, [decode, prefill])
+    companions = [AutoscalerServer.bind(config, router)] if config.autoscaling is not None else []
     ingress_opts = config.ingress.deployment_options() | {"max_ongoing_requests": _INGRESS_MAX_ONGOING}
-    return IngressServer.options(**ingress_opts).bind(config, router)
+    return IngressServer.options(**ingress_opts).bind(config, router, companions)

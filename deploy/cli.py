@@ -91,7 +91,27 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--app", default="pdserve", help="Serve application name")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=lambda a: _serve_module().cmd_status(a))
+    sc = sub.add_parser("scale", help="change a running service's prefill/decode replica counts in place")
+    sc.add_argument("--prefill", type=int, default=None, help="prefill replicas")
+    sc.add_argument("--decode", type=int, default=None, help="decode replicas")
+    sc.add_argument("--address", default=None, help="Ray cluster address (default: the local one)")
+    sc.add_argument("--app", default="pdserve", help="Serve application name")
+    sc.set_defaults(func=lambda a: _serve_module().cmd_scale(a))
+    mf = sub.add_parser(
+        "manifests", help="render the KubeRay RayService, Redis and Serve config from a values file"
+    )
+    mf.add_argument("--values", default="deploy/kuberay/values.yaml", help="the values file")
+    mf.add_argument("--out", default="deploy/kuberay", help="output directory")
+    mf.set_defaults(func=cmd_manifests)
     return parser
+
+
+def cmd_manifests(args: argparse.Namespace) -> int:
+    from deploy.manifests import write
+
+    for path in write(Path(args.values), Path(args.out)):
+        print(f"wrote {path}")
+    return 0
 
 
 def _serve_module():

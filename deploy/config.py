@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deploy.pd_autoscaler import PDAutoscalingConfig
+
 MODES = ("disaggregated", "aggregated")
 
 
@@ -134,6 +136,8 @@ class PDServeConfig(_Strict):
     decode: DecodeOptions = Field(default_factory=DecodeOptions)
     router: RouterOptions = Field(default_factory=RouterOptions)
     ingress: IngressOptions = Field(default_factory=IngressOptions)
+    # The P/D policy (deploy/pd_autoscaler.py); None: counts change only by `pdserve scale`.
+    autoscaling: PDAutoscalingConfig | None = None
 
     @field_validator("redis_url")
     @classmethod
@@ -152,7 +156,21 @@ class PDServeConfig(_Strict):
             and self.prefill.num_replicas < 1
         ):
             raise ValueError("disaggregated mode needs at least one prefill replica (or use mode=aggregated)")
+        if self.autoscaling is not None:
+            if self.mode != "disaggregated":
+                raise ValueError("the P/D autoscaling policy needs mode=disaggregated")
+            if self.prefill.autoscaling is not None or self.decode.autoscaling is not None:
+                raise ValueError(
+                    "give either the P/D autoscaling policy or Serve autoscaling per pool, not both"
+                )
         return self
+
+    @property
+    def external_scaler_enabled(self) -> bool:
+        """Replica counts may be set from outside (``pdserve scale``, the P/D policy): Serve allows it
+        only when no deployment uses Serve's own autoscaling."""
+        pools = (self.prefill, self.decode, self.router, self.ingress)
+        return all(p.autoscaling is None for p in pools)
 
     @property
     def model_name(self) -> str:

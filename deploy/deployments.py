@@ -166,12 +166,36 @@ class RouterServer:
         await asyncio.to_thread(self.view.stop)
 
 
+@serve.deployment(name="Autoscaler", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class AutoscalerServer:
+    """Runs the P/D autoscaling policy against this application (one replica)."""
+
+    async def __init__(self, config: PDServeConfig, router) -> None:
+        from deploy.router_client import RouterClient
+        from deploy.scaling import AutoscalerLoop
+
+        self.client = RouterClient(lambda: router.get_address.remote())
+        self.loop = AutoscalerLoop(config.app_name, config.autoscaling, self.client)
+        self.task = asyncio.get_running_loop().create_task(self.loop.run())
+
+    async def decisions(self) -> list[tuple[float, int, int]]:
+        return list(self.loop.decisions)
+
+    async def check_health(self) -> None:
+        if self.task.done():
+            raise RuntimeError(f"the autoscaler loop ended: {self.task.exception()!r}")
+
+    async def __del__(self) -> None:
+        self.task.cancel()
+        await self.client.close()
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress()
 class IngressServer:
     """The OpenAI HTTP endpoint. Its FastAPI app is built per replica by ``deploy.http_app``."""
 
-    async def __init__(self, config: PDServeConfig, router) -> None:
+    async def __init__(self, config: PDServeConfig, router, companions: list | None = None) -> None:
         from deploy.http_app import build_http_app
         from deploy.metrics import IngressMetrics
         from deploy.model_info import load_model_info

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -26,9 +27,11 @@ class ModelInfo:
 def load_model_info(model: str, name: str, max_model_len: int | None, tiny: bool) -> ModelInfo:
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.models.loader import resolve_model_path
+    path = Path(model).expanduser()
+    if not path.is_dir():  # a Hugging Face id: the ingress needs the config and tokenizer, not weights
+        from huggingface_hub import snapshot_download
 
-    path = resolve_model_path(model)
+        path = Path(snapshot_download(model, allow_patterns=["*.json", "*.model", "*.txt", "*.jinja"]))
     cfg = AutoConfig.from_pretrained(path)
     limit = cfg.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:

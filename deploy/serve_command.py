@@ -105,7 +105,7 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
     _on_signals(stop)  # NOTE: again: ray.init replaces the SIGTERM handler with a plain exit
     try:
         serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
-        if not _deploy(serve, build_app(config), config.app_name, stop):
+        if not _deploy(serve, build_app(config), config, stop):
             print("interrupted before the application was ready", file=sys.stderr)
             return 130
         base = f"http://{_display_host(config.ingress.host)}:{config.ingress.port}"
@@ -146,13 +146,16 @@ def _cpus_needed(config: PDServeConfig) -> int:
     )
 
 
-def _deploy(serve, app, name: str, stop: threading.Event) -> bool:
+def _deploy(serve, app, config: PDServeConfig, stop: threading.Event) -> bool:
     """``serve.run`` in a thread; print replica progress until the application runs."""
     errors: list[BaseException] = []
+    name = config.app_name
 
     def run() -> None:
         try:
-            serve.run(app, name=name, route_prefix="/")
+            serve.run(
+                app, name=name, route_prefix="/", external_scaler_enabled=config.external_scaler_enabled
+            )
         except BaseException as exc:  # re-raised in the caller's thread
             errors.append(exc)
 
@@ -251,6 +254,34 @@ def _report(result) -> None:
             f"  {w.role:<8} {w.worker_id}: {s.num_running} running, {s.num_waiting} waiting, "
             f"{s.num_held_requests} held, {s.num_free_blocks}/{s.num_blocks} KV blocks free"
         )
+
+
+# pdserve scale ------------------------------------------------------------------------------------
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import ray
+
+    from deploy.scaling import set_replicas, target_replicas
+
+    counts = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
+    if not counts:
+        print("error: give --prefill N and/or --decode M", file=sys.stderr)
+        return 2
+    ray.init(address=args.address or "auto", logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        before = target_replicas(args.app)
+        if "Autoscaler" in before:
+            print("note: the P/D autoscaler is running; it may change these counts again", file=sys.stderr)
+        set_replicas(args.app, counts)
+        after = target_replicas(args.app)
+    finally:
+        ray.shutdown()
+    for name in ("Prefill", "Decode"):
+        if name in before:
+            print(f"{name}: {before[name]} -> {after[name]} replicas")
+    print("new replicas register before taking traffic; removed ones drain first (see pdserve status)")
+    return 0
 
 
 # pdserve status ----------------------------------------------------------------------------------

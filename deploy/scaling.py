@@ -1,0 +1,107 @@
+"""Changing a running application's prefill and decode replica counts in place.
+
+Serve's external-scaling API (the application runs with ``external_scaler_enabled``) sets a
+deployment's target replica count without redeploying: running replicas are untouched, new ones
+start (load the model, register in Redis, then take traffic), and removed ones drain first (they
+leave the registry, finish their running requests, then exit — see ``deploy.deployments``).
+``pdserve scale`` and the P/D autoscaler (``AutoscalerLoop``) both go through here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from deploy.pd_autoscaler import ClusterSignals, PDAutoscaler, PDAutoscalingConfig
+
+logger = logging.getLogger(__name__)
+
+POOLS = {"prefill": "Prefill", "decode": "Decode"}
+
+
+def _controller():
+    from ray.serve.context import _get_global_client
+
+    # NOTE: the controller handle is what Serve's own REST scale endpoint calls; there is no public
+    # Python wrapper for the external-scaling API yet.
+    return _get_global_client()._controller
+
+
+def target_replicas(app_name: str) -> dict[str, int]:
+    """Deployment name -> its current target replica count."""
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    app = details.get("applications", {}).get(app_name)
+    if app is None:
+        raise ValueError(f"no Serve application named {app_name!r} is running")
+    return {name: d["target_num_replicas"] for name, d in app["deployments"].items()}
+
+
+def set_replicas(app_name: str, counts: dict[str, int]) -> None:
+    """``counts``: pool ("prefill" / "decode") -> replicas. Raises ValueError with the reason."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+
+    current = target_replicas(app_name)
+    for pool, n in counts.items():
+        name = POOLS[pool]
+        if name not in current:
+            raise ValueError(f"application {app_name!r} has no {name} deployment (aggregated mode?)")
+        if n < (1 if pool == "decode" else 0):
+            raise ValueError(f"{pool} replicas must be >= {1 if pool == 'decode' else 0}, got {n}")
+    for pool, n in counts.items():
+        try:
+            ray.get(_controller().update_deployment_replicas.remote(DeploymentID(POOLS[pool], app_name), n))
+        except Exception as exc:  # the controller's refusal (e.g. external scaling disabled), verbatim
+            raise ValueError(str(exc).strip().splitlines()[-1]) from exc
+
+
+def signals_from_cluster(cluster, counts: dict[str, int]) -> ClusterSignals:
+    """The policy's inputs from the router's cluster state (registry records plus its in-flight work)."""
+    prefill = [w for w in cluster.workers if w.state.role == "prefill"]
+    decode = [w for w in cluster.workers if w.state.role == "decode"]
+    usage = [w.state.stats.kv_usage for w in decode]
+    return ClusterSignals(
+        prefill_replicas=counts.get(POOLS["prefill"], 0),
+        decode_replicas=counts.get(POOLS["decode"], 0),
+        pending_prompt_tokens=sum(w.queued_prompt_tokens for w in prefill),
+        decode_kv_usage=sum(usage) / len(usage) if usage else 0.0,
+        decode_running=sum(w.state.stats.num_running + w.state.stats.num_waiting for w in decode),
+    )
+
+
+class AutoscalerLoop:
+    """Every ``interval_s``: read the cluster, ask the policy, apply a changed count."""
+
+    def __init__(self, app_name: str, config: PDAutoscalingConfig, router_client) -> None:
+        self.app_name = app_name
+        self.policy = PDAutoscaler(config)
+        self.router = router_client
+        self.interval_s = config.interval_s
+        self.decisions: list[tuple[float, int, int]] = []
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step(time.monotonic())
+            except Exception as exc:  # a missed evaluation is retried at the next interval
+                logger.warning("autoscaler step failed: %s", exc)
+            await asyncio.sleep(self.interval_s)
+
+    async def step(self, now: float) -> None:
+        counts = await asyncio.to_thread(target_replicas, self.app_name)
+        signals = signals_from_cluster(await self.router.cluster_state(), counts)
+        p, d = self.policy.decide(signals, now)
+        if (p, d) != (signals.prefill_replicas, signals.decode_replicas):
+            logger.info(
+                "autoscaler: prefill %d -> %d, decode %d -> %d (%s)",
+                signals.prefill_replicas,
+                p,
+                signals.decode_replicas,
+                d,
+                signals,
+            )
+            self.decisions.append((now, p, d))
+            await asyncio.to_thread(set_replicas, self.app_name, {"prefill": p, "decode": d})

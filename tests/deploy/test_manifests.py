@@ -1,0 +1,113 @@
+"""The KubeRay manifests and the Serve config: rendered from the one values file (no drift), valid
+against KubeRay's own CRD schema and Ray's own ServeDeploySchema, pools pinned to their GPU groups,
+and no secret in any manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from deploy.app import build_app
+from deploy.config import PDServeConfig
+from deploy.manifests import ClusterValues, render, serve_config
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBERAY = ROOT / "deploy" / "kuberay"
+CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, str]:
+    return render(KUBERAY / "values.yaml")
+
+
+def _crd_schema() -> dict:
+    if not CRD.exists():
+        pytest.fail(f"KubeRay CRD schema missing at {CRD}")
+    crd = yaml.safe_load(CRD.read_text())
+    return next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+
+
+def test_committed_files_are_what_the_values_render(rendered):
+    for name, text in rendered.items():
+        assert (KUBERAY / name).read_text() == text, f"{name} is stale: run `pdserve manifests`"
+
+
+def test_serve_config_is_valid_for_ray_and_for_pdserve(rendered):
+    doc = yaml.safe_load(rendered["serve_config.yaml"])
+    schema = ServeDeploySchema.model_validate(doc)
+    app = schema.applications[0]
+    assert app.import_path == "deploy.app:build_app" and app.external_scaler_enabled
+    config = PDServeConfig.model_validate(app.args)
+    assert config.worker_host == "auto" and config.engine.device == "cuda"
+    assert build_app(app.args) is not None  # the import path builds the application from these args
+
+
+def test_rayservice_is_valid_against_the_kuberay_crd(rendered):
+    doc = yaml.safe_load(rendered["rayservice.yaml"])
+    jsonschema.validate(doc, _crd_schema())
+    spec = doc["spec"]
+    # The RayService embeds exactly the Serve config file.
+    assert yaml.safe_load(spec["serveConfigV2"]) == yaml.safe_load(rendered["serve_config.yaml"])
+    assert spec["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+
+
+def test_a_typo_fails_the_crd_check(rendered):
+    doc = yaml.safe_load(rendered["rayservice.yaml"])
+    doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, _crd_schema())
+
+
+def test_pools_are_pinned_to_their_gpu_groups(rendered):
+    doc = yaml.safe_load(rendered["rayservice.yaml"])
+    groups = {g["groupName"]: g for g in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    args = PDServeConfig.model_validate(
+        yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"]
+    )
+    values = ClusterValues.model_validate(yaml.safe_load((KUBERAY / "values.yaml").read_text()))
+    for role, pool, vals in (
+        ("prefill", args.prefill, values.prefill),
+        ("decode", args.decode, values.decode),
+    ):
+        group = groups[f"{role}-gpu"]
+        (resource,) = pool.resources
+        assert resource in group["resources"]  # only this group's nodes advertise it
+        pod = group["template"]["spec"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": vals.gpu_product}
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(int(pool.num_gpus))
+        assert group["replicas"] == pool.num_replicas
+
+
+def test_no_secret_in_any_manifest(rendered):
+    for name, text in rendered.items():
+        for doc in yaml.safe_load_all(text):
+            for env in _all_env(doc):
+                if any(k in env["name"] for k in ("PASSWORD", "API_KEY", "TOKEN")):
+                    assert "secretKeyRef" in env.get("valueFrom", {}), (name, env)
+                if env["name"] == "PDSERVE_REDIS_URL" and "value" in env:
+                    assert "$(PDSERVE_REDIS_PASSWORD)" in env["value"], env
+
+
+def test_values_without_a_model_are_refused():
+    v = ClusterValues.model_validate(
+        yaml.safe_load((KUBERAY / "values.yaml").read_text()) | {"model": {"served_model_name": "x"}}
+    )
+    with pytest.raises(ValueError, match="hf_id or pvc"):
+        serve_config(v)
+
+
+def _all_env(node):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "env" and isinstance(v, list):
+                yield from v
+            else:
+                yield from _all_env(v)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _all_env(item)
