@@ -101,8 +101,10 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return worker_state_to_proto(w, self.address, await w.stats(), await w.transfer_snapshot())
 
 
-async def serve(worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
-    """Start the worker's engine loop, registry link and gRPC server; returns (server, "host:port")."""
+async def serve(
+    worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0, before_register=None
+) -> tuple[grpc.aio.Server, str]:
+    """Start the worker's engine loop, gRPC server and registry link; returns (server, "host:port")."""
     return await start_server(
         worker,
         host,
@@ -110,4 +112,5 @@ async def serve(worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0) ->
         lambda server, address: pb_grpc.add_DecodeWorkerServicer_to_server(
             DecodeService(worker, address), server
         ),
+        before_register,
     )

@@ -200,6 +200,25 @@ class DecodeWorker:
     async def abort(self, request_id: str) -> bool:
         return await self.loop.run(lambda: self._abort(request_id))
 
+    async def warm_peers(self, addresses: list[str]) -> int:
+        """Connect NIXL to these prefill workers now (their metadata, UCX endpoints), so the first
+        pull from each pays no setup. Unreachable ones are skipped; returns how many were added."""
+        added = 0
+        for address in addresses:
+            if self.fetch_peer is None:
+                break
+            try:
+                info = await self.fetch_peer(address)
+            except (OSError, grpc.RpcError, ValueError) as exc:
+                logger.info("prefill worker %s not warmed (%s)", address, exc)
+                continue
+            if info.agent_name in self._peers:
+                continue
+            await self.loop.run(lambda info=info: self.transfer.add_peer(info))
+            self._peers.add(info.agent_name)
+            added += 1
+        return added
+
     async def _ensure_peer(self, kv: PulledKV) -> None:
         if kv.agent_name in self._peers:
             return

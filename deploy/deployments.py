@@ -56,6 +56,7 @@ class _WorkerReplica:
     worker = None
     server = None
     address = ""
+    _warmer: asyncio.Task | None = None  # decode: keeps NIXL connected to new prefill workers
     config: PDServeConfig
 
     async def get_address(self) -> str:
@@ -72,6 +73,8 @@ class _WorkerReplica:
     async def __del__(self) -> None:
         if self.worker is None:
             return
+        if self._warmer is not None:
+            self._warmer.cancel()
         timeout = self._options().graceful_shutdown_timeout_s
         drained = await self.worker.drain(max(0.0, timeout - 2.0))
         logger.info("%s drained (%s); stopping", self.worker.worker_id, "clean" if drained else "timed out")
@@ -128,11 +131,33 @@ class DecodeServer(_WorkerReplica):
             ),
             fetch_peer=fetch_prefill_peer,
         )
-        self.server, self.address = await serve_decode(self.worker, host, 0)
+        self._warmed: set[str] = set()
+        self.server, self.address = await serve_decode(self.worker, host, 0, self._warm_peers)
+        self._warmer = asyncio.get_running_loop().create_task(self._keep_warm())
         logger.info("%s ready on %s in %.1fs", self.worker.worker_id, self.address, time.perf_counter() - t0)
 
     def _options(self):
         return self.config.decode
+
+    async def _warm_peers(self) -> None:
+        """NIXL connections to every registered prefill worker, made before this replica registers
+        (so its first pulls pay no setup) and kept up as prefill replicas come and go."""
+        from proto.registry import connect, read_workers
+
+        workers = await asyncio.to_thread(lambda: read_workers(connect(_redis_url(self.config))))
+        new = [w.address for w in workers.values() if w.role == "prefill" and w.address not in self._warmed]
+        if new:
+            added = await self.worker.warm_peers(new)
+            self._warmed.update(new)
+            logger.info("%s: NIXL connected to %d new prefill workers", self.worker.worker_id, added)
+
+    async def _keep_warm(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            try:
+                await self._warm_peers()
+            except Exception as exc:  # Redis away: the pull path still connects lazily
+                logger.info("peer warm-up skipped: %s", exc)
 
 
 @serve.deployment(name="Router")

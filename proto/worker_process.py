@@ -46,10 +46,16 @@ def prepare_process(args: argparse.Namespace) -> None:
 
 
 async def start_server(
-    worker: Any, host: str, port: int, add_service: Callable[[grpc.aio.Server, str], None]
+    worker: Any,
+    host: str,
+    port: int,
+    add_service: Callable[[grpc.aio.Server, str], None],
+    before_register: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[grpc.aio.Server, str]:
-    """Bind ``host:port`` (0 picks a port), add the worker's service, start its engine loop, then
-    its registry link and the server; returns (server, "host:port")."""
+    """Bind ``host:port`` (0 picks a port), add the worker's service, start its engine loop and the
+    server, run ``before_register`` (warm-up), then register; returns (server, "host:port").
+
+    Registering last means the router sends nothing here before the worker is ready for it."""
     server = grpc.aio.server()
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -57,8 +63,10 @@ async def start_server(
     address = f"{host}:{bound}"
     add_service(server, address)
     worker.start()
-    worker.attach_registry(address)
     await server.start()
+    if before_register is not None:
+        await before_register()
+    worker.attach_registry(address)
     logging.getLogger(__name__).info(
         "%s worker %s (epoch %d) on %s", worker.role, worker.worker_id, worker.epoch, address
     )

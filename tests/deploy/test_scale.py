@@ -1,0 +1,92 @@
+"""``pdserve scale`` on a running service: prefill scales 1 -> 2 (the new replica registers and takes
+traffic) and back 2 -> 1 while streams run (the removed replica drains; no request is lost)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+from conftest import API_KEY, ServeProcess
+from transformers import AutoTokenizer
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROMPTS = ["the world is", "there was a man who", "in the first years", "what people know about"]
+
+
+def scale(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "scale", *args], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def prefill_workers(svc: ServeProcess) -> set[str]:
+    return {w for w in svc.workers() if w.startswith("prefill-")}
+
+
+def wait_for(svc: ServeProcess, count: int, timeout_s: float = 180) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while (workers := prefill_workers(svc)) and len(workers) != count:
+        assert time.monotonic() < deadline, f"expected {count} prefill workers, have {workers}"
+        time.sleep(0.5)
+    return workers
+
+
+def test_scale_prefill_up_and_down_under_load(serve_model, module_redis_server, hf_greedy):
+    svc = ServeProcess(serve_model, module_redis_server.url, "--policy", "round_robin", "--ray-cpus", "8")
+    tok = AutoTokenizer.from_pretrained(serve_model)
+
+    def expected(prompt: str, n: int) -> str:
+        ids = tok.encode(prompt)
+        return tok.decode(ids + hf_greedy(serve_model, ids, n))[len(tok.decode(ids)) :]
+
+    async def streams(name: str, prompts: list[str], n: int, during=None) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=svc.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(p):
+            s = await client.completions.create(
+                model=name,
+                prompt=p,
+                max_tokens=n,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            return "".join([c.choices[0].text async for c in s])
+
+        try:
+            tasks = [asyncio.create_task(one(p)) for p in prompts]
+            if during is not None:
+                await asyncio.sleep(0.5)
+                await asyncio.to_thread(during)
+            return await asyncio.gather(*tasks)
+        finally:
+            await client.close()
+
+    try:
+        name = svc.request("GET", "/v1/models")[2]["data"][0]["id"]
+        (first,) = wait_for(svc, 1)
+        assert "Prefill: 1 -> 2 replicas" in scale("--prefill", "2")
+        workers = wait_for(svc, 2)
+        assert first in workers  # the running replica was untouched (no redeploy)
+        prompts = [p + " " + "and " * i for i, p in enumerate(PROMPTS * 2)]
+        texts = asyncio.run(streams(name, prompts, 12))
+        assert texts == [expected(p, 12) for p in prompts]
+        status = subprocess.run(
+            [sys.executable, "-m", "deploy.cli", "status"], capture_output=True, text=True, timeout=120
+        ).stdout
+        assert all(w in status for w in workers)  # both registered and visible to operators
+
+        # Scale down while 8 streams run: every stream completes with the right text.
+        texts = asyncio.run(streams(name, prompts, 48, during=lambda: scale("--prefill", "1")))
+        assert texts == [expected(p, 48) for p in prompts]
+        assert len(wait_for(svc, 1)) == 1
+        svc.wait_idle()
+    finally:
+        assert svc.terminate() == 0
