@@ -39,6 +39,7 @@ def pulled_kv_from_handle(h: pb.KVHandle) -> PulledKV:
         first_token=h.first_token,
         first_logprobs=logprobs_from_proto(h.first_logprobs),
         seed=h.seed,
+        lease_expiry_unix=h.lease_expiry_unix,
     )
 
 

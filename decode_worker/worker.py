@@ -14,7 +14,9 @@ request. Every engine and NIXL call runs on the engine-loop thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -59,6 +61,7 @@ class PulledKV:
     first_token: int
     first_logprobs: dict[int, float] | None
     seed: int
+    lease_expiry_unix: float = 0.0  # the prefill side frees the blocks then (0: unknown)
 
 
 @dataclass(slots=True)
@@ -68,6 +71,12 @@ class _Transfer:
     policy: str
     started: float  # time.monotonic() at start_read
     aborted: bool = False
+
+
+@dataclass(slots=True)
+class _WaitingPull:
+    args: tuple  # (prompt, params, priority, kv, policy)
+    give_up_at: float  # time.monotonic(): then recompute locally
 
 
 class KVTransferError(RuntimeError):
@@ -99,6 +108,7 @@ class DecodeWorker:
         self.registry: RegistryPublisher | None = None
         self.draining = False
         self.transfers: dict[str, _Transfer] = {}  # engine thread only
+        self._waiting_pulls: dict[str, _WaitingPull] = {}  # engine thread only; FIFO
         self._quarantine: dict[str, object] = {}  # held-block key -> unsettled transfer handle
         self._peers: set[str] = set()
         self.transfer_stats = TransferStats()  # engine thread only
@@ -122,8 +132,8 @@ class DecodeWorker:
         return await drain_worker(self, self._busy, timeout_s)
 
     async def _busy(self) -> int:
-        s = await self.stats()
-        return s.num_running + s.num_waiting + s.num_swapped + s.num_transferring
+        s, waiting = await self.loop.run(lambda: (self.core.stats(), len(self._waiting_pulls)))
+        return s.num_running + s.num_waiting + s.num_swapped + s.num_transferring + waiting
 
     def transfer_info(self) -> RemoteKVInfo:
         return self.transfer.local_info()
@@ -235,6 +245,55 @@ class DecodeWorker:
     # Engine thread ----------------------------------------------------------------------------
 
     def _start_pull(self, rid, prompt, params, priority, kv: PulledKV, policy: str, reachable: bool) -> bool:
+        """Allocate the prompt's blocks and start the READ; with no room for them right now the pull
+        waits (FIFO, while the prefill lease lasts) instead of failing the request."""
+        args = (prompt, params, priority, kv, policy)
+        if reachable and self._waiting_pulls:  # behind earlier waiters: keep their order
+            self._wait_for_room(rid, args)
+            return True
+        try:
+            return self._pull(rid, *args, reachable=reachable)
+        except RuntimeError:  # no room for the blocks now (the engine queues, it never fails)
+            if not reachable:
+                self._recompute(rid, *args, notify=False)
+            else:
+                self._wait_for_room(rid, args)
+            return True
+
+    def _wait_for_room(self, rid: str, args: tuple) -> None:
+        kv: PulledKV = args[3]
+        lease_left = kv.lease_expiry_unix - time.time() - 1.0 if kv.lease_expiry_unix else math.inf
+        wait = max(0.0, min(self.config.transfer_timeout_s, lease_left))
+        self.transfer_stats.waited += 1
+        self._waiting_pulls[rid] = _WaitingPull(args, time.monotonic() + wait)
+
+    def _recompute(self, rid, prompt, params, priority, kv: PulledKV, policy, notify: bool = True) -> None:
+        """Give up on the peer's KV: free it there, and compute the prompt here (the engine queues the
+        request until blocks free up).
+
+        NOTE: the first token was already streamed by the router, so it joins the prompt and one token
+        less is left to generate: positions, and so seeded samples, are those of one engine."""
+        if notify:
+            self.transfer.send_notification(kv.agent_name, rid.encode())
+        self.transfer_stats.recomputed += 1
+        rest = dataclasses.replace(params, seed=kv.seed, max_tokens=params.max_tokens - 1)
+        self.core.add_request(rid, [*prompt, kv.first_token], rest, priority=priority)
+
+    def _retry_waiting_pulls(self) -> None:
+        now = time.monotonic()
+        for rid, w in list(self._waiting_pulls.items()):
+            if now >= w.give_up_at:
+                del self._waiting_pulls[rid]
+                logger.info("no KV room for %s before its lease ends: recomputing it locally", rid)
+                self._recompute(rid, *w.args)
+                continue
+            try:
+                self._pull(rid, *w.args, reachable=True)
+            except RuntimeError:
+                return  # still no room; later waiters stay behind this one
+            del self._waiting_pulls[rid]
+
+    def _pull(self, rid, prompt, params, priority, kv: PulledKV, policy: str, *, reachable: bool) -> bool:
         plan = self.core.add_transferred_request(
             rid,
             prompt,
@@ -266,6 +325,8 @@ class DecodeWorker:
         return True
 
     def _tick(self) -> None:
+        if self._waiting_pulls:
+            self._retry_waiting_pulls()
         for rid, t in list(self.transfers.items()):
             state = self.transfer.poll(t.handle)
             if state == TransferState.IN_PROGRESS:
@@ -302,6 +363,10 @@ class DecodeWorker:
                 del self._quarantine[key]
 
     def _abort(self, rid: str) -> bool:
+        w = self._waiting_pulls.pop(rid, None)
+        if w is not None:  # nothing allocated here yet; free the peer's blocks now
+            self.transfer.send_notification(w.args[3].agent_name, rid.encode())
+            return True
         t = self.transfers.get(rid)
         if t is not None:
             t.aborted = True  # freed by _tick once the read has settled

@@ -123,6 +123,11 @@ def _serve_module():
 def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve (prefill, decode, router)")
     s.add_argument("--model", help="checkpoint directory or Hugging Face id (default: a tiny random Llama)")
+    s.add_argument(
+        "--config",
+        help="the application config (YAML/JSON PDServeConfig, or a Serve config file); "
+        "replaces the model, engine and pool flags",
+    )
     s.add_argument("--served-model-name", help="the model name clients use (default: --model)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)

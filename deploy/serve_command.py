@@ -53,12 +53,28 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
     )
 
 
+def config_from_file(path: str, args: argparse.Namespace) -> PDServeConfig:
+    """A ``PDServeConfig`` (YAML/JSON), or a Serve config file whose first application's args are one;
+    ``--host`` / ``--port`` still choose where this local run listens."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if isinstance(data, dict) and "applications" in data:
+        data = data["applications"][0].get("args", {})
+    config = PDServeConfig.model_validate(data)
+    ingress = config.ingress.model_copy(update={"host": args.host, "port": args.port})
+    return config.model_copy(update={"ingress": ingress})
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from deploy.cli import ensure_tiny_model
 
-    tiny = args.model is None
-    model = args.model or str(ensure_tiny_model())
-    config = config_from_args(args, model, tiny)
+    if args.config:
+        config = config_from_file(args.config, args)
+    else:
+        tiny = args.model is None
+        config = config_from_args(args, args.model or str(ensure_tiny_model()), tiny)
     if args.api_key:
         os.environ["PDSERVE_API_KEY"] = args.api_key  # inherited by the local Ray cluster, never logged
     embedded = None

@@ -6,6 +6,7 @@ Kept on the engine thread (the only place transfers are started and polled); rea
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 
 # Upper bounds in seconds: a 4 KiB block over NVLink is microseconds, a 2k-token prompt over UCX/TCP
@@ -19,6 +20,7 @@ class TransferStats:
     completed: int = 0
     failures: int = 0
     recomputed: int = 0
+    waited: int = 0  # pulls that had to wait for free blocks before starting
     seconds_sum: float = 0.0
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1))
 
@@ -28,11 +30,4 @@ class TransferStats:
         self.bucket_counts[bisect.bisect_left(TRANSFER_SECONDS_BUCKETS, seconds)] += 1
 
     def snapshot(self) -> TransferStats:
-        return TransferStats(
-            self.bytes,
-            self.completed,
-            self.failures,
-            self.recomputed,
-            self.seconds_sum,
-            list(self.bucket_counts),
-        )
+        return dataclasses.replace(self, bucket_counts=list(self.bucket_counts))

@@ -81,6 +81,7 @@ def transfer_stats_to_proto(t: TransferStats) -> pb.KVTransferStats:
         completed=t.completed,
         failures=t.failures,
         recomputed=t.recomputed,
+        waited=t.waited,
         seconds_sum=t.seconds_sum,
         bucket_bounds=TRANSFER_SECONDS_BUCKETS,
         bucket_counts=t.bucket_counts,

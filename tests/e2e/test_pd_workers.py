@@ -251,3 +251,38 @@ def test_prefill_deadline_aborts_the_request(workers):
         await _wait_all_free(p)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("lease", ["30", "1.0"])
+def test_decode_without_room_waits_for_blocks_or_recomputes(workers, engine_alone, lease):
+    """More pulled prompts than the decode pool holds: pulls wait (FIFO) for blocks instead of failing,
+    and a pull that cannot start before the prefill lease ends recomputes locally; all outputs exact."""
+    p = workers("prefill", "--lease-seconds", lease)
+    d = workers("decode", num_blocks=24)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [_prompt(60, seed=s) for s in range(6)]  # 8 blocks to pull each: 3 fit at once
+    expected = [o.token_ids for o in engine_alone.generate(prompts, params)]
+
+    async def main():
+        got = await asyncio.gather(
+            *(generate(p.address, d.address, f"room-{i}", pr, params) for i, pr in enumerate(prompts))
+        )
+        deadline = time.monotonic() + 15
+        while True:
+            ps, ds = await state(p.address, "prefill"), await state(d.address, "decode")
+            idle = (
+                ps.stats.num_held_requests == 0
+                and ds.stats.num_running == 0
+                and ds.stats.num_transferring == 0
+            )
+            if idle and ps.stats.num_free_blocks == NUM_BLOCKS and ds.stats.num_free_blocks == 24:
+                return got, ds
+            assert time.monotonic() < deadline, (ps.stats, ds.stats)
+            await asyncio.sleep(0.1)
+
+    got, ds = asyncio.run(main())
+    assert got == expected
+    t = ds.transfer_stats
+    assert t.completed + t.recomputed == 6 and t.waited >= 1
+    if lease == "1.0":  # no time left on the lease to wait in: waiters recompute at once
+        assert t.recomputed == t.waited
