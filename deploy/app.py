@@ -23,13 +23,22 @@ _INGRESS_MAX_ONGOING = 100_000
 
 def build_app(args: PDServeConfig | dict[str, Any]) -> Application:
     config = args if isinstance(args, PDServeConfig) else PDServeConfig.model_validate(args)
-    decode = DecodeServer.options(**config.decode.deployment_options()).bind(config)
+    # Replicas get the config without the replica counts: a new count then changes no replica's
+    # constructor arguments, so Serve applies it in place instead of restarting every replica.
+    counts = {"num_replicas": 1}
+    shared = config.model_copy(
+        update={
+            name: getattr(config, name).model_copy(update=counts)
+            for name in ("prefill", "decode", "router", "ingress")
+        }
+    )
+    decode = DecodeServer.options(**config.decode.deployment_options()).bind(shared)
     prefill = None
     if config.mode == "disaggregated":
-        prefill = PrefillServer.options(**config.prefill.deployment_options()).bind(config)
+        prefill = PrefillServer.options(**config.prefill.deployment_options()).bind(shared)
     # The router finds workers through Redis, not through Serve; binding them here makes Serve start
     # and stop them as parts of this one application.
-    router = RouterServer.options(**config.router.deployment_options()).bind(config, [decode, prefill])
-    companions = [AutoscalerServer.bind(config, router)] if config.autoscaling is not None else []
+    router = RouterServer.options(**config.router.deployment_options()).bind(shared, [decode, prefill])
+    companions = [AutoscalerServer.bind(shared, router)] if config.autoscaling is not None else []
     ingress_opts = config.ingress.deployment_options() | {"max_ongoing_requests": _INGRESS_MAX_ONGOING}
-    return IngressServer.options(**ingress_opts).bind(config, router, companions)
+    return IngressServer.options(**ingress_opts).bind(shared, router, companions)
