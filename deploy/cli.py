@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.serving_client import run
+
+    result = run(args)
+    return 0 if all(r["completed"] for r in result["runs"]) else 1
+
+
 def cmd_manifests(args: argparse.Namespace) -> int:
     from deploy.manifests import write
 

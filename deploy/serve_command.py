@@ -125,6 +125,9 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
             print("interrupted before the application was ready", file=sys.stderr)
             return 130
         base = f"http://{_display_host(config.ingress.host)}:{config.ingress.port}"
+        if not _wait_healthy(base, config, stop):
+            print("interrupted before the workers registered", file=sys.stderr)
+            return 130
         _print_ready(config, base)
         if args.demo:
             from deploy.demo import run_demo
@@ -202,6 +205,28 @@ def _progress(serve, name: str) -> str:
         counts = dep.replica_states or {}
         parts.append(f"{dep_name} {counts.get('RUNNING', 0)}/{sum(counts.values())} running")
     return ", ".join(parts) or str(app.status)
+
+
+def _wait_healthy(base: str, config: PDServeConfig, stop: threading.Event, timeout_s: float = 120.0) -> bool:
+    """Replicas being up is not enough: wait until the router sees the workers registered."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    want_prefill = config.mode == "disaggregated"
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as resp:
+                health = json.loads(resp.read())
+            if health.get("decode_workers") and (health.get("prefill_workers") or not want_prefill):
+                return True
+        except (urllib.error.URLError, OSError, ValueError):
+            pass  # 503 until a decode worker is registered
+        if time.monotonic() > deadline:
+            print(f"warning: workers not registered after {timeout_s:.0f}s; serving anyway", file=sys.stderr)
+            return True
+        stop.wait(0.25)
+    return False
 
 
 def _display_host(host: str) -> str:

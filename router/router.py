@@ -49,6 +49,7 @@ class NoWorkersError(RuntimeError):
 class RouterStats:
     requests: int = 0
     prefill_retries: int = 0
+    decode_retries: int = 0
     aggregated_fallbacks: int = 0
     failed: int = 0
     predicted_hit_tokens: int = 0
@@ -139,7 +140,7 @@ class Router:
                         break
         if resp is None:
             self.stats.aggregated_fallbacks += route.prefill is not None or (params.n == 1 and bool(exclude))
-            async for msg in self._decode(
+            async for msg in self._relay_decode(
                 route.decode, request_id, prompt, proto_params, priority, None, deadline
             ):
                 yield msg
@@ -168,7 +169,7 @@ class Router:
             return
         pulled = False
         try:
-            async for msg in self._decode(
+            async for msg in self._relay_decode(
                 route.decode, request_id, prompt, proto_params, priority, resp.handle, deadline
             ):
                 pulled = True
@@ -196,6 +197,32 @@ class Router:
         finally:
             load.prompt_tokens -= work
             load.requests -= 1
+
+    async def _relay_decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline):
+        """Relay Decode from ``w``; a decode worker that is unreachable before it sent anything (it
+        died, its record not expired yet) is swapped for the least-loaded other one, same handle:
+        the KV is still held on the prefill side."""
+        tried: set[str] = set()
+        while True:
+            started = False
+            try:
+                async with aclosing(
+                    self._decode(w, rid, prompt, params, priority, handle, deadline)
+                ) as stream:
+                    async for msg in stream:
+                        started = True
+                        yield msg
+                return
+            except grpc.aio.AioRpcError as exc:
+                if started or exc.code() != grpc.StatusCode.UNAVAILABLE or _expired(deadline):
+                    raise
+                tried.add(w.worker_id)
+                others = [d for d in self.view.live_workers("decode") if d.worker_id not in tried]
+                if not others:
+                    raise
+                logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)
+                self.stats.decode_retries += 1
+                w = min(others, key=lambda d: self.inflight.get(d.worker_id, WorkerLoad()).requests)
 
     async def _decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline):
         self.decisions[("decode", w.worker_id)] += 1

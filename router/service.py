@@ -91,6 +91,7 @@ class RouterService(pb_grpc.RouterServicer):
             aggregated_fallbacks=s.aggregated_fallbacks,
             failed_requests=s.failed,
             active_requests=r.active,
+            decode_retries=s.decode_retries,
             draining=view.draining,
         )
 

@@ -151,3 +151,12 @@ def module_redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     yield server
     server.kill()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--soak-seconds",
+        type=float,
+        default=0.0,
+        help="reliability suite: keep repeating the fault cycle under load this long (e.g. 600)",
+    )

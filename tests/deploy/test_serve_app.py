@@ -271,6 +271,109 @@ def test_health_and_metrics(service):
     assert sum(v for (n, _), v in m.items() if n == "pdserve_kv_transfer_bytes_total") > 0  # KV moved by NIXL
 
 
+def _openapi_body_schemas(service) -> dict[str, dict]:
+    """Each POST route's request-body schema from the OpenAPI document FastAPI serves, made
+    self-contained (components -> $defs) for hypothesis-jsonschema."""
+    _, _, doc = service.request("GET", "/openapi.json")
+    defs = doc.get("components", {}).get("schemas", {})
+    text = json.dumps(defs).replace("#/components/schemas/", "#/$defs/")
+    out = {}
+    for path, item in doc["paths"].items():
+        body = item.get("post", {}).get("requestBody")
+        if body:
+            schema = json.loads(
+                json.dumps(body["content"]["application/json"]["schema"]).replace(
+                    "#/components/schemas/", "#/$defs/"
+                )
+            )
+            out[path] = {**schema, "$defs": json.loads(text)}
+    return out
+
+
+def _from_schema(schema: dict, defs: dict, st, depth: int = 0):
+    """A hypothesis strategy for the JSON-schema subset pydantic emits (objects, anyOf, $ref, enum,
+    const, scalars, arrays): required properties always, optional ones sometimes."""
+    if "$ref" in schema:
+        return _from_schema(defs[schema["$ref"].rsplit("/", 1)[-1]], defs, st, depth)
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "anyOf" in schema:
+        return st.one_of([_from_schema(s, defs, st, depth) for s in schema["anyOf"]])
+    kind = schema.get("type")
+    if kind == "object" and depth < 4:
+        props = schema.get("properties", {})
+        required = set(schema.get("required", []))
+        fields = {k: _from_schema(v, defs, st, depth + 1) for k, v in props.items()}
+        optional = {k: v for k, v in fields.items() if k not in required}
+        return st.fixed_dictionaries({k: fields[k] for k in required}, optional=optional)
+    if kind == "array" and depth < 4:
+        items = _from_schema(schema.get("items", {}), defs, st, depth + 1)
+        return st.lists(items, min_size=schema.get("minItems", 0), max_size=4)
+    return {
+        "string": st.text(max_size=24),
+        "integer": st.integers(-(2**40), 2**40) | st.integers(-3, 64),
+        "number": st.floats(-1e6, 1e6, allow_nan=False) | st.floats(-1, 2),
+        "boolean": st.booleans(),
+        "null": st.none(),
+    }.get(kind, st.none())
+
+
+def test_http_fuzz_never_5xx_and_invalid_requests_touch_no_worker(service, model_name):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    schemas = _openapi_body_schemas(service)
+    assert set(schemas) == {"/v1/completions", "/v1/chat/completions"}
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=10,
+    )
+    counts = {"ok": 0, "refused": 0}
+
+    def mutate(body: dict, data) -> dict:
+        body = dict(body)
+        for _ in range(data.draw(st.integers(0, 2))):
+            key = data.draw(
+                st.sampled_from([*body, "bogus", "n", "max_tokens", "prompt", "messages", "stop"])
+            )
+            body[key] = data.draw(json_values)
+        return body
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(data=st.data())
+    def fuzz(data):
+        path = data.draw(st.sampled_from(sorted(schemas)))
+        body = data.draw(_from_schema(schemas[path], schemas[path]["$defs"], st))
+        if data.draw(st.booleans()):  # mostly the right model, so bodies get past the model check
+            body["model"] = model_name
+        # Keep the accepted ones quick (the range checks have their own table test).
+        for key in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(key), int) and body[key] > 16:
+                body[key] = 16
+        if path.endswith("chat/completions") and "max_completion_tokens" not in body:
+            body.setdefault("max_tokens", 8)
+        if data.draw(st.booleans()):
+            body = mutate(body, data)
+        raw = json.dumps(body).encode() if data.draw(st.integers(0, 9)) else data.draw(st.binary(max_size=64))
+        code, _, resp = service.request("POST", path, raw)
+        assert code < 500, (path, body, code, resp)
+        if code == 200:
+            counts["ok"] += 1
+        else:
+            counts["refused"] += 1
+            assert set(resp["error"]) == {"message", "type", "param", "code"}, resp
+
+    before = _routed(service)
+    fuzz()
+    # Exactly the accepted requests reached the router; every refused one was stopped at the edge.
+    assert _routed(service) - before == counts["ok"]
+    assert counts["refused"] > 0
+    service.wait_idle()
+
+
 def test_client_disconnect_mid_stream_aborts_down_to_the_workers(service, model_name):
     def cancelled() -> float:
         m = service.metrics()

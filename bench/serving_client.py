@@ -1,0 +1,293 @@
+"""``pdserve bench``: a load generator for any OpenAI-compatible server (pdserve or another).
+
+Each request streams ``/v1/completions``; everything is measured here, at the client, from the
+stream: TTFT (send -> first token), ITL (gaps between token chunks), TPOT ((E2E - TTFT) / (tokens -
+1)), E2E latency, request and token throughput, and goodput (requests/s meeting ``--goodput``
+SLOs). Load is closed-loop (``--max-concurrency`` clients back to back) or open-loop
+(``--request-rate`` arrivals, Poisson or gamma with ``--burstiness``), after ``--warmup`` requests
+that are not counted. ``--sweep 1,4,16`` repeats a closed-loop run per concurrency. Results go to
+JSON, and PNG plots: latency CDFs, and throughput / latency against concurrency for a sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from tqdm import tqdm
+
+from bench.serving_datasets import DATASETS, ServingRequest, build
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, model: str, req: ServingRequest, args, headers: dict
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    t0 = time.perf_counter()
+    res = RequestResult(ok=False)
+    last = None
+    chunks = 0
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return res
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    res.error = event["error"].get("message", "stream error")
+                    return res
+                if event.get("usage"):
+                    res.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = event["usage"].get("completion_tokens", 0)
+                if any(c.get("text") for c in event.get("choices", [])):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft_s = now - t0
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+                    chunks += 1
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.e2e_s = time.perf_counter() - t0
+    res.output_tokens = res.output_tokens or chunks
+    res.ok = last is not None
+    if not res.ok:
+        res.error = "no tokens in the stream"
+    return res
+
+
+def _arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send times (s from start): Poisson (burstiness 1) or gamma with shape = burstiness."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+async def run_load(args, requests: list[ServingRequest], concurrency: int | None, rate: float | None) -> dict:
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    limit = concurrency or 0
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit)) as session:
+        model = args.model or await _first_model(session, args.base_url, headers)
+        if args.warmup:
+            await asyncio.gather(
+                *(send(session, url, model, r, args, headers) for r in requests[: args.warmup])
+            )
+        bar = tqdm(total=len(requests), desc=_label(concurrency, rate), unit="req", disable=args.no_progress)
+        results: list[RequestResult] = []
+
+        async def one(r: ServingRequest) -> None:
+            results.append(await send(session, url, model, r, args, headers))
+            bar.update(1)
+
+        t0 = time.perf_counter()
+        if rate:
+            tasks = []
+            for at, r in zip(_arrivals(len(requests), rate, args.burstiness, args.seed), requests):
+                await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+                tasks.append(asyncio.create_task(one(r)))
+            await asyncio.gather(*tasks)
+        else:
+            queue = list(reversed(requests))
+
+            async def client() -> None:
+                while queue:
+                    await one(queue.pop())
+
+            await asyncio.gather(*(client() for _ in range(concurrency or 1)))
+        elapsed = time.perf_counter() - t0
+        bar.close()
+    return summarize(results, elapsed, args.goodput, concurrency, rate)
+
+
+async def _first_model(session, base_url: str, headers: dict) -> str:
+    async with session.get(base_url.rstrip("/") + "/v1/models", headers=headers) as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
+
+
+def _label(concurrency, rate) -> str:
+    return f"rate {rate}/s" if rate else f"concurrency {concurrency}"
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    s = sorted(values)
+
+    def pct(p: float) -> float:
+        return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+    return {"mean": statistics.fmean(s), "median": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+def summarize(results: list[RequestResult], elapsed: float, goodput: dict, concurrency, rate) -> dict:
+    ok = [r for r in results if r.ok]
+    itl = [g for r in ok for g in r.itl_s]
+    good = [
+        r
+        for r in ok
+        if r.ttft_s * 1000 <= goodput.get("ttft", float("inf"))
+        and r.tpot_s * 1000 <= goodput.get("tpot", float("inf"))
+    ]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "concurrency": concurrency,
+        "request_rate": rate,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": elapsed,
+        "request_throughput": len(ok) / elapsed,
+        "output_token_throughput": out_tokens / elapsed,
+        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / elapsed,
+        "goodput": len(good) / elapsed,
+        "goodput_slo_ms": goodput,
+        "ttft_s": _stats([r.ttft_s for r in ok]),
+        "tpot_s": _stats([r.tpot_s for r in ok if r.output_tokens > 1]),
+        "itl_s": _stats(itl),
+        "e2e_s": _stats([r.e2e_s for r in ok]),
+        "samples": {"ttft_s": [r.ttft_s for r in ok], "itl_s": itl, "e2e_s": [r.e2e_s for r in ok]},
+    }
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    slo = {}
+    for item in items or []:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tpot", "e2e") or not value:
+            raise ValueError(f"--goodput takes ttft:MS tpot:MS, got {item!r}")
+        slo[key] = float(value)
+    return slo
+
+
+def print_report(s: dict) -> None:
+    def ms(d):
+        return f"mean {d['mean'] * 1e3:8.1f}  median {d['median'] * 1e3:8.1f}  p90 {d['p90'] * 1e3:8.1f}  p99 {d['p99'] * 1e3:8.1f} ms"
+
+    print(
+        f"\n== {_label(s['concurrency'], s['request_rate'])}: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f}s"
+    )
+    for e in s["errors"]:
+        print(f"   error: {e}")
+    print(
+        f"   requests/s {s['request_throughput']:.2f}   output tok/s {s['output_token_throughput']:.1f}   total tok/s {s['total_token_throughput']:.1f}"
+    )
+    if s["goodput_slo_ms"]:
+        print(f"   goodput {s['goodput']:.2f} req/s under {s['goodput_slo_ms']}")
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        print(f"   {name[:-2].upper():5s} {ms(s[name])}")
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--api-key", default=None, help="bearer key (or env PDSERVE_API_KEY)")
+    p.add_argument("--dataset", default="random", choices=DATASETS)
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file for --dataset sharegpt")
+    p.add_argument(
+        "--tokenizer", default=None, help="count ShareGPT answer lengths in this tokenizer's tokens"
+    )
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=256)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--long-len", type=int, default=1024, help="interference: long prompt length")
+    p.add_argument("--long-fraction", type=float, default=0.2, help="interference: share of long prompts")
+    p.add_argument("--vocab-size", type=int, default=1000, help="token ids are drawn from [10, this)")
+    p.add_argument("--max-concurrency", type=int, default=8, help="closed loop: clients back to back")
+    p.add_argument("--request-rate", type=float, default=None, help="open loop: arrivals per second")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    p.add_argument("--sweep", default=None, help="comma-separated concurrencies, closed loop each")
+    p.add_argument("--warmup", type=int, default=2, help="requests sent first and not counted")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--goodput", nargs="*", help="SLOs, e.g. ttft:500 tpot:50 (milliseconds)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write PNG plots with this path prefix")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args) -> dict:
+    import os
+
+    args.api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    args.goodput = parse_goodput(args.goodput)
+    requests = build(args)
+    if args.sweep:
+        levels = [int(x) for x in args.sweep.split(",")]
+        runs = [asyncio.run(run_load(args, requests, c, None)) for c in levels]
+    else:
+        runs = [
+            asyncio.run(
+                run_load(
+                    args, requests, None if args.request_rate else args.max_concurrency, args.request_rate
+                )
+            )
+        ]
+    for s in runs:
+        print_report(s)
+    result = {"base_url": args.base_url, "dataset": args.dataset, "num_prompts": len(requests), "runs": runs}
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(
+                {**result, "args": {k: v for k, v in vars(args).items() if k != "api_key" and k != "func"}},
+                f,
+                indent=1,
+                default=str,
+            )
+        print(f"\nwrote {args.output_json}")
+    if args.plot:
+        from bench.serving_plots import plot_runs
+
+        for path in plot_runs(runs, args.plot):
+            print(f"wrote {path}")
+    return result
