@@ -1,0 +1,239 @@
+"""The serving comparisons, each a ratio from one run on this machine (``pdserve bench`` as client):
+
+1. disaggregated vs aggregated at equal total workers (1 prefill + 1 decode vs 2 aggregated decode
+   workers) under an interference mix (long prompts among short chat turns): ITL p99 and goodput;
+2. cache_aware vs round_robin routing on the multi-tenant prefix workload: TTFT p90 and throughput;
+3. serving overhead: request throughput of the full HTTP stack (ingress -> router -> worker) vs the
+   engine alone (``LLM.generate``) on the same short requests.
+(The engine vs HF transformers comparison is ``python -m bench.offline_throughput``.)
+
+    python -m bench.serving_comparisons [--only interference,prefix,overhead] [--quick]
+
+Each server is ``pdserve serve`` on the default tiny random Llama (~32M parameters, fp32) with an
+embedded Redis, started and stopped by this script. Results: bench/results/serving_comparisons.json
+and PNG plots next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench.serving_client import add_bench_args, run_load
+from bench.serving_datasets import build
+
+RESULTS = Path(__file__).parent / "results"
+VOCAB = 8192  # the default tiny model's vocabulary
+
+
+@contextlib.contextmanager
+def serving(*flags: str):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    env.pop("PDSERVE_REDIS_URL", None)
+    env.pop("PDSERVE_API_KEY", None)
+    cmd = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), *flags]
+    print(f"\n$ pdserve serve {' '.join(flags)}", flush=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    ready = threading.Event()
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "pdserve is serving" in line:
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        if not ready.wait(300):
+            raise RuntimeError("server did not start:\n" + "".join(lines[-30:]))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def bench_args(**kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    args = p.parse_args(["--base-url", "http://unused"])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    args.api_key = None
+    args.goodput = kw.get("goodput", {})
+    return args
+
+
+def load(base: str, args: argparse.Namespace, concurrency: int) -> dict:
+    import asyncio
+
+    args.base_url = base
+    return asyncio.run(run_load(args, build(args), concurrency, None))
+
+
+def interference(quick: bool) -> dict:
+    args = bench_args(
+        dataset="interference",
+        num_prompts=24 if quick else 64,
+        long_len=768,
+        input_len=32,
+        output_len=48,
+        long_fraction=0.25,
+        vocab_size=VOCAB,
+        ignore_eos=True,
+        warmup=2,
+        goodput={"ttft": 4000.0, "tpot": 150.0},
+    )
+    runs = {}
+    for name, flags in (
+        ("disaggregated", ("--prefill", "1", "--decode", "1")),
+        ("aggregated", ("--mode", "aggregated", "--decode", "2")),
+    ):
+        with serving(*flags) as base:
+            runs[name] = load(base, args, concurrency=8)
+    d, a = runs["disaggregated"], runs["aggregated"]
+    return {
+        "runs": runs,
+        "itl_p99_ratio_aggregated_over_disaggregated": a["itl_s"]["p99"] / d["itl_s"]["p99"],
+        "goodput_ratio_disaggregated_over_aggregated": d["goodput"] / a["goodput"]
+        if a["goodput"]
+        else float("inf"),
+    }
+
+
+def prefix(quick: bool) -> dict:
+    args = bench_args(
+        dataset="prefix",
+        num_prompts=48 if quick else 128,
+        num_prefixes=8,
+        prefix_len=512,
+        suffix_len=32,
+        output_len=8,
+        vocab_size=VOCAB,
+        ignore_eos=True,
+        warmup=0,
+    )
+    runs = {}
+    for policy in ("cache_aware", "round_robin"):
+        with serving("--prefill", "2", "--decode", "1", "--policy", policy, "--worker-cpus", "0.5") as base:
+            runs[policy] = load(base, args, concurrency=8)
+    c, r = runs["cache_aware"], runs["round_robin"]
+    return {
+        "runs": runs,
+        "ttft_p90_ratio_round_robin_over_cache_aware": r["ttft_s"]["p90"] / c["ttft_s"]["p90"],
+        "throughput_ratio_cache_aware_over_round_robin": c["request_throughput"] / r["request_throughput"],
+    }
+
+
+def overhead(quick: bool) -> dict:
+    from deploy.cli import ensure_tiny_model
+    from engine import LLM, SamplingParams
+
+    args = bench_args(
+        dataset="random",
+        num_prompts=64 if quick else 192,
+        input_len=16,
+        output_len=16,
+        vocab_size=VOCAB,
+        ignore_eos=True,
+        warmup=4,
+    )
+    requests = build(args)
+    llm = LLM(str(ensure_tiny_model()), num_blocks=2048)
+    prompts = [r.prompt for r in requests]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate(prompts[:4], params)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    engine_rps = len(prompts) / (time.perf_counter() - t0)
+    del llm
+    runs = {}
+    for name, flags in (
+        ("aggregated_http", ("--mode", "aggregated", "--decode", "1")),
+        ("disaggregated_http", ("--prefill", "1", "--decode", "1")),
+    ):
+        with serving(*flags) as base:
+            runs[name] = load(base, args, concurrency=32)
+    return {
+        "engine_alone_requests_per_s": engine_rps,
+        "runs": runs,
+        "http_over_engine_aggregated": runs["aggregated_http"]["request_throughput"] / engine_rps,
+        "http_over_engine_disaggregated": runs["disaggregated_http"]["request_throughput"] / engine_rps,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.serving_comparisons", description=__doc__)
+    p.add_argument("--only", default="interference,prefix,overhead")
+    p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    p.add_argument("--output", default=str(RESULTS / "serving_comparisons.json"))
+    a = p.parse_args()
+    out = {}
+    for name in a.only.split(","):
+        out[name] = {"interference": interference, "prefix": prefix, "overhead": overhead}[name](a.quick)
+    print("\n==== ratios (one run each, this machine) ====")
+    for name, res in out.items():
+        for k, v in res.items():
+            if k != "runs" and isinstance(v, float):
+                print(f"{name:13s} {k}: {v:.2f}")
+    Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+    slim = json.loads(json.dumps(out))
+    for res in slim.values():
+        for run in res.get("runs", {}).values():
+            run.pop("samples", None)
+    Path(a.output).write_text(json.dumps(slim, indent=1))
+    print(f"wrote {a.output}")
+    _plots(out, Path(a.output).with_suffix(""))
+
+
+def _plots(out: dict, prefix: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("interference", "itl_s", "ITL under interference"),
+        ("prefix", "ttft_s", "TTFT on the prefix workload"),
+        ("overhead", "e2e_s", "E2E latency, short requests"),
+    ]
+    panels = [pn for pn in panels if pn[0] in out]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    axes = axes if len(panels) > 1 else [axes]
+    for ax, (name, key, title) in zip(axes, panels):
+        for label, run in out[name]["runs"].items():
+            xs = sorted(v * 1000 for v in run["samples"][key])
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms")
+        ax.set_title(f"{title} (CDF)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = prefix.parent / f"{prefix.name}.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
