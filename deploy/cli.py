@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--address", default=None, help="Ray cluster address (default: the local one)")
     sc.add_argument("--app", default="pdserve", help="Serve application name")
     sc.set_defaults(func=lambda a: _serve_module().cmd_scale(a))
+    b = sub.add_parser("bench", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E, goodput)")
+    from bench.serving_client import add_bench_args
+
+    add_bench_args(b)
+    b.set_defaults(func=cmd_bench)
     mf = sub.add_parser(
         "manifests", help="render the KubeRay RayService, Redis and Serve config from a values file"
     )

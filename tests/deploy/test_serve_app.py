@@ -374,6 +374,26 @@ def test_http_fuzz_never_5xx_and_invalid_requests_touch_no_worker(service, model
     service.wait_idle()
 
 
+def test_pdserve_bench_measures_the_service(service, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "bench", "--base-url", service.base, "--dataset", "prefix",
+         "--num-prompts", "12", "--num-prefixes", "2", "--prefix-len", "40", "--suffix-len", "8",
+         "--output-len", "6", "--ignore-eos", "--sweep", "1,4", "--goodput", "ttft:60000", "tpot:60000",
+         "--output-json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b"), "--no-progress"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PDSERVE_API_KEY": API_KEY},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert [r["concurrency"] for r in result["runs"]] == [1, 4]
+    for r in result["runs"]:
+        assert r["completed"] == 12 and r["failed"] == 0
+        assert r["goodput"] == r["request_throughput"]  # every request within the loose SLOs
+        assert 0 < r["ttft_s"]["median"] <= r["ttft_s"]["p99"] <= r["e2e_s"]["p99"]
+        assert len(r["samples"]["itl_s"]) == 12 * 5  # 6 tokens: 5 gaps each, measured from the stream
+    assert (tmp_path / "b_latency_cdf.png").stat().st_size > 0 and (tmp_path / "b_sweep.png").exists()
+    service.wait_idle()
+
+
 def test_client_disconnect_mid_stream_aborts_down_to_the_workers(service, model_name):
     def cancelled() -> float:
         m = service.metrics()
