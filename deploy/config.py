@@ -39,6 +39,7 @@ class EngineOptions(_Strict):
     attention_backend: str = "auto"
     seed: int = 0
     cache_salt: str = ""
+    cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA + Triton only)
 
     def engine_config(self, model: str):
         from engine.config import EngineConfig

@@ -24,6 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cache-salt", default="")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run every decode step eagerly on CUDA")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -43,4 +44,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         cache_salt=args.cache_salt,
+        cuda_graphs=not args.no_cuda_graphs,
     )

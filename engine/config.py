@@ -55,6 +55,9 @@ class EngineConfig:
     admission_margin: float = 0.01
     attention_backend: str = "auto"
     cache_salt: str = ""
+    # Decode steps replayed from CUDA graphs (CUDA + Triton backend only; False: always eager).
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -66,6 +69,7 @@ class EngineConfig:
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
+        _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if not 0 < self.gpu_memory_utilization <= 1:

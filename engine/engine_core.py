@@ -81,7 +81,11 @@ class EngineCore:
         self.layout = KVLayout.from_spec(self.spec, config.block_size, config.dtype)
         num_blocks = config.num_blocks or self._blocks_from_budget()
         num_cpu_blocks = int(config.swap_space * (1 << 30)) // self.layout.block_bytes
-        kv_cache = self.layout.allocate(num_blocks, self.device)
+        # One block more than the pool hands out: the pad block that padded rows of a CUDA-graph
+        # decode batch write to (engine/cuda_graphs.py). The pool, NIXL and everything else see
+        # only the first num_blocks.
+        kv_cache_with_pad = self.layout.allocate(num_blocks + 1, self.device)
+        kv_cache = kv_cache_with_pad[:num_blocks]
         cpu_cache = self.layout.allocate(num_cpu_blocks, "cpu") if num_cpu_blocks else None
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB), %d CPU swap blocks",
@@ -106,6 +110,19 @@ class EngineCore:
             admission_margin=config.admission_margin,
         )
         self.runner = ModelRunner(self.model, backend, self.layout, kv_cache, cpu_cache, self.device)
+        if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
+            from engine.cuda_graphs import DecodeGraphRunner
+
+            t0 = time.perf_counter()
+            self.runner.decode_graphs = DecodeGraphRunner(
+                self.model,
+                backend,
+                kv_cache_with_pad,
+                config.block_size,
+                self.max_model_len,
+                min(config.cuda_graph_max_batch, config.max_num_seqs),
+            )
+            logger.info("decode CUDA graphs captured in %.1fs", time.perf_counter() - t0)
         self.eos_token_ids = _eos_token_ids(self.model_path)
         self._rng = random.Random(config.seed)
         self._generation_tokens = 0

@@ -47,6 +47,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.seqs: dict[str, _SeqState] = {}
+        self.decode_graphs = None  # engine.cuda_graphs.DecodeGraphRunner, set on CUDA
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -56,7 +57,10 @@ class ModelRunner:
             return RunnerOutput()
         order = self._batch_order(sched)
         input_ids, positions, meta, sample_rows = self._prepare(sched, order)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if not sample_rows:
             return RunnerOutput()
         rows = [r for r, _, _ in sample_rows]

@@ -42,6 +42,8 @@ class DecodeGroup:
 
 
 class AttentionBackend(Protocol):
+    name: str
+
     def forward(
         self,
         layer: int,

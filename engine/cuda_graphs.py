@@ -1,0 +1,137 @@
+"""CUDA graphs for the decode step: the forward pass of a pure-decode batch replayed from a graph.
+
+A decode step launches a few kernels per layer for a handful of tokens, so on a GPU its time is
+mostly launch overhead; a CUDA graph replays the whole forward in one launch. Graphs need static
+shapes and addresses, so the runner keeps static input buffers for the largest batch and captures one
+graph per batch-size bucket (1, 2, 4, 8, then multiples of 8 up to ``max_batch``); a batch of B runs
+the graph of the smallest bucket >= B with the rows past B padded: their token is 0, their context
+one token long, and their K/V is written to a pad block that the block pool never hands out (the
+KV tensor's last block), so padding cannot touch a real sequence. The attention grid is sized for
+``max_model_len``, so one graph serves every context length (the kernels mask past each row's
+length). Only steps whose every sequence decodes one token qualify; prefill chunks run eagerly.
+
+With ``capture=False`` the same static-buffer path runs eagerly: that is how CPU tests (Triton under
+its interpreter) check the padding and buffers against the plain path, token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.backend import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, then multiples of 8, and ``max_batch`` itself: a padded batch wastes < 8 rows."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return sorted({b for b in (1, 2, 4) if b < max_batch} | set(range(8, max_batch, 8)) | {max_batch})
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        model,
+        backend,
+        kv_cache_with_pad: torch.Tensor,  # [num_blocks + 1, ...]; the last block is the pad block
+        block_size: int,
+        max_model_len: int,
+        max_batch: int,
+        capture: bool = True,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_cache = kv_cache_with_pad
+        self.pad_block = kv_cache_with_pad.shape[0] - 1
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.capture = capture
+        dev = kv_cache_with_pad.device
+        n, width = self.max_batch, -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_blocks = torch.full((n,), self.pad_block, dtype=torch.int64, device=dev)
+        self.slot_offsets = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.block_tables = torch.full((n, width), self.pad_block, dtype=torch.int64, device=dev)
+        self._metas = {b: self._static_meta(b) for b in self.buckets}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def _static_meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_decodes=b,
+            slot_blocks=self.slot_blocks[:b],
+            slot_offsets=self.slot_offsets[:b],
+            seq_lens=self.seq_lens[:b],
+            seq_lens_list=[self.max_model_len] * b,  # sizes the attention grid for any context
+            query_start_loc=list(range(b + 1)),
+            block_tables=self.block_tables[:b],
+            block_size=self.block_size,
+        )
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        b = len(meta.seq_lens_list)
+        return (
+            meta.num_decodes == b
+            and 0 < b <= self.max_batch
+            and meta.block_tables.shape[1] <= self.block_tables.shape[1]
+        )
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The hidden states [B, hidden] of a pure-decode batch of B sequences."""
+        b = len(meta.seq_lens_list)
+        bucket = next(x for x in self.buckets if x >= b)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:b].copy_(input_ids)
+        self.positions[:b].copy_(positions)
+        self.slot_blocks[:b].copy_(meta.slot_blocks)
+        self.slot_offsets[:b].copy_(meta.slot_offsets)
+        self.seq_lens[:b].copy_(meta.seq_lens)
+        self.block_tables[:b, :width].copy_(meta.block_tables)
+        self.block_tables[:b, width:].fill_(self.pad_block)
+        if bucket > b:  # rows of an earlier, larger batch: back to padding
+            self.input_ids[b:bucket].zero_()
+            self.positions[b:bucket].zero_()
+            self.slot_blocks[b:bucket].fill_(self.pad_block)
+            self.slot_offsets[b:bucket].zero_()
+            self.seq_lens[b:bucket].fill_(1)
+            self.block_tables[b:bucket].fill_(self.pad_block)
+        if self.capture:
+            self._graphs[bucket].replay()
+            return self._outputs[bucket][:b]
+        return self._forward(bucket)[:b]
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        meta = self._metas[bucket]
+        self.backend.prepare(meta)  # host-side plan only: nothing to record
+        return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, meta)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for bucket in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its pool
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                    self._forward(bucket)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            self.backend.prepare(self._metas[bucket])
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[bucket] = self.model(
+                    self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, self._metas[bucket]
+                )
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize()
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
