@@ -61,10 +61,10 @@ class HFResult:
         )
 
 
-def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Load a causal LM on CPU in eval mode with SDPA attention (works for both generate and CB)."""
+def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
+    """Load a causal LM in eval mode with SDPA attention (works for both generate and CB)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-    return model.to("cpu").eval()
+    return model.to(device).eval()
 
 
 def _left_pad(prompts: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +83,7 @@ def generate_static_batch(
 ) -> torch.Tensor:
     """Greedy ``model.generate`` on a left-padded batch, EOS disabled; returns the new tokens ``[B, max_new_tokens]``."""
     input_ids, attention_mask = _left_pad(prompts)
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,

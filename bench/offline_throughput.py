@@ -12,6 +12,7 @@ and prints generated tokens/s of each and pdserve's ratio to the better HF mode.
 checked to agree between pdserve and HF static batching on the requests both produce.
 
     python -m bench.offline_throughput [--model DIR] [--num-requests 48] [--json out.json]
+    python -m bench.offline_throughput --model DIR --device cuda --dtype bfloat16   # on a GPU
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="run pdserve only")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", type=Path, help="write results here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_hf:
         from bench.hf_baselines import load_hf_model, run_hf_continuous, run_hf_static
 
-        hf = load_hf_model(str(model_dir))
+        hf = load_hf_model(str(model_dir), getattr(torch, args.dtype), args.device)
         run_hf_static(hf, requests[:2], progress=False)  # warm-up
         for fn in (run_hf_static, run_hf_continuous):
             r = fn(hf, requests)
@@ -93,7 +96,15 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         del hf
-    results.append(run_pdserve(model_dir, requests, max_num_batched_tokens=args.max_num_batched_tokens))
+    results.append(
+        run_pdserve(
+            model_dir,
+            requests,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            device=args.device,
+            dtype=args.dtype,
+        )
+    )
 
     print(
         f"\nworkload: {len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
