@@ -114,15 +114,19 @@ class EngineCore:
             from engine.cuda_graphs import DecodeGraphRunner
 
             t0 = time.perf_counter()
-            self.runner.decode_graphs = DecodeGraphRunner(
-                self.model,
-                backend,
-                kv_cache_with_pad,
-                config.block_size,
-                self.max_model_len,
-                min(config.cuda_graph_max_batch, config.max_num_seqs),
-            )
-            logger.info("decode CUDA graphs captured in %.1fs", time.perf_counter() - t0)
+            try:
+                self.runner.decode_graphs = DecodeGraphRunner(
+                    self.model,
+                    backend,
+                    kv_cache_with_pad,
+                    config.block_size,
+                    self.max_model_len,
+                    min(config.cuda_graph_max_batch, config.max_num_seqs),
+                )
+                logger.info("decode CUDA graphs captured in %.1fs", time.perf_counter() - t0)
+            except RuntimeError as exc:  # e.g. an op that cannot be captured: correct, just slower
+                logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
+                self.runner.decode_graphs = None
         self.eos_token_ids = _eos_token_ids(self.model_path)
         self._rng = random.Random(config.seed)
         self._generation_tokens = 0
