@@ -67,6 +67,11 @@ class ClusterValues(_Values):
     redis_storage: str = "1Gi"
     router_policy: str = "cache_aware"
     autoscaling: PDAutoscalingConfig | None = None
+    # Listen addresses inside the pods: loopback unless the values ask for more. A Kubernetes
+    # Service reaches the Serve proxy, and the KubeRay operator the dashboard, only on the pod IP,
+    # so the shipped values.yaml opts in with 0.0.0.0 (the dashboard stays behind token auth).
+    serve_host: str = "127.0.0.1"
+    dashboard_host: str = "127.0.0.1"
 
 
 def serve_config(v: ClusterValues) -> dict[str, Any]:
@@ -92,12 +97,12 @@ def serve_config(v: ClusterValues) -> dict[str, Any]:
             "resources": {"decode_gpu": 1},
         },
         router={"policy": v.router_policy, "resources": {"pdserve_head": 0.01}},
-        ingress={"host": "0.0.0.0", "resources": {"pdserve_head": 0.01}},
+        ingress={"host": v.serve_host, "resources": {"pdserve_head": 0.01}},
         autoscaling=v.autoscaling,
     )
     return {
         "proxy_location": "HeadOnly",
-        "http_options": {"host": "0.0.0.0", "port": 8000},
+        "http_options": {"host": v.serve_host, "port": 8000},
         "applications": [
             {
                 "name": v.name,
@@ -192,7 +197,7 @@ def rayservice(v: ClusterValues, serve_yaml: str) -> dict[str, Any]:
                 "enableInTreeAutoscaling": True,  # pods follow Serve's replica targets
                 "authOptions": {"mode": "token"},  # GCS and dashboard need the cluster's token
                 "headGroupSpec": {
-                    "rayStartParams": {"num-cpus": str(v.head_cpus), "dashboard-host": "0.0.0.0"},
+                    "rayStartParams": {"num-cpus": str(v.head_cpus), "dashboard-host": v.dashboard_host},
                     "resources": {"pdserve_head": "1"},  # router and ingress stay on the head
                     "template": _pod(v, head, None),
                 },

@@ -76,6 +76,9 @@ class RouterClient:
     async def worker_states(self, timeout_s: float = 5.0) -> tuple[pb.ClusterState, list[pb.WorkerState]]:
         """The router's view plus each live worker's own, current state (its GetState)."""
         cluster = await self.cluster_state(timeout_s)
+        live = {w.state.address for w in cluster.workers}
+        for address in [a for a in self._worker_channels if a not in live]:  # workers that left
+            await self._worker_channels.pop(address).close()
         states = await asyncio.gather(
             *(self._worker_state(w.state, timeout_s) for w in cluster.workers), return_exceptions=True
         )

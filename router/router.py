@@ -114,6 +114,8 @@ class Router:
     async def _generate(
         self, request_id, prompt, params, priority, deadline
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.view.draining:
+            raise NoWorkersError("the service is shutting down and takes no new requests")
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt)
         proto_params = params_to_proto(params)

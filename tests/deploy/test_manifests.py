@@ -13,7 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deploy.app import build_app
 from deploy.config import PDServeConfig
-from deploy.manifests import ClusterValues, render, serve_config
+from deploy.manifests import ClusterValues, rayservice, render, serve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "deploy" / "kuberay"
@@ -91,6 +91,18 @@ def test_no_secret_in_any_manifest(rendered):
                     assert "secretKeyRef" in env.get("valueFrom", {}), (name, env)
                 if env["name"] == "PDSERVE_REDIS_URL" and "value" in env:
                     assert "$(PDSERVE_REDIS_PASSWORD)" in env["value"], env
+
+
+def test_listen_addresses_are_loopback_unless_the_values_ask():
+    raw = yaml.safe_load((KUBERAY / "values.yaml").read_text())
+    assert (raw["serve_host"], raw["dashboard_host"]) == ("0.0.0.0", "0.0.0.0")  # asked for, explicitly
+    del raw["serve_host"], raw["dashboard_host"]
+    v = ClusterValues.model_validate(raw)
+    cfg = serve_config(v)
+    assert cfg["http_options"]["host"] == "127.0.0.1"
+    assert cfg["applications"][0]["args"]["ingress"]["host"] == "127.0.0.1"
+    head = rayservice(v, "")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
 
 
 def test_values_without_a_model_are_refused():

@@ -38,6 +38,14 @@ def service(serve_model, module_redis_server):
     svc.kill()
 
 
+@pytest.fixture(autouse=True)
+def blocks_back_after_each_test(service):
+    """The invariant of every serving test: afterwards, no worker runs anything and all blocks are free."""
+    yield
+    if service.proc.poll() is None:  # the last test stops the service and checks its final report
+        service.wait_idle()
+
+
 @pytest.fixture(scope="module")
 def tokenizer(serve_model):
     return AutoTokenizer.from_pretrained(serve_model)

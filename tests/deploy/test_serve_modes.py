@@ -60,4 +60,6 @@ def test_demo_on_embedded_defaults(serve_model):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "embedded Redis-protocol server" in out.stdout
     assert out.stdout.count("TTFT") == 4
+    final = [line for line in out.stdout.splitlines() if "KV blocks free" in line]
+    assert len(final) == 2 and all(" 0 running, 0 waiting, 0 held, 64/64 KV blocks free" in x for x in final)
     assert "pdserve stopped" in out.stdout

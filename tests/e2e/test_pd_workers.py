@@ -286,3 +286,42 @@ def test_decode_without_room_waits_for_blocks_or_recomputes(workers, engine_alon
     assert t.completed + t.recomputed == 6 and t.waited >= 1
     if lease == "1.0":  # no time left on the lease to wait in: waiters recompute at once
         assert t.recomputed == t.waited
+
+
+def test_decode_warms_nixl_peers_before_its_first_pull(workers, engine_alone, tiny_llama):
+    """``warm_peers`` (what a decode replica runs before it registers) connects NIXL to every reachable
+    prefill worker, skips unreachable ones, and the first pull then fetches no metadata."""
+    from decode_worker.service import fetch_prefill_peer, pulled_kv_from_handle
+    from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+    from engine import EngineConfig
+
+    p = workers("prefill")
+    fetched: list[str] = []
+
+    async def fetch(address: str):
+        fetched.append(address)
+        return await fetch_prefill_peer(address, timeout_s=5)
+
+    config = EngineConfig(model=str(tiny_llama), block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    worker = DecodeWorker(DecodeWorkerConfig(config, worker_id="d-warm"), fetch_peer=fetch)
+    worker.start()
+    prompt = _prompt(30, seed=3)
+
+    async def main():
+        assert await worker.warm_peers([p.address, "127.0.0.1:1"]) == 1  # the second is not listening
+        assert await worker.warm_peers([p.address]) == 0  # already connected: not added twice
+        seen = list(fetched)
+        resp = await prefill(p.address, "warm", prompt, GREEDY)
+        tokens = [resp.handle.first_token]
+        async for out in worker.decode("warm", prompt, GREEDY, kv=pulled_kv_from_handle(resp.handle)):
+            tokens.extend(out.new_token_ids)
+        assert fetched == seen  # the pull used the warmed connection
+        stats = await worker.stats()
+        assert stats.num_free_blocks == NUM_BLOCKS and stats.num_running == 0
+        return tokens
+
+    try:
+        assert asyncio.run(main()) == engine_alone.generate([prompt], GREEDY)[0].token_ids
+        asyncio.run(_wait_all_free(p))
+    finally:
+        worker.stop()

@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_to_proto
+from proto.registry import connect, set_draining
 from router.cluster_view import ClusterView
 from router.router import Router
 from router.service import serve
@@ -25,13 +26,18 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 class Cluster:
-    def __init__(self, workers, redis_server, num_prefill: int, policy: str = "cache_aware") -> None:
+    def __init__(
+        self, workers, redis_server, num_prefill: int, policy: str = "cache_aware", num_decode: int = 1
+    ) -> None:
         url = redis_server.url
         self.prefills = [
             workers("prefill", "--redis-url", url, "--worker-id", f"p{i}", "--lease-seconds", "5")
             for i in range(num_prefill)
         ]
-        self.decode = workers("decode", "--redis-url", url, "--worker-id", "d0")
+        self.decodes = [
+            workers("decode", "--redis-url", url, "--worker-id", f"d{i}") for i in range(num_decode)
+        ]
+        self.decode = self.decodes[0]
         self.view = ClusterView(url, poll_s=0.2)
         self.router = Router(self.view, policy)
         self.routes: dict[str, pb.RouteInfo] = {}
@@ -39,7 +45,7 @@ class Cluster:
     async def start(self) -> None:
         self.view.start()
         deadline = time.monotonic() + 20
-        while len(self.view.live_workers()) < len(self.prefills) + 1:
+        while len(self.view.live_workers()) < len(self.prefills) + len(self.decodes):
             assert time.monotonic() < deadline, "workers did not register"
             await asyncio.sleep(0.1)
         self.server, address = await serve(self.router)
@@ -65,7 +71,7 @@ class Cluster:
 
     async def all_free(self, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
-        procs = [p for p in [*self.prefills, self.decode] if p.proc.poll() is None]
+        procs = [p for p in [*self.prefills, *self.decodes] if p.proc.poll() is None]
         while True:
             states = [await state(w.address, w.role) for w in procs]
             if all(
@@ -199,5 +205,58 @@ def test_cancelled_stream_frees_blocks_everywhere(workers, redis_server):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await cluster.generate("bad", [1, 2, 99999])
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    asyncio.run(run())
+
+
+def test_dead_decode_worker_is_swapped_before_its_record_expires(
+    workers, redis_server, tiny_llama, hf_greedy
+):
+    """d0 dies but stays registered until its TTL; the router, finding it unreachable before any token
+    came from it, moves each Decode (with the same KV handle) to d1: no request fails."""
+    cluster = Cluster(workers, redis_server, num_prefill=1, num_decode=2)
+
+    async def run():
+        await cluster.start()
+        try:
+            cluster.decodes[0].kill()  # idle workers tie; d0 wins the tie, so requests go there first
+            prompts = [list(range(7 + i, 30 + i)) for i in range(3)]
+            got = [await cluster.generate(f"x{i}", p) for i, p in enumerate(prompts)]
+            assert got == [hf_greedy(tiny_llama, p, 6) for p in prompts]
+            assert cluster.router.stats.decode_retries >= 1
+            assert all(cluster.routes[f"x{i}"].decode_worker == "d0" for i in range(3))  # the route chosen
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def test_draining_flag_refuses_new_requests_until_cleared(workers, redis_server, tiny_llama, hf_greedy):
+    cluster = Cluster(workers, redis_server, num_prefill=1)
+    prompt = list(range(9, 30))
+
+    async def wait_view(draining: bool) -> None:
+        deadline = time.monotonic() + 10
+        while cluster.view.draining != draining:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+    async def run():
+        await cluster.start()
+        try:
+            set_draining(connect(redis_server.url), True)
+            await wait_view(True)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await cluster.generate("refused", prompt)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+            cs = await cluster.stub.GetClusterState(pb.ClusterStateRequest())
+            assert cs.draining and cs.requests_routed == 0
+            set_draining(connect(redis_server.url), False)
+            await wait_view(False)
+            assert await cluster.generate("after", prompt) == hf_greedy(tiny_llama, prompt, 6)
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
 
     asyncio.run(run())
