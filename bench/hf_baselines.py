@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig, PreTrainedModel
 
-from bench.workloads import BenchRequest, skewed_workload
+from loadgen.workloads import BenchRequest, skewed_workload
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.workloads import BenchRequest, skewed_workload
+from loadgen.workloads import BenchRequest, skewed_workload
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "bench-llama-35m"
 

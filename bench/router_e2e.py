@@ -32,7 +32,7 @@ from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_to_proto
-from router.cluster_view import ClusterView
+from registry.cluster_view import ClusterView
 from router.router import Router
 from router.service import serve
 

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from engine.block_hash import hash_blocks
-from proto.registry import WorkerRecord
-from router.cluster_view import ClusterView
+from registry.cluster_view import ClusterView
+from registry.schema import WorkerRecord
 from router.policies import POLICIES
 from router.router import Router
 

@@ -21,59 +21,15 @@ import math
 import pstats
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.workloads import random_workload
+from engine.fake_runner import FakeRunner
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.scheduler_output import RunnerOutput, SchedulerOutput
-
-TokenFn = Callable[[str, int], int]
-
-
-def constant_token(seq_id: str, position: int) -> int:
-    return 7
-
-
-class FakeRunner:
-    """Stands in for ``ModelRunner``: follows the scheduler's deltas and samples where it would.
-
-    Like ``ModelRunner._prepare``, a sequence samples when its scheduled tokens reach the end of its
-    known tokens (``num_computed_tokens + scheduled == len(tokens)``); it then draws
-    ``num_samples`` tokens (n > 1 forks) and keeps the first, as the real runner does. The sampled
-    token is ``token_fn(seq_id, position)``, 7 by default. A step that breaks the scheduler/runner
-    protocol (a delta for a sequence the runner does not know, tokens scheduled past the known ones)
-    raises ``RuntimeError``.
-    """
-
-    def __init__(self, token_fn: TokenFn = constant_token) -> None:
-        self.token_fn = token_fn
-        self.num_tokens: dict[str, int] = {}
-
-    def __call__(self, sched: SchedulerOutput) -> RunnerOutput:
-        num_tokens = self.num_tokens
-        for seq_id in sched.finished_seq_ids:
-            num_tokens.pop(seq_id, None)
-        for new in sched.new_seqs:
-            num_tokens[new.seq_id] = len(new.token_ids)
-        for run in sched.running_seqs:
-            if run.seq_id not in num_tokens:
-                raise RuntimeError(f"running delta for {run.seq_id!r}, which the runner never received")
-        out = RunnerOutput()
-        for data in (*sched.new_seqs, *sched.running_seqs):
-            seq_id = data.seq_id
-            end = data.num_computed_tokens + sched.num_scheduled_tokens[seq_id]
-            known = num_tokens[seq_id]
-            if end > known:
-                raise RuntimeError(f"{seq_id!r} scheduled up to token {end} but has only {known}")
-            if end == known:
-                out.sampled[seq_id] = [self.token_fn(seq_id, known)] * data.num_samples
-                num_tokens[seq_id] = known + 1
-        return out
+from loadgen.workloads import random_workload
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.serving_client import add_bench_args, run_load
-from bench.serving_datasets import build
+from loadgen.serving_client import add_bench_args, run_load
+from loadgen.serving_datasets import build
 
 RESULTS = Path(__file__).parent / "results"
 VOCAB = 8192  # the default tiny model's vocabulary
@@ -43,7 +43,7 @@ def serving(*flags: str):
     env = dict(os.environ)
     env.pop("PDSERVE_REDIS_URL", None)
     env.pop("PDSERVE_API_KEY", None)
-    cmd = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", "cli", "serve", "--port", str(port), *flags]
     print(f"\n$ pdserve serve {' '.join(flags)}", flush=True)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
@@ -143,7 +143,7 @@ def prefix(quick: bool) -> dict:
 
 
 def overhead(quick: bool) -> dict:
-    from deploy.cli import ensure_tiny_model
+    from cli.tiny_model import ensure_tiny_model
     from engine import LLM, SamplingParams
 
     args = bench_args(

@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from decode_worker.service import fetch_prefill_peer, serve
-from decode_worker.worker import FAILURE_POLICIES, DecodeWorker, DecodeWorkerConfig
+from decode_worker.kv_pull import FAILURE_POLICIES
+from decode_worker.service import serve
+from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.args import add_engine_args, engine_config_from_args
-from proto.worker_process import add_worker_args, prepare_process, serve_until_signal
+from worker.process import add_worker_args, prepare_process, serve_until_signal
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
         kv_failure_policy=args.kv_failure_policy,
         transfer_timeout_s=args.transfer_timeout,
     )
-    worker = DecodeWorker(config, fetch_peer=fetch_prefill_peer)
+    worker = DecodeWorker(config)
     asyncio.run(serve_until_signal(worker, serve, args.host, args.port))
 
 

@@ -11,22 +11,13 @@ import logging
 
 import grpc
 
-from decode_worker.worker import DecodeWorker, KVTransferError, PulledKV
-from kv_transfer import RemoteKVInfo
+from decode_worker.kv_pull import KVTransferError, PulledKV
+from decode_worker.worker import DecodeWorker
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import logprobs_from_proto, logprobs_to_proto, params_from_proto, stop_reason_text
-from proto.worker_process import start_server
-from proto.worker_state import transfer_info_from_proto, worker_state_to_proto
 
 logger = logging.getLogger(__name__)
-
-
-async def fetch_prefill_peer(address: str, timeout_s: float = 10.0) -> RemoteKVInfo:
-    """A prefill worker's NIXL metadata, from its GetState (protobuf over gRPC, never pickle)."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        state = await pb_grpc.PrefillWorkerStub(channel).GetState(pb.GetStateRequest(), timeout=timeout_s)
-    return transfer_info_from_proto(state.transfer)
 
 
 def pulled_kv_from_handle(h: pb.KVHandle) -> PulledKV:
@@ -44,9 +35,8 @@ def pulled_kv_from_handle(h: pb.KVHandle) -> PulledKV:
 
 
 class DecodeService(pb_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker, address: str) -> None:
+    def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
-        self.address = address
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -98,20 +88,12 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return pb.AbortResponse(aborted=await self.worker.abort(request.request_id))
 
     async def GetState(self, request, context) -> pb.WorkerState:
-        w = self.worker
-        return worker_state_to_proto(w, self.address, await w.stats(), await w.transfer_snapshot())
+        return await self.worker.get_state()
 
 
-async def serve(
-    worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0, before_register=None
-) -> tuple[grpc.aio.Server, str]:
-    """Start the worker's engine loop, gRPC server and registry link; returns (server, "host:port")."""
-    return await start_server(
-        worker,
-        host,
-        port,
-        lambda server, address: pb_grpc.add_DecodeWorkerServicer_to_server(
-            DecodeService(worker, address), server
-        ),
-        before_register,
+async def serve(worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
+    """Start the worker's engine loop and gRPC server, warm its NIXL peers, then register it;
+    returns (server, "host:port")."""
+    return await worker.serve(
+        lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker), server), host, port
     )

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from deploy.pd_autoscaler import PDAutoscalingConfig
+from engine.args import engine_options, option_type
+from ingress.options import IngressOptions
 
 MODES = ("disaggregated", "aggregated")
 
@@ -21,30 +23,41 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class EngineOptions(_Strict):
-    """The ``EngineConfig`` fields an operator sets (the model comes from the top level)."""
+def _engine_option_fields() -> dict[str, Any]:
+    """Pydantic fields for every declared engine option but ``model`` (the config's top level has it)."""
+    fields: dict[str, Any] = {}
+    for f in engine_options():
+        if f.name == "model":
+            continue
+        typ, optional = option_type(f)
+        choices = f.metadata.get("choices")
+        if choices:
+            typ = Literal[choices]  # type: ignore[valid-type]
+        fields[f.name] = (
+            typ | None if optional else typ,
+            Field(f.default, description=f.metadata.get("help")),
+        )
+    return fields
 
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
-    block_size: int = Field(16, ge=1, le=256)
-    num_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_bytes: int = Field(1 << 30, ge=1)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    swap_space: float = Field(0.0, ge=0)
-    scheduling_policy: Literal["fifo", "prefill_first", "priority"] = "fifo"
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    seed: int = 0
-    cache_salt: str = ""
-    cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA + Triton only)
+
+class _EngineOptionsBase(_Strict):
+    @model_validator(mode="after")
+    def _valid_engine(self):
+        from engine.config import EngineConfig
+
+        EngineConfig(model="<validation>", **self.model_dump())  # the engine's own checks, one place
+        return self
 
     def engine_config(self, model: str):
         from engine.config import EngineConfig
 
         return EngineConfig(model=model, **self.model_dump())
+
+
+# The ``EngineConfig`` options an operator sets, derived from their one declaration (engine/config.py).
+EngineOptions = create_model(
+    "EngineOptions", __base__=_EngineOptionsBase, __module__=__name__, **_engine_option_fields()
+)
 
 
 class AutoscalingOptions(_Strict):
@@ -110,17 +123,10 @@ class RouterOptions(ReplicaOptions):
     num_cpus: float = Field(0.1, ge=0)
 
 
-class IngressOptions(ReplicaOptions):
+class IngressDeploymentOptions(ReplicaOptions, IngressOptions):
+    """The ingress's own options (``ingress.options``) plus its replica options."""
+
     num_cpus: float = Field(0.1, ge=0)
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    max_concurrent_requests: int = Field(256, ge=1)  # streams forwarded to the router at once
-    max_queued_requests: int = Field(512, ge=0)  # waiting for a slot; beyond it: 429
-    max_body_bytes: int = Field(4 << 20, ge=1024)
-    max_n: int = Field(16, ge=1)
-    max_logprobs: int = Field(20, ge=0)
-    request_timeout_s: float = Field(600.0, gt=0)
-    api_key_file: str | None = None  # else PDSERVE_API_KEY; neither: no auth
 
 
 class PDServeConfig(_Strict):
@@ -136,7 +142,7 @@ class PDServeConfig(_Strict):
     prefill: PrefillOptions = Field(default_factory=PrefillOptions)
     decode: DecodeOptions = Field(default_factory=DecodeOptions)
     router: RouterOptions = Field(default_factory=RouterOptions)
-    ingress: IngressOptions = Field(default_factory=IngressOptions)
+    ingress: IngressDeploymentOptions = Field(default_factory=IngressDeploymentOptions)
     # The P/D policy (deploy/pd_autoscaler.py); None: counts change only by `pdserve scale`.
     autoscaling: PDAutoscalingConfig | None = None
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 from ray import serve
 
 from deploy.config import PDServeConfig
+from settings import environment
 
 logger = logging.getLogger(__name__)
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _bind_host(config: PDServeConfig) -> str:
@@ -32,35 +30,18 @@ def _bind_host(config: PDServeConfig) -> str:
     return config.worker_host
 
 
-def _redis_url(config: PDServeConfig) -> str:
-    url = config.redis_url or os.environ.get("PDSERVE_REDIS_URL")
-    if not url:
-        raise ValueError("no Redis: set redis_url in the config or PDSERVE_REDIS_URL in the environment")
-    return url
-
-
 def _replica_id() -> str:
     return serve.get_replica_context().replica_id.unique_id
-
-
-def _prepare_ucx(host: str) -> None:
-    # NOTE: before the worker creates its NIXL agent (which initialises UCX): a loopback-bound
-    # worker keeps its KV traffic on lo too, instead of UCX listening on every interface.
-    if host in LOOPBACK and "UCX_NET_DEVICES" not in os.environ:
-        os.environ["UCX_NET_DEVICES"] = "lo"
 
 
 class _WorkerReplica:
     """What the prefill and decode replicas share: health, state, draining shutdown."""
 
     worker = None
-    server = None
-    address = ""
-    _warmer: asyncio.Task | None = None  # decode: keeps NIXL connected to new prefill workers
     config: PDServeConfig
 
     async def get_address(self) -> str:
-        return self.address
+        return self.worker.address
 
     async def check_health(self) -> None:
         loop = self.worker.loop
@@ -73,13 +54,10 @@ class _WorkerReplica:
     async def __del__(self) -> None:
         if self.worker is None:
             return
-        if self._warmer is not None:
-            self._warmer.cancel()
         timeout = self._options().graceful_shutdown_timeout_s
         drained = await self.worker.drain(max(0.0, timeout - 2.0))
         logger.info("%s drained (%s); stopping", self.worker.worker_id, "clean" if drained else "timed out")
-        await self.server.stop(grace=1.0)
-        await asyncio.to_thread(self.worker.stop)
+        await self.worker.shutdown(grace_s=1.0)
         self.worker = None
 
 
@@ -91,7 +69,7 @@ class PrefillServer(_WorkerReplica):
 
         self.config = config
         host = _bind_host(config)
-        _prepare_ucx(host)
+        environment.use_ucx_devices(None, host, override=False)
         t0 = time.perf_counter()
         self.worker = PrefillWorker(
             PrefillWorkerConfig(
@@ -99,11 +77,13 @@ class PrefillServer(_WorkerReplica):
                 worker_id=f"prefill-{_replica_id()}",
                 lease_seconds=config.prefill.lease_seconds,
                 model_name=config.model_name,
-                redis_url=_redis_url(config),
+                redis_url=environment.require_redis_url(config.redis_url),
             )
         )
-        self.server, self.address = await serve_prefill(self.worker, host, 0)
-        logger.info("%s ready on %s in %.1fs", self.worker.worker_id, self.address, time.perf_counter() - t0)
+        await serve_prefill(self.worker, host, 0)
+        logger.info(
+            "%s ready on %s in %.1fs", self.worker.worker_id, self.worker.address, time.perf_counter() - t0
+        )
 
     def _options(self):
         return self.config.prefill
@@ -112,13 +92,12 @@ class PrefillServer(_WorkerReplica):
 @serve.deployment(name="Decode")
 class DecodeServer(_WorkerReplica):
     async def __init__(self, config: PDServeConfig) -> None:
-        from decode_worker.service import fetch_prefill_peer
         from decode_worker.service import serve as serve_decode
         from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 
         self.config = config
         host = _bind_host(config)
-        _prepare_ucx(host)
+        environment.use_ucx_devices(None, host, override=False)
         t0 = time.perf_counter()
         self.worker = DecodeWorker(
             DecodeWorkerConfig(
@@ -127,48 +106,29 @@ class DecodeServer(_WorkerReplica):
                 kv_failure_policy=config.decode.kv_failure_policy,
                 transfer_timeout_s=config.decode.transfer_timeout_s,
                 model_name=config.model_name,
-                redis_url=_redis_url(config),
-            ),
-            fetch_peer=fetch_prefill_peer,
+                redis_url=environment.require_redis_url(config.redis_url),
+            )
         )
-        self._warmed: set[str] = set()
-        self.server, self.address = await serve_decode(self.worker, host, 0, self._warm_peers)
-        self._warmer = asyncio.get_running_loop().create_task(self._keep_warm())
-        logger.info("%s ready on %s in %.1fs", self.worker.worker_id, self.address, time.perf_counter() - t0)
+        # Registers after connecting NIXL to every registered prefill worker, and keeps connecting to
+        # new ones (the decode worker does it itself, as under ``python -m decode_worker``).
+        await serve_decode(self.worker, host, 0)
+        logger.info(
+            "%s ready on %s in %.1fs", self.worker.worker_id, self.worker.address, time.perf_counter() - t0
+        )
 
     def _options(self):
         return self.config.decode
-
-    async def _warm_peers(self) -> None:
-        """NIXL connections to every registered prefill worker, made before this replica registers
-        (so its first pulls pay no setup) and kept up as prefill replicas come and go."""
-        from proto.registry import connect, read_workers
-
-        workers = await asyncio.to_thread(lambda: read_workers(connect(_redis_url(self.config))))
-        new = [w.address for w in workers.values() if w.role == "prefill" and w.address not in self._warmed]
-        if new:
-            added = await self.worker.warm_peers(new)
-            self._warmed.update(new)
-            logger.info("%s: NIXL connected to %d new prefill workers", self.worker.worker_id, added)
-
-    async def _keep_warm(self) -> None:
-        while True:
-            await asyncio.sleep(5.0)
-            try:
-                await self._warm_peers()
-            except Exception as exc:  # Redis away: the pull path still connects lazily
-                logger.info("peer warm-up skipped: %s", exc)
 
 
 @serve.deployment(name="Router")
 class RouterServer:
     async def __init__(self, config: PDServeConfig, workers: list | None = None) -> None:
-        from router.cluster_view import ClusterView
+        from registry.cluster_view import ClusterView
         from router.router import Router
         from router.service import serve as serve_router
 
         self.config = config
-        self.view = ClusterView(_redis_url(config))
+        self.view = ClusterView(environment.require_redis_url(config.redis_url))
         self.view.start()
         if not await asyncio.to_thread(self.view.wait_synced, 10.0):
             logger.warning("router started before the registry answered; routing once it does")
@@ -196,8 +156,8 @@ class AutoscalerServer:
     """Runs the P/D autoscaling policy against this application (one replica)."""
 
     async def __init__(self, config: PDServeConfig, router) -> None:
-        from deploy.router_client import RouterClient
         from deploy.scaling import AutoscalerLoop
+        from router.client import RouterClient
 
         self.client = RouterClient(lambda: router.get_address.remote())
         self.loop = AutoscalerLoop(config.app_name, config.autoscaling, self.client)
@@ -218,14 +178,14 @@ class AutoscalerServer:
 @serve.deployment(name="Ingress")
 @serve.ingress()
 class IngressServer:
-    """The OpenAI HTTP endpoint. Its FastAPI app is built per replica by ``deploy.http_app``."""
+    """The OpenAI HTTP endpoint. Its FastAPI app is built per replica by ``ingress.http_app``."""
 
     async def __init__(self, config: PDServeConfig, router, companions: list | None = None) -> None:
-        from deploy.http_app import build_http_app
-        from deploy.metrics import IngressMetrics
-        from deploy.model_info import load_model_info
-        from deploy.openai_serving import OpenAIServing
-        from deploy.router_client import RouterClient
+        from ingress.http_app import build_http_app
+        from ingress.metrics import IngressMetrics
+        from ingress.model_info import load_model_info
+        from ingress.openai_serving import OpenAIServing
+        from router.client import RouterClient
 
         self.config = config
         info = await asyncio.to_thread(
@@ -285,4 +245,4 @@ def _api_key(config: PDServeConfig) -> str | None:
         if not key:
             raise ValueError(f"API key file {path} is empty")
         return key
-    return os.environ.get("PDSERVE_API_KEY") or None
+    return environment.api_key()

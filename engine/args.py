@@ -1,48 +1,73 @@
-"""Command-line flags for an ``EngineConfig``, shared by every entry point that runs an engine."""
+"""Command-line flags for an ``EngineConfig``, derived from its option declarations.
+
+Every field of ``EngineConfig`` becomes ``--field-name`` with the declared default, help and
+choices; booleans get ``--x`` / ``--no-x``. Entry points that run an engine (the workers,
+``pdserve generate``, ``pdserve serve``) all call ``add_engine_args``, so they list the same options.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import Any
 
-from engine.config import SCHEDULING_POLICIES, EngineConfig
+from engine.config import EngineConfig
+
+_TYPES = {"int": int, "float": float, "str": str}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def engine_options() -> list[dataclasses.Field]:
+    """The declared engine options, ``model`` first."""
+    return list(dataclasses.fields(EngineConfig))
+
+
+def option_type(f: dataclasses.Field) -> tuple[type, bool]:
+    """(the option's Python type, whether it may be None) from its annotation."""
+    parts = [p.strip() for p in str(f.type).split("|")]
+    optional = "None" in parts
+    base = next(p for p in parts if p != "None")
+    if base == "bool":
+        return bool, optional
+    return _TYPES.get(base, str), optional  # e.g. ``str | torch.dtype``: given as a name
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser, *, model_required: bool = True, model_help: str | None = None
+) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="checkpoint directory or Hugging Face id")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None, help="pin the KV pool (default: from memory)")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30, help="CPU KV budget")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU blocks for swap preemption")
-    g.add_argument("--scheduling-policy", default="fifo", choices=SCHEDULING_POLICIES)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--cache-salt", default="")
-    g.add_argument("--no-cuda-graphs", action="store_true", help="run every decode step eagerly on CUDA")
+    for f in engine_options():
+        help_text = f.metadata.get("help", "")
+        if f.name == "model":
+            g.add_argument("--model", required=model_required, default=None, help=model_help or help_text)
+            continue
+        typ, _ = option_type(f)
+        names = [flag_name(f.name)]
+        if "flag" in f.metadata:
+            names.append(f.metadata["flag"])
+        if typ is bool:
+            g.add_argument(
+                *names, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction, help=help_text
+            )
+            continue
+        default_note = "" if f.default is None else f" (default: {f.default})"
+        g.add_argument(
+            *names,
+            dest=f.name,
+            type=typ,
+            default=f.default,
+            choices=f.metadata.get("choices"),
+            help=help_text + default_note,
+        )
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        swap_space=args.swap_space,
-        scheduling_policy=args.scheduling_policy,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-        cache_salt=args.cache_salt,
-        cuda_graphs=not args.no_cuda_graphs,
-    )
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Every engine option from parsed flags, except ``model``."""
+    return {f.name: getattr(args, f.name) for f in engine_options() if f.name != "model"}
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
+    return EngineConfig(model=model or args.model, **engine_kwargs_from_args(args))

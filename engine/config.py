@@ -1,63 +1,93 @@
-"""Engine configuration: one validated dataclass that every role (offline, prefill, decode) shares."""
+"""Engine configuration: one validated dataclass that every role (offline, prefill, decode) shares.
+
+It is also the one declaration of every engine option (default, help, choices): the CLI flags
+(``engine.args``) and the Serve / KubeRay config (``deploy.config.EngineOptions``) are derived from
+its fields, so a new option appears everywhere at once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority")
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch  # NOTE: here, not at the top: the option declarations below stay torch-free
+
+    allowed = {torch.float32, torch.bfloat16, torch.float16}
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+        if dtype not in allowed:
             raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
         return dtype
-    if dtype not in _DTYPES:
+    if dtype not in _DTYPE_ALIASES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float16")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPE_ALIASES[dtype])
+
+
+def option(default, help: str, choices: tuple | None = None, flag: str | None = None):
+    """A declared engine option: its default, help text and choices, which every surface reads
+    (``engine.args`` for the CLI flags, ``deploy.config.EngineOptions`` for Serve and KubeRay)."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if flag is not None:
+        meta["flag"] = flag  # an extra flag name kept for compatibility
+    return field(default=default, metadata=meta)
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Everything an engine needs to start.
+    """Everything an engine needs to start; every engine option is declared here, once.
 
     KV pool size: ``num_blocks`` pins it; otherwise it comes from ``kv_cache_memory_bytes`` on CPU or
     ``gpu_memory_utilization`` of the device's free memory on CUDA. ``swap_space`` (GiB) > 0 adds a
     CPU block pool and makes preemption swap instead of recompute.
     """
 
-    model: str
-    tokenizer: str | None = None
-    dtype: str | torch.dtype = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
-    gpu_memory_utilization: float = 0.9
-    swap_space: float = 0.0
-    enable_prefix_caching: bool = True
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    scheduling_policy: str = "fifo"
-    admission_margin: float = 0.01
-    attention_backend: str = "auto"
-    cache_salt: str = ""
-    # Decode steps replayed from CUDA graphs (CUDA + Triton backend only; False: always eager).
-    cuda_graphs: bool = True
-    cuda_graph_max_batch: int = 256
+    model: str = option("", "checkpoint directory or Hugging Face id")
+    tokenizer: str | None = option(None, "tokenizer directory or id (default: the model's)")
+    dtype: str | torch.dtype = option("float32", "weights and KV cache dtype", DTYPE_NAMES)
+    device: str = option("cpu", "engine device (cpu, cuda, cuda:N)")
+    seed: int = option(0, "engine seed (seeded sampling reproduces across runs)")
+    max_model_len: int | None = option(None, "context length (default: the model's)")
+    block_size: int = option(16, "tokens per KV block (a power of two <= 256)")
+    num_blocks: int | None = option(None, "pin the KV pool's size in blocks (default: from memory)")
+    kv_cache_memory_bytes: int = option(1 << 30, "bytes of KV cache on CPU")
+    gpu_memory_utilization: float = option(0.9, "fraction of free GPU memory for the KV cache on CUDA")
+    swap_space: float = option(0.0, "GiB of CPU blocks for swap preemption (0: preempt by recompute)")
+    enable_prefix_caching: bool = option(
+        True, "reuse cached prompt blocks across requests", flag="--prefix-caching"
+    )
+    max_num_batched_tokens: int = option(2048, "token budget of one engine step (chunked prefill above it)")
+    max_num_seqs: int = option(256, "most sequences in one step")
+    scheduling_policy: str = option("fifo", "order of waiting requests", SCHEDULING_POLICIES)
+    admission_margin: float = option(0.01, "fraction of KV blocks kept free when admitting new requests")
+    attention_backend: str = option(
+        "auto", "attention kernels (auto: Triton on CUDA, torch elsewhere)", ATTENTION_BACKENDS
+    )
+    cache_salt: str = option(
+        "", "namespace of the prefix-cache hashes (workers sharing a cache use the same)"
+    )
+    cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA + Triton backend only)")
+    cuda_graph_max_batch: int = option(256, "largest decode batch captured in a CUDA graph")
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -82,7 +112,9 @@ class EngineConfig:
             )
         if not 0 <= self.admission_margin < 1:
             raise ValueError(f"admission_margin must be a fraction in [0, 1), got {self.admission_margin}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if not self.model:
+            raise ValueError("model is required (a checkpoint directory or Hugging Face id)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )

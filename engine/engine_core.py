@@ -221,7 +221,7 @@ class EngineCore:
         Allocates blocks for the prompt (reusing local prefix hits) and parks the request until
         ``complete_transfer`` (it then decodes from token 2 on) or ``fail_transfer`` (it recomputes
         locally). Returns None when the first token already ends the request. Raises ValueError for
-        a request this engine can never serve, RuntimeError when the pool has no room right now.
+        a request this engine can never serve, ``NoKVRoomError`` when the pool has no room right now.
         """
         self._check_new_id(request_id)
         self.validate(prompt_token_ids, params)

@@ -33,6 +33,10 @@ from engine.scheduler_output import (
 logger = logging.getLogger(__name__)
 
 
+class NoKVRoomError(RuntimeError):
+    """The KV pool cannot hold a transferred prompt right now (it may later)."""
+
+
 class Scheduler:
     def __init__(
         self,
@@ -95,14 +99,14 @@ class Scheduler:
         """Allocate blocks for a prompt whose KV will be pulled from a peer.
 
         Returns (fresh local block ids to fill, index of the first of them in the sequence's block
-        table); blocks before it are local prefix-cache hits. Raises RuntimeError when the pool
+        table); blocks before it are local prefix-cache hits. Raises ``NoKVRoomError`` when the pool
         cannot hold the prompt now (the caller may fall back to recompute or retry).
         """
         hit = self.kv.find_prefix_hit(req)
         needed = self.kv.blocks_needed(num_prompt_tokens) - len(hit.block_ids)
         reclaimed = sum(1 for b in hit.block_ids if self.kv.pool.is_free(b))
         if needed > self.kv.num_free_blocks - reclaimed:
-            raise RuntimeError(f"no room for {needed} KV blocks ({self.kv.num_free_blocks} free)")
+            raise NoKVRoomError(f"no room for {needed} KV blocks ({self.kv.num_free_blocks} free)")
         fresh = self.kv.allocate_for_transfer(req, hit, num_prompt_tokens)
         req.num_cached_tokens = hit.num_tokens
         self.num_prompt_tokens += req.prompt_len

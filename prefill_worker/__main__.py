@@ -11,7 +11,7 @@ import asyncio
 from engine.args import add_engine_args, engine_config_from_args
 from prefill_worker.service import serve
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
-from proto.worker_process import add_worker_args, prepare_process, serve_until_signal
+from worker.process import add_worker_args, prepare_process, serve_until_signal
 
 
 def main() -> None:

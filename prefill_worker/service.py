@@ -10,16 +10,13 @@ from prefill_worker.worker import PrefillWorker
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import logprobs_to_proto, params_from_proto, stop_reason_text
-from proto.worker_process import start_server
-from proto.worker_state import worker_state_to_proto
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker, address: str) -> None:
+    def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
-        self.address = address
 
     async def Prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -49,7 +46,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             first_logprobs=logprobs_to_proto(result.first_logprobs),
             seed=result.seed,
             num_cached_tokens=result.num_cached_tokens,
-            address=self.address,
+            address=self.worker.address,
         )
         resp = pb.PrefillResponse(handle=handle)
         if result.finish_reason is not None:
@@ -72,17 +69,11 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         return pb.ReleaseResponse(released=await self.worker.release(request.request_id))
 
     async def GetState(self, request, context) -> pb.WorkerState:
-        stats, _ = await self.worker.stats()
-        return worker_state_to_proto(self.worker, self.address, stats)
+        return await self.worker.get_state()
 
 
 async def serve(worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
-    """Start the worker's engine loop, registry link and gRPC server; returns (server, "host:port")."""
-    return await start_server(
-        worker,
-        host,
-        port,
-        lambda server, address: pb_grpc.add_PrefillWorkerServicer_to_server(
-            PrefillService(worker, address), server
-        ),
+    """Start the worker's engine loop, gRPC server and registry link; returns (server, "host:port")."""
+    return await worker.serve(
+        lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker), server), host, port
     )

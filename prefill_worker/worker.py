@@ -15,26 +15,18 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore, EngineStats
-from engine.engine_loop import EngineLoop
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
-from kv_transfer import RemoteKVInfo
-from kv_transfer.engine_agent import engine_agent
-from proto.registry_publisher import RegistryPublisher, publish_worker
-from proto.worker_process import drain_worker
+from worker.config import WorkerConfig
+from worker.runtime import TransferFactory, WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class PrefillWorkerConfig:
-    engine: EngineConfig
+@dataclass
+class PrefillWorkerConfig(WorkerConfig):
     worker_id: str = "prefill-0"
-    lease_seconds: float = 30.0
-    model_name: str | None = None  # the name peers check compatibility against; default: engine.model
-    redis_url: str | None = None  # registry + KV events (Redis); None: standalone
+    lease_seconds: float = 30.0  # held KV is freed after this long
 
 
 @dataclass(slots=True)
@@ -59,56 +51,22 @@ class _Lease:
     expiry_unix: float
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerRuntime):
     role = "prefill"
 
-    def __init__(self, config: PrefillWorkerConfig) -> None:
+    def __init__(self, config: PrefillWorkerConfig, transfer_factory: TransferFactory | None = None) -> None:
         if config.lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, got {config.lease_seconds}")
-        self.config = config
-        self.worker_id = config.worker_id
-        self.epoch = time.time_ns()
-        self.core = EngineCore(config.engine)
-        self.compat, self.transfer = engine_agent(
-            self.core, self.worker_id, self.epoch, config.model_name or str(config.engine.model)
-        )
-        self.loop = EngineLoop(self.core)
+        super().__init__(config, transfer_factory)
+        self.config: PrefillWorkerConfig = config
         self.loop.add_output_hook(self._on_output)
         self.loop.add_tick(self._tick)
-        self.registry: RegistryPublisher | None = None
-        self.draining = False
         self.leases: dict[str, _Lease] = {}  # engine thread only
         self.released = {"notification": 0, "release": 0, "expiry": 0, "abandoned": 0}
 
-    # Lifecycle --------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self.loop.start()
-
-    def attach_registry(self, address: str) -> None:
-        """Register in Redis under ``address`` and publish this worker's KV events (from the loop)."""
-        if self.config.redis_url:
-            self.registry = publish_worker(self, address, self.config.redis_url)
-
-    def stop(self) -> None:
-        self.loop.stop()
-        if self.registry is not None:
-            self.registry.stop()
-        self.transfer.close()
-
-    async def drain(self, timeout_s: float = 30.0) -> bool:
-        """Leave the registry (no new routes), then wait for running work to end; False on timeout."""
-        return await drain_worker(self, self._busy, timeout_s)
-
-    async def _busy(self) -> int:
-        stats, leases = await self.stats()
+    async def busy(self) -> int:
+        stats, leases = await self.loop.run(lambda: (self.core.stats(), len(self.leases)))
         return stats.num_running + stats.num_waiting + stats.num_swapped + leases
-
-    def transfer_info(self) -> RemoteKVInfo:
-        return self.transfer.local_info()
-
-    async def stats(self) -> tuple[EngineStats, int]:
-        return await self.loop.run(lambda: (self.core.stats(), len(self.leases)))
 
     # Requests ---------------------------------------------------------------------------------
 

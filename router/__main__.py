@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 
-from router.cluster_view import ClusterView
+from registry.cluster_view import ClusterView
 from router.policies import POLICIES
 from router.router import Router
 from router.service import serve

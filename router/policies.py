@@ -15,8 +15,8 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from proto.registry import WorkerRecord
-from router.prefix_index import PrefixIndex
+from registry.prefix_index import PrefixIndex
+from registry.schema import WorkerRecord
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 

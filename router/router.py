@@ -26,8 +26,8 @@ from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_to_proto
-from proto.registry import WorkerRecord
-from router.cluster_view import ClusterView
+from registry.cluster_view import ClusterView
+from registry.schema import WorkerRecord
 from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ class ServeProcess:
         env.pop("PDSERVE_API_KEY", None)
         if api_key:
             env["PDSERVE_API_KEY"] = api_key
-        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--model", str(model), "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "cli", "serve", "--model", str(model), "--port", str(self.port)]
         self.proc = subprocess.Popen(
             [*cmd, "--num-blocks", "64", "--drain-timeout", "60", *extra],
             stdout=subprocess.PIPE,

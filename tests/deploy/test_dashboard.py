@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.metrics import IngressMetrics
+from ingress.metrics import IngressMetrics
 from proto import pdserve_pb2 as pb
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve-dashboard.json"

@@ -50,7 +50,7 @@ def _prompts(n: int = 8) -> list[list[int]]:
 
 def _status(svc: ServeProcess) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "status", "--json"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cli", "status", "--json"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

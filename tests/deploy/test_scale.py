@@ -20,7 +20,7 @@ PROMPTS = ["the world is", "there was a man who", "in the first years", "what pe
 
 def scale(*args: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "scale", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cli", "scale", *args], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
@@ -79,7 +79,7 @@ def test_scale_prefill_up_and_down_under_load(serve_model, module_redis_server, 
         texts = asyncio.run(streams(name, prompts, 12))
         assert texts == [expected(p, 12) for p in prompts]
         status = subprocess.run(
-            [sys.executable, "-m", "deploy.cli", "status"], capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "cli", "status"], capture_output=True, text=True, timeout=120
         ).stdout
         assert all(w in status for w in workers)  # both registered and visible to operators
 

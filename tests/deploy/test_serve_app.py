@@ -384,7 +384,7 @@ def test_http_fuzz_never_5xx_and_invalid_requests_touch_no_worker(service, model
 
 def test_pdserve_bench_measures_the_service(service, tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "bench", "--base-url", service.base, "--dataset", "prefix",
+        [sys.executable, "-m", "cli", "bench", "--base-url", service.base, "--dataset", "prefix",
          "--num-prompts", "12", "--num-prefixes", "2", "--prefix-len", "40", "--suffix-len", "8",
          "--output-len", "6", "--ignore-eos", "--sweep", "1,4", "--goodput", "ttft:60000", "tpot:60000",
          "--output-json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b"), "--no-progress"],
@@ -441,7 +441,7 @@ def test_client_disconnect_mid_stream_aborts_down_to_the_workers(service, model_
 
 def _status_json(service) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "status", "--json"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cli", "status", "--json"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -48,7 +48,7 @@ def test_demo_on_embedded_defaults(serve_model):
     env = dict(os.environ)
     env.pop("PDSERVE_REDIS_URL", None)
     env.pop("PDSERVE_API_KEY", None)
-    cmd = [sys.executable, "-m", "deploy.cli", "serve", "--model", str(serve_model), "--demo"]
+    cmd = [sys.executable, "-m", "cli", "serve", "--model", str(serve_model), "--demo"]
     out = subprocess.run(
         [*cmd, "--port", str(free_port()), "--num-blocks", "64"],
         capture_output=True,

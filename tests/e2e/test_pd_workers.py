@@ -291,7 +291,8 @@ def test_decode_without_room_waits_for_blocks_or_recomputes(workers, engine_alon
 def test_decode_warms_nixl_peers_before_its_first_pull(workers, engine_alone, tiny_llama):
     """``warm_peers`` (what a decode replica runs before it registers) connects NIXL to every reachable
     prefill worker, skips unreachable ones, and the first pull then fetches no metadata."""
-    from decode_worker.service import fetch_prefill_peer, pulled_kv_from_handle
+    from decode_worker.peers import fetch_prefill_peer
+    from decode_worker.service import pulled_kv_from_handle
     from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
     from engine import EngineConfig
 

@@ -17,8 +17,8 @@ from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_to_proto
-from proto.registry import connect, set_draining
-from router.cluster_view import ClusterView
+from registry.cluster_view import ClusterView
+from registry.schema import connect, set_draining
 from router.router import Router
 from router.service import serve
 

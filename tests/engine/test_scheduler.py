@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from bench.scheduler_overhead import FakeRunner
+from engine.fake_runner import FakeRunner
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams

@@ -1,6 +1,6 @@
 """The router's in-process replica of the global prefix index: block hash -> workers holding it.
 
-Fed by the workers' KV events (``proto.registry``). Per worker it tracks the incarnation (epoch)
+Fed by the workers' KV events (``registry.schema``). Per worker it tracks the incarnation (epoch)
 and the last applied sequence number: an event that skips a number, or a new incarnation that does
 not start at 1 with CLEARED/RESYNCED, makes ``apply`` return False and the caller resynchronises
 that worker from its snapshot (``replace``). Events a snapshot already covers are skipped, and
@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from proto.registry import CLEARED, REMOVED, RESYNCED, STORED, KVEventRecord
+from registry.schema import CLEARED, REMOVED, RESYNCED, STORED, KVEventRecord
 
 
 class PrefixIndex:

@@ -1,8 +1,8 @@
 """A worker's link to the registry: register, heartbeat its load, publish its KV events in order.
 
-The engine thread calls ``engine_tick(core)`` every loop iteration: it drains the engine's block
-events into a queue (never touching Redis) and, when asked, snapshots the prefix cache. A publisher
-thread drains the queue into Redis. When Redis fails, queued events are dropped and a snapshot is
+The worker's engine thread hands batches of block events (``offer_events``), its prefix cache when
+a snapshot is wanted (``snapshot_wanted`` / ``offer_snapshot``) and its load (``offer_load``) to a
+queue, never touching Redis itself. A publisher thread drains the queue into Redis. When Redis fails, queued events are dropped and a snapshot is
 requested; once Redis answers again the worker re-registers from that snapshot (a RESYNCED event
 with the whole set), so readers converge without replaying anything. Events drained after the
 snapshot follow it in the queue, so order is kept.
@@ -18,12 +18,9 @@ from typing import Any
 
 import redis
 
-from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from proto.registry import CLEARED, REMOVED, STORED, WorkerRecord, WorkerRegistration, connect
+from registry.schema import WorkerRecord, WorkerRegistration, connect
 
 logger = logging.getLogger(__name__)
-
-_KINDS = {BlockStored: STORED, BlockRemoved: REMOVED, AllBlocksCleared: CLEARED}
 
 
 class RegistryPublisher:
@@ -59,25 +56,30 @@ class RegistryPublisher:
             except redis.RedisError as exc:
                 logger.warning("could not deregister %s: %s", self.record.worker_id, exc)
 
-    # Engine thread ----------------------------------------------------------------------------
+    # Worker's engine thread ------------------------------------------------------------------
 
-    def engine_tick(self, core) -> None:
-        events = core.drain_kv_events()
+    def snapshot_wanted(self) -> bool:
+        """True once after a (re)connect: the next offer must be the whole cache (``offer_snapshot``)."""
         if self._want_snapshot.is_set():
             self._want_snapshot.clear()
-            self._queue.put(("snapshot", core.kv.pool.cached_hashes()))
-        elif events:
-            self._queue.put(("events", events))
-        now = time.monotonic()
-        if now >= self._next_load:
-            s = core.stats()
-            self._load = {
-                "num_running": s.num_running,
-                "num_waiting": s.num_waiting,
-                "num_free_blocks": s.num_free_blocks,
-                "queued_prompt_tokens": core.pending_prompt_tokens(),
-            }
-            self._next_load = now + self.heartbeat_s / 2
+            return True
+        return False
+
+    def offer_snapshot(self, cached_hashes: list[bytes]) -> None:
+        self._queue.put(("snapshot", cached_hashes))
+
+    def offer_events(self, batches: list[tuple[str, list[bytes]]]) -> None:
+        """Block events as ``(kind, hashes)`` batches in order (kinds ``STORED``/``REMOVED``/``CLEARED``)."""
+        if batches:
+            self._queue.put(("events", batches))
+
+    def load_due(self) -> bool:
+        return time.monotonic() >= self._next_load
+
+    def offer_load(self, **load: int) -> None:
+        """The worker's load fields of its record (sent with the next heartbeat)."""
+        self._load = dict(load)
+        self._next_load = time.monotonic() + self.heartbeat_s / 2
 
     # Publisher thread -------------------------------------------------------------------------
 
@@ -102,7 +104,7 @@ class RegistryPublisher:
                     awaiting_snapshot = False
                     self.connected = True
                 elif kind == "events" and not awaiting_snapshot:
-                    for kind_, hashes in _batches(payload):
+                    for kind_, hashes in payload:
                         reg.publish(kind_, hashes)
                         self.published += 1
                 if not awaiting_snapshot and time.monotonic() >= next_beat:
@@ -116,35 +118,3 @@ class RegistryPublisher:
                 awaiting_snapshot = True
                 self._want_snapshot.set()
                 self._stop.wait(0.5)
-
-
-def _batches(events: list) -> list[tuple[str, list[bytes]]]:
-    """Consecutive events of one kind merged, order kept."""
-    out: list[tuple[str, list[bytes]]] = []
-    for ev in events:
-        kind = _KINDS[type(ev)]
-        hashes = [] if kind == CLEARED else list(ev.block_hashes)
-        if out and out[-1][0] == kind and kind != CLEARED:
-            out[-1][1].extend(hashes)
-        else:
-            out.append((kind, hashes))
-    return out
-
-
-def publish_worker(worker, address: str, redis_url: str) -> RegistryPublisher:
-    """Register ``worker`` (a prefill or decode worker object) under ``address`` and publish its KV
-    events from its engine loop; returns the running publisher (stop it with the worker)."""
-    record = WorkerRecord(
-        worker_id=worker.worker_id,
-        role=worker.role,
-        address=address,
-        epoch=worker.epoch,
-        model=worker.compat.model,
-        block_size=worker.core.layout.block_size,
-        num_blocks=worker.core.kv.num_blocks,
-        cache_salt=worker.core.config.cache_salt,
-    )
-    publisher = RegistryPublisher(redis_url, record)
-    publisher.start()
-    worker.loop.add_tick(lambda: publisher.engine_tick(worker.core))
-    return publisher

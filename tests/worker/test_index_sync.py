@@ -10,9 +10,10 @@ import time
 import pytest
 
 from engine import EngineConfig, EngineCore, SamplingParams
-from proto.registry import STORED, WorkerRecord, WorkerRegistration, connect, snapshot_key, snapshot_meta_key
-from proto.registry_publisher import RegistryPublisher
-from router.cluster_view import ClusterView
+from registry.cluster_view import ClusterView
+from registry.publisher import RegistryPublisher
+from registry.schema import STORED, WorkerRecord, WorkerRegistration, connect, snapshot_key, snapshot_meta_key
+from worker.registry_link import RegistryLink
 
 
 class Worker:
@@ -26,6 +27,7 @@ class Worker:
             heartbeat_s=0.2,
         )
         self.publisher.start()
+        self.link = RegistryLink(self.core, self.publisher)  # what the engine loop ticks
         self.worker_id = worker_id
         self.n = 0
 
@@ -37,8 +39,8 @@ class Worker:
             )
         while self.core.has_unfinished():
             self.core.step()
-            self.publisher.engine_tick(self.core)
-        self.publisher.engine_tick(self.core)
+            self.link.tick()
+        self.link.tick()
 
     def cached(self) -> set[bytes]:
         return set(self.core.kv.pool.cached_hashes())
@@ -63,9 +65,9 @@ def _converged(view: ClusterView, workers: list[Worker], timeout: float = 10.0) 
         ):
             return
         for w in workers:
-            w.publisher.engine_tick(w.core)
+            w.link.tick()
         time.sleep(0.05)
-    from proto.registry import read_snapshot
+    from registry.schema import read_snapshot
 
     diffs = {
         w.worker_id: (

@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.workloads import random_workload, skewed_workload
+from loadgen.workloads import random_workload, skewed_workload
 
 DATASETS = ("random", "prefix", "sharegpt", "skewed", "interference")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from tqdm import tqdm
 
-from bench.serving_datasets import DATASETS, ServingRequest, build
+from loadgen.serving_datasets import DATASETS, ServingRequest, build
 
 
 @dataclass(slots=True)
@@ -286,7 +286,7 @@ def run(args) -> dict:
             )
         print(f"\nwrote {args.output_json}")
     if args.plot:
-        from bench.serving_plots import plot_runs
+        from loadgen.serving_plots import plot_runs
 
         for path in plot_runs(runs, args.plot):
             print(f"wrote {path}")

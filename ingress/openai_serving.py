@@ -19,13 +19,13 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
-from deploy.config import IngressOptions
-from deploy.generation import ChoiceDelta, Generation
-from deploy.metrics import IngressMetrics
-from deploy.model_info import ModelInfo
-from deploy.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
-from deploy.request_validation import GenerationRequest, parse_body, validate_chat, validate_completion
-from deploy.router_client import RouterClient
+from ingress.generation import ChoiceDelta, Generation
+from ingress.metrics import IngressMetrics
+from ingress.model_info import ModelInfo
+from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ingress.options import IngressOptions
+from ingress.request_validation import GenerationRequest, parse_body, validate_chat, validate_completion
+from router.client import RouterClient
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from proto.registry import CLEARED, REMOVED, RESYNCED, STORED, KVEventRecord
-from router.prefix_index import PrefixIndex
+from registry.prefix_index import PrefixIndex
+from registry.schema import CLEARED, REMOVED, RESYNCED, STORED, KVEventRecord
 
 H = [bytes([i]) * 16 for i in range(10)]
 

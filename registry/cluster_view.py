@@ -18,7 +18,8 @@ import time
 
 import redis
 
-from proto.registry import (
+from registry.prefix_index import PrefixIndex
+from registry.schema import (
     DRAINING_KEY,
     EVENTS_STREAM,
     KVEventRecord,
@@ -27,7 +28,6 @@ from proto.registry import (
     read_snapshot,
     read_workers,
 )
-from router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
-from deploy.openai_serving import OpenAIServing
+from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ingress.openai_serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 

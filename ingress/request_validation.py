@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from deploy.config import IngressOptions
-from deploy.model_info import ModelInfo
-from deploy.openai_protocol import (
+from engine.sampling_params import SamplingParams
+from ingress.model_info import ModelInfo
+from ingress.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     error_from_validation,
 )
-from engine.sampling_params import SamplingParams
+from ingress.options import IngressOptions
 
 MAX_STOP_STRINGS = 16
 

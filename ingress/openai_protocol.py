@@ -3,7 +3,7 @@
 The models are strict (``extra="forbid"``, no type coercion): a field we do not implement is
 refused with a 400 naming it rather than silently ignored, and ``"max_tokens": "5"`` is a type
 error, as with OpenAI. Ranges that depend on the deployment (n, logprobs, the context length, the
-vocabulary) are checked by ``deploy.request_validation`` after parsing.
+vocabulary) are checked by ``ingress.request_validation`` after parsing.
 """
 
 from __future__ import annotations

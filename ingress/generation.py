@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from deploy.metrics import IngressMetrics
-from deploy.openai_protocol import APIError
-from deploy.request_validation import GenerationRequest
-from deploy.router_client import RouterClient
 from engine.detokenizer import IncrementalDetokenizer
+from ingress.metrics import IngressMetrics
+from ingress.openai_protocol import APIError
+from ingress.request_validation import GenerationRequest
+from router.client import RouterClient
 
 _GRPC_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request"),

@@ -12,13 +12,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from deploy.config import IngressOptions, PDServeConfig
-from deploy.generation import Generation
-from deploy.metrics import IngressMetrics
-from deploy.model_info import load_model_info
-from deploy.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
-from deploy.openai_serving import Admission
-from deploy.request_validation import parse_body, validate_chat, validate_completion
+from deploy.config import PDServeConfig
+from ingress.generation import Generation
+from ingress.metrics import IngressMetrics
+from ingress.model_info import load_model_info
+from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ingress.openai_serving import Admission
+from ingress.options import IngressOptions
+from ingress.request_validation import parse_body, validate_chat, validate_completion
 from proto import pdserve_pb2 as pb
 
 

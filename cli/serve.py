@@ -1,4 +1,4 @@
-"""``pdserve serve`` and ``pdserve status``: run the application on a (local) Ray cluster, and look at it.
+"""``pdserve serve``: run the application on a (local) Ray cluster until a signal, then drain it.
 
 ``serve``'s life: config validated -> Redis (the given URL, or an embedded Redis-protocol server) ->
 Ray (a local cluster, or ``--address``) -> Serve application deployed, progress printed until every
@@ -20,28 +20,68 @@ import sys
 import threading
 import time
 
+from cli.app_client import router_client
+from cli.tiny_model import ensure_tiny_model
 from deploy.config import PDServeConfig
+from engine.args import add_engine_args, engine_kwargs_from_args
+from settings import environment
 
 logger = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "pdserve-tiny-random"
 
 
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve (prefill, decode, router)")
+    s.add_argument(
+        "--config",
+        help="the application config (YAML/JSON PDServeConfig, or a Serve config file); "
+        "replaces the model, engine and pool flags",
+    )
+    s.add_argument("--served-model-name", help="the model name clients use (default: --model)")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--prefill", type=int, default=1, help="prefill replicas")
+    s.add_argument("--decode", type=int, default=1, help="decode replicas")
+    s.add_argument("--mode", default="disaggregated", choices=["disaggregated", "aggregated"])
+    s.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"])
+    s.add_argument(
+        "--redis-url",
+        default=environment.redis_url(),
+        help="registry Redis (env PDSERVE_REDIS_URL; default: an embedded Redis-protocol server)",
+    )
+    s.add_argument(
+        "--api-key", default=None, help="require this bearer key on /v1 (prefer env PDSERVE_API_KEY)"
+    )
+    s.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    s.add_argument(
+        "--max-concurrent-requests", type=int, default=256, help="beyond it requests queue, then 429"
+    )
+    s.add_argument(
+        "--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per prefill/decode replica"
+    )
+    s.add_argument("--worker-gpus", type=float, default=0.0, help="GPUs per prefill/decode replica")
+    s.add_argument("--ray-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
+    s.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on shutdown"
+    )
+    s.add_argument("--demo", action="store_true", help="send a few requests through the service, then exit")
+    add_engine_args(
+        s,
+        model_required=False,
+        model_help="checkpoint directory or Hugging Face id (default: a tiny random Llama)",
+    )
+    s.set_defaults(func=run)
+
+
 def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServeConfig:
-    engine = {"dtype": args.dtype, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs}
-    if args.num_blocks is not None:
-        engine["num_blocks"] = args.num_blocks
-    if args.max_model_len is not None:
-        engine["max_model_len"] = args.max_model_len
-    if args.device:
-        engine["device"] = args.device
     worker = {"num_cpus": args.worker_cpus, "num_gpus": args.worker_gpus}
     return PDServeConfig(
         model=model,
         served_model_name=args.served_model_name or (TINY_MODEL_NAME if tiny else None),
         tiny_model=tiny,
         mode=args.mode,
-        engine=engine,
+        engine=engine_kwargs_from_args(args),
         prefill={**worker, "num_replicas": args.prefill},
         decode={**worker, "num_replicas": args.decode},
         router={"policy": args.policy},
@@ -67,22 +107,20 @@ def config_from_file(path: str, args: argparse.Namespace) -> PDServeConfig:
     return config.model_copy(update={"ingress": ingress})
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from deploy.cli import ensure_tiny_model
-
+def run(args: argparse.Namespace) -> int:
     if args.config:
         config = config_from_file(args.config, args)
     else:
         tiny = args.model is None
         config = config_from_args(args, args.model or str(ensure_tiny_model()), tiny)
     if args.api_key:
-        os.environ["PDSERVE_API_KEY"] = args.api_key  # inherited by the local Ray cluster, never logged
+        environment.export_secret(environment.API_KEY, args.api_key)  # the local Ray cluster inherits it
     embedded = None
     if args.redis_url:
-        os.environ["PDSERVE_REDIS_URL"] = args.redis_url  # may carry a password: environment, not config
+        environment.export_secret(environment.REDIS_URL, args.redis_url)  # may carry a password
         redis_url = args.redis_url
     else:
-        from deploy.embedded_redis import EmbeddedRedis
+        from cli.embedded_redis import EmbeddedRedis
 
         embedded = EmbeddedRedis().start()
         redis_url = embedded.url
@@ -102,7 +140,7 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
     from ray import serve
 
     from deploy.app import build_app
-    from proto.registry import connect, set_draining
+    from registry.schema import connect, set_draining
 
     set_draining(connect(redis_url), False)  # a previous run's shutdown must not block this one
     pools = f"{config.prefill.num_replicas} prefill + " if config.mode == "disaggregated" else ""
@@ -130,9 +168,9 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
             return 130
         _print_ready(config, base)
         if args.demo:
-            from deploy.demo import run_demo
+            from cli.demo import run_demo
 
-            run_demo(base, config.model_name, os.environ.get("PDSERVE_API_KEY"))
+            run_demo(base, config.model_name, environment.api_key())
         else:
             while not stop.wait(0.5):
                 pass
@@ -234,7 +272,7 @@ def _display_host(host: str) -> str:
 
 
 def _print_ready(config: PDServeConfig, base: str) -> None:
-    auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if os.environ.get("PDSERVE_API_KEY") else ""
+    auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if environment.api_key() else ""
     body = json.dumps(
         {"model": config.model_name, "prompt": "the world is", "max_tokens": 16, "temperature": 0}
     )
@@ -246,23 +284,9 @@ def _print_ready(config: PDServeConfig, base: str) -> None:
     print("  Ctrl-C (or SIGTERM) drains in-flight requests and stops.\n", flush=True)
 
 
-async def _router_client(app_name: str):
-    from ray import serve
-
-    from deploy.router_client import RouterClient
-
-    handle = serve.get_deployment_handle("Router", app_name=app_name)
-    address = await asyncio.to_thread(lambda: handle.get_address.remote().result(timeout_s=30))
-
-    async def resolve() -> str:
-        return address
-
-    return RouterClient(resolve)
-
-
 async def _drain(app_name: str, timeout_s: float):
     """Wait until no request runs anywhere (router streams, engines, held or moving KV) for a second."""
-    client = await _router_client(app_name)
+    client = await router_client(app_name)
     try:
         deadline, idle_since, cluster, states = time.monotonic() + timeout_s, None, None, []
         while time.monotonic() < deadline:
@@ -295,91 +319,3 @@ def _report(result) -> None:
             f"  {w.role:<8} {w.worker_id}: {s.num_running} running, {s.num_waiting} waiting, "
             f"{s.num_held_requests} held, {s.num_free_blocks}/{s.num_blocks} KV blocks free"
         )
-
-
-# pdserve scale ------------------------------------------------------------------------------------
-
-
-def cmd_scale(args: argparse.Namespace) -> int:
-    import ray
-
-    from deploy.scaling import set_replicas, target_replicas
-
-    counts = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
-    if not counts:
-        print("error: give --prefill N and/or --decode M", file=sys.stderr)
-        return 2
-    ray.init(address=args.address or "auto", logging_level=logging.ERROR, log_to_driver=False)
-    try:
-        before = target_replicas(args.app)
-        if "Autoscaler" in before:
-            print("note: the P/D autoscaler is running; it may change these counts again", file=sys.stderr)
-        set_replicas(args.app, counts)
-        after = target_replicas(args.app)
-    finally:
-        ray.shutdown()
-    for name in ("Prefill", "Decode"):
-        if name in before:
-            print(f"{name}: {before[name]} -> {after[name]} replicas")
-    print("new replicas register before taking traffic; removed ones drain first (see pdserve status)")
-    return 0
-
-
-# pdserve status ----------------------------------------------------------------------------------
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    import ray
-
-    ray.init(address=args.address or "auto", logging_level=logging.ERROR, log_to_driver=False)
-    try:
-        cluster, states = asyncio.run(_status(args.app))
-    finally:
-        ray.shutdown()
-    if args.json:
-        from google.protobuf.json_format import MessageToDict
-
-        print(json.dumps({"cluster": MessageToDict(cluster), "workers": [MessageToDict(w) for w in states]}))
-        return 0
-    print(format_status(cluster, states))
-    return 0
-
-
-async def _status(app_name: str):
-    client = await _router_client(app_name)
-    try:
-        return await client.worker_states()
-    finally:
-        await client.close()
-
-
-def format_status(cluster, states) -> str:
-    head = (
-        f"router: policy {cluster.policy}, registry {'DEGRADED' if cluster.degraded else 'ok'}"
-        f"{', DRAINING' if cluster.draining else ''}; {cluster.requests_routed} requests routed, "
-        f"{cluster.active_requests} active; prefix hits predicted {cluster.predicted_prefix_hit_rate:.0%} / "
-        f"delivered {cluster.delivered_prefix_hit_rate:.0%}; retries {cluster.prefill_retries}, "
-        f"aggregated fallbacks {cluster.aggregated_fallbacks}, failed {cluster.failed_requests}"
-    )
-    rows = [("ROLE", "WORKER", "ADDRESS", "PID", "RUN", "WAIT", "HELD", "KV USED", "HIT RATE", "PREEMPT")]
-    for w in sorted(states, key=lambda w: (w.role, w.worker_id)):
-        s = w.stats
-        hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        used = s.num_blocks - s.num_free_blocks
-        rows.append(
-            (
-                w.role + (" (draining)" if w.draining else ""),
-                w.worker_id,
-                w.address,
-                str(w.pid),
-                str(s.num_running),
-                str(s.num_waiting),
-                str(s.num_held_requests),
-                f"{used}/{s.num_blocks} ({s.kv_usage:.0%})",
-                f"{hit:.0%}",
-                str(s.num_preemptions),
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-    return f"{head}\n{table}"

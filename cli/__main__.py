@@ -1,0 +1,7 @@
+"""``python -m cli``: the ``pdserve`` command."""
+
+import sys
+
+from cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,67 @@
+"""``pdserve generate``: run the offline engine on a model (a tiny random one it creates if none is
+given) and print the generations and throughput."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from cli.tiny_model import ensure_tiny_model
+from engine.args import add_engine_args, engine_kwargs_from_args
+
+DEFAULT_PROMPTS = [
+    "the world is",
+    "there was a man who",
+    "in the first years of the new state",
+    "what people know about life",
+]
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="offline generation with the engine")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--repeat", type=int, default=8, help="submit the prompts this many times (default 8)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(
+        g,
+        model_required=False,
+        model_help="checkpoint directory or Hugging Face id (default: a tiny random Llama)",
+    )
+    g.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    model = args.model or str(ensure_tiny_model())
+    print(f"loading {model} ...", file=sys.stderr)
+    llm = LLM(model, **engine_kwargs_from_args(args))
+    prompts = args.prompt or DEFAULT_PROMPTS
+    prompts = prompts * max(1, args.repeat)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    for out in outputs[: len(args.prompt or DEFAULT_PROMPTS)]:
+        print(
+            f"\nprompt: {out.prompt!r}\noutput: {out.text!r}  [{out.finish_reason}, {len(out.token_ids)} tokens]"
+        )
+    generated = sum(len(o.token_ids) for o in outputs)
+    stats = llm.stats()
+    print(
+        f"\n{len(outputs)} requests, {generated} tokens in {elapsed:.2f}s: {generated / elapsed:.1f} tokens/s "
+        f"(prefix-cache hit rate {stats.prefix_cache_hit_rate:.0%}, preemptions {stats.num_preemptions})"
+    )
+    return 0

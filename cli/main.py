@@ -1,0 +1,41 @@
+"""The ``pdserve`` command line: one module per subcommand (``cli/<command>.py``).
+
+``generate``: the offline engine. ``serve``: the OpenAI-compatible service on Ray Serve (``--demo``:
+a few requests through it, then exit). ``status`` and ``scale``: a running service. ``bench``:
+load-test any OpenAI-compatible server. ``manifests``: render the KubeRay manifests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from cli import bench, generate, manifests, scale, serve, status
+
+COMMANDS = (generate, serve, status, scale, bench, manifests)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

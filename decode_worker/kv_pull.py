@@ -1,0 +1,284 @@
+"""A decode worker's KV pulls: one small state machine per request, driven by the engine thread.
+
+A pull's states:
+
+    start ──no room──> WAITING_FOR_ROOM ──room──> READING ──done──> (request joins the batch)
+      │                    │ lease ends                 │ failed / timed out
+      │                    └──> recompute locally       └──> recompute locally | fail the request
+      └──room──> READING                 abort in READING ──> ABORTING ──read settled──> (freed)
+
+``start`` allocates the prompt's blocks (reusing local prefix-cache hits) and starts the READ; with
+no room right now the pull waits, FIFO, while the prefill worker's lease lasts, then recomputes
+locally. ``tick`` polls the reads. A request never decodes from blocks it did not fully receive,
+and its blocks are freed only once the read has settled: NIXL cannot abort a READ in flight, so the
+blocks of a failed read that may still land stay *quarantined* until the backend says they are
+reusable. A pull that fails under the ``fail`` policy leaves a ``KVTransferError`` for the stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.scheduler import NoKVRoomError
+from engine.scheduler_output import SequenceOutput
+from kv_transfer import KVTransferBackend, TransferHandle, TransferState
+from kv_transfer.stats import TransferStats
+
+logger = logging.getLogger(__name__)
+
+
+class FailurePolicy(str, enum.Enum):
+    RECOMPUTE = "recompute"  # compute the prompt here instead
+    FAIL = "fail"  # end the stream with a KVTransferError
+
+
+FAILURE_POLICIES = tuple(p.value for p in FailurePolicy)
+
+
+class PullState(enum.Enum):
+    WAITING_FOR_ROOM = "waiting_for_room"
+    READING = "reading"
+    ABORTING = "aborting"  # the request is gone; the read must settle before its blocks are freed
+
+
+class KVTransferError(RuntimeError):
+    """The request's KV could not be pulled (and the policy says fail)."""
+
+
+class PeerUnreachableError(KVTransferError):
+    """The prefill worker holding the KV cannot be reached, or is a new incarnation."""
+
+
+class IncompatibleKVError(ValueError):
+    """The KV handle comes from an engine whose layout differs from ours."""
+
+
+@dataclass(frozen=True, slots=True)
+class PulledKV:
+    """What the decode side needs of a prefill worker's KV handle."""
+
+    agent_name: str
+    address: str
+    block_ids: list[int]
+    num_tokens: int
+    compat_hash: str
+    first_token: int
+    first_logprobs: dict[int, float] | None
+    seed: int
+    lease_expiry_unix: float = 0.0  # the prefill side frees the blocks then (0: unknown)
+
+
+@dataclass(slots=True)
+class PendingPull:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    kv: PulledKV
+    policy: FailurePolicy
+    state: PullState = PullState.WAITING_FOR_ROOM
+    handle: TransferHandle | None = None
+    started: float = 0.0  # time.monotonic() when the READ started
+    give_up_at: float = math.inf  # time.monotonic(): waiting for room ends, recompute locally
+
+
+class KVPuller:
+    """Every pull of one decode worker. Engine thread only (``take_error`` excepted)."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        transfer: KVTransferBackend,
+        publish: Callable[[list[SequenceOutput]], None],
+        timeout_s: float,
+    ) -> None:
+        self.core = core
+        self.transfer = transfer
+        self.publish = publish
+        self.timeout_s = timeout_s
+        self.stats = TransferStats()
+        self._pulls: dict[str, PendingPull] = {}  # insertion order: waiters are served FIFO
+        self._quarantine: dict[str, TransferHandle] = {}  # held-block key -> unsettled read
+        self._errors: dict[str, KVTransferError] = {}
+
+    def __len__(self) -> int:
+        return len(self._pulls)
+
+    def count(self, state: PullState) -> int:
+        return sum(1 for p in self._pulls.values() if p.state is state)
+
+    def state_of(self, request_id: str) -> PullState | None:
+        p = self._pulls.get(request_id)
+        return p.state if p is not None else None
+
+    # Transitions ------------------------------------------------------------------------------
+
+    def start(self, pull: PendingPull, *, reachable: bool) -> bool:
+        """Begin a pull; False when the first token already ended the request (nothing to stream)."""
+        if not reachable:  # no peer to read from: compute the prompt here, the first token kept
+            try:
+                plan = self._plan(pull)
+            except NoKVRoomError:
+                self._recompute(pull, notify=False)
+                return True
+            if plan is not None:
+                self.stats.recomputed += 1
+                self.core.fail_transfer(pull.request_id)
+            return plan is not None
+        if self.count(PullState.WAITING_FOR_ROOM):  # behind earlier waiters: keep their order
+            self._wait_for_room(pull)
+            return True
+        try:
+            return self._read(pull)
+        except NoKVRoomError:
+            self._wait_for_room(pull)
+            return True
+
+    def abort(self, request_id: str) -> bool | None:
+        """Abort the request's pull; None when it has no pull (the engine owns it)."""
+        pull = self._pulls.get(request_id)
+        if pull is None:
+            return None
+        if pull.state is PullState.WAITING_FOR_ROOM:  # nothing allocated here; free the peer's blocks
+            del self._pulls[request_id]
+            self.transfer.send_notification(pull.kv.agent_name, request_id.encode())
+        else:
+            pull.state = PullState.ABORTING  # freed by tick once the read has settled
+        return True
+
+    def take_error(self, request_id: str) -> KVTransferError | None:
+        """The error a failed pull left for its stream (called from the stream's event loop: the
+        engine thread wrote it before publishing the failure, so it is there when the stream looks)."""
+        return self._errors.pop(request_id, None)
+
+    def tick(self) -> None:
+        if self.count(PullState.WAITING_FOR_ROOM):
+            self._retry_waiting()
+        for rid, pull in list(self._pulls.items()):
+            if pull.state is PullState.WAITING_FOR_ROOM:
+                continue
+            state = self.transfer.poll(pull.handle)
+            if state is TransferState.IN_PROGRESS:
+                continue
+            del self._pulls[rid]
+            if state is TransferState.DONE:
+                self._finish_read(pull)
+            else:
+                self._fail_read(pull)
+        for key, handle in list(self._quarantine.items()):
+            self.transfer.poll(handle)
+            if handle.local_blocks_reusable:
+                self.transfer.release(handle)
+                self.core.release_held(key)
+                del self._quarantine[key]
+
+    # Internals --------------------------------------------------------------------------------
+
+    def _plan(self, pull: PendingPull):
+        kv = pull.kv
+        return self.core.add_transferred_request(
+            pull.request_id,
+            pull.prompt,
+            kv.first_token,
+            pull.params,
+            seed=kv.seed,
+            first_logprobs=kv.first_logprobs,
+            priority=pull.priority,
+        )
+
+    def _read(self, pull: PendingPull) -> bool:
+        """Allocate the blocks and start the READ; raises NoKVRoomError with no room right now."""
+        rid, kv = pull.request_id, pull.kv
+        plan = self._plan(pull)
+        notify = rid.encode()
+        if plan is None:
+            self.transfer.send_notification(kv.agent_name, notify)
+            return False
+        remote = kv.block_ids[plan.first_block_index : plan.first_block_index + len(plan.local_block_ids)]
+        if not plan.local_block_ids:  # everything was a local prefix hit
+            self.transfer.send_notification(kv.agent_name, notify)
+            self.core.complete_transfer(rid)
+            return True
+        pull.handle = self.transfer.start_read(
+            kv.agent_name, remote, plan.local_block_ids, notify, self.timeout_s
+        )
+        pull.state = PullState.READING
+        pull.started = time.monotonic()
+        self._pulls[rid] = pull
+        self.stats.bytes += len(remote) * self.core.layout.block_bytes
+        return True
+
+    def _wait_for_room(self, pull: PendingPull) -> None:
+        kv = pull.kv
+        lease_left = kv.lease_expiry_unix - time.time() - 1.0 if kv.lease_expiry_unix else math.inf
+        pull.state = PullState.WAITING_FOR_ROOM
+        pull.give_up_at = time.monotonic() + max(0.0, min(self.timeout_s, lease_left))
+        self.stats.waited += 1
+        self._pulls[pull.request_id] = pull
+
+    def _retry_waiting(self) -> None:
+        now = time.monotonic()
+        for rid, pull in list(self._pulls.items()):
+            if pull.state is not PullState.WAITING_FOR_ROOM:
+                continue
+            if now >= pull.give_up_at:
+                del self._pulls[rid]
+                logger.info("no KV room for %s before its lease ends: recomputing it locally", rid)
+                self._recompute(pull)
+                continue
+            try:
+                self._read(pull)  # a started READ keeps this entry (and its place)
+            except NoKVRoomError:
+                return  # still no room; later waiters stay behind this one
+            if pull.state is not PullState.READING:  # nothing to read after all
+                del self._pulls[rid]
+
+    def _recompute(self, pull: PendingPull, notify: bool = True) -> None:
+        """Give up on the peer's KV: free it there, and compute the prompt here (the engine queues the
+        request until blocks free up).
+
+        NOTE: the first token was already streamed by the router, so it joins the prompt and one
+        token less is left to generate: positions, and so seeded samples, are those of one engine."""
+        kv = pull.kv
+        if notify:
+            self.transfer.send_notification(kv.agent_name, pull.request_id.encode())
+        self.stats.recomputed += 1
+        rest = dataclasses.replace(pull.params, seed=kv.seed, max_tokens=pull.params.max_tokens - 1)
+        self.core.add_request(pull.request_id, [*pull.prompt, kv.first_token], rest, priority=pull.priority)
+
+    def _finish_read(self, pull: PendingPull) -> None:
+        rid = pull.request_id
+        self.transfer.release(pull.handle)
+        if pull.state is PullState.ABORTING:
+            self.publish(self.core.abort_request(rid))
+            return
+        self.stats.record_done(time.monotonic() - pull.started)
+        self.core.complete_transfer(rid)
+
+    def _fail_read(self, pull: PendingPull) -> None:
+        rid, handle = pull.request_id, pull.handle
+        # NOTE: NIXL cannot abort a READ in flight: until the backend says the local blocks are
+        # reusable, they stay allocated (quarantined) and the request goes on without them.
+        if not handle.local_blocks_reusable:
+            self._quarantine[self.core.quarantine_blocks(rid)] = handle
+        else:
+            self.transfer.release(handle)
+        self.stats.failures += 1
+        if pull.state is PullState.ABORTING:
+            self.publish(self.core.abort_request(rid))
+        elif pull.policy is FailurePolicy.RECOMPUTE:
+            logger.warning("KV pull of %s failed: recomputing its prompt locally", rid)
+            self.stats.recomputed += 1
+            self.core.fail_transfer(rid)
+        else:
+            message = f"kv transfer of {rid} failed or timed out"
+            self._errors[rid] = KVTransferError(message)
+            self.publish(self.core.fail_request(rid, message))

@@ -1,0 +1,28 @@
+"""Finding prefill workers to pull from: their NIXL metadata (from their GetState) and the ones
+the registry lists."""
+
+from __future__ import annotations
+
+import grpc
+
+from kv_transfer import RemoteKVInfo
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from registry.schema import connect, read_workers
+from worker.state import transfer_info_from_proto
+
+
+async def fetch_prefill_peer(address: str, timeout_s: float = 10.0) -> RemoteKVInfo:
+    """A prefill worker's NIXL metadata, from its GetState (protobuf over gRPC, never pickle)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        state = await pb_grpc.PrefillWorkerStub(channel).GetState(pb.GetStateRequest(), timeout=timeout_s)
+    return transfer_info_from_proto(state.transfer)
+
+
+def registered_prefill_addresses(redis_url: str) -> list[str]:
+    """The gRPC addresses of the live prefill workers in the registry (blocking: run in a thread)."""
+    client = connect(redis_url)
+    try:
+        return sorted(w.address for w in read_workers(client).values() if w.role == "prefill")
+    finally:
+        client.close()

@@ -1,0 +1,54 @@
+"""Every environment variable pdserve reads or sets, in one place.
+
+Environment variables carry only secrets and standard tool settings (STYLE.md): everything else
+flows through config objects and flags. Secrets come from here or from files, never from code, a
+config file or a log line.
+
+- ``PDSERVE_REDIS_URL``: the registry's Redis URL (may carry a password).
+- ``PDSERVE_API_KEY``: the bearer key ``/v1`` requires, when set.
+- ``UCX_NET_DEVICES``: UCX's network devices (read by UCX itself when NIXL initialises it).
+
+NOTE: imports nothing of the project, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import os
+
+REDIS_URL = "PDSERVE_REDIS_URL"
+API_KEY = "PDSERVE_API_KEY"
+UCX_NET_DEVICES = "UCX_NET_DEVICES"
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def redis_url() -> str | None:
+    return os.environ.get(REDIS_URL) or None
+
+
+def require_redis_url(configured: str | None = None) -> str:
+    """``configured`` if given, else ``PDSERVE_REDIS_URL``; a clear error when neither is set."""
+    url = configured or redis_url()
+    if not url:
+        raise ValueError(f"no Redis: set redis_url in the config or {REDIS_URL} in the environment")
+    return url
+
+
+def api_key() -> str | None:
+    return os.environ.get(API_KEY) or None
+
+
+def export_secret(name: str, value: str) -> None:
+    """Hand a secret to child processes (a local Ray cluster inherits the environment); never logged."""
+    if name not in (REDIS_URL, API_KEY):
+        raise ValueError(f"{name} is not a pdserve secret")
+    os.environ[name] = value
+
+
+def use_ucx_devices(devices: str | None, host: str, *, override: bool = True) -> None:
+    """Choose UCX's network devices before NIXL initialises UCX: ``devices`` when given, else ``lo``
+    for a loopback-bound worker (so its KV traffic stays on loopback too); with ``override=False``
+    an operator's own ``UCX_NET_DEVICES`` wins."""
+    chosen = devices or ("lo" if host in LOOPBACK else None)
+    if chosen and (override or UCX_NET_DEVICES not in os.environ):
+        os.environ[UCX_NET_DEVICES] = chosen

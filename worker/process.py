@@ -1,0 +1,58 @@
+"""What every worker process shares: common flags, UCX device choice, and serving until a signal.
+
+Used by ``python -m prefill_worker`` and ``python -m decode_worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+from settings import environment
+from worker.runtime import WorkerRuntime
+
+
+def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--worker-id", default=f"{role}-0")
+    parser.add_argument(
+        "--ucx-net-devices",
+        default=None,
+        help="network devices NIXL/UCX may use (UCX_NET_DEVICES); default: lo when bound to loopback",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=environment.redis_url(),
+        help="registry and KV-event Redis (redis:// or rediss://, AUTH in the URL); env PDSERVE_REDIS_URL",
+    )
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def prepare_process(args: argparse.Namespace) -> None:
+    """Logging, and UCX's devices (before NIXL initialises UCX): loopback-bound workers stay local."""
+    environment.use_ucx_devices(args.ucx_net_devices, args.host)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+async def serve_until_signal(
+    worker: WorkerRuntime,
+    serve: Callable[[WorkerRuntime, str, int], Awaitable[tuple[object, str]]],
+    host: str,
+    port: int,
+) -> None:
+    """Serve (the role's ``service.serve``), print ``LISTENING host:port`` (for supervisors and
+    tests), stop on SIGINT/SIGTERM."""
+    _, address = await serve(worker, host, port)
+    print(f"LISTENING {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await worker.shutdown(grace_s=2.0)

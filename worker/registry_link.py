@@ -1,0 +1,69 @@
+"""A worker's membership in the registry: its record, and its engine's KV events fed to Redis.
+
+The engine thread runs ``tick()`` every loop iteration: it turns the engine's block events into the
+registry's event kinds and hands them (or, after a reconnect, a snapshot of the whole prefix cache)
+to the ``RegistryPublisher``'s queue; the publisher's thread does every Redis call.
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.engine_core import EngineCore
+from registry.publisher import RegistryPublisher
+from registry.schema import CLEARED, REMOVED, STORED, WorkerRecord
+
+_KINDS = {BlockStored: STORED, BlockRemoved: REMOVED, AllBlocksCleared: CLEARED}
+
+
+class RegistryLink:
+    def __init__(self, core: EngineCore, publisher: RegistryPublisher) -> None:
+        self.core = core
+        self.publisher = publisher
+
+    def tick(self) -> None:
+        """Engine thread only."""
+        core, pub = self.core, self.publisher
+        events = core.drain_kv_events()
+        if pub.snapshot_wanted():
+            pub.offer_snapshot(core.kv.pool.cached_hashes())
+        else:
+            pub.offer_events(event_batches(events))
+        if pub.load_due():
+            s = core.stats()
+            pub.offer_load(
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                num_free_blocks=s.num_free_blocks,
+                queued_prompt_tokens=core.pending_prompt_tokens(),
+            )
+
+    def stop(self) -> None:
+        self.publisher.stop()  # deregisters
+
+
+def event_batches(events: list) -> list[tuple[str, list[bytes]]]:
+    """The engine's block events as registry batches: consecutive events of one kind merged, order kept."""
+    out: list[tuple[str, list[bytes]]] = []
+    for ev in events:
+        kind = _KINDS[type(ev)]
+        hashes = [] if kind == CLEARED else list(ev.block_hashes)
+        if out and out[-1][0] == kind and kind != CLEARED:
+            out[-1][1].extend(hashes)
+        else:
+            out.append((kind, hashes))
+    return out
+
+
+def worker_record(
+    worker_id: str, role: str, address: str, epoch: int, model: str, core: EngineCore
+) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id,
+        role=role,
+        address=address,
+        epoch=epoch,
+        model=model,
+        block_size=core.layout.block_size,
+        num_blocks=core.kv.num_blocks,
+        cache_salt=core.config.cache_salt,
+    )

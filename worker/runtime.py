@@ -1,0 +1,181 @@
+"""The runtime both worker roles extend: one engine, its KV transfer agent, a gRPC server, and
+membership in the registry.
+
+A worker's life: constructed (model loaded, KV pool allocated, transfer agent registered over it)
+-> ``serve(host, port)``: the engine loop starts, the gRPC server binds and starts, the role's
+``before_register`` warm-up runs (decode: NIXL connections to the prefill workers), and only then
+the worker registers in Redis, so the router sends nothing here before it is ready -> serving ->
+``drain()``: it leaves the registry (no new routes) and waits until no work is left -> ``stop()``:
+the engine loop, the registry link and the transfer agent close.
+
+Roles implement ``busy`` (work that must finish before a drain ends) and may override
+``before_register`` and ``transfer_stats``; each role's ``service.serve`` passes its gRPC servicer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import grpc
+
+from engine.engine_core import EngineCore, EngineStats
+from engine.engine_loop import EngineLoop
+from kv_transfer import KVCompat, KVTransferBackend, RemoteKVInfo
+from kv_transfer.stats import TransferStats
+from proto import pdserve_pb2 as pb
+from registry.publisher import RegistryPublisher
+from worker.config import WorkerConfig
+from worker.registry_link import RegistryLink, worker_record
+from worker.state import worker_state_to_proto
+
+logger = logging.getLogger(__name__)
+
+# (engine core, agent name, compatibility fingerprint) -> the transfer backend over the core's KV
+TransferFactory = Callable[[EngineCore, str, KVCompat], KVTransferBackend]
+
+
+def nixl_transfer(core: EngineCore, agent_name: str, compat: KVCompat) -> KVTransferBackend:
+    """A NIXL agent registered over the engine's KV tensor. It runs without NIXL's progress thread:
+    the engine loop ticks every few ms and drives progress (a progress thread spins a whole core)."""
+    from kv_transfer.nixl_backend import NixlBackend
+
+    return NixlBackend(agent_name, core.runner.kv_cache, compat, progress_thread=False)
+
+
+class WorkerRuntime(ABC):
+    role: ClassVar[str]
+
+    def __init__(self, config: WorkerConfig, transfer_factory: TransferFactory | None = None) -> None:
+        self.config = config
+        self.worker_id = config.worker_id
+        self.epoch = time.time_ns()
+        self.core = EngineCore(config.engine)
+        self.compat = KVCompat.from_layout(config.served_model, self.core.layout)
+        # Named after the worker and its epoch, so a restarted worker is a new peer.
+        self.transfer = (transfer_factory or nixl_transfer)(
+            self.core, f"{self.worker_id}-{self.epoch}", self.compat
+        )
+        self.loop = EngineLoop(self.core)
+        self.registry: RegistryLink | None = None
+        self.draining = False
+        self.address = ""
+        self.server: grpc.aio.Server | None = None
+
+    # Role hooks -------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def busy(self) -> int:
+        """How many requests (running, queued, held, in transfer) a drain must wait for."""
+
+    async def before_register(self) -> None:
+        """Warm-up after the server started and before the worker is routable (none by default)."""
+        return None
+
+    def transfer_stats(self) -> TransferStats | None:
+        """Engine thread only: this role's KV-pull statistics, if it pulls."""
+        return None
+
+    # Lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop.start()
+
+    async def serve(
+        self, add_service: Callable[[grpc.aio.Server], None], host: str = "127.0.0.1", port: int = 0
+    ) -> tuple[grpc.aio.Server, str]:
+        """Bind ``host:port`` (0 picks a port), add the role's servicer (``self.address`` is known by
+        then), start the engine loop and the server, warm up, then register; returns
+        (server, "host:port")."""
+        server = grpc.aio.server()
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        self.address = f"{host}:{bound}"
+        self.server = server
+        add_service(server)
+        self.start()
+        await server.start()
+        await self.before_register()
+        self.attach_registry(self.address)
+        logger.info("%s worker %s (epoch %d) on %s", self.role, self.worker_id, self.epoch, self.address)
+        return server, self.address
+
+    def attach_registry(self, address: str) -> None:
+        """Register in Redis under ``address`` and publish this worker's KV events (from the loop)."""
+        if not self.config.redis_url:
+            return
+        record = worker_record(self.worker_id, self.role, address, self.epoch, self.compat.model, self.core)
+        publisher = RegistryPublisher(self.config.redis_url, record)
+        publisher.start()
+        self.registry = RegistryLink(self.core, publisher)
+        self.loop.add_tick(self.registry.tick)
+
+    async def drain(self, timeout_s: float = 30.0, quiet_s: float = 1.0) -> bool:
+        """Leave the registry so no new request is routed here, then wait until ``busy()`` stays 0.
+
+        Requests already routed (the router's view lags by an event) are still served; ``quiet_s``
+        of continuous idleness covers a request between its prefill and its decode call. Returns
+        False if work remained after ``timeout_s``.
+        """
+        self.draining = True
+        if self.registry is not None:
+            registry, self.registry = self.registry, None
+            await asyncio.to_thread(registry.stop)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        idle_since = None
+        while True:
+            left = await self.busy()
+            now = loop.time()
+            if left == 0:
+                idle_since = idle_since if idle_since is not None else now
+                if now - idle_since >= quiet_s:
+                    return True
+            else:
+                idle_since = None
+            if now >= deadline:
+                logger.warning(
+                    "%s %s: %d requests still running after %.0fs of draining",
+                    self.role,
+                    self.worker_id,
+                    left,
+                    timeout_s,
+                )
+                return left == 0
+            await asyncio.sleep(0.05)
+
+    def stop(self) -> None:
+        self.loop.stop()
+        if self.registry is not None:
+            self.registry.stop()
+            self.registry = None
+        self.transfer.close()
+
+    async def shutdown(self, grace_s: float = 1.0) -> None:
+        """Stop the gRPC server (``grace_s`` for calls in flight), then the worker."""
+        if self.server is not None:
+            await self.server.stop(grace=grace_s)
+        await asyncio.to_thread(self.stop)
+
+    # State ------------------------------------------------------------------------------------
+
+    def transfer_info(self) -> RemoteKVInfo:
+        return self.transfer.local_info()
+
+    async def stats(self) -> EngineStats:
+        return await self.loop.run(self.core.stats)
+
+    async def get_state(self) -> pb.WorkerState:
+        """The GetState answer: identity, transfer metadata, engine and transfer statistics."""
+
+        def snapshot() -> tuple[EngineStats, TransferStats | None]:
+            t = self.transfer_stats()
+            return self.core.stats(), (t.snapshot() if t is not None else None)
+
+        stats, transfer = await self.loop.run(snapshot)
+        return worker_state_to_proto(self, self.address, stats, transfer)
