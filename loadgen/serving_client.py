@@ -257,9 +257,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> dict:
-    import os
+    from settings import environment
 
-    args.api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    args.api_key = args.api_key or environment.api_key()
     args.goodput = parse_goodput(args.goodput)
     requests = build(args)
     if args.sweep:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 
 from registry.cluster_view import ClusterView
 from router.policies import POLICIES
 from router.router import Router
 from router.service import serve
+from settings import environment
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -39,8 +39,9 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m router", description=__doc__)
     p.add_argument(
         "--redis-url",
-        default=os.environ.get("PDSERVE_REDIS_URL"),
-        required="PDSERVE_REDIS_URL" not in os.environ,
+        default=environment.redis_url(),
+        required=environment.redis_url() is None,
+        help="registry Redis (env PDSERVE_REDIS_URL)",
     )
     p.add_argument("--policy", default="cache_aware", choices=POLICIES)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")

@@ -1,0 +1,86 @@
+"""Every engine option is declared once (``EngineConfig``) and reaches every surface: the flags of
+``pdserve serve``, ``pdserve generate`` and the worker entry points, the Serve config's
+``EngineOptions`` (which the KubeRay values feed), with the same defaults and help text."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from cli.main import build_parser
+from deploy.config import EngineOptions, PDServeConfig
+from engine.args import add_engine_args, engine_config_from_args, flag_name
+from engine.config import EngineConfig
+
+OPTIONS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_cli_lists_every_engine_option(command: str):
+    help_text = _subparser(command).format_help()
+    missing = [flag_name(f.name) for f in OPTIONS if flag_name(f.name) not in help_text]
+    assert missing == [], f"pdserve {command} --help lacks {missing}"
+    assert "--no-cuda-graphs" in help_text  # booleans can be switched off
+
+
+def test_worker_entry_points_share_the_flags():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--model", "m", "--no-cuda-graphs", "--max-num-seqs", "7", "--no-prefix-caching"])
+    config = engine_config_from_args(args)
+    assert (config.model, config.cuda_graphs, config.max_num_seqs, config.enable_prefix_caching) == (
+        "m",
+        False,
+        7,
+        False,
+    )
+
+
+def test_defaults_agree_everywhere():
+    args = _subparser("serve").parse_args([])
+    opts = EngineOptions()
+    for f in OPTIONS:
+        assert getattr(args, f.name) == f.default, f.name
+        assert getattr(opts, f.name) == f.default, f.name
+        assert EngineOptions.model_fields[f.name].description == f.metadata["help"]
+
+
+def test_serve_flags_reach_the_application_config():
+    from cli.serve import config_from_args
+
+    args = _subparser("serve").parse_args(["--no-cuda-graphs", "--block-size", "32", "--swap-space", "1.5"])
+    config = config_from_args(args, "some/model", tiny=False)
+    engine = config.engine.engine_config(config.model)
+    assert (engine.cuda_graphs, engine.block_size, engine.swap_space) == (False, 32, 1.5)
+
+
+def test_serve_config_validates_with_the_engines_own_checks():
+    with pytest.raises(ValueError, match="power of two"):
+        PDServeConfig(model="m", engine={"block_size": 24})
+    with pytest.raises(ValueError):
+        PDServeConfig(model="m", engine={"no_such_option": 1})
+    assert PDServeConfig(model="m", engine={"cuda_graphs": False}).engine.cuda_graphs is False
+
+
+def test_kuberay_values_carry_engine_options_through_the_same_declaration():
+    from pathlib import Path
+
+    import yaml
+
+    from deploy.manifests import ClusterValues, serve_config
+
+    raw = yaml.safe_load((Path(__file__).parents[2] / "deploy/kuberay/values.yaml").read_text())
+    raw["engine"] = {**raw.get("engine", {}), "cuda_graphs": False, "scheduling_policy": "priority"}
+    args = serve_config(ClusterValues.model_validate(raw))["applications"][0]["args"]
+    assert args["engine"]["cuda_graphs"] is False and args["engine"]["scheduling_policy"] == "priority"
+    raw["engine"]["cuda_graph"] = False  # a typo of an option name is refused, not ignored
+    with pytest.raises(ValueError, match="cuda_graph"):
+        serve_config(ClusterValues.model_validate(raw))
