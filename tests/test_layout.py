@@ -198,3 +198,18 @@ def test_modules_stay_small():
     map; generated protobuf code excepted)."""
     big = {str(p.relative_to(ROOT)): n for p in MODULES.values() if (n := p.read_text().count("\n")) > 450}
     assert not big, big
+
+
+def test_every_package_is_installed_and_shipped_in_the_image():
+    """A new top-level package must be in pyproject's package list and copied by the Dockerfile."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    installed = {p.rstrip("*") for p in include["include"]}
+    copied = {
+        line.split()[-1]
+        for line in (ROOT / "deploy" / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY") and "pyproject" not in line
+    }
+    assert PACKAGES <= installed, PACKAGES - installed
+    assert PACKAGES <= copied, PACKAGES - copied
