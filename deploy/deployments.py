@@ -178,71 +178,27 @@ class AutoscalerServer:
 @serve.deployment(name="Ingress")
 @serve.ingress()
 class IngressServer:
-    """The OpenAI HTTP endpoint. Its FastAPI app is built per replica by ``ingress.http_app``."""
+    """The OpenAI HTTP endpoint: an ``ingress.server.Ingress`` per replica, its FastAPI app served."""
 
     async def __init__(self, config: PDServeConfig, router, companions: list | None = None) -> None:
-        from ingress.http_app import build_http_app
-        from ingress.metrics import IngressMetrics
         from ingress.model_info import load_model_info
-        from ingress.openai_serving import OpenAIServing
+        from ingress.server import Ingress, api_key_from
         from router.client import RouterClient
 
-        self.config = config
         info = await asyncio.to_thread(
             load_model_info, config.model, config.model_name, config.engine.max_model_len, config.tiny_model
         )
-        self.client = RouterClient(lambda: router.get_address.remote())
-        self.serving = OpenAIServing(info, config.ingress, self.client, IngressMetrics(info.name))
-        self.replica = _replica_id()
-        self._http = build_http_app(self.serving, _api_key(config), self._health, self._metrics)
+        self.ingress = Ingress(
+            info,
+            config.ingress,
+            RouterClient(lambda: router.get_address.remote()),
+            api_key_from(config.ingress.api_key_file),
+            expect_prefill=config.mode == "disaggregated",
+            replica=_replica_id(),
+        )
 
     def __serve_build_asgi_app__(self):
-        return self._http
-
-    async def _health(self) -> tuple[bool, dict]:
-        try:
-            cluster = await self.client.cluster_state(timeout_s=2.0)
-        except Exception as exc:  # any failure to reach the router means "not serving"
-            return False, {"status": "unavailable", "reason": f"router unreachable: {type(exc).__name__}"}
-        roles = [w.state.role for w in cluster.workers]
-        detail = {
-            "status": "ok",
-            "model": self.serving.info.name,
-            "prefill_workers": roles.count("prefill"),
-            "decode_workers": roles.count("decode"),
-            "registry": "degraded" if cluster.degraded else "ok",
-        }
-        if self.serving.draining:
-            detail["status"] = "draining"
-            return False, detail
-        if not detail["decode_workers"]:
-            detail["status"] = "unavailable"
-            return False, detail
-        if cluster.degraded or (self.config.mode == "disaggregated" and not detail["prefill_workers"]):
-            detail["status"] = "degraded"
-        return True, detail
-
-    async def _metrics(self) -> bytes:
-        try:
-            cluster, workers = await self.client.worker_states(timeout_s=2.0)
-        except Exception as exc:  # the request-level series are still worth a scrape
-            logger.warning("metrics: cluster state unavailable (%s)", type(exc).__name__)
-            cluster, workers = None, []
-        adm = self.serving.admission
-        return self.serving.metrics.render(cluster, workers, (self.replica, adm.running, adm.waiting))
+        return self.ingress.http
 
     async def __del__(self) -> None:
-        self.serving.draining = True
-        await self.client.close()
-
-
-def _api_key(config: PDServeConfig) -> str | None:
-    """From ``ingress.api_key_file`` or PDSERVE_API_KEY; never from the config itself."""
-    path = config.ingress.api_key_file
-    if path:
-        with open(path) as f:
-            key = f.read().strip()
-        if not key:
-            raise ValueError(f"API key file {path} is empty")
-        return key
-    return environment.api_key()
+        await self.ingress.close()

@@ -1,0 +1,82 @@
+"""``python -m ingress --model DIR --router HOST:PORT``: the OpenAI HTTP endpoint on its own (uvicorn),
+in front of a router started with ``python -m router``; no Ray needed.
+
+Prints ``LISTENING <host:port>`` once it serves (the port is picked when --port is 0). Every
+``IngressOptions`` field is a flag; the API key comes from PDSERVE_API_KEY or --api-key-file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import typing
+
+from ingress.options import IngressOptions
+
+
+def _add_option_flags(p: argparse.ArgumentParser) -> None:
+    for name, f in IngressOptions.model_fields.items():
+        args = typing.get_args(f.annotation)
+        typ = next((a for a in args if a is not type(None)), f.annotation) if args else f.annotation
+        p.add_argument(
+            "--" + name.replace("_", "-"), dest=name, type=typ, default=f.default, help=f.description
+        )
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from ingress.model_info import load_model_info
+    from ingress.server import Ingress, api_key_from
+    from router.client import RouterClient
+
+    options = IngressOptions(**{k: getattr(args, k) for k in IngressOptions.model_fields})
+    info = await asyncio.to_thread(
+        load_model_info, args.model, args.served_model_name or args.model, args.max_model_len, False
+    )
+
+    async def router_address() -> str:
+        return args.router
+
+    ingress = Ingress(
+        info,
+        options,
+        RouterClient(router_address),
+        api_key_from(options.api_key_file),
+        expect_prefill=args.mode == "disaggregated",
+    )
+    sock = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((options.host, options.port))
+    sock.listen(2048)  # connections queue from here on, so LISTENING means reachable
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(ingress.http, log_level=args.log_level.lower(), lifespan="off"))
+    print(f"LISTENING {host}:{port}", flush=True)
+    try:
+        await server.serve(sockets=[sock])  # until SIGINT/SIGTERM (uvicorn's own handlers)
+    finally:
+        await ingress.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m ingress", description=__doc__)
+    p.add_argument(
+        "--model", required=True, help="checkpoint directory or Hugging Face id (for the tokenizer)"
+    )
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--router", required=True, help="the router's gRPC address (host:port)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "aggregated"])
+    p.add_argument("--log-level", default="WARNING")
+    _add_option_flags(p)
+    args = p.parse_args()
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    main()

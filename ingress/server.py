@@ -1,0 +1,88 @@
+"""The ingress as one object: the OpenAI HTTP app over a router, with its health and metrics.
+
+Built from plain values (the model's info, ``IngressOptions``, a ``RouterClient``, the API key), so
+the same object serves under Ray Serve (``deploy.deployments.IngressServer`` wraps it) and on its
+own (``python -m ingress``, uvicorn). ``close()`` starts draining: new requests get 503.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+
+from ingress.http_app import build_http_app
+from ingress.metrics import IngressMetrics
+from ingress.model_info import ModelInfo
+from ingress.openai_serving import OpenAIServing
+from ingress.options import IngressOptions
+from router.client import RouterClient
+
+logger = logging.getLogger(__name__)
+
+
+class Ingress:
+    def __init__(
+        self,
+        info: ModelInfo,
+        options: IngressOptions,
+        client: RouterClient,
+        api_key: str | None,
+        *,
+        expect_prefill: bool = True,
+        replica: str = "0",
+    ) -> None:
+        self.client = client
+        self.expect_prefill = expect_prefill  # disaggregated: no prefill worker means degraded
+        self.replica = replica
+        self.serving = OpenAIServing(info, options, client, IngressMetrics(info.name))
+        self.http: FastAPI = build_http_app(self.serving, api_key, self.health, self.metrics)
+
+    async def health(self) -> tuple[bool, dict]:
+        try:
+            cluster = await self.client.cluster_state(timeout_s=2.0)
+        except Exception as exc:  # any failure to reach the router means "not serving"
+            return False, {"status": "unavailable", "reason": f"router unreachable: {type(exc).__name__}"}
+        roles = [w.state.role for w in cluster.workers]
+        detail = {
+            "status": "ok",
+            "model": self.serving.info.name,
+            "prefill_workers": roles.count("prefill"),
+            "decode_workers": roles.count("decode"),
+            "registry": "degraded" if cluster.degraded else "ok",
+        }
+        if self.serving.draining:
+            detail["status"] = "draining"
+            return False, detail
+        if not detail["decode_workers"]:
+            detail["status"] = "unavailable"
+            return False, detail
+        if cluster.degraded or (self.expect_prefill and not detail["prefill_workers"]):
+            detail["status"] = "degraded"
+        return True, detail
+
+    async def metrics(self) -> bytes:
+        try:
+            cluster, workers = await self.client.worker_states(timeout_s=2.0)
+        except Exception as exc:  # the request-level series are still worth a scrape
+            logger.warning("metrics: cluster state unavailable (%s)", type(exc).__name__)
+            cluster, workers = None, []
+        adm = self.serving.admission
+        return self.serving.metrics.render(cluster, workers, (self.replica, adm.running, adm.waiting))
+
+    async def close(self) -> None:
+        self.serving.draining = True
+        await self.client.close()
+
+
+def api_key_from(path: str | None) -> str | None:
+    """The API key from ``path`` if given, else PDSERVE_API_KEY; never from a config or a flag value."""
+    from settings import environment
+
+    if path:
+        with open(path) as f:
+            key = f.read().strip()
+        if not key:
+            raise ValueError(f"API key file {path} is empty")
+        return key
+    return environment.api_key()
