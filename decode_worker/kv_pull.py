@@ -149,7 +149,7 @@ class KVPuller:
             return None
         if pull.state is PullState.WAITING_FOR_ROOM:  # nothing allocated here; free the peer's blocks
             del self._pulls[request_id]
-            self.transfer.send_notification(pull.kv.agent_name, request_id.encode())
+            self._notify_owner(pull)
         else:
             pull.state = PullState.ABORTING  # freed by tick once the read has settled
         return True
@@ -198,17 +198,16 @@ class KVPuller:
         """Allocate the blocks and start the READ; raises NoKVRoomError with no room right now."""
         rid, kv = pull.request_id, pull.kv
         plan = self._plan(pull)
-        notify = rid.encode()
         if plan is None:
-            self.transfer.send_notification(kv.agent_name, notify)
+            self._notify_owner(pull)
             return False
         remote = kv.block_ids[plan.first_block_index : plan.first_block_index + len(plan.local_block_ids)]
         if not plan.local_block_ids:  # everything was a local prefix hit
-            self.transfer.send_notification(kv.agent_name, notify)
+            self._notify_owner(pull)
             self.core.complete_transfer(rid)
             return True
         pull.handle = self.transfer.start_read(
-            kv.agent_name, remote, plan.local_block_ids, notify, self.timeout_s
+            kv.agent_name, remote, plan.local_block_ids, rid.encode(), self.timeout_s
         )
         pull.state = PullState.READING
         pull.started = time.monotonic()
@@ -249,10 +248,18 @@ class KVPuller:
         token less is left to generate: positions, and so seeded samples, are those of one engine."""
         kv = pull.kv
         if notify:
-            self.transfer.send_notification(kv.agent_name, pull.request_id.encode())
+            self._notify_owner(pull)
         self.stats.recomputed += 1
         rest = dataclasses.replace(pull.params, seed=kv.seed, max_tokens=pull.params.max_tokens - 1)
         self.core.add_request(pull.request_id, [*pull.prompt, kv.first_token], rest, priority=pull.priority)
+
+    def _notify_owner(self, pull: PendingPull) -> None:
+        """Tell the prefill worker its blocks are no longer needed, so it frees them now. Best effort
+        (on the engine thread, a raise would strand the request): a peer that is gone has its lease."""
+        try:
+            self.transfer.send_notification(pull.kv.agent_name, pull.request_id.encode())
+        except Exception as exc:
+            logger.warning("could not tell %s to free %s: %s", pull.kv.agent_name, pull.request_id, exc)
 
     def _finish_read(self, pull: PendingPull) -> None:
         rid = pull.request_id
@@ -271,6 +278,9 @@ class KVPuller:
             self._quarantine[self.core.quarantine_blocks(rid)] = handle
         else:
             self.transfer.release(handle)
+        # The owner would otherwise hold the blocks until its lease ends. Safe even if the read may
+        # still land: its deadline has passed, and what lands goes to quarantined blocks.
+        self._notify_owner(pull)
         self.stats.failures += 1
         if pull.state is PullState.ABORTING:
             self.publish(self.core.abort_request(rid))

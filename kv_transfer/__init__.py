@@ -1,4 +1,5 @@
-"""Moving KV blocks between engines: compatibility checks, the transfer interface, the NIXL backend.
+"""Moving KV blocks between engines: compatibility checks, the transfer interface, the NIXL backend,
+and an in-process backend for unit tests.
 
 NOTE: ``NixlBackend`` loads lazily, so ``import kv_transfer`` pulls in neither torch nor NIXL.
 """
@@ -15,11 +16,14 @@ from kv_transfer.base import (
     merge_block_runs,
 )
 from kv_transfer.compat import KVCompat, KVIncompatibleError, check_compatible
+from kv_transfer.inprocess import InProcessBackend, InProcessFabric
 
 if TYPE_CHECKING:
     from kv_transfer.nixl_backend import NixlBackend, NixlUnavailableError
 
 __all__ = [
+    "InProcessBackend",
+    "InProcessFabric",
     "KVCompat",
     "KVIncompatibleError",
     "KVTransferBackend",

@@ -67,11 +67,12 @@ def start_worker(role: str, model_dir, *extra: str, num_blocks: int = 64, block_
 
 @pytest.fixture
 def workers(tiny_llama):
-    """``spawn(role, *flags)`` -> a running worker process; all are stopped after the test."""
+    """``spawn(role, *flags, model=None)`` -> a running worker process (of ``tiny_llama`` unless
+    ``model`` names another checkpoint); all are stopped after the test."""
     started: list[WorkerProc] = []
 
-    def spawn(role: str, *extra: str, **kw) -> WorkerProc:
-        w = start_worker(role, tiny_llama, *extra, **kw)
+    def spawn(role: str, *extra: str, model=None, **kw) -> WorkerProc:
+        w = start_worker(role, model or tiny_llama, *extra, **kw)
         started.append(w)
         return w
 

@@ -18,18 +18,19 @@ from engine import LLM, SamplingParams
 BLOCK = 8
 NUM_BLOCKS = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+LONG_CONTEXT = 8192
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
     return [(31 * i + 17 * seed) % 1000 + 3 for i in range(n)]
 
 
-async def _wait_all_free(*workers, timeout: float = 10.0) -> None:
+async def _wait_all_free(*workers, timeout: float = 10.0, num_blocks: int = NUM_BLOCKS) -> None:
     deadline = time.monotonic() + timeout
     while True:
         states = [await state(w.address, w.role) for w in workers]
         if all(
-            s.stats.num_free_blocks == NUM_BLOCKS
+            s.stats.num_free_blocks == num_blocks
             and s.stats.num_held_requests == 0
             and s.stats.num_running == 0
             and s.stats.num_transferring == 0
@@ -39,6 +40,12 @@ async def _wait_all_free(*workers, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks not back: {[(s.role, s.stats) for s in states]}")
         await asyncio.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def long_llama(tiny_model_factory):
+    """The tiny Llama with a long context: a request can ask for thousands of tokens."""
+    return tiny_model_factory("llama", max_position_embeddings=LONG_CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +117,17 @@ def test_prefill_killed_before_the_read(workers, tiny_llama, hf_greedy, policy):
     asyncio.run(run())
 
 
-def test_client_cancel_mid_stream_frees_blocks(workers):
-    p, d = workers("prefill"), workers("decode")
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+def test_client_cancel_mid_stream_frees_blocks(workers, long_llama):
+    """A stream cancelled a few tokens into thousands: the decode worker aborts the request at once,
+    it does not run to its end (which would take far longer than the wait below)."""
+    num_blocks = LONG_CONTEXT // BLOCK + 16
+    p = workers("prefill", model=long_llama, num_blocks=num_blocks)
+    d = workers("decode", model=long_llama, num_blocks=num_blocks)
     prompt = _prompt(2 * BLOCK, 6)
+    params = SamplingParams(temperature=0, max_tokens=LONG_CONTEXT - len(prompt), ignore_eos=True)
 
     async def run():
+        before = (await state(d.address, "decode")).stats.generation_tokens
         resp = await prefill(p.address, "c", prompt, params)
         async with grpc.aio.insecure_channel(d.address) as ch:
             from proto import pdserve_pb2 as pb
@@ -136,7 +148,9 @@ def test_client_cancel_mid_stream_frees_blocks(workers):
                 if got >= 3:
                     call.cancel()
                     break
-        await _wait_all_free(p, d)
+        await _wait_all_free(p, d, timeout=10, num_blocks=num_blocks)
+        generated = (await state(d.address, "decode")).stats.generation_tokens - before
+        assert got <= generated < params.max_tokens // 2  # aborted, not run to its end
 
     asyncio.run(run())
 
