@@ -182,6 +182,7 @@ class WorkerRegistration:
         wid = self.record.worker_id
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(worker_key(wid), snapshot_key(wid), snapshot_meta_key(wid))
+        pipe.srem(WORKERS_SET, wid)
         pipe.execute()
 
     def _entry(self, kind: str, hashes: list[bytes]) -> dict[str, bytes | str | int]:
