@@ -25,6 +25,7 @@ from registry.schema import (
     KVEventRecord,
     WorkerRecord,
     connect,
+    read_departed,
     read_snapshot,
     read_workers,
 )
@@ -148,12 +149,16 @@ class ClusterView:
         now = time.monotonic()
         for wid in live:
             self._missing_since.pop(wid, None)
-        for wid in set(self.workers) - set(live):
+        missing = sorted(set(self.workers) - set(live))
+        departed = read_departed(self._client, missing)
+        for wid in missing:
             since = self._missing_since.setdefault(wid, now)
-            if now - since < self.grace_s:
+            if wid not in departed and now - since < self.grace_s:
                 live[wid] = self.workers[wid]  # not gone yet: Redis may have restarted empty
                 continue
-            logger.info("worker %s left (its registration is gone)", wid)
+            logger.info(
+                "worker %s left (%s)", wid, "deregistered" if wid in departed else "its registration is gone"
+            )
             del self._missing_since[wid]
             with self.index.lock:
                 self.index.drop(wid)

@@ -6,6 +6,8 @@ Schema (all keys under ``pdserve:``; the wire format both the workers and the ro
 - ``kv_events`` STREAM — one entry per batch of a worker's block events: ``w`` worker id, ``e``
   epoch, ``s`` sequence number (per worker and epoch, from 1, no gaps), ``k`` kind (``S`` stored,
   ``R`` removed, ``C`` cleared, ``Z`` resynced), ``h`` the 16-byte block hashes concatenated.
+- ``left:{id}`` STRING — set (with a TTL) when a worker deregisters on purpose: readers drop it at
+  once instead of waiting out the grace period they give a record that merely vanished.
 - ``draining`` STRING — present while the application is shutting down (set by ``pdserve serve``
   on SIGTERM, with a TTL): routers refuse new requests and let the running ones finish.
 - ``kv:{id}`` SET of the worker's cached block hashes and ``kvmeta:{id}`` HASH {epoch, seq}: the
@@ -31,6 +33,7 @@ EVENTS_STREAM = PREFIX + "kv_events"
 WORKERS_SET = PREFIX + "workers"
 DRAINING_KEY = PREFIX + "draining"
 STREAM_MAXLEN = 500_000
+LEFT_MARKER_TTL_MS = 120_000  # longer than any reader's grace period for a vanished record
 HASH_BYTES = 16
 
 STORED, REMOVED, CLEARED, RESYNCED = "S", "R", "C", "Z"
@@ -38,6 +41,10 @@ STORED, REMOVED, CLEARED, RESYNCED = "S", "R", "C", "Z"
 
 def worker_key(worker_id: str) -> str:
     return f"{PREFIX}worker:{worker_id}"
+
+
+def left_key(worker_id: str) -> str:
+    return f"{PREFIX}left:{worker_id}"
 
 
 def snapshot_key(worker_id: str) -> str:
@@ -140,7 +147,7 @@ class WorkerRegistration:
         pipe.hset(worker_key(wid), mapping=self.record.to_fields())
         pipe.pexpire(worker_key(wid), self.ttl_ms)
         pipe.sadd(WORKERS_SET, wid)
-        pipe.delete(snapshot_key(wid))
+        pipe.delete(snapshot_key(wid), left_key(wid))
         if cached_hashes:
             pipe.sadd(snapshot_key(wid), *cached_hashes)
         pipe.hset(snapshot_meta_key(wid), mapping={"epoch": self.record.epoch, "seq": self.seq})
@@ -179,10 +186,13 @@ class WorkerRegistration:
         pipe.execute()
 
     def deregister(self) -> None:
+        """Leave on purpose: the record goes, and a ``left`` marker tells readers not to wait out the
+        grace period they give a worker whose record merely vanished (a Redis restarted empty)."""
         wid = self.record.worker_id
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(worker_key(wid), snapshot_key(wid), snapshot_meta_key(wid))
         pipe.srem(WORKERS_SET, wid)
+        pipe.set(left_key(wid), self.record.epoch, px=LEFT_MARKER_TTL_MS)
         pipe.execute()
 
     def _entry(self, kind: str, hashes: list[bytes]) -> dict[str, bytes | str | int]:
@@ -210,6 +220,14 @@ def read_workers(client: redis.Redis) -> dict[str, WorkerRecord]:
         if fields:
             out[wid] = WorkerRecord.from_fields(fields)
     return out
+
+
+def read_departed(client: redis.Redis, worker_ids: list[str]) -> set[str]:
+    """Which of these workers deregistered on purpose (recently)."""
+    if not worker_ids:
+        return set()
+    found = client.mget([left_key(w) for w in worker_ids])
+    return {w for w, v in zip(worker_ids, found) if v is not None}
 
 
 def set_draining(client: redis.Redis, on: bool, ttl_s: float = 300.0) -> None:

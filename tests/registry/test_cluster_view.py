@@ -1,0 +1,177 @@
+"""The registry alone, over a real redis-server: what a worker's publisher writes, the router's cluster
+view reads back — its KV events in order, a resync after a gap, a restart, the worker's load, its
+departure, and the application draining. No engine: the events are offered by hand."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from registry.cluster_view import ClusterView
+from registry.publisher import RegistryPublisher
+from registry.schema import (
+    CLEARED,
+    DRAINING_KEY,
+    REMOVED,
+    STORED,
+    WorkerRecord,
+    WorkerRegistration,
+    connect,
+    set_draining,
+    snapshot_key,
+    snapshot_meta_key,
+)
+
+H = [bytes([i]) * 16 for i in range(8)]
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting until {what}")
+        time.sleep(0.02)
+
+
+def blocks(view: ClusterView, worker_id: str) -> set[bytes]:
+    with view.index.lock:
+        return view.index.blocks_of(worker_id)
+
+
+def record(worker_id: str, epoch: int = 1) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id, role="prefill", address="127.0.0.1:1", epoch=epoch, num_blocks=64
+    )
+
+
+def converges(view: ClusterView, worker_id: str, expected: set[bytes]) -> None:
+    wait_until(
+        lambda: blocks(view, worker_id) == expected,
+        f"the view holds {len(expected)} blocks for {worker_id} (has {len(blocks(view, worker_id))})",
+    )
+
+
+@pytest.fixture
+def views(redis_server) -> Iterator[Callable[[], ClusterView]]:
+    """``make()`` -> a started, synced ClusterView; all stopped after the test."""
+    started: list[ClusterView] = []
+
+    def make() -> ClusterView:
+        view = ClusterView(redis_server.url, poll_s=0.05, grace_s=0.3)
+        view.start()
+        started.append(view)
+        assert view.wait_synced(10), "the cluster view never synced with Redis"
+        return view
+
+    yield make
+    for view in started:
+        view.stop()
+
+
+@pytest.fixture
+def publishers(redis_server) -> Iterator[Callable[..., RegistryPublisher]]:
+    """``make(worker_id, epoch=1)`` -> a started publisher that has offered its (empty) first snapshot."""
+    started: list[RegistryPublisher] = []
+
+    def make(worker_id: str, epoch: int = 1, cached: list[bytes] | None = None) -> RegistryPublisher:
+        pub = RegistryPublisher(redis_server.url, record(worker_id, epoch), heartbeat_s=0.1)
+        pub.start()
+        started.append(pub)
+        assert pub.snapshot_wanted()  # the first registration carries the cache
+        pub.offer_snapshot(cached or [])
+        return pub
+
+    yield make
+    for pub in started:
+        pub.stop(deregister=False)
+
+
+def test_view_follows_stored_removed_and_cleared_events(views, publishers):
+    view = views()
+    pub = publishers("p0", cached=[H[0], H[1]])
+    converges(view, "p0", {H[0], H[1]})
+    pub.offer_events([(STORED, [H[2], H[3]]), (REMOVED, [H[0]])])
+    converges(view, "p0", {H[1], H[2], H[3]})
+    pub.offer_events([(CLEARED, [])])
+    converges(view, "p0", set())
+    pub.offer_events([(STORED, [H[4], H[5]]), (REMOVED, [H[5]]), (STORED, [H[6]])])
+    converges(view, "p0", {H[4], H[6]})
+    assert view.index.gaps_detected == 0, "in-order events needed a resync"
+    assert not pub.snapshot_wanted()  # nothing failed: no second snapshot asked for
+    # A router started now reads the same state from the worker's snapshot.
+    converges(views(), "p0", {H[4], H[6]})
+
+
+def test_a_gap_in_sequence_numbers_resynchronises_from_the_snapshot(redis_server, views):
+    view = views()
+    client = connect(redis_server.url)
+    reg = WorkerRegistration(client, record("p0"))
+    reg.register([H[0]])
+    reg.publish(STORED, [H[1]])
+    converges(view, "p0", {H[0], H[1]})
+    # Event 3 is lost on its way to the stream: the snapshot has it.
+    reg.seq += 1
+    client.sadd(snapshot_key("p0"), H[2])
+    client.hset(snapshot_meta_key("p0"), mapping={"epoch": 1, "seq": reg.seq})
+    reg.publish(STORED, [H[3]])  # event 4: the view sees 2 -> 4
+    converges(view, "p0", {H[0], H[1], H[2], H[3]})
+    assert view.index.gaps_detected == 1
+    reg.publish(REMOVED, [H[0]])  # after the resync, events apply one by one again
+    converges(view, "p0", {H[1], H[2], H[3]})
+    assert view.index.gaps_detected == 1
+
+
+def test_a_restarted_worker_replaces_its_previous_incarnation(views, publishers):
+    view = views()
+    old = publishers("p0", epoch=1, cached=[H[0], H[1]])
+    converges(view, "p0", {H[0], H[1]})
+    old.stop(deregister=False)  # crashed
+    publishers("p0", epoch=2, cached=[H[2]])
+    converges(view, "p0", {H[2]})
+    assert view.index.epoch_of("p0") == 2
+    wait_until(lambda: view.workers.get("p0", record("-")).epoch == 2, "the view lists p0's epoch 2")
+    later = views()
+    converges(later, "p0", {H[2]})
+    assert later.index.epoch_of("p0") == 2
+
+
+def test_heartbeats_carry_the_workers_load_to_the_view(views, publishers):
+    view = views()
+    pub = publishers("p0")
+    pub.offer_load(num_running=3, num_waiting=2, num_free_blocks=7, queued_prompt_tokens=120)
+    want = (3, 2, 7, 120)
+
+    def load() -> tuple[int, ...] | None:
+        w = view.workers.get("p0")
+        return w and (w.num_running, w.num_waiting, w.num_free_blocks, w.queued_prompt_tokens)
+
+    wait_until(lambda: load() == want, f"the view has p0's load {want} (has {load()})")
+
+
+def test_a_deregistered_worker_leaves_the_view(views, publishers):
+    view = views()
+    leaving = publishers("p0", cached=[H[0], H[1]])
+    publishers("p1", cached=[H[1]])
+    converges(view, "p0", {H[0], H[1]})
+    converges(view, "p1", {H[1]})
+    wait_until(lambda: set(view.workers) == {"p0", "p1"}, "the view lists p0 and p1")
+    leaving.stop()  # deregisters
+    wait_until(lambda: set(view.workers) == {"p1"}, "the view drops p0")
+    assert blocks(view, "p0") == set() and view.index.epoch_of("p0") is None
+    assert blocks(view, "p1") == {H[1]}
+    with view.index.lock:
+        assert view.index.match([H[0], H[1]], ["p0", "p1"]) == {"p0": 0, "p1": 0}
+
+
+def test_set_draining_reaches_the_view(redis_server, views):
+    view = views()
+    client = connect(redis_server.url)
+    assert not view.draining
+    set_draining(client, True)
+    wait_until(lambda: view.draining, "the view is draining")
+    set_draining(client, False)
+    wait_until(lambda: not view.draining, "the view takes requests again")
+    set_draining(client, True, ttl_s=30)  # expires: a `serve` that crashed mid-drain wedges nothing
+    assert 0 < client.pttl(DRAINING_KEY) <= 30_000

@@ -1,0 +1,184 @@
+"""Routing policies on hand-built worker records and an index fed with KV events: which (P, D) pair
+each policy picks, and the prefix hit it predicts. Hashes are the engines' (``engine.block_hash``),
+handed to the policy lazily as the router does."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_hash import hash_blocks, iter_block_hashes
+from registry.prefix_index import PrefixIndex
+from registry.schema import RESYNCED, KVEventRecord, WorkerRecord
+from router.policies import POLICIES, RoutingInput, WorkerLoad, make_policy
+from router.router import Router
+
+BS = 4
+PROMPT = list(range(100, 132))  # 32 tokens: 8 full blocks
+HASHES = hash_blocks(PROMPT, BS)
+
+
+def prefill(wid: str, **load: int) -> WorkerRecord:
+    return WorkerRecord(worker_id=wid, role="prefill", address="-", epoch=1, block_size=BS, **load)
+
+
+def decode(wid: str, free: int = 100, **load: int) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=wid, role="decode", address="-", epoch=1, block_size=BS, num_free_blocks=free, **load
+    )
+
+
+def index_of(cached: dict[str, list[bytes]]) -> PrefixIndex:
+    """An index fed the way the cluster view feeds it: one RESYNCED event per worker."""
+    idx = PrefixIndex()
+    for wid, hashes in cached.items():
+        assert idx.apply(KVEventRecord(wid, 1, 1, RESYNCED, hashes))
+    return idx
+
+
+def unrelated(n: int, seed: int) -> list[bytes]:
+    return hash_blocks([seed * 1000 + i for i in range(n * BS)], BS)
+
+
+def inp(prefills, decodes, prompt=PROMPT, inflight=None) -> RoutingInput:
+    return RoutingInput(
+        iter_block_hashes(prompt, BS), len(prompt), BS, list(prefills), list(decodes), inflight or {}
+    )
+
+
+def choose(policy: str, prefills, decodes, index=None, **kw):
+    return make_policy(policy).choose(inp(prefills, decodes, **kw), index or PrefixIndex())
+
+
+# round_robin / least_load ---------------------------------------------------------------------
+
+
+def test_round_robin_alternates_prefill_and_decode_workers():
+    policy = make_policy("round_robin")
+    ps, ds = [prefill("p0"), prefill("p1")], [decode("d0"), decode("d1"), decode("d2")]
+    routes = [policy.choose(inp(ps, ds), PrefixIndex()) for _ in range(4)]
+    assert [r.prefill.worker_id for r in routes] == ["p0", "p1", "p0", "p1"]
+    assert [r.decode.worker_id for r in routes] == ["d0", "d1", "d2", "d0"]
+
+
+def test_least_load_prefill_goes_to_the_fewest_queued_tokens():
+    ps = [prefill("p0", queued_prompt_tokens=100), prefill("p1", queued_prompt_tokens=10)]
+    assert choose("least_load", ps, [decode("d0")]).prefill.worker_id == "p1"
+    # The router's own in-flight count is exact where the heartbeat lags: it raises p1's queue.
+    busy_p1 = {"p1": WorkerLoad(prompt_tokens=500, requests=3)}
+    assert choose("least_load", ps, [decode("d0")], inflight=busy_p1).prefill.worker_id == "p0"
+
+
+def test_least_load_decode_goes_to_the_least_busy_then_the_most_free_blocks():
+    p = [prefill("p0")]
+    assert choose("least_load", p, [decode("d0", num_running=2), decode("d1")]).decode.worker_id == "d1"
+    assert choose("least_load", p, [decode("d0", free=50), decode("d1", free=10)]).decode.worker_id == "d0"
+    # Busy beats free blocks: waiting requests count as busy, and so do the router's own.
+    ds = [decode("d0", free=90, num_waiting=1), decode("d1", free=10)]
+    assert choose("least_load", p, ds).decode.worker_id == "d1"
+    ds = [decode("d0", free=90), decode("d1", free=10)]
+    inflight = {"d0": WorkerLoad(requests=2)}
+    assert choose("least_load", p, ds, inflight=inflight).decode.worker_id == "d1"
+
+
+# cache_aware: prefill -------------------------------------------------------------------------
+
+
+def test_cache_aware_prefers_the_longest_cached_prefix():
+    index = index_of({"p0": HASHES[:2], "p1": HASHES[:6], "p2": HASHES[:1] + HASHES[2:8]})
+    route = choose("cache_aware", [prefill("p0"), prefill("p1"), prefill("p2")], [decode("d0")], index)
+    assert route.prefill.worker_id == "p1"  # p2 holds more blocks, but its prefix stops at block 1
+    assert route.predicted_hit_tokens == 6 * BS
+
+
+def test_cache_aware_leaves_a_warm_worker_whose_queue_costs_more_than_recomputing():
+    index = index_of({"p0": HASHES[:6], "p1": HASHES[:2]})
+    ps = lambda q: [prefill("p0", queued_prompt_tokens=q), prefill("p1")]  # noqa: E731
+    # Cost = uncached prompt tokens + tokens queued: p0 = 32 - 24 + q, p1 = 32 - 8 = 24.
+    route = choose("cache_aware", ps(15), [decode("d0")], index)
+    assert (route.prefill.worker_id, route.predicted_hit_tokens) == ("p0", 24)
+    route = choose("cache_aware", ps(17), [decode("d0")], index)
+    assert (route.prefill.worker_id, route.predicted_hit_tokens) == ("p1", 8)
+    # The same through the router's own in-flight count, the heartbeat still saying idle.
+    inflight = {"p0": WorkerLoad(prompt_tokens=17, requests=1)}
+    assert choose("cache_aware", ps(0), [decode("d0")], index, inflight=inflight).prefill.worker_id == "p1"
+
+
+def test_cache_aware_equal_cost_goes_to_the_longer_hit():
+    index = index_of({"p0": HASHES[:2], "p1": HASHES[:6]})
+    ps = [prefill("p0"), prefill("p1", queued_prompt_tokens=16)]  # both cost 24 tokens
+    assert choose("cache_aware", ps, [decode("d0")], index).prefill.worker_id == "p1"
+
+
+@pytest.mark.parametrize("fuller", ["p0", "p1"])
+def test_cache_aware_new_prefix_on_idle_workers_goes_where_the_cache_has_most_room(fuller):
+    emptier = "p1" if fuller == "p0" else "p0"
+    index = index_of({fuller: unrelated(10, 1), emptier: unrelated(3, 2)})
+    route = choose("cache_aware", [prefill("p0"), prefill("p1")], [decode("d0")], index)
+    assert (route.prefill.worker_id, route.predicted_hit_tokens) == (emptier, 0)
+
+
+# cache_aware: decode --------------------------------------------------------------------------
+
+
+def test_cache_aware_decode_by_busy_and_free_blocks_its_own_prefix_breaking_ties():
+    p = [prefill("p0")]
+    index = index_of({"d1": HASHES[:4]})
+    assert choose("cache_aware", p, [decode("d0"), decode("d1")], index).decode.worker_id == "d1"
+    # Its prefix only breaks ties: more free blocks win over it, and so does a less busy worker.
+    ds = [decode("d0", free=101), decode("d1")]
+    assert choose("cache_aware", p, ds, index).decode.worker_id == "d0"
+    ds = [decode("d0"), decode("d1", num_running=1)]
+    assert choose("cache_aware", p, ds, index).decode.worker_id == "d0"
+    # Between two holders the longer prefix wins.
+    index = index_of({"d0": HASHES[:2], "d1": HASHES[:5]})
+    assert choose("cache_aware", p, [decode("d0"), decode("d1")], index).decode.worker_id == "d1"
+
+
+# predicted hits, aggregated mode, names -------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_predicted_hit_tokens_count_whole_blocks_of_the_chosen_prefill(policy):
+    prompt = PROMPT[:30]  # 7 full blocks and 2 tokens: the partial block is never cached
+    index = index_of({"p0": hash_blocks(prompt, BS)})
+    route = choose(policy, [prefill("p0")], [decode("d0")], index, prompt=prompt)
+    assert (route.prefill.worker_id, route.predicted_hit_tokens) == ("p0", 28)
+    index = index_of({"p0": HASHES[:3] + HASHES[4:]})  # a hole at block 3 ends the prefix
+    assert choose(policy, [prefill("p0")], [decode("d0")], index).predicted_hit_tokens == 12
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_no_prefill_workers_routes_aggregated_to_a_decode_worker(policy):
+    index = index_of({"d1": HASHES})
+    route = choose(policy, [], [decode("d1"), decode("d0", num_running=1)], index)
+    assert route.prefill is None and route.decode.worker_id == "d1" and route.predicted_hit_tokens == 0
+
+
+def test_make_policy_rejects_an_unknown_name():
+    with pytest.raises(ValueError, match="routing policy must be one of"):
+        make_policy("random")
+    assert [make_policy(name).name for name in POLICIES] == list(POLICIES)
+
+
+class _View:
+    """What the router reads of a ClusterView: its live workers and its index."""
+
+    def __init__(self, workers: list[WorkerRecord], index: PrefixIndex) -> None:
+        self.workers, self.index = workers, index
+
+    def live_workers(self, role: str | None = None) -> list[WorkerRecord]:
+        return [w for w in self.workers if role is None or w.role == role]
+
+
+def test_router_hashes_the_prompt_with_the_workers_block_size_and_salt():
+    """The router's keys equal the engines': same block size, same cache salt (the model's namespace)."""
+    bs, salt = 8, "tiny-llama"
+    workers = [
+        WorkerRecord("p0", "prefill", "-", 1, block_size=bs, cache_salt=salt),
+        WorkerRecord("p1", "prefill", "-", 1, block_size=bs, cache_salt=salt),
+        WorkerRecord("d0", "decode", "-", 1, block_size=bs, cache_salt=salt, num_free_blocks=10),
+    ]
+    # p1's blocks are the prompt's unsalted keys: a router hashing without the salt would pick it.
+    index = index_of({"p0": hash_blocks(PROMPT[:24], bs, salt), "p1": hash_blocks(PROMPT, bs)})
+    route = Router(_View(workers, index)).route(PROMPT)
+    assert (route.prefill.worker_id, route.predicted_hit_tokens) == ("p0", 24)
