@@ -68,6 +68,11 @@ class Router:
         self.active = 0  # Generate streams in progress (shutdown waits for them)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Future] = set()
+        # Requests streaming through this router: the task serving each, and its decode worker once
+        # the decode call is open (what ``abort`` acts on).
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._decoding: dict[str, WorkerRecord] = {}
+        self._aborted: set[str] = set()  # cancelled by ``abort`` (not by their caller)
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -104,12 +109,24 @@ class Router:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Yields the caller's stream: the first token as soon as prefill has it, then the rest."""
         self.active += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks[request_id] = task
         try:
             async with aclosing(self._generate(request_id, prompt, params, priority, deadline)) as stream:
                 async for msg in stream:
                     yield msg
         finally:
             self.active -= 1
+            if self._tasks.get(request_id) is task:
+                del self._tasks[request_id]
+
+    def take_aborted(self, request_id: str) -> bool:
+        """Whether ``abort`` cancelled this request's stream (asked once, by the stream's handler)."""
+        if request_id in self._aborted:
+            self._aborted.discard(request_id)
+            return True
+        return False
 
     async def _generate(
         self, request_id, prompt, params, priority, deadline
@@ -234,11 +251,14 @@ class Router:
         if handle is not None:
             req.handle.CopyFrom(handle)
         call = pb_grpc.DecodeWorkerStub(self._channel(w.address)).Decode(req, timeout=_remaining(deadline))
+        self._decoding[rid] = w
         try:
             async for msg in call:
                 yield msg
         finally:
             load.requests -= 1
+            if self._decoding.get(rid) is w:
+                del self._decoding[rid]
             call.cancel()  # no-op when finished; aborts the request on the worker otherwise
 
     async def _release(self, w: WorkerRecord, rid: str, epoch: int) -> None:
@@ -252,7 +272,26 @@ class Router:
             )
 
     async def abort(self, request_id: str) -> bool:
-        """Abort on every decode worker (the request lives on at most one)."""
+        """Abort a request wherever it is. Decoding through this router: its decode worker aborts it
+        (the stream ends with finish reason ``abort``). Still in prefill here: its stream is cancelled,
+        which cancels the prefill call and releases any KV held for it. Unknown here (another router
+        replica routed it): every decode worker is asked (the request lives on at most one). Either way
+        the caller's stream ends with finish reason ``abort``."""
+        w = self._decoding.get(request_id)
+        if w is not None:
+            try:
+                r = await pb_grpc.DecodeWorkerStub(self._channel(w.address)).Abort(
+                    pb.AbortRequest(request_id=request_id), timeout=5
+                )
+                if r.aborted:
+                    return True
+            except grpc.aio.AioRpcError as exc:
+                logger.info("abort of %s on %s failed (%s)", request_id, w.worker_id, exc.code())
+        task = self._tasks.get(request_id)
+        if task is not None and task is not asyncio.current_task():
+            self._aborted.add(request_id)
+            task.cancel()
+            return True
         aborted = False
         for w in self.view.live_workers("decode"):
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -36,6 +37,11 @@ class RouterService(pb_grpc.RouterServicer):
                 request.request_id, prompt, params, priority=request.priority, deadline=deadline
             ):
                 yield msg
+        except asyncio.CancelledError:
+            if not self.router.take_aborted(request.request_id):
+                raise  # the caller went away
+            asyncio.current_task().uncancel()  # Router.Abort cancelled it: end the stream normally
+            yield pb.GenerateResponse(finished=pb.Finished(finish_reason="abort"))
         except NoWorkersError as exc:
             self.router.stats.failed += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
