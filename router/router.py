@@ -292,16 +292,18 @@ class Router:
             self._aborted.add(request_id)
             task.cancel()
             return True
-        aborted = False
-        for w in self.view.live_workers("decode"):
+
+        async def ask(w: WorkerRecord) -> bool:
             try:
                 r = await pb_grpc.DecodeWorkerStub(self._channel(w.address)).Abort(
                     pb.AbortRequest(request_id=request_id), timeout=5
                 )
-                aborted |= r.aborted
+                return r.aborted
             except grpc.aio.AioRpcError:
-                continue
-        return aborted
+                return False
+
+        # All at once: one hung worker must not hold up the answer from the others.
+        return any(await asyncio.gather(*(ask(w) for w in self.view.live_workers("decode"))))
 
 
 def _remaining(deadline: float | None) -> float | None:
