@@ -194,7 +194,7 @@ class DecodeWorker(WorkerRuntime):
                         return
         finally:
             self.loop.close_stream(request_id)
-            pass  # BROKEN: no abort
+            self.loop.call(lambda: self._abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
         return await self.loop.run(lambda: self._abort(request_id))
