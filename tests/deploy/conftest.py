@@ -162,3 +162,67 @@ def serve_model(tmp_path_factory) -> Path:
     return create_tiny_model(
         tmp_path_factory.mktemp("serve-model"), "llama", weight_scale=4.0, randomize_all=True
     )
+
+
+# One service per module, shared by its tests in file order (test_serve_api.py, test_serve_faults.py).
+
+PROMPTS = [
+    "the world is",
+    "there was a man who",
+    "in the first years of the new state",
+    "what people know about",
+]
+MAX_TOKENS = 12
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def serve_flags() -> tuple[str, ...]:
+    """Extra ``pdserve serve`` flags of the module's ``service``; a module overrides it."""
+    return ()
+
+
+@pytest.fixture(scope="module")
+def service(serve_model, module_redis_server, serve_flags):
+    svc = ServeProcess(serve_model, module_redis_server.url, *serve_flags)
+    yield svc
+    svc.kill()
+
+
+@pytest.fixture
+def blocks_back_after_each_test(service):
+    """The invariant of every serving test: afterwards, no worker runs anything and all blocks are free."""
+    yield
+    if service.proc.poll() is None:  # the last test stops the service and checks its final report
+        service.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(serve_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(serve_model)
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    import openai
+
+    return openai.OpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def reference(serve_model, tokenizer, hf_greedy):
+    """prompt ids -> (HF greedy continuation text, its token count), as a client would see it."""
+
+    def ref(ids: list[int], max_tokens: int = MAX_TOKENS) -> tuple[str, int]:
+        out = hf_greedy(serve_model, ids, max_tokens)
+        full = tokenizer.decode(ids + out, skip_special_tokens=True)
+        return full[len(tokenizer.decode(ids, skip_special_tokens=True)) :], len(out)
+
+    return ref

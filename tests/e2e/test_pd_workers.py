@@ -18,7 +18,7 @@ from engine import LLM, SamplingParams
 BLOCK = 8
 NUM_BLOCKS = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-LONG_CONTEXT = 8192
+LONG_CONTEXT = 32768
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

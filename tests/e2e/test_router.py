@@ -23,19 +23,27 @@ from router.router import Router
 from router.service import serve
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+LONG_CONTEXT = 32768  # of the model in the cancellation test: a request can ask for thousands of tokens
 
 
 class Cluster:
     def __init__(
-        self, workers, redis_server, num_prefill: int, policy: str = "cache_aware", num_decode: int = 1
+        self,
+        workers,
+        redis_server,
+        num_prefill: int,
+        policy: str = "cache_aware",
+        num_decode: int = 1,
+        **spawn_kw,
     ) -> None:
         url = redis_server.url
         self.prefills = [
-            workers("prefill", "--redis-url", url, "--worker-id", f"p{i}", "--lease-seconds", "5")
+            workers("prefill", "--redis-url", url, "--worker-id", f"p{i}", "--lease-seconds", "5", **spawn_kw)
             for i in range(num_prefill)
         ]
         self.decodes = [
-            workers("decode", "--redis-url", url, "--worker-id", f"d{i}") for i in range(num_decode)
+            workers("decode", "--redis-url", url, "--worker-id", f"d{i}", **spawn_kw)
+            for i in range(num_decode)
         ]
         self.decode = self.decodes[0]
         self.view = ClusterView(url, poll_s=0.2)
@@ -178,8 +186,11 @@ def test_redis_outage_and_dead_prefill_lose_no_request(workers, redis_server, ti
     asyncio.run(run())
 
 
-def test_cancelled_stream_frees_blocks_everywhere(workers, redis_server):
-    cluster = Cluster(workers, redis_server, num_prefill=1)
+def test_cancelled_stream_frees_blocks_everywhere(workers, redis_server, tiny_model_factory):
+    """Cancelled a few tokens into thousands, the request is aborted on the workers at once: all
+    blocks are back long before it could have run to its end."""
+    model = tiny_model_factory("llama", max_position_embeddings=LONG_CONTEXT)
+    cluster = Cluster(workers, redis_server, num_prefill=1, model=model, num_blocks=LONG_CONTEXT // 8 + 16)
 
     async def run():
         await cluster.start()
@@ -189,11 +200,11 @@ def test_cancelled_stream_frees_blocks_everywhere(workers, redis_server):
             await cluster.stop()
 
     async def body():
-        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+        prompt = list(range(3, 40))
+        params = SamplingParams(temperature=0, max_tokens=LONG_CONTEXT - len(prompt), ignore_eos=True)
+        before = (await state(cluster.decode.address, "decode")).stats.generation_tokens
         call = cluster.stub.Generate(
-            pb.GenerateRequest(
-                request_id="c", prompt_token_ids=list(range(3, 40)), params=params_to_proto(params)
-            )
+            pb.GenerateRequest(request_id="c", prompt_token_ids=prompt, params=params_to_proto(params))
         )
         got = 0
         async for msg in call:
@@ -201,7 +212,10 @@ def test_cancelled_stream_frees_blocks_everywhere(workers, redis_server):
             if got >= 4:
                 call.cancel()
                 break
-        await cluster.all_free()
+        await cluster.all_free(timeout=10)
+        assert cluster.router.active == 0
+        generated = (await state(cluster.decode.address, "decode")).stats.generation_tokens - before
+        assert got - 1 <= generated < params.max_tokens // 2  # aborted, not run to its end
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await cluster.generate("bad", [1, 2, 99999])
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,7 +1,7 @@
 """The ingress's logic without Ray: validation, admission, stop strings while streaming, metrics, config.
 
 The router stream here is a scripted list of protobuf messages (a fake of the router's output, for
-the logic around it); the real path runs in test_serve_app.py.
+the logic around it); the real path runs in tests/deploy/test_serve_api.py and test_serve_faults.py.
 """
 
 from __future__ import annotations

@@ -1,79 +1,22 @@
 """``pdserve serve`` (disaggregated: 1 prefill + 1 decode on Ray Serve) through the official ``openai``
 client: correct text (equal to HF transformers' greedy continuation), streaming equal to non-streaming,
-concurrency, bad input refused at the edge, disconnects, a killed prefill replica, and a SIGTERM
-drain that leaves nothing behind. Tests run in file order against one service; the last stops it.
+concurrency, bad input refused at the edge, health and metrics, and the bench client. Tests run in
+file order against one service (``service`` in conftest.py); faults are in test_serve_faults.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import openai
 import pytest
-from conftest import API_KEY, ServeProcess
-from transformers import AutoTokenizer
+from conftest import API_KEY, GREEDY, MAX_TOKENS, PROMPTS
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-PROMPTS = [
-    "the world is",
-    "there was a man who",
-    "in the first years of the new state",
-    "what people know about",
-]
-MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def service(serve_model, module_redis_server):
-    svc = ServeProcess(serve_model, module_redis_server.url)
-    yield svc
-    svc.kill()
-
-
-@pytest.fixture(autouse=True)
-def blocks_back_after_each_test(service):
-    """The invariant of every serving test: afterwards, no worker runs anything and all blocks are free."""
-    yield
-    if service.proc.poll() is None:  # the last test stops the service and checks its final report
-        service.wait_idle()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(serve_model):
-    return AutoTokenizer.from_pretrained(serve_model)
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    return openai.OpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model_name(client):
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def reference(serve_model, tokenizer, hf_greedy):
-    """prompt ids -> (HF greedy continuation text, its token count), as a client would see it."""
-
-    def ref(ids: list[int], max_tokens: int = MAX_TOKENS) -> tuple[str, int]:
-        out = hf_greedy(serve_model, ids, max_tokens)
-        full = tokenizer.decode(ids + out, skip_special_tokens=True)
-        return full[len(tokenizer.decode(ids, skip_special_tokens=True)) :], len(out)
-
-    return ref
-
-
-GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("blocks_back_after_each_test")]
 
 
 def test_models_list(client, serve_model):
@@ -400,135 +343,3 @@ def test_pdserve_bench_measures_the_service(service, tmp_path):
         assert len(r["samples"]["itl_s"]) == 12 * 5  # 6 tokens: 5 gaps each, measured from the stream
     assert (tmp_path / "b_latency_cdf.png").stat().st_size > 0 and (tmp_path / "b_sweep.png").exists()
     service.wait_idle()
-
-
-def test_client_disconnect_mid_stream_aborts_down_to_the_workers(service, model_name):
-    def cancelled() -> float:
-        m = service.metrics()
-        return sum(
-            v for (n, lab), v in m.items() if n == "pdserve_requests_total" and ("status", "cancelled") in lab
-        )
-
-    before = cancelled()
-    conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=60)
-    body = {
-        "model": model_name,
-        "prompt": PROMPTS[1],
-        "max_tokens": 400,
-        "stream": True,
-        **GREEDY["extra_body"],
-    }
-    conn.request(
-        "POST",
-        "/v1/completions",
-        json.dumps(body),
-        {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
-    )
-    resp = conn.getresponse()
-    assert resp.status == 200
-    events = 0
-    while events < 3:
-        if resp.readline().startswith(b"data:"):
-            events += 1
-    conn.sock.shutdown(2)
-    conn.close()
-    service.wait_idle()
-    deadline = time.monotonic() + 30
-    while cancelled() <= before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert cancelled() == before + 1
-
-
-def _status_json(service) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "cli", "status", "--json"], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_prefill_replica_killed_while_requests_run(service, model_name, tokenizer, reference):
-    status = _status_json(service)
-    prefill = [w for w in status["workers"] if w["role"] == "prefill"]
-    assert len(prefill) == 1
-    expected = {p: reference(tokenizer.encode(p), 24)[0] for p in PROMPTS}
-    aclient = openai.AsyncOpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-    async def one(i: int) -> tuple[str, str | None]:
-        prompt = PROMPTS[i % 4] + " " + "and " * i  # distinct prompts: not all prefix hits
-        try:
-            r = await aclient.completions.create(model=model_name, prompt=prompt, max_tokens=24, **GREEDY)
-            return prompt, r.choices[0].text
-        except openai.APIStatusError as exc:
-            return prompt, f"error {exc.status_code}: {exc.message}"
-
-    async def main():
-        tasks = [asyncio.create_task(one(i)) for i in range(12)]
-        await asyncio.sleep(0.3)
-        os.kill(int(prefill[0]["pid"]), signal.SIGKILL)
-        try:
-            return await asyncio.gather(*tasks)
-        finally:
-            await aclient.close()
-
-    results = asyncio.run(main())
-    ok = 0
-    for prompt, got in results:
-        if got.startswith("error "):
-            assert "50" in got[:10], got  # a clear server-side error, never a hang
-            continue
-        ok += 1
-        assert got == reference(tokenizer.encode(prompt), 24)[0], prompt
-    assert ok >= 1
-    # Serve restarts the replica; it registers as a new worker and takes traffic again.
-    deadline = time.monotonic() + 120
-    while True:
-        workers = service.workers()
-        new = [w for w in workers if w.startswith("prefill-") and w != prefill[0]["workerId"]]
-        if new:
-            break
-        assert time.monotonic() < deadline, f"no new prefill worker: {workers}"
-        time.sleep(1)
-    client = openai.OpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    r = client.completions.create(model=model_name, prompt=PROMPTS[3], max_tokens=24, **GREEDY)
-    assert r.choices[0].text == expected[PROMPTS[3]]
-    service.wait_idle()
-
-
-def test_sigterm_drains_ten_streams_and_leaves_nothing_behind(service, model_name, tokenizer, reference):
-    expected = {p: reference(tokenizer.encode(p), 64)[0] for p in PROMPTS}
-    aclient = openai.AsyncOpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-    async def one(prompt: str, first: asyncio.Event) -> str:
-        stream = await aclient.completions.create(
-            model=model_name, prompt=prompt, max_tokens=64, stream=True, **GREEDY
-        )
-        parts = []
-        async for c in stream:
-            parts.append(c.choices[0].text)
-            first.set()
-        return "".join(parts)
-
-    async def main():
-        firsts = [asyncio.Event() for _ in range(10)]
-        tasks = [asyncio.create_task(one(PROMPTS[i % 4], firsts[i])) for i in range(10)]
-        await asyncio.gather(*(f.wait() for f in firsts))  # all ten are streaming
-        service.proc.send_signal(signal.SIGTERM)
-        try:
-            return await asyncio.gather(*tasks)
-        finally:
-            await aclient.close()
-
-    texts = asyncio.run(main())
-    assert texts == [expected[PROMPTS[i % 4]] for i in range(10)]  # drained, not cut
-    assert service.terminate() == 0, service.output[-3000:]
-    out = service.output
-    drained = [line for line in out.splitlines() if "KV blocks free" in line]
-    assert len(drained) == 2, out[-3000:]
-    for line in drained:
-        assert " 0 running, 0 waiting, 0 held" in line, line
-        free, total = line.rsplit(" ", 4)[-4].split("/")
-        assert free == total, line
-    assert "pdserve stopped" in out
-    time.sleep(1)
-    assert service.leftover_processes() == []

@@ -1,0 +1,188 @@
+"""``pdserve serve`` under faults: a client disconnecting mid-stream (aborted down to the workers), a
+killed prefill replica, and a SIGTERM drain that leaves nothing behind. Tests run in file order
+against one service of their own (a long-context model, so a request can run for minutes); the last
+stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import API_KEY, GREEDY, PROMPTS
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("blocks_back_after_each_test")]
+
+LONG_CONTEXT = 32768
+BLOCK_SIZE = 16  # the engine's default
+
+
+@pytest.fixture(scope="module")
+def serve_model(tmp_path_factory) -> Path:
+    """conftest's tiny random Llama with a long context: thousands of tokens take minutes to decode."""
+    from engine.tiny_model import create_tiny_model
+
+    return create_tiny_model(
+        tmp_path_factory.mktemp("serve-model-long"),
+        "llama",
+        weight_scale=4.0,
+        randomize_all=True,
+        max_position_embeddings=LONG_CONTEXT,
+    )
+
+
+@pytest.fixture(scope="module")
+def serve_flags() -> tuple[str, ...]:
+    return ("--num-blocks", str(LONG_CONTEXT // BLOCK_SIZE + 32))  # one request can fill the context
+
+
+def _status_json(service) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "cli", "status", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _decode_generated_tokens(service) -> int:
+    (decode,) = [w for w in _status_json(service)["workers"] if w["role"] == "decode"]
+    return int(decode["stats"].get("generationTokens", 0))
+
+
+def test_client_disconnect_mid_stream_aborts_down_to_the_workers(service, model_name):
+    """Disconnected a few tokens into thousands, the request is aborted on the workers at once: all
+    blocks are back long before it could have run to its end (minutes)."""
+
+    def cancelled() -> float:
+        m = service.metrics()
+        return sum(
+            v for (n, lab), v in m.items() if n == "pdserve_requests_total" and ("status", "cancelled") in lab
+        )
+
+    before = cancelled()
+    generated_before = _decode_generated_tokens(service)
+    max_tokens = LONG_CONTEXT - 64
+    conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=60)
+    body = {
+        "model": model_name,
+        "prompt": PROMPTS[1],
+        "max_tokens": max_tokens,
+        "stream": True,
+        **GREEDY["extra_body"],
+    }
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(body),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = 0
+    while events < 3:
+        if resp.readline().startswith(b"data:"):
+            events += 1
+    conn.sock.shutdown(2)
+    conn.close()
+    service.wait_idle(timeout_s=15)
+    assert _decode_generated_tokens(service) - generated_before < max_tokens // 2  # aborted, not finished
+    deadline = time.monotonic() + 30
+    while cancelled() <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cancelled() == before + 1
+
+
+def test_prefill_replica_killed_while_requests_run(service, model_name, tokenizer, reference):
+    status = _status_json(service)
+    prefill = [w for w in status["workers"] if w["role"] == "prefill"]
+    assert len(prefill) == 1
+    expected = {p: reference(tokenizer.encode(p), 24)[0] for p in PROMPTS}
+    aclient = openai.AsyncOpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def one(i: int) -> tuple[str, str | None]:
+        prompt = PROMPTS[i % 4] + " " + "and " * i  # distinct prompts: not all prefix hits
+        try:
+            r = await aclient.completions.create(model=model_name, prompt=prompt, max_tokens=24, **GREEDY)
+            return prompt, r.choices[0].text
+        except openai.APIStatusError as exc:
+            return prompt, f"error {exc.status_code}: {exc.message}"
+
+    async def main():
+        tasks = [asyncio.create_task(one(i)) for i in range(12)]
+        await asyncio.sleep(0.3)
+        os.kill(int(prefill[0]["pid"]), signal.SIGKILL)
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    ok = 0
+    for prompt, got in results:
+        if got.startswith("error "):
+            assert "50" in got[:10], got  # a clear server-side error, never a hang
+            continue
+        ok += 1
+        assert got == reference(tokenizer.encode(prompt), 24)[0], prompt
+    assert ok >= 1
+    # Serve restarts the replica; it registers as a new worker and takes traffic again.
+    deadline = time.monotonic() + 120
+    while True:
+        workers = service.workers()
+        new = [w for w in workers if w.startswith("prefill-") and w != prefill[0]["workerId"]]
+        if new:
+            break
+        assert time.monotonic() < deadline, f"no new prefill worker: {workers}"
+        time.sleep(1)
+    client = openai.OpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    r = client.completions.create(model=model_name, prompt=PROMPTS[3], max_tokens=24, **GREEDY)
+    assert r.choices[0].text == expected[PROMPTS[3]]
+    service.wait_idle()
+
+
+def test_sigterm_drains_ten_streams_and_leaves_nothing_behind(service, model_name, tokenizer, reference):
+    expected = {p: reference(tokenizer.encode(p), 64)[0] for p in PROMPTS}
+    aclient = openai.AsyncOpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def one(prompt: str, first: asyncio.Event) -> str:
+        stream = await aclient.completions.create(
+            model=model_name, prompt=prompt, max_tokens=64, stream=True, **GREEDY
+        )
+        parts = []
+        async for c in stream:
+            parts.append(c.choices[0].text)
+            first.set()
+        return "".join(parts)
+
+    async def main():
+        firsts = [asyncio.Event() for _ in range(10)]
+        tasks = [asyncio.create_task(one(PROMPTS[i % 4], firsts[i])) for i in range(10)]
+        await asyncio.gather(*(f.wait() for f in firsts))  # all ten are streaming
+        service.proc.send_signal(signal.SIGTERM)
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            await aclient.close()
+
+    texts = asyncio.run(main())
+    assert texts == [expected[PROMPTS[i % 4]] for i in range(10)]  # drained, not cut
+    assert service.terminate() == 0, service.output[-3000:]
+    out = service.output
+    drained = [line for line in out.splitlines() if "KV blocks free" in line]
+    assert len(drained) == 2, out[-3000:]
+    for line in drained:
+        assert " 0 running, 0 waiting, 0 held" in line, line
+        free, total = line.rsplit(" ", 4)[-4].split("/")
+        assert free == total, line
+    assert "pdserve stopped" in out
+    time.sleep(1)
+    assert service.leftover_processes() == []
