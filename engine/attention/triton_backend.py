@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import AttentionMetadata
-from engine.attention.triton_kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from engine.attention.triton_kernels import paged_decode_attention, store_kv
+from engine.attention.triton_prefill import paged_prefill_attention
 
 
 @dataclass(slots=True)

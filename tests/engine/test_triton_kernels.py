@@ -21,6 +21,7 @@ import pytest
 import triton
 
 from engine.attention import triton_kernels as tk
+from engine.attention import triton_prefill as tp
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
@@ -131,8 +132,8 @@ def test_prefill_chunks_match_reference(geometry, window: int | None, dtype: tor
     query_start = torch.tensor(starts, device=DEVICE)
     args = (q, kv[:, 1, 0], kv[:, 1, 1], tables, query_start, torch.tensor(lens, device=DEVICE))
     scale = head_dim**-0.5
-    out = tk.paged_prefill_attention(*args, max(n for _, n in chunks), scale, window)
-    _close(out, tk.paged_prefill_attention_ref(*args, scale, window))
+    out = tp.paged_prefill_attention(*args, max(n for _, n in chunks), scale, window)
+    _close(out, tp.paged_prefill_attention_ref(*args, scale, window))
 
 
 def _runner_meta(
@@ -216,5 +217,5 @@ def test_compiled_kernels_at_serving_shapes() -> None:
     starts = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], device=DEVICE)
     q = _queries(sum(chunks), qpk, head_dim, dtype)
     args = (q, kv[:, 1, 0], kv[:, 1, 1], tables[:8], starts, torch.tensor(lens[:8], device=DEVICE))
-    out = tk.paged_prefill_attention(*args, max(chunks), head_dim**-0.5, 4096)
-    _close(out, tk.paged_prefill_attention_ref(*args, head_dim**-0.5, 4096))
+    out = tp.paged_prefill_attention(*args, max(chunks), head_dim**-0.5, 4096)
+    _close(out, tp.paged_prefill_attention_ref(*args, head_dim**-0.5, 4096))
