@@ -195,9 +195,7 @@ class Router:
                 yield msg
         finally:
             if not pulled:  # the decode side never got going: do not leave the KV to its lease
-                task = asyncio.ensure_future(self._release(route.prefill, request_id, resp.handle.epoch))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._in_background(self._release(route.prefill, request_id, resp.handle.epoch))
 
     async def _prefill(self, route: Route, rid, prompt, params, priority, deadline) -> pb.PrefillResponse:
         w = route.prefill
@@ -219,9 +217,15 @@ class Router:
 
     async def _relay_decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline):
         """Relay Decode from ``w``; a decode worker that is unreachable before it sent anything (it
-        died, its record not expired yet) is swapped for the least-loaded other one, same handle:
-        the KV is still held on the prefill side."""
+        died, its record not expired yet) is swapped for the least-loaded other one.
+
+        NOTE: a swap never reuses the KV handle. The first worker may have pulled the KV before it
+        died, and a pull tells the prefill worker to free (and reuse) those blocks, so a second pull
+        could read another request's KV. The new worker computes the prompt plus the first token
+        itself (seeded samples depend on positions only, so the output is the same), and the held
+        KV is released."""
         tried: set[str] = set()
+        shifted = False  # the prompt now ends with the first token: usage counts it as generated
         while True:
             started = False
             try:
@@ -230,6 +234,9 @@ class Router:
                 ) as stream:
                     async for msg in stream:
                         started = True
+                        if shifted and msg.HasField("finished") and msg.finished.usage.prompt_tokens:
+                            msg.finished.usage.prompt_tokens -= 1
+                            msg.finished.usage.completion_tokens += 1
                         yield msg
                 return
             except grpc.aio.AioRpcError as exc:
@@ -242,6 +249,10 @@ class Router:
                 logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)
                 self.stats.decode_retries += 1
                 w = min(others, key=lambda d: self.inflight.get(d.worker_id, WorkerLoad()).requests)
+                if handle is not None:
+                    self._in_background(self._release_at(handle.address, rid, handle.epoch))
+                    prompt, params = _continuation(prompt, params, handle)
+                    handle, shifted = None, True
 
     async def _decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline):
         self.decisions[("decode", w.worker_id)] += 1
@@ -262,14 +273,20 @@ class Router:
             call.cancel()  # no-op when finished; aborts the request on the worker otherwise
 
     async def _release(self, w: WorkerRecord, rid: str, epoch: int) -> None:
+        await self._release_at(w.address, rid, epoch)
+
+    async def _release_at(self, address: str, rid: str, epoch: int) -> None:
         try:
-            await pb_grpc.PrefillWorkerStub(self._channel(w.address)).Release(
+            await pb_grpc.PrefillWorkerStub(self._channel(address)).Release(
                 pb.ReleaseRequest(request_id=rid, epoch=epoch), timeout=5
             )
         except grpc.aio.AioRpcError as exc:
-            logger.info(
-                "release of %s on %s failed (%s): its lease will free it", rid, w.worker_id, exc.code()
-            )
+            logger.info("release of %s on %s failed (%s): its lease will free it", rid, address, exc.code())
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is. Decoding through this router: its decode worker aborts it
@@ -304,6 +321,17 @@ class Router:
 
         # All at once: one hung worker must not hold up the answer from the others.
         return any(await asyncio.gather(*(ask(w) for w in self.view.live_workers("decode"))))
+
+
+def _continuation(prompt: list[int], params: pb.SamplingParams, handle: pb.KVHandle):
+    """The request as a decode worker computes it without the handle: the first token (already
+    streamed) joins the prompt, one token less is left, and the prefill's seed keeps positions'
+    samples what one engine would draw."""
+    rest = pb.SamplingParams()
+    rest.CopyFrom(params)
+    rest.max_tokens = params.max_tokens - 1
+    rest.seed = handle.seed
+    return [*prompt, handle.first_token], rest
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -24,6 +24,7 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.interval_s = interval_s
         self.max_tokens = max_tokens
         self.served: list[str] = []  # Decode calls, by request id
+        self.requests: list[pb.DecodeRequest] = []  # the Decode requests themselves
         self.aborts: list[str] = []  # Abort calls received, by request id
         self.cancelled: list[str] = []  # Decode streams the caller cancelled
         self._running: dict[str, asyncio.Event] = {}  # request id -> set on Abort
@@ -35,6 +36,7 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
         rid = request.request_id
         aborted = self._running[rid] = asyncio.Event()
         self.served.append(rid)
+        self.requests.append(request)
         ended = False
         try:
             for i in range(self.max_tokens):
