@@ -110,6 +110,10 @@ async def _load(svc, name, prompts, stop: asyncio.Event, outcomes: list[Outcome]
         await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
 
 
+def _diverges_at(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _role_pids(status: dict, role: str) -> dict[str, int]:
     return {w["workerId"]: int(w["pid"]) for w in status["workers"] if w["role"] == role}
 
@@ -185,7 +189,9 @@ def test_faults_under_streaming_load(serve_model, module_redis_server, request):
         print("\nfaults:", "; ".join(log), "\noutcomes:", summary)
         assert summary["hung"] == 0, summary
         wrong = [o for o in outcomes if o.kind == "completed" and o.text != reference[o.prompt]]
-        assert not wrong, f"{len(wrong)} completed with a wrong output"
+        assert not wrong, f"{len(wrong)} completed with a wrong output; faults: {log}; " + "; ".join(
+            f"prompt {o.prompt} diverges at char {_diverges_at(o.text, reference[o.prompt])}" for o in wrong
+        )
         assert summary["completed"] >= 10 and summary["cancelled"] >= 1, summary
         errors = {o.detail for o in outcomes if o.kind == "error"}
         print("errors:", sorted(errors)[:10])
