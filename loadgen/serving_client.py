@@ -23,6 +23,7 @@ import aiohttp
 from tqdm import tqdm
 
 from loadgen.serving_datasets import DATASETS, ServingRequest, build
+from loadgen.vllm_result import vllm_fields
 
 
 @dataclass(slots=True)
@@ -140,7 +141,12 @@ async def run_load(args, requests: list[ServingRequest], concurrency: int | None
             await asyncio.gather(*(client() for _ in range(concurrency or 1)))
         elapsed = time.perf_counter() - t0
         bar.close()
-    return summarize(results, elapsed, args.goodput, concurrency, rate)
+    summary = summarize(results, elapsed, args.goodput, concurrency, rate)
+    goodput = summary["goodput"] if args.goodput else None
+    summary["vllm"] = vllm_fields(results, elapsed, goodput, concurrency, rate, args.burstiness) | {
+        "model_id": model
+    }
+    return summary
 
 
 async def _first_model(session, base_url: str, headers: dict) -> str:
@@ -222,6 +228,33 @@ def print_report(s: dict) -> None:
         print(f"   {name[:-2].upper():5s} {ms(s[name])}")
 
 
+def write_results(path: str, runs: list[dict], result: dict, args) -> list[str]:
+    """vLLM's result file at ``path`` (``vllm bench serve`` field names, pdserve's own summary under
+    ``"pdserve"``); a sweep writes one such file per level (``<path stem>.c<N>.json``) and, at
+    ``path``, ``{"runs": [...]}`` of them."""
+    from pathlib import Path
+
+    meta = {"dataset": result["dataset"], "base_url": result["base_url"]}
+    meta["args"] = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
+
+    def flat(run: dict) -> dict:
+        pdserve = {k: v for k, v in run.items() if k not in ("vllm", "samples")}
+        return run["vllm"] | {"pdserve": pdserve | meta}
+
+    target = Path(path)
+    written = []
+    if len(runs) == 1:
+        payload = flat(runs[0])
+    else:
+        for run in runs:
+            level = target.with_name(f"{target.stem}.c{run['concurrency']}{target.suffix or '.json'}")
+            level.write_text(json.dumps(flat(run), default=str))
+            written.append(str(level))
+        payload = {"runs": [flat(r) for r in runs]}
+    target.write_text(json.dumps(payload, default=str))
+    return [*written, str(target)]
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
@@ -251,7 +284,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", nargs="*", help="SLOs, e.g. ttft:500 tpot:50 (milliseconds)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None, help="write the results here")
+    p.add_argument(
+        "--output-json", default=None, help="write the results here (vllm bench serve's field names)"
+    )
     p.add_argument("--plot", default=None, help="write PNG plots with this path prefix")
     p.add_argument("--no-progress", action="store_true")
 
@@ -277,14 +312,8 @@ def run(args) -> dict:
         print_report(s)
     result = {"base_url": args.base_url, "dataset": args.dataset, "num_prompts": len(requests), "runs": runs}
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(
-                {**result, "args": {k: v for k, v in vars(args).items() if k != "api_key" and k != "func"}},
-                f,
-                indent=1,
-                default=str,
-            )
-        print(f"\nwrote {args.output_json}")
+        for path in write_results(args.output_json, runs, result, args):
+            print(f"\nwrote {path}")
     if args.plot:
         from loadgen.serving_plots import plot_runs
 

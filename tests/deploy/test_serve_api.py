@@ -334,12 +334,15 @@ def test_pdserve_bench_measures_the_service(service, tmp_path):
         capture_output=True, text=True, timeout=300, env={**os.environ, "PDSERVE_API_KEY": API_KEY},
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    result = json.loads((tmp_path / "b.json").read_text())
-    assert [r["concurrency"] for r in result["runs"]] == [1, 4]
+    result = json.loads((tmp_path / "b.json").read_text())  # vllm bench serve's field names
+    assert [r["max_concurrency"] for r in result["runs"]] == [1, 4]
     for r in result["runs"]:
         assert r["completed"] == 12 and r["failed"] == 0
-        assert r["goodput"] == r["request_throughput"]  # every request within the loose SLOs
-        assert 0 < r["ttft_s"]["median"] <= r["ttft_s"]["p99"] <= r["e2e_s"]["p99"]
-        assert len(r["samples"]["itl_s"]) == 12 * 5  # 6 tokens: 5 gaps each, measured from the stream
+        assert r["request_goodput"] == r["request_throughput"]  # every request within the loose SLOs
+        assert 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2el_ms"]
+        assert sum(len(i) for i in r["itls"]) == 12 * 5  # 6 tokens: 5 gaps each, measured from the stream
+        assert r["output_lens"] == [6] * 12 and r["pdserve"]["dataset"] == "prefix"
+        level = json.loads((tmp_path / f"b.c{r['max_concurrency']}.json").read_text())
+        assert level["p99_itl_ms"] == r["p99_itl_ms"]
     assert (tmp_path / "b_latency_cdf.png").stat().st_size > 0 and (tmp_path / "b_sweep.png").exists()
     service.wait_idle()
