@@ -46,6 +46,13 @@ def add_parser(sub) -> None:
     s.add_argument("--mode", default="disaggregated", choices=["disaggregated", "aggregated"])
     s.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"])
     s.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=0,
+        help="conditional disaggregation: prefill on the decode worker when the prompt part it has not "
+        "cached is at most this many tokens (0: always disaggregate)",
+    )
+    s.add_argument(
         "--redis-url",
         default=environment.redis_url(),
         help="registry Redis (env PDSERVE_REDIS_URL; default: an embedded Redis-protocol server)",
@@ -84,7 +91,7 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
         engine=engine_kwargs_from_args(args),
         prefill={**worker, "num_replicas": args.prefill},
         decode={**worker, "num_replicas": args.decode},
-        router={"policy": args.policy},
+        router={"policy": args.policy, "local_prefill_tokens": args.local_prefill_tokens},
         ingress={
             "host": args.host,
             "port": args.port,

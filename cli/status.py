@@ -49,7 +49,8 @@ def format_status(cluster, states) -> str:
         f"{', DRAINING' if cluster.draining else ''}; {cluster.requests_routed} requests routed, "
         f"{cluster.active_requests} active; prefix hits predicted {cluster.predicted_prefix_hit_rate:.0%} / "
         f"delivered {cluster.delivered_prefix_hit_rate:.0%}; retries {cluster.prefill_retries}, "
-        f"aggregated fallbacks {cluster.aggregated_fallbacks}, failed {cluster.failed_requests}"
+        f"aggregated fallbacks {cluster.aggregated_fallbacks}, local prefills {cluster.local_prefills}, "
+        f"failed {cluster.failed_requests}"
     )
     rows = [("ROLE", "WORKER", "ADDRESS", "PID", "RUN", "WAIT", "HELD", "KV USED", "HIT RATE", "PREEMPT")]
     for w in sorted(states, key=lambda w: (w.role, w.worker_id)):

@@ -120,6 +120,9 @@ class DecodeOptions(ReplicaOptions):
 
 class RouterOptions(ReplicaOptions):
     policy: Literal["round_robin", "least_load", "cache_aware"] = "cache_aware"
+    # Conditional disaggregation: prompts whose part the decode worker has not cached is at most this
+    # many tokens are prefilled on the decode worker (0: always disaggregate).
+    local_prefill_tokens: int = Field(0, ge=0)
     num_cpus: float = Field(0.1, ge=0)
 
 

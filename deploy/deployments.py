@@ -132,7 +132,9 @@ class RouterServer:
         self.view.start()
         if not await asyncio.to_thread(self.view.wait_synced, 10.0):
             logger.warning("router started before the registry answered; routing once it does")
-        self.router = Router(self.view, config.router.policy)
+        self.router = Router(
+            self.view, config.router.policy, local_prefill_tokens=config.router.local_prefill_tokens
+        )
         self.server, self.address = await serve_router(self.router, _bind_host(config), 0)
 
     async def get_address(self) -> str:

@@ -66,6 +66,7 @@ class ClusterValues(_Values):
     redis_external: bool = False  # True: the Secret's "url" points at your Redis; none is deployed
     redis_storage: str = "1Gi"
     router_policy: str = "cache_aware"
+    router_local_prefill_tokens: int = 0  # conditional disaggregation threshold (0: always disaggregate)
     autoscaling: PDAutoscalingConfig | None = None
     # Listen addresses inside the pods: loopback unless the values ask for more. A Kubernetes
     # Service reaches the Serve proxy, and the KubeRay operator the dashboard, only on the pod IP,
@@ -96,7 +97,11 @@ def serve_config(v: ClusterValues) -> dict[str, Any]:
             "num_gpus": v.decode.gpus,
             "resources": {"decode_gpu": 1},
         },
-        router={"policy": v.router_policy, "resources": {"pdserve_head": 0.01}},
+        router={
+            "policy": v.router_policy,
+            "local_prefill_tokens": v.router_local_prefill_tokens,
+            "resources": {"pdserve_head": 0.01},
+        },
         ingress={"host": v.serve_host, "resources": {"pdserve_head": 0.01}},
         autoscaling=v.autoscaling,
     )

@@ -147,6 +147,11 @@ class _ClusterCollector:
             yield CounterMetricFamily(
                 "pdserve_router_requests_routed", "Requests the router has routed", value=c.requests_routed
             )
+            yield CounterMetricFamily(
+                "pdserve_router_local_prefills",
+                "Requests prefilled on their decode worker (uncached prompt part under the threshold)",
+                value=c.local_prefills,
+            )
             yield GaugeMetricFamily(
                 "pdserve_router_active_requests",
                 "Generate streams open on the router",

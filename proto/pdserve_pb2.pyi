@@ -361,7 +361,7 @@ class RoutingCount(_message.Message):
     def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining", "decode_retries")
+    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining", "decode_retries", "local_prefills")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +380,7 @@ class ClusterState(_message.Message):
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     DECODE_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSummary]
     degraded: bool
     policy: str
@@ -398,4 +399,5 @@ class ClusterState(_message.Message):
     active_requests: int
     draining: bool
     decode_retries: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., decode_retries: _Optional[int] = ...) -> None: ...
+    local_prefills: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., decode_retries: _Optional[int] = ..., local_prefills: _Optional[int] = ...) -> None: ...

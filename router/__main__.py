@@ -22,7 +22,7 @@ async def _main(args: argparse.Namespace) -> None:
     view = ClusterView(args.redis_url)
     view.start()
     view.wait_synced(10)
-    router = Router(view, args.policy)
+    router = Router(view, args.policy, local_prefill_tokens=args.local_prefill_tokens)
     server, address = await serve(router, args.host, args.port)
     print(f"LISTENING {address}", flush=True)
     stop = asyncio.Event()
@@ -44,6 +44,12 @@ def main() -> None:
         help="registry Redis (env PDSERVE_REDIS_URL)",
     )
     p.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=0,
+        help="prefill on the decode worker when its uncached prompt part is at most this many tokens (0: never)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--log-level", default="WARNING")

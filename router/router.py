@@ -50,6 +50,7 @@ class RouterStats:
     requests: int = 0
     prefill_retries: int = 0
     decode_retries: int = 0
+    local_prefills: int = 0  # short uncached prompts prefilled on their decode worker
     aggregated_fallbacks: int = 0
     failed: int = 0
     predicted_hit_tokens: int = 0
@@ -58,10 +59,21 @@ class RouterStats:
 
 
 class Router:
-    def __init__(self, view: ClusterView, policy: str = "cache_aware", prefill_attempts: int = 2) -> None:
+    def __init__(
+        self,
+        view: ClusterView,
+        policy: str = "cache_aware",
+        prefill_attempts: int = 2,
+        local_prefill_tokens: int = 0,
+    ) -> None:
+        if local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
         self.view = view
         self.policy: Policy = make_policy(policy)
         self.prefill_attempts = prefill_attempts
+        # Conditional disaggregation: a prompt whose part the decode worker has not cached is at most
+        # this many tokens is prefilled there (no prefill hop, no KV transfer); 0 always disaggregates.
+        self.local_prefill_tokens = local_prefill_tokens
         self.inflight: dict[str, WorkerLoad] = {}
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, worker) -> routed requests
         self.stats = RouterStats()
@@ -139,6 +151,9 @@ class Router:
         exclude: set[str] = set()
         route = self.route(prompt)
         resp = None
+        if route.prefill is not None and params.n == 1 and self._prefill_locally(prompt, route):
+            self.stats.local_prefills += 1
+            route = Route(None, route.decode, route.predicted_hit_tokens)
         if route.prefill is not None and params.n == 1:
             for attempt in range(self.prefill_attempts):
                 try:
@@ -196,6 +211,19 @@ class Router:
         finally:
             if not pulled:  # the decode side never got going: do not leave the KV to its lease
                 self._in_background(self._release(route.prefill, request_id, resp.handle.epoch))
+
+    def _prefill_locally(self, prompt: list[int], route: Route) -> bool:
+        """Whether the decode worker should prefill this prompt itself: the part it has not cached is
+        short enough that a prefill hop and a KV transfer would cost more than computing it there."""
+        if self.local_prefill_tokens <= 0:
+            return False
+        if len(prompt) <= self.local_prefill_tokens:
+            return True
+        d = route.decode
+        index = self.view.index
+        with index.lock:
+            hit = index.match(iter_block_hashes(prompt, d.block_size, d.cache_salt), [d.worker_id])
+        return len(prompt) - hit.get(d.worker_id, 0) * d.block_size <= self.local_prefill_tokens
 
     async def _prefill(self, route: Route, rid, prompt, params, priority, deadline) -> pb.PrefillResponse:
         w = route.prefill

@@ -98,6 +98,7 @@ class RouterService(pb_grpc.RouterServicer):
             failed_requests=s.failed,
             active_requests=r.active,
             decode_retries=s.decode_retries,
+            local_prefills=s.local_prefills,
             draining=view.draining,
         )
 
