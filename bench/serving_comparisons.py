@@ -2,12 +2,14 @@
 
 1. disaggregated vs aggregated at equal total workers (1 prefill + 1 decode vs 2 aggregated decode
    workers) under an interference mix (long prompts among short chat turns): ITL p99 and goodput;
-2. cache_aware vs round_robin routing on the multi-tenant prefix workload: TTFT p90 and throughput;
-3. serving overhead: request throughput of the full HTTP stack (ingress -> router -> worker) vs the
+2. conditional disaggregation: short chat turns prefilled on the decode worker vs always
+   disaggregating (TTFT of the short turns, ITL p99);
+3. cache_aware vs round_robin routing on the multi-tenant prefix workload: TTFT p90 and throughput;
+4. serving overhead: request throughput of the full HTTP stack (ingress -> router -> worker) vs the
    engine alone (``LLM.generate``) on the same short requests.
 (The engine vs HF transformers comparison is ``python -m bench.offline_throughput``.)
 
-    python -m bench.serving_comparisons [--only interference,prefix,overhead] [--quick]
+    python -m bench.serving_comparisons [--only interference,local_prefill,prefix,overhead] [--quick]
 
 Each server is ``pdserve serve`` on the default tiny random Llama (~32M parameters, fp32) with an
 embedded Redis, started and stopped by this script. Results: bench/results/serving_comparisons.json
@@ -118,6 +120,56 @@ def interference(quick: bool) -> dict:
     }
 
 
+def _split_by_length(run: dict, short_max: int) -> dict:
+    """TTFT (ms) of the short and the long requests of a run, from its per-request lists."""
+    v = run["vllm"]
+    ok = [(n, t) for n, t, e in zip(v["input_lens"], v["ttfts"], v["errors"]) if not e]
+    short = sorted(t * 1000 for n, t in ok if n <= short_max)
+    long_ = sorted(t * 1000 for n, t in ok if n > short_max)
+
+    def pct(xs: list[float], p: float) -> float:
+        return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] if xs else 0.0
+
+    return {
+        "short_ttft_ms_median": pct(short, 50),
+        "short_ttft_ms_p90": pct(short, 90),
+        "long_ttft_ms_median": pct(long_, 50),
+    }
+
+
+def local_prefill(quick: bool) -> dict:
+    """Conditional disaggregation (1 prefill + 1 decode, interference mix): short chat turns
+    prefilled on the decode worker (``--local-prefill-tokens 64``) against always disaggregating.
+    Short turns should get their first token sooner (no prefill hop, no KV transfer), while long
+    prompts still go to the prefill worker, so the decode batch keeps its ITL protection."""
+    args = bench_args(
+        dataset="interference",
+        num_prompts=24 if quick else 64,
+        long_len=768,
+        input_len=32,
+        output_len=48,
+        long_fraction=0.25,
+        vocab_size=VOCAB,
+        ignore_eos=True,
+        warmup=2,
+        goodput={"ttft": 4000.0, "tpot": 150.0},
+    )
+    runs, split = {}, {}
+    for name, threshold in (("always_disaggregated", "0"), ("local_prefill_64", "64")):
+        with serving("--prefill", "1", "--decode", "1", "--local-prefill-tokens", threshold) as base:
+            runs[name] = load(base, args, concurrency=8)
+        split[name] = _split_by_length(runs[name], short_max=64)
+    a, lp = runs["always_disaggregated"], runs["local_prefill_64"]
+    return {
+        "runs": runs,
+        "by_length": split,
+        "short_ttft_median_ratio_always_over_local": split["always_disaggregated"]["short_ttft_ms_median"]
+        / max(split["local_prefill_64"]["short_ttft_ms_median"], 1e-9),
+        "itl_p99_ratio_local_over_always": lp["itl_s"]["p99"] / a["itl_s"]["p99"],
+        "goodput_ratio_local_over_always": lp["goodput"] / a["goodput"] if a["goodput"] else float("inf"),
+    }
+
+
 def prefix(quick: bool) -> dict:
     args = bench_args(
         dataset="prefix",
@@ -181,13 +233,19 @@ def overhead(quick: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.serving_comparisons", description=__doc__)
-    p.add_argument("--only", default="interference,prefix,overhead")
+    p.add_argument("--only", default="interference,local_prefill,prefix,overhead")
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     p.add_argument("--output", default=str(RESULTS / "serving_comparisons.json"))
     a = p.parse_args()
     out = {}
     for name in a.only.split(","):
-        out[name] = {"interference": interference, "prefix": prefix, "overhead": overhead}[name](a.quick)
+        comparisons = {
+            "interference": interference,
+            "local_prefill": local_prefill,
+            "prefix": prefix,
+            "overhead": overhead,
+        }
+        out[name] = comparisons[name](a.quick)
     print("\n==== ratios (one run each, this machine) ====")
     for name, res in out.items():
         for k, v in res.items():
@@ -198,6 +256,7 @@ def main() -> None:
     for res in slim.values():
         for run in res.get("runs", {}).values():
             run.pop("samples", None)
+            run.pop("vllm", None)
     Path(a.output).write_text(json.dumps(slim, indent=1))
     print(f"wrote {a.output}")
     _plots(out, Path(a.output).with_suffix(""))
@@ -211,6 +270,7 @@ def _plots(out: dict, prefix: Path) -> None:
 
     panels = [
         ("interference", "itl_s", "ITL under interference"),
+        ("local_prefill", "ttft_s", "TTFT, conditional disaggregation"),
         ("prefix", "ttft_s", "TTFT on the prefix workload"),
         ("overhead", "e2e_s", "E2E latency, short requests"),
     ]
