@@ -90,8 +90,9 @@ def load(base: str, args: argparse.Namespace, concurrency: int) -> dict:
     return asyncio.run(run_load(args, build(args), concurrency, None))
 
 
-def interference(quick: bool) -> dict:
-    args = bench_args(
+def interference_args(quick: bool) -> argparse.Namespace:
+    """Long prompts (25%, 768 tokens) among 32-token chat turns, 48 output tokens each."""
+    return bench_args(
         dataset="interference",
         num_prompts=24 if quick else 64,
         long_len=768,
@@ -103,6 +104,10 @@ def interference(quick: bool) -> dict:
         warmup=2,
         goodput={"ttft": 4000.0, "tpot": 150.0},
     )
+
+
+def interference(quick: bool) -> dict:
+    args = interference_args(quick)
     runs = {}
     for name, flags in (
         ("disaggregated", ("--prefill", "1", "--decode", "1")),
@@ -142,18 +147,7 @@ def local_prefill(quick: bool) -> dict:
     prefilled on the decode worker (``--local-prefill-tokens 64``) against always disaggregating.
     Short turns should get their first token sooner (no prefill hop, no KV transfer), while long
     prompts still go to the prefill worker, so the decode batch keeps its ITL protection."""
-    args = bench_args(
-        dataset="interference",
-        num_prompts=24 if quick else 64,
-        long_len=768,
-        input_len=32,
-        output_len=48,
-        long_fraction=0.25,
-        vocab_size=VOCAB,
-        ignore_eos=True,
-        warmup=2,
-        goodput={"ttft": 4000.0, "tpot": 150.0},
-    )
+    args = interference_args(quick)
     runs, split = {}, {}
     for name, threshold in (("always_disaggregated", "0"), ("local_prefill_64", "64")):
         with serving("--prefill", "1", "--decode", "1", "--local-prefill-tokens", threshold) as base:

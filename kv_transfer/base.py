@@ -92,6 +92,40 @@ class TransferHandle:
             self.local_blocks_reusable = True
 
 
+def new_read(
+    transfer_id: int,
+    peer: RemoteKVInfo,
+    remote_block_ids: list[int],
+    local_block_ids: list[int],
+    local_num_blocks: int,
+    notify: bytes,
+    timeout_s: float,
+) -> TransferHandle:
+    """A validated handle for ``start_read`` (every backend checks a read the same way): ids in
+    range on both sides, as many local as remote ids, no local id twice, a positive timeout.
+    Raises ``ValueError`` (a caller error)."""
+    remote, local = [int(b) for b in remote_block_ids], [int(b) for b in local_block_ids]
+    if len(remote) != len(local):
+        raise ValueError(f"{len(remote)} remote block ids but {len(local)} local block ids")
+    for side, ids, n in (("remote", remote, peer.num_blocks), ("local", local, local_num_blocks)):
+        bad = [b for b in ids if not 0 <= b < n]
+        if bad:
+            raise ValueError(f"{side} block ids {bad} out of range [0, {n})")
+    if len(set(local)) != len(local):
+        raise ValueError(f"local block ids repeat: {local}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    return TransferHandle(
+        transfer_id=transfer_id,
+        remote_agent=peer.agent_name,
+        remote_block_ids=tuple(remote),
+        local_block_ids=tuple(local),
+        num_bytes=len(local) * peer.block_bytes,
+        notify=bytes(notify),
+        deadline=time.monotonic() + timeout_s,
+    )
+
+
 @runtime_checkable
 class KVTransferBackend(Protocol):
     """Moves KV blocks between engines. One backend per engine; it owns that engine's KV memory."""

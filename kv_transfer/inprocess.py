@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kv_transfer.base import RemoteKVInfo, TransferHandle, TransferState
+from kv_transfer.base import RemoteKVInfo, TransferHandle, TransferState, new_read
 from kv_transfer.compat import KVCompat, KVIncompatibleError, check_compatible, dtype_name
 
 if TYPE_CHECKING:
@@ -160,24 +160,16 @@ class InProcessBackend:
             peer = self._peers.get(remote_agent)
             if peer is None:
                 raise ValueError(f"unknown peer {remote_agent!r}: add_peer() its RemoteKVInfo first")
-            remote, local = [int(b) for b in remote_block_ids], [int(b) for b in local_block_ids]
-            if len(remote) != len(local):
-                raise ValueError(f"{len(remote)} remote block ids but {len(local)} local block ids")
-            _check_ids("remote", remote, peer.num_blocks)
-            _check_ids("local", local, self.num_blocks)
-            if len(set(local)) != len(local):
-                raise ValueError(f"local block ids repeat: {local}")
-            if not timeout_s > 0:
-                raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-            handle = TransferHandle(
-                transfer_id=next(self._ids),
-                remote_agent=remote_agent,
-                remote_block_ids=tuple(remote),
-                local_block_ids=tuple(local),
-                num_bytes=len(local) * self.block_bytes,
-                notify=bytes(notify),
-                deadline=time.monotonic() + timeout_s,
+            handle = new_read(
+                next(self._ids),
+                peer,
+                remote_block_ids,
+                local_block_ids,
+                self.num_blocks,
+                notify,
+                timeout_s,
             )
+            local = list(handle.local_block_ids)
             if not local:  # nothing to move (all prefix hits): the owner still needs its notification
                 if self._deliver(peer, handle.notify):
                     handle.finish(TransferState.DONE, settled=True)
@@ -281,9 +273,3 @@ class InProcessBackend:
         for read in self._reads.values():
             if read.handle.remote_agent == name:
                 read.handle.finish(TransferState.FAILED, reason, settled=False)
-
-
-def _check_ids(side: str, ids: list[int], num_blocks: int) -> None:
-    bad = [b for b in ids if not 0 <= b < num_blocks]
-    if bad:
-        raise ValueError(f"{side} block ids {bad} out of range [0, {num_blocks})")

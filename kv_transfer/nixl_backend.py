@@ -18,14 +18,13 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-from kv_transfer.base import RemoteKVInfo, TransferHandle, TransferState, merge_block_runs
+from kv_transfer.base import RemoteKVInfo, TransferHandle, TransferState, merge_block_runs, new_read
 from kv_transfer.compat import KVCompat, dtype_name
 from kv_transfer.nixl_inflight import InflightReads, describe
 from kv_transfer.nixl_peers import NixlPeers
@@ -130,22 +129,16 @@ class NixlBackend:
             peer = self._peers.get(remote_agent)
             if peer is None:
                 raise ValueError(f"unknown peer {remote_agent!r}: add_peer() its RemoteKVInfo first")
-            remote, local = [int(b) for b in remote_block_ids], [int(b) for b in local_block_ids]
-            _check_ids("remote", remote, peer.num_blocks)
-            _check_ids("local", local, self.num_blocks)
-            if len(set(local)) != len(local):
-                raise ValueError(f"local block ids repeat: {local}")
-            if not timeout_s > 0:
-                raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-            handle = TransferHandle(
-                transfer_id=next(self._ids),
-                remote_agent=remote_agent,
-                remote_block_ids=tuple(remote),
-                local_block_ids=tuple(local),
-                num_bytes=len(local) * self.block_bytes,
-                notify=bytes(notify),
-                deadline=time.monotonic() + timeout_s,
+            handle = new_read(
+                next(self._ids),
+                peer,
+                remote_block_ids,
+                local_block_ids,
+                self.num_blocks,
+                notify,
+                timeout_s,
             )
+            local = list(handle.local_block_ids)
             if not local:  # nothing to move (all prefix hits): the owner still needs its notification
                 try:
                     self._agent.send_notif(remote_agent, handle.notify)
@@ -155,7 +148,7 @@ class NixlBackend:
                     handle.finish(TransferState.DONE, settled=True)
                 return handle
             bb, base = self.block_bytes, self._kv.data_ptr()
-            runs = merge_block_runs(remote, local)
+            runs = merge_block_runs(list(handle.remote_block_ids), local)
             src = np.array([(peer.block_addr(r), n * bb, peer.device_id) for r, _, n in runs], np.uint64)
             dst = np.array([(base + lo * bb, n * bb, self._device_id) for _, lo, n in runs], np.uint64)
             try:
@@ -236,9 +229,3 @@ class NixlBackend:
         """Check every request in flight, then invalidate removed peers that have none left."""
         self._inflight.check_all()
         self._peers.retire_idle(self._inflight.busy_peers())
-
-
-def _check_ids(side: str, ids: list[int], num_blocks: int) -> None:
-    bad = [b for b in ids if not 0 <= b < num_blocks]
-    if bad:
-        raise ValueError(f"{side} block ids {bad} out of range [0, {num_blocks})")
