@@ -150,6 +150,7 @@ class KVPuller:
         if pull.state is PullState.WAITING_FOR_ROOM:  # nothing allocated here; free the peer's blocks
             del self._pulls[request_id]
             self._notify_owner(pull)
+            self.publish([SequenceOutput(request_id, 0, [], finish_reason="abort")])
         else:
             pull.state = PullState.ABORTING  # freed by tick once the read has settled
         return True

@@ -105,8 +105,7 @@ class DecodeWorker(WorkerRuntime):
         new = [a for a in addresses if a not in self._warmed]
         if not new:
             return 0
-        added = await self.warm_peers(new)
-        self._warmed.update(new)
+        added = await self.warm_peers(new)  # marks the ones it reached as warmed; the rest retry
         logger.info("%s: NIXL connected to %d new prefill workers", self.worker_id, added)
         return added
 
@@ -145,6 +144,7 @@ class DecodeWorker(WorkerRuntime):
             except (OSError, grpc.RpcError, ValueError) as exc:
                 logger.info("prefill worker %s not warmed (%s)", address, exc)
                 continue
+            self._warmed.add(address)
             if info.agent_name in self._peers:
                 continue
             await self.loop.run(lambda info=info: self.transfer.add_peer(info))
@@ -232,8 +232,10 @@ class DecodeWorker(WorkerRuntime):
         self._peers.add(kv.agent_name)
 
     def _abort(self, rid: str) -> bool:
-        """Engine thread."""
+        """Engine thread. The request's stream (if still open) ends with finish reason ``abort``."""
         pulled = self.pulls.abort(rid)
         if pulled is not None:
             return pulled
-        return bool(self.core.abort_request(rid))
+        outs = self.core.abort_request(rid)
+        self.loop.publish(outs)
+        return bool(outs)

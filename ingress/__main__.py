@@ -53,7 +53,7 @@ async def _serve(args: argparse.Namespace) -> None:
     sock.listen(2048)  # connections queue from here on, so LISTENING means reachable
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(ingress.http, log_level=args.log_level.lower(), lifespan="off"))
-    print(f"LISTENING {host}:{port}", flush=True)
+    print(f"LISTENING {f'[{host}]' if ':' in host else host}:{port}", flush=True)
     try:
         await server.serve(sockets=[sock])  # until SIGINT/SIGTERM (uvicorn's own handlers)
     finally:

@@ -82,16 +82,17 @@ class PrefillWorker(WorkerRuntime):
                 )
             )
             out: SequenceOutput = await stream.get()
-        except asyncio.CancelledError:
+            lease = await self.loop.run(lambda: self.leases.get(request_id))
+        except asyncio.CancelledError:  # the caller left: nobody will ever get the handle
             self.loop.close_stream(request_id)
             self.loop.call(lambda: self._abandon(request_id))
             raise
-        self.loop.close_stream(request_id)
+        finally:
+            self.loop.close_stream(request_id)  # also when the engine refused the request
         if out.error:
             raise RuntimeError(out.error)
         if out.finish_reason is not None and not out.new_token_ids:
             raise RuntimeError(f"request {request_id} ended before its first token: {out.finish_reason}")
-        lease = await self.loop.run(lambda: self.leases.get(request_id))
         return PrefillResult(
             request_id=request_id,
             first_token=out.new_token_ids[0],

@@ -51,10 +51,13 @@ class RegistryPublisher:
         if self._thread is not None:
             self._thread.join(5)
         if deregister:
+            client = connect(self.redis_url)
             try:
-                WorkerRegistration(connect(self.redis_url), self.record).deregister()
+                WorkerRegistration(client, self.record).deregister()
             except redis.RedisError as exc:
                 logger.warning("could not deregister %s: %s", self.record.worker_id, exc)
+            finally:
+                client.close()
 
     # Worker's engine thread ------------------------------------------------------------------
 
@@ -94,8 +97,8 @@ class RegistryPublisher:
                 kind, payload = self._queue.get(timeout=self.heartbeat_s / 2)
             except queue.Empty:
                 kind, payload = "idle", None
-            if kind == "stop":
-                return
+            if kind == "stop" or self._stop.is_set():
+                return  # NOTE: never register again once stopping (stop() deregisters)
             try:
                 if reg.client is None:
                     reg.client = connect(self.redis_url)

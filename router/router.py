@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -84,7 +85,7 @@ class Router:
         # the decode call is open (what ``abort`` acts on).
         self._tasks: dict[str, asyncio.Task] = {}
         self._decoding: dict[str, WorkerRecord] = {}
-        self._aborted: set[str] = set()  # cancelled by ``abort`` (not by their caller)
+        self._aborted: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # cancelled by ``abort``
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -133,10 +134,12 @@ class Router:
             if self._tasks.get(request_id) is task:
                 del self._tasks[request_id]
 
-    def take_aborted(self, request_id: str) -> bool:
-        """Whether ``abort`` cancelled this request's stream (asked once, by the stream's handler)."""
-        if request_id in self._aborted:
-            self._aborted.discard(request_id)
+    def take_aborted(self) -> bool:
+        """Whether ``abort`` (not the caller) cancelled the current task's stream; asked once, by the
+        stream's handler."""
+        task = asyncio.current_task()
+        if task is not None and task in self._aborted:
+            self._aborted.discard(task)
             return True
         return False
 
@@ -334,7 +337,7 @@ class Router:
                 logger.info("abort of %s on %s failed (%s)", request_id, w.worker_id, exc.code())
         task = self._tasks.get(request_id)
         if task is not None and task is not asyncio.current_task():
-            self._aborted.add(request_id)
+            self._aborted.add(task)
             task.cancel()
             return True
 

@@ -38,7 +38,7 @@ class RouterService(pb_grpc.RouterServicer):
             ):
                 yield msg
         except asyncio.CancelledError:
-            if not self.router.take_aborted(request.request_id):
+            if not self.router.take_aborted():
                 raise  # the caller went away
             asyncio.current_task().uncancel()  # Router.Abort cancelled it: end the stream normally
             yield pb.GenerateResponse(finished=pb.Finished(finish_reason="abort"))

@@ -212,3 +212,11 @@ def test_every_package_is_installed_and_shipped_in_the_image():
     }
     assert installed >= PACKAGES, PACKAGES - installed
     assert copied >= PACKAGES, PACKAGES - copied
+
+
+def test_test_module_names_are_unique():
+    """tests/ has no packages: pytest imports test modules by basename, so two alike break collection."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (ROOT / "tests").rglob("*.py") if p.name != "conftest.py")
+    assert [n for n, c in names.items() if c > 1] == []

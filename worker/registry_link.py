@@ -19,9 +19,12 @@ class RegistryLink:
     def __init__(self, core: EngineCore, publisher: RegistryPublisher) -> None:
         self.core = core
         self.publisher = publisher
+        self.stopped = False
 
     def tick(self) -> None:
-        """Engine thread only."""
+        """Engine thread only; a no-op once stopped (nothing reads the publisher's queue then)."""
+        if self.stopped:
+            return
         core, pub = self.core, self.publisher
         events = core.drain_kv_events()
         if pub.snapshot_wanted():
@@ -38,6 +41,7 @@ class RegistryLink:
             )
 
     def stop(self) -> None:
+        self.stopped = True
         self.publisher.stop()  # deregisters
 
 

@@ -1,0 +1,32 @@
+"""A request the prefill engine refuses (it can never fit) raises ValueError and leaves nothing
+behind: no open output stream, no blocks, no lease."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from kv_transfer import InProcessFabric
+from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+
+
+def test_refused_request_leaves_no_stream_and_no_blocks(tiny_llama):
+    worker = PrefillWorker(
+        PrefillWorkerConfig(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=8)),
+        InProcessFabric().transfer_factory,
+    )
+    worker.start()
+
+    async def main() -> None:
+        with pytest.raises(ValueError):  # 100 tokens cannot fit in 8 blocks of 4
+            await worker.prefill("big", list(range(3, 103)), SamplingParams(temperature=0, max_tokens=2))
+        assert not worker.loop.has_stream("big")
+        assert await worker.busy() == 0
+        assert (await worker.stats()).num_free_blocks == 8
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.stop()
