@@ -213,7 +213,9 @@ def overhead(quick: bool) -> dict:
     runs = {}
     for name, flags in (
         ("aggregated_http", ("--mode", "aggregated", "--decode", "1")),
+        ("aggregated_http_direct", ("--mode", "aggregated", "--decode", "1", "--http-server", "direct")),
         ("disaggregated_http", ("--prefill", "1", "--decode", "1")),
+        ("disaggregated_http_direct", ("--prefill", "1", "--decode", "1", "--http-server", "direct")),
     ):
         with serving(*flags) as base:
             runs[name] = load(base, args, concurrency=32)
@@ -222,6 +224,10 @@ def overhead(quick: bool) -> dict:
         "runs": runs,
         "http_over_engine_aggregated": runs["aggregated_http"]["request_throughput"] / engine_rps,
         "http_over_engine_disaggregated": runs["disaggregated_http"]["request_throughput"] / engine_rps,
+        "direct_http_over_engine_aggregated": runs["aggregated_http_direct"]["request_throughput"]
+        / engine_rps,
+        "direct_http_over_engine_disaggregated": runs["disaggregated_http_direct"]["request_throughput"]
+        / engine_rps,
     }
 
 

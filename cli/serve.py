@@ -65,6 +65,13 @@ def add_parser(sub) -> None:
         "--max-concurrent-requests", type=int, default=256, help="beyond it requests queue, then 429"
     )
     s.add_argument(
+        "--http-server",
+        default="serve_proxy",
+        choices=["serve_proxy", "direct"],
+        help="serve_proxy: Ray Serve's HTTP proxy in front of the ingress; direct: the ingress replicas "
+        "serve HTTP themselves (one process hop less per token)",
+    )
+    s.add_argument(
         "--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per prefill/decode replica"
     )
     s.add_argument("--worker-gpus", type=float, default=0.0, help="GPUs per prefill/decode replica")
@@ -96,6 +103,7 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
             "host": args.host,
             "port": args.port,
             "max_concurrent_requests": args.max_concurrent_requests,
+            "http_server": args.http_server,
         },
     )
 
@@ -165,7 +173,10 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
         )
     _on_signals(stop)  # NOTE: again: ray.init replaces the SIGTERM handler with a plain exit
     try:
-        serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
+        if config.ingress.http_server == "direct":  # the ingress replicas serve HTTP themselves
+            serve.start(proxy_location="Disabled")
+        else:
+            serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
         if not _deploy(serve, build_app(config), config, stop):
             print("interrupted before the application was ready", file=sys.stderr)
             return 130

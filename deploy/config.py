@@ -127,9 +127,16 @@ class RouterOptions(ReplicaOptions):
 
 
 class IngressDeploymentOptions(ReplicaOptions, IngressOptions):
-    """The ingress's own options (``ingress.options``) plus its replica options."""
+    """The ingress's own options (``ingress.options``) plus its replica options.
+
+    ``http_server``: ``serve_proxy`` (default) puts Ray Serve's HTTP proxy in front of the replicas;
+    ``direct`` has each replica serve HTTP itself on ``host:port`` (uvicorn, SO_REUSEPORT so replicas
+    on one node share the port) and runs no Serve proxy: one process hop less on every token's
+    path. KubeRay's serve Service routes to Serve's proxies, so manifests keep ``serve_proxy``.
+    """
 
     num_cpus: float = Field(0.1, ge=0)
+    http_server: Literal["serve_proxy", "direct"] = "serve_proxy"
 
 
 class PDServeConfig(_Strict):

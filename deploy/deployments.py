@@ -199,8 +199,16 @@ class IngressServer:
             replica=_replica_id(),
         )
 
+        self._direct = None
+        if config.ingress.http_server == "direct":
+            from ingress.server import serve_http
+
+            self._direct = await serve_http(self.ingress.http, config.ingress.host, config.ingress.port)
+
     def __serve_build_asgi_app__(self):
         return self.ingress.http
 
     async def __del__(self) -> None:
-        await self.ingress.close()
+        await self.ingress.close()  # new requests get 503 while the server stops
+        if self._direct is not None:
+            await self._direct.stop()

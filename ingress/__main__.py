@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import socket
+import signal
 import typing
 
 from ingress.options import IngressOptions
@@ -26,10 +26,8 @@ def _add_option_flags(p: argparse.ArgumentParser) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from ingress.model_info import load_model_info
-    from ingress.server import Ingress, api_key_from
+    from ingress.server import Ingress, api_key_from, serve_http
     from router.client import RouterClient
 
     options = IngressOptions(**{k: getattr(args, k) for k in IngressOptions.model_fields})
@@ -47,17 +45,16 @@ async def _serve(args: argparse.Namespace) -> None:
         api_key_from(options.api_key_file),
         expect_prefill=args.mode == "disaggregated",
     )
-    sock = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((options.host, options.port))
-    sock.listen(2048)  # connections queue from here on, so LISTENING means reachable
-    host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(ingress.http, log_level=args.log_level.lower(), lifespan="off"))
+    server = await serve_http(ingress.http, options.host, options.port, reuse_port=False)
+    host, port = server.address
     print(f"LISTENING {f'[{host}]' if ':' in host else host}:{port}", flush=True)
-    try:
-        await server.serve(sockets=[sock])  # until SIGINT/SIGTERM (uvicorn's own handlers)
-    finally:
-        await ingress.close()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await ingress.close()
+    await server.stop()
 
 
 def main() -> None:

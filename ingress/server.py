@@ -7,7 +7,9 @@ own (``python -m ingress``, uvicorn). ``close()`` starts draining: new requests 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 
 from fastapi import FastAPI
 
@@ -73,6 +75,37 @@ class Ingress:
     async def close(self) -> None:
         self.serving.draining = True
         await self.client.close()
+
+
+class HTTPServer:
+    """uvicorn serving an app on an already listening socket, as a task of the running loop."""
+
+    def __init__(self, app: FastAPI, sock: socket.socket) -> None:
+        import uvicorn
+
+        self.sock = sock
+        self.address = sock.getsockname()[:2]
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        await asyncio.wait({self._task}, timeout=10)
+        self.sock.close()
+
+
+async def serve_http(app: FastAPI, host: str, port: int, *, reuse_port: bool = True) -> HTTPServer:
+    """Serve ``app`` on ``host:port`` (0 picks a port) from this process's event loop. With
+    ``reuse_port`` several processes (ingress replicas on one node) share the port; the kernel
+    spreads connections over them. Listening before it returns: a connection made then waits in
+    the backlog until uvicorn accepts it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return HTTPServer(app, sock)
 
 
 def api_key_from(path: str | None) -> str | None:
