@@ -286,6 +286,7 @@ def _wait_healthy(base: str, config: PDServeConfig, stop: threading.Event, timeo
 
 
 def _display_host(host: str) -> str:
+    """The host to print in the ready banner's URL (binding stays as asked: 127.0.0.1 by default)."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 

@@ -44,13 +44,16 @@ def test_aggregated_mode_matches_hf_and_n_samples(serve_model, module_redis_serv
     assert svc.leftover_processes() == []
 
 
-def test_demo_on_embedded_defaults(serve_model):
+@pytest.mark.parametrize("http_server", ["serve_proxy", "direct"])
+def test_demo_on_embedded_defaults(serve_model, http_server):
+    """The zero-setup demo end to end; ``direct``: no Serve proxy runs and the ingress replica serves
+    HTTP itself, so the demo's streams can only get through that server."""
     env = dict(os.environ)
     env.pop("PDSERVE_REDIS_URL", None)
     env.pop("PDSERVE_API_KEY", None)
     cmd = [sys.executable, "-m", "cli", "serve", "--model", str(serve_model), "--demo"]
     out = subprocess.run(
-        [*cmd, "--port", str(free_port()), "--num-blocks", "64"],
+        [*cmd, "--port", str(free_port()), "--num-blocks", "64", "--http-server", http_server],
         capture_output=True,
         text=True,
         env=env,
@@ -59,38 +62,6 @@ def test_demo_on_embedded_defaults(serve_model):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "embedded Redis-protocol server" in out.stdout
-    assert out.stdout.count("TTFT") == 4
-    final = [line for line in out.stdout.splitlines() if "KV blocks free" in line]
-    assert len(final) == 2 and all(" 0 running, 0 waiting, 0 held, 64/64 KV blocks free" in x for x in final)
-    assert "pdserve stopped" in out.stdout
-
-
-def test_ingress_serving_http_directly(serve_model):
-    """``--http-server direct``: no Serve proxy runs, the ingress replica serves HTTP itself; the demo's
-    streams go through it and the service drains and stops cleanly."""
-    env = dict(os.environ)
-    env.pop("PDSERVE_REDIS_URL", None)
-    env.pop("PDSERVE_API_KEY", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "cli",
-        "serve",
-        "--model",
-        str(serve_model),
-        "--demo",
-        "--http-server",
-        "direct",
-    ]
-    out = subprocess.run(
-        [*cmd, "--port", str(free_port()), "--num-blocks", "64"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=400,
-        start_new_session=True,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("TTFT") == 4
     final = [line for line in out.stdout.splitlines() if "KV blocks free" in line]
     assert len(final) == 2 and all(" 0 running, 0 waiting, 0 held, 64/64 KV blocks free" in x for x in final)
