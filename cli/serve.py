@@ -74,6 +74,15 @@ def add_parser(sub) -> None:
     s.add_argument(
         "--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per prefill/decode replica"
     )
+    for role in ("prefill", "decode"):
+        s.add_argument(
+            f"--{role}-engine",
+            type=_json_object,
+            default={},
+            metavar="JSON",
+            help=f"engine options of the {role} workers that differ from the shared ones, "
+            'e.g. \'{"num_blocks": 512}\'',
+        )
     s.add_argument("--worker-gpus", type=float, default=0.0, help="GPUs per prefill/decode replica")
     s.add_argument("--ray-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
     s.add_argument(
@@ -88,6 +97,16 @@ def add_parser(sub) -> None:
     s.set_defaults(func=run)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServeConfig:
     worker = {"num_cpus": args.worker_cpus, "num_gpus": args.worker_gpus}
     return PDServeConfig(
@@ -96,8 +115,8 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
         tiny_model=tiny,
         mode=args.mode,
         engine=engine_kwargs_from_args(args),
-        prefill={**worker, "num_replicas": args.prefill},
-        decode={**worker, "num_replicas": args.decode},
+        prefill={**worker, "num_replicas": args.prefill, "engine": args.prefill_engine},
+        decode={**worker, "num_replicas": args.decode, "engine": args.decode_engine},
         router={"policy": args.policy, "local_prefill_tokens": args.local_prefill_tokens},
         ingress={
             "host": args.host,

@@ -109,11 +109,24 @@ class ReplicaOptions(_Strict):
         return opts
 
 
-class PrefillOptions(ReplicaOptions):
+# Options both pools must share: the KV blocks a prefill worker ships are laid out by them, and the
+# ingress checks prompts against the one context length.
+_SHARED_ENGINE_OPTIONS = frozenset({"tokenizer", "dtype", "max_model_len", "block_size", "cache_salt"})
+
+
+class _WorkerPoolOptions(ReplicaOptions):
+    # Engine options of this pool that differ from the shared ``engine`` section (e.g. a smaller
+    # KV pool on prefill GPUs, another max_num_batched_tokens on decode), as vLLM runs prefill and
+    # decode instances with their own engine arguments. Checked with the shared ones in
+    # ``PDServeConfig.engine_for``.
+    engine: dict[str, Any] = Field(default_factory=dict)
+
+
+class PrefillOptions(_WorkerPoolOptions):
     lease_seconds: float = Field(30.0, gt=0)
 
 
-class DecodeOptions(ReplicaOptions):
+class DecodeOptions(_WorkerPoolOptions):
     kv_failure_policy: Literal["recompute", "fail"] = "recompute"
     transfer_timeout_s: float = Field(10.0, gt=0)
 
@@ -181,6 +194,28 @@ class PDServeConfig(_Strict):
                     "give either the P/D autoscaling policy or Serve autoscaling per pool, not both"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _pool_engines(self) -> PDServeConfig:
+        for role in ("prefill", "decode"):
+            try:
+                self.engine_for(role)
+            except ValueError as exc:  # pydantic's ValidationError is one
+                raise ValueError(f"{role}.engine: {exc}") from None
+        return self
+
+    def engine_for(self, role: Literal["prefill", "decode"]) -> EngineOptions:
+        """The engine options of a worker pool: the shared section with the pool's overrides."""
+        overrides = getattr(self, role).engine
+        if not overrides:
+            return self.engine
+        shared = sorted(_SHARED_ENGINE_OPTIONS & overrides.keys())
+        if shared:
+            raise ValueError(
+                f"{', '.join(shared)} must be the same for prefill and decode (their KV and the ingress's "
+                "limits depend on it): set it in the shared engine section"
+            )
+        return EngineOptions(**{**self.engine.model_dump(), **overrides})
 
     @property
     def external_scaler_enabled(self) -> bool:

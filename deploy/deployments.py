@@ -73,7 +73,7 @@ class PrefillServer(_WorkerReplica):
         t0 = time.perf_counter()
         self.worker = PrefillWorker(
             PrefillWorkerConfig(
-                config.engine.engine_config(config.model),
+                config.engine_for("prefill").engine_config(config.model),
                 worker_id=f"prefill-{_replica_id()}",
                 lease_seconds=config.prefill.lease_seconds,
                 model_name=config.model_name,
@@ -101,7 +101,7 @@ class DecodeServer(_WorkerReplica):
         t0 = time.perf_counter()
         self.worker = DecodeWorker(
             DecodeWorkerConfig(
-                config.engine.engine_config(config.model),
+                config.engine_for("decode").engine_config(config.model),
                 worker_id=f"decode-{_replica_id()}",
                 kv_failure_policy=config.decode.kv_failure_policy,
                 transfer_timeout_s=config.decode.transfer_timeout_s,

@@ -108,6 +108,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
             admission_margin=config.admission_margin,
+            itl_target_ms=config.itl_target_ms,
         )
         self.runner = ModelRunner(self.model, backend, self.layout, kv_cache, cpu_cache, self.device)
         if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
@@ -296,6 +297,7 @@ class EngineCore:
     # The loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         try:
             result = self.runner.execute(sched)
@@ -313,13 +315,22 @@ class EngineCore:
                 outs.extend(self._finish_group(g, RequestStatus.FINISHED_ERROR, f"engine error: {exc}"))
             return outs
         outs = self.scheduler.update(sched, result)
+        self.scheduler.observe_step(sched, time.perf_counter() - t0)
         self._generation_tokens += sum(len(o.new_token_ids) for o in outs)
         return outs
 
     def pending_prompt_tokens(self) -> int:
-        """Prompt tokens queued or mid-prefill: the load signal a router balances prefill work on."""
+        """Prompt tokens queued or mid-prefill that will be computed: the load signal a router
+        balances prefill work on. A waiting request's cached prefix is not work, so it is left out
+        (as the router counts the work it sends), else a warm worker would look busiest."""
         s = self.scheduler
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+        kv = self.kv
+        pending = sum(
+            r.num_tokens
+            - r.num_computed_tokens
+            - (kv.find_prefix_hit(r).num_tokens if not r.num_computed_tokens else 0)
+            for r in s.waiting
+        )
         return pending + sum(
             r.num_tokens - r.num_computed_tokens
             for r in s.running

@@ -10,7 +10,7 @@ events of an older incarnation are ignored. Routing reads it under a lock, never
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from registry.schema import CLEARED, REMOVED, RESYNCED, STORED, KVEventRecord
 
@@ -68,15 +68,25 @@ class PrefixIndex:
 
     # Queries (routing) ------------------------------------------------------------------------
 
-    def match(self, hashes: Iterable[bytes], workers: Iterable[str]) -> dict[str, int]:
+    def match(
+        self,
+        hashes: Iterable[bytes],
+        workers: Iterable[str],
+        also: Mapping[bytes, Collection[str]] | None = None,
+    ) -> dict[str, int]:
         """For each worker: how many leading blocks of ``hashes`` it holds. ``hashes`` may be lazy:
-        it is consumed only up to the first block none of ``workers`` holds."""
+        it is consumed only up to the first block none of ``workers`` holds. ``also`` adds holders
+        the caller knows of that the index does not show yet (a router's routed prefixes)."""
         holders = self._holders
         alive = set(workers)
         lengths = dict.fromkeys(alive, 0)
         depth = 0
         for h in hashes:
             held = holders.get(h)
+            if also:
+                extra = also.get(h)
+                if extra:
+                    held = held.union(extra) if held else set(extra)
             if not held:
                 break
             if not alive <= held:  # someone's prefix ends here: record it, go on with the rest

@@ -1,18 +1,23 @@
 """Routing policies: pick the (prefill, decode) pair for a request.
 
-Every policy sees the same inputs: the prompt's block hashes, the live workers with their load
-(registry heartbeat, raised by the router's own count of what it has in flight there), and the
-prefix index. ``cache_aware`` (default) sends the prompt where the estimated time to its first token
-is least — the prompt tokens a worker would still compute plus those already queued there — so a
-warm worker wins until its queue costs more than the recompute elsewhere, and a new prefix goes
-where the cache has the most room; a decode worker is chosen
-by free KV blocks and running requests, its own cached prefix breaking ties.
+Every policy sees the same inputs: the prompt's block hashes, the live workers with their load,
+and the prefix index (plus the prefixes this router has just routed, which the index does not show
+yet). ``cache_aware`` (default) sends the prompt where its first token is expected soonest: the
+prompt tokens a worker would still compute plus the uncached tokens already queued there. A warm
+worker wins until its queue costs more than the recompute elsewhere, so a hot tenant spills onto a
+second worker instead of piling up on one (llm-d's prefix + queue scorers, with the weights fixed
+by both terms being tokens of work); a new prefix goes where the cache has the most room. A decode
+worker is chosen by running requests and free KV blocks, its own cached prefix breaking ties.
+
+Load is the router's exact count of what it has in flight on a worker, plus what the worker's
+heartbeat shows beyond that (other router replicas' work). The heartbeat alone is up to a period
+stale: taking it as is, a worker that just finished our requests would look busy for a second.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from registry.prefix_index import PrefixIndex
@@ -25,8 +30,18 @@ POLICIES = ("round_robin", "least_load", "cache_aware")
 class WorkerLoad:
     """What the router itself has in flight on a worker (exact, unlike the periodic heartbeat)."""
 
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # uncached prompt tokens of our requests queued or prefilling there
     requests: int = 0
+    _reported: int = -1  # the heartbeat's queued tokens when we last looked
+    _others: int = 0  # of those, the part that was not ours then
+
+    def queued_tokens(self, reported: int) -> int:
+        """Uncached prompt tokens queued on the worker: ours exactly, plus what its heartbeat
+        (``reported``) showed beyond ours when that figure first reached us."""
+        if reported != self._reported:
+            self._reported = reported
+            self._others = max(0, reported - self.prompt_tokens)
+        return self.prompt_tokens + self._others
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +59,7 @@ class RoutingInput:
     prefills: list[WorkerRecord]
     decodes: list[WorkerRecord]
     inflight: dict[str, WorkerLoad] = field(default_factory=dict)
+    routed: Mapping[bytes, Collection[str]] | None = None  # routed prefixes the index lacks yet
 
 
 class Policy:
@@ -56,7 +72,8 @@ class Policy:
         return inp.inflight.get(w.worker_id) or WorkerLoad()
 
     def _queued_tokens(self, inp: RoutingInput, w: WorkerRecord) -> int:
-        return max(w.queued_prompt_tokens, self._load(inp, w).prompt_tokens)
+        load = inp.inflight.get(w.worker_id)
+        return load.queued_tokens(w.queued_prompt_tokens) if load else w.queued_prompt_tokens
 
     def _busy(self, inp: RoutingInput, w: WorkerRecord) -> int:
         return max(w.num_running + w.num_waiting, self._load(inp, w).requests)
@@ -100,7 +117,7 @@ class CacheAware(LeastLoad):
     def choose(self, inp: RoutingInput, index: PrefixIndex) -> Route:
         workers = [w.worker_id for w in inp.prefills] + [w.worker_id for w in inp.decodes]
         with index.lock:
-            hits = index.match(inp.hashes, workers)
+            hits = index.match(inp.hashes, workers, inp.routed)
             cached = {w.worker_id: index.num_blocks_of(w.worker_id) for w in inp.prefills}
         bs = inp.block_size
         prefill = None
@@ -130,4 +147,4 @@ def _hit_tokens(inp: RoutingInput, index: PrefixIndex, w: WorkerRecord | None) -
     if w is None:
         return 0
     with index.lock:
-        return index.match(inp.hashes, [w.worker_id]).get(w.worker_id, 0) * inp.block_size
+        return index.match(inp.hashes, [w.worker_id], inp.routed).get(w.worker_id, 0) * inp.block_size

@@ -29,6 +29,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_to_proto
 from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord
+from router.affinity import RoutedPrefixes
 from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Router:
         # this many tokens is prefilled there (no prefill hop, no KV transfer); 0 always disaggregates.
         self.local_prefill_tokens = local_prefill_tokens
         self.inflight: dict[str, WorkerLoad] = {}
+        self.routed = RoutedPrefixes()  # prefixes sent to workers, until the index shows them
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, worker) -> routed requests
         self.stats = RouterStats()
         self.active = 0  # Generate streams in progress (shutdown waits for them)
@@ -99,15 +101,21 @@ class Router:
 
     # Routing ----------------------------------------------------------------------------------
 
-    def route(self, prompt: list[int], exclude: frozenset[str] = frozenset()):
+    def route(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> Route:
+        return self._route(prompt, exclude)[0]
+
+    def _route(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> tuple[Route, list[bytes]]:
+        """The policy's route and the prompt's block hashes (what the chosen worker will cache)."""
         prefills = [w for w in self.view.live_workers("prefill") if w.worker_id not in exclude]
         decodes = self.view.live_workers("decode")
         if not decodes:
             raise NoWorkersError("no decode worker is registered")
         ref = (prefills or decodes)[0]
-        hashes = iter_block_hashes(prompt, ref.block_size, ref.cache_salt)
-        inp = RoutingInput(hashes, len(prompt), ref.block_size, prefills, decodes, self.inflight)
-        return self.policy.choose(inp, self.view.index)
+        hashes = list(iter_block_hashes(prompt, ref.block_size, ref.cache_salt))
+        inp = RoutingInput(
+            iter(hashes), len(prompt), ref.block_size, prefills, decodes, self.inflight, self.routed.holders()
+        )
+        return self.policy.choose(inp, self.view.index), hashes
 
     # Orchestration ----------------------------------------------------------------------------
 
@@ -152,7 +160,7 @@ class Router:
         self.stats.prompt_tokens += len(prompt)
         proto_params = params_to_proto(params)
         exclude: set[str] = set()
-        route = self.route(prompt)
+        route, hashes = self._route(prompt)
         resp = None
         if route.prefill is not None and params.n == 1 and self._prefill_locally(prompt, route):
             self.stats.local_prefills += 1
@@ -160,7 +168,9 @@ class Router:
         if route.prefill is not None and params.n == 1:
             for attempt in range(self.prefill_attempts):
                 try:
-                    resp = await self._prefill(route, request_id, prompt, proto_params, priority, deadline)
+                    resp = await self._prefill(
+                        route, request_id, prompt, hashes, proto_params, priority, deadline
+                    )
                     self.stats.predicted_hit_tokens += route.predicted_hit_tokens
                     self.stats.delivered_hit_tokens += resp.handle.num_cached_tokens
                     break
@@ -172,7 +182,7 @@ class Router:
                     )
                     self.stats.prefill_retries += attempt == 0
                     exclude.add(route.prefill.worker_id)
-                    route = self.route(prompt, frozenset(exclude))
+                    route, hashes = self._route(prompt, frozenset(exclude))
                     if route.prefill is None:
                         break
         if resp is None:
@@ -228,7 +238,9 @@ class Router:
             hit = index.match(iter_block_hashes(prompt, d.block_size, d.cache_salt), [d.worker_id])
         return len(prompt) - hit.get(d.worker_id, 0) * d.block_size <= self.local_prefill_tokens
 
-    async def _prefill(self, route: Route, rid, prompt, params, priority, deadline) -> pb.PrefillResponse:
+    async def _prefill(
+        self, route: Route, rid, prompt, hashes, params, priority, deadline
+    ) -> pb.PrefillResponse:
         w = route.prefill
         self.decisions[("prefill", w.worker_id)] += 1
         load = self.inflight.setdefault(w.worker_id, WorkerLoad())
@@ -236,15 +248,20 @@ class Router:
         work = len(prompt) - route.predicted_hit_tokens
         load.prompt_tokens += work
         load.requests += 1
+        routed = self.routed.add(w.worker_id, hashes)
+        computed = False
         try:
             stub = pb_grpc.PrefillWorkerStub(self._channel(w.address))
-            return await stub.Prefill(
+            resp = await stub.Prefill(
                 pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority),
                 timeout=_remaining(deadline),
             )
+            computed = True
+            return resp
         finally:
             load.prompt_tokens -= work
             load.requests -= 1
+            self.routed.settle(routed, computed)
 
     async def _relay_decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline):
         """Relay Decode from ``w``; a decode worker that is unreachable before it sent anything (it

@@ -70,6 +70,28 @@ def test_serve_config_validates_with_the_engines_own_checks():
     assert PDServeConfig(model="m", engine={"cuda_graphs": False}).engine.cuda_graphs is False
 
 
+def test_pools_override_engine_options_and_keep_the_kv_layout_shared():
+    """Prefill and decode pools may run their own engine options (a smaller KV pool on prefill),
+    checked like the shared ones; what their KV's layout depends on stays one value."""
+    from cli.serve import config_from_args
+
+    args = _subparser("serve").parse_args(
+        ["--num-blocks", "900", "--prefill-engine", '{"num_blocks": 300, "max_num_seqs": 8}']
+    )
+    config = config_from_args(args, "some/model", tiny=False)
+    prefill, decode = config.engine_for("prefill"), config.engine_for("decode")
+    assert (prefill.num_blocks, prefill.max_num_seqs, decode.num_blocks) == (300, 8, 900)
+    assert decode.max_num_seqs == config.engine.max_num_seqs
+    with pytest.raises(ValueError, match="(?s)prefill.engine.*num_blocks must be a positive"):
+        PDServeConfig(model="m", prefill={"engine": {"num_blocks": -1}})
+    with pytest.raises(ValueError, match="num_blockz"):
+        PDServeConfig(model="m", decode={"engine": {"num_blockz": 1}})
+    with pytest.raises(ValueError, match="block_size must be the same for prefill and decode"):
+        PDServeConfig(model="m", decode={"engine": {"block_size": 32}})
+    with pytest.raises(SystemExit):
+        _subparser("serve").parse_args(["--decode-engine", "[1]"])
+
+
 def test_kuberay_values_carry_engine_options_through_the_same_declaration():
     from pathlib import Path
 

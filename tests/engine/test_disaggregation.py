@@ -105,3 +105,16 @@ def test_prefill_role_refuses_parallel_samples_and_reused_ids(tiny_llama):
         p.add_request("y", [1, 2, 3], SamplingParams(max_tokens=4))
     assert p.release_held("y") and not p.release_held("y")
     assert p.stats().num_free_blocks == 64
+
+
+def test_pending_prompt_tokens_count_only_the_uncached_part_of_waiting_prompts(tiny_llama):
+    """The prefill load a worker reports is the work it will do: a waiting prompt whose prefix the
+    cache holds counts only its tail (else the router would see a warm worker as the busiest)."""
+    p = _engine(tiny_llama)
+    prefix = list(range(20, 20 + 4 * BLOCK))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    _prefill(p, "warm", prefix + [7, 8, 9], params)
+    p.release_held("warm")
+    p.add_request("hit", prefix + [5, 6, 7, 8, 9], params)
+    p.add_request("cold", list(range(300, 300 + 2 * BLOCK)), params)
+    assert p.pending_prompt_tokens() == 5 + 2 * BLOCK
