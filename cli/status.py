@@ -71,6 +71,22 @@ def format_status(cluster, states) -> str:
                 str(s.num_preemptions),
             )
         )
+    out = f"{head}\n{_table(rows)}"
+    if cluster.hop_timing:
+        out += "\n\n" + format_hops(cluster.hop_timing)
+    return out
+
+
+def format_hops(hops) -> str:
+    """Per hop, over the router's recent finished requests (the ingress's own hops are in its
+    /metrics, ``pdserve_hop_seconds``)."""
+    n = max(h.count for h in hops)
+    rows = [("HOP", "REQUESTS", "MEAN MS", "P50 MS", "P90 MS")]
+    for h in hops:
+        rows.append((h.hop, str(h.count), f"{h.mean_ms:.2f}", f"{h.p50_ms:.2f}", f"{h.p90_ms:.2f}"))
+    return f"where the time went (last {n} requests through the router):\n{_table(rows)}"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-    return f"{head}\n{table}"
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

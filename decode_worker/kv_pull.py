@@ -99,8 +99,10 @@ class KVPuller:
         transfer: KVTransferBackend,
         publish: Callable[[list[SequenceOutput]], None],
         timeout_s: float,
+        on_landed: Callable[[str, float], None] | None = None,
     ) -> None:
         self.core = core
+        self.on_landed = on_landed  # (request id, seconds of its READ) once its KV is in
         self.transfer = transfer
         self.publish = publish
         self.timeout_s = timeout_s
@@ -268,8 +270,11 @@ class KVPuller:
         if pull.state is PullState.ABORTING:
             self.publish(self.core.abort_request(rid))
             return
-        self.stats.record_done(time.monotonic() - pull.started)
+        seconds = time.monotonic() - pull.started
+        self.stats.record_done(seconds)
         self.core.complete_transfer(rid)
+        if self.on_landed is not None:
+            self.on_landed(rid, seconds)
 
     def _fail_read(self, pull: PendingPull) -> None:
         rid, handle = pull.request_id, pull.handle

@@ -74,6 +74,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                                 completion_tokens=completion,
                                 cached_tokens=out.num_cached_tokens,
                             ),
+                            timing=self._timing(rid),
                         )
                     )
         except ValueError as exc:
@@ -83,6 +84,17 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         except RuntimeError as exc:
             logger.warning("decode of %s failed: %s", rid, exc)
             yield pb.GenerateResponse(error=pb.StreamError(code="internal", message=str(exc)))
+
+    def _timing(self, rid: str) -> pb.HopTiming:
+        """This worker's part of the request's hop timing (empty for a request that never produced
+        a token here)."""
+        clock = self.worker.clocks.get(rid)
+        if clock is None or clock.first_output is None:
+            return pb.HopTiming()
+        t = pb.HopTiming(decode_queue_ms=clock.queue_s * 1e3, decode_first_step_ms=clock.first_step_s * 1e3)
+        if clock.kv_transfer_s is not None:
+            t.kv_transfer_ms = clock.kv_transfer_s * 1e3
+        return t
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=await self.worker.abort(request.request_id))

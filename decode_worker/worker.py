@@ -17,6 +17,7 @@ it connects NIXL to every prefill worker the registry lists, so first pulls pay 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -72,7 +73,9 @@ class DecodeWorker(WorkerRuntime):
         super().__init__(config, transfer_factory)
         self.config: DecodeWorkerConfig = config
         self.fetch_peer = fetch_peer  # address -> the prefill worker's RemoteKVInfo (its GetState)
-        self.pulls = KVPuller(self.core, self.transfer, self.loop.publish, config.transfer_timeout_s)
+        self.pulls = KVPuller(
+            self.core, self.transfer, self.loop.publish, config.transfer_timeout_s, self.clocks.transferred
+        )
         self.loop.add_tick(self.pulls.tick)
         self._peers: set[str] = set()  # agent names NIXL knows
         self._warmed: set[str] = set()  # prefill addresses already tried
@@ -172,11 +175,15 @@ class DecodeWorker(WorkerRuntime):
         """
         policy_ = FailurePolicy(policy or self.config.kv_failure_policy)
         stream = self.loop.open_stream(request_id)
+        self.clocks.arrive(request_id)
+
+        def add() -> None:
+            self.core.add_request(request_id, prompt, params, priority=priority)
+            self.clocks.ready(request_id)
+
         try:
             if kv is None:
-                await self.loop.run(
-                    lambda: self.core.add_request(request_id, prompt, params, priority=priority)
-                )
+                await self.loop.run(add)
             else:
                 pull = PendingPull(request_id, prompt, params, priority, kv, policy_)
                 reachable = await self._connect_peer(pull)
@@ -184,16 +191,22 @@ class DecodeWorker(WorkerRuntime):
                     return  # the first token already ended the request
             unfinished = params.n  # every sample ends with its own finish reason
             while True:
-                out: SequenceOutput = await stream.get()
-                if out.error and out.finish_reason == "error":
-                    raise self.pulls.take_error(request_id) or RuntimeError(out.error)
-                yield out
-                if out.finish_reason is not None:
-                    unfinished -= 1
-                    if unfinished == 0:
-                        return
+                # Whatever the engine produced since the last look goes out as one output per
+                # sample: a stream that fell behind catches up in one message, not one per token.
+                outs = [await stream.get()]
+                while not stream.empty():
+                    outs.append(stream.get_nowait())
+                for out in merge_outputs(outs):
+                    if out.error and out.finish_reason == "error":
+                        raise self.pulls.take_error(request_id) or RuntimeError(out.error)
+                    yield out
+                    if out.finish_reason is not None:
+                        unfinished -= 1
+                        if unfinished == 0:
+                            return
         finally:
             self.loop.close_stream(request_id)
+            self.clocks.forget(request_id)
             self.loop.call(lambda: self._abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
@@ -239,3 +252,28 @@ class DecodeWorker(WorkerRuntime):
         outs = self.core.abort_request(rid)
         self.loop.publish(outs)
         return bool(outs)
+
+
+def merge_outputs(outs: list[SequenceOutput]) -> list[SequenceOutput]:
+    """Consecutive outputs of one sample joined into one (tokens and logprobs in order, the last
+    one's finish); an error output stands alone. One output comes back as it is."""
+    if len(outs) == 1:
+        return outs
+    merged: list[SequenceOutput] = []
+    for out in outs:
+        last = merged[-1] if merged else None
+        if (
+            last is None
+            or last.sample_index != out.sample_index
+            or last.finish_reason is not None
+            or last.error
+            or out.error
+        ):
+            merged.append(dataclasses.replace(out, new_token_ids=list(out.new_token_ids)))
+            continue
+        last.new_token_ids.extend(out.new_token_ids)
+        if last.new_logprobs is not None or out.new_logprobs is not None:
+            last.new_logprobs = [*(last.new_logprobs or []), *(out.new_logprobs or [])]
+        last.finish_reason, last.stop_reason = out.finish_reason, out.stop_reason
+        last.num_cached_tokens = out.num_cached_tokens or last.num_cached_tokens
+    return merged

@@ -18,6 +18,7 @@ import grpc
 from engine.detokenizer import IncrementalDetokenizer
 from ingress.metrics import IngressMetrics
 from ingress.openai_protocol import APIError
+from ingress.request_timing import IngressStamps
 from ingress.request_validation import GenerationRequest
 from router.client import RouterClient
 
@@ -84,8 +85,12 @@ class Generation:
     samples: list[_Sample] = field(default_factory=list)
     usage: Usage | None = None
     hold: int = 0  # characters held back while streaming: a stop string may still complete there
+    stamps: IngressStamps | None = None  # hop timing; arrival defaults to this object's creation
 
     def __post_init__(self) -> None:
+        if self.stamps is None:
+            self.stamps = IngressStamps(self.started)
+        self.stamps.validated = self.stamps.admitted = self.started
         p = self.req.params
         self.samples = [
             _Sample(IncrementalDetokenizer(self.tokenizer, self.req.prompt_ids, p)) for _ in range(p.n)
@@ -96,6 +101,7 @@ class Generation:
     async def events(self, router: RouterClient, timeout_s: float) -> AsyncIterator[list[ChoiceDelta]]:
         """Yields the new text (and logprobs, finish reasons) of each router message."""
         g = self.req
+        self.stamps.router_called = time.perf_counter()
         stream = router.generate(self.request_id, g.prompt_ids, g.params, g.priority, timeout_s)
         async with aclosing(stream):
             try:
@@ -121,7 +127,9 @@ class Generation:
                 raise APIError(status, exc.details() or exc.code().name.lower(), code=code) from exc
         if any(s.finish_reason is None for s in self.samples):
             raise APIError(500, "the generation stream ended before every sample finished", code="internal")
-        self.metrics.e2e.labels(self.metrics.model).observe(time.perf_counter() - self.started)
+        now = self.stamps.finished = time.perf_counter()
+        self.metrics.e2e.labels(self.metrics.model).observe(now - self.started)
+        self.metrics.observe_hops(self.stamps.hops())
 
     def _on_tokens(self, chunk) -> list[ChoiceDelta]:
         s = self.samples[chunk.sample_index]
@@ -130,7 +138,9 @@ class Generation:
         now = time.perf_counter()
         n = len(chunk.token_ids)
         if self.first_token_at is None:
-            self.first_token_at = now
+            self.first_token_at = self.stamps.first_token = now
+            if not self.req.stream:  # the whole answer goes out at the end; the stream stamps its own
+                self.stamps.first_out = now
             self.metrics.ttft.labels(self.metrics.model).observe(now - self.started)
             if n > 1:
                 self.metrics.observe_token_gap(0.0, n - 1)
@@ -149,6 +159,8 @@ class Generation:
     def _on_finished(self, fin) -> list[ChoiceDelta]:
         s = self.samples[fin.sample_index]
         self.usage.cached_tokens = max(self.usage.cached_tokens, fin.usage.cached_tokens)
+        if fin.HasField("timing"):
+            self.stamps.workers = fin.timing
         if s.finish_reason is not None:
             return []
         s.finish_reason = fin.finish_reason

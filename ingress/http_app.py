@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -18,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ingress.openai_serving import OpenAIServing
+from ingress.request_timing import DEBUG_HEADER, TIMING_FIELD, TIMING_HEADER, format_timing, wants_timing
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,9 @@ def build_http_app(
 
     def respond(result):
         if isinstance(result, dict):
-            return JSONResponse(result)
+            timing = result.get(TIMING_FIELD)
+            headers = {TIMING_HEADER: format_timing(timing)} if timing is not None else None
+            return JSONResponse(result, headers=headers)
         return StreamingResponse(
             result,
             media_type="text/event-stream",
@@ -104,11 +108,13 @@ def build_http_app(
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
-        return respond(await serving.completions(await read_body(request)))
+        arrived, timing = time.perf_counter(), wants_timing(request.headers.get(DEBUG_HEADER))
+        return respond(await serving.completions(await read_body(request), arrived, timing))
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        return respond(await serving.chat(await read_body(request)))
+        arrived, timing = time.perf_counter(), wants_timing(request.headers.get(DEBUG_HEADER))
+        return respond(await serving.chat(await read_body(request), arrived, timing))
 
     @app.get("/v1/models")
     async def models():

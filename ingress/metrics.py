@@ -12,9 +12,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from ingress.request_timing import TOTALS
 from proto import pdserve_pb2 as pb
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 STATUSES = ("success", "client_error", "rejected", "cancelled", "error")
 
@@ -47,6 +49,15 @@ class IngressMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.hops = Histogram(
+            "pdserve_hop_seconds",
+            "Time a request spent in each hop (ingress, router, prefill queue/compute, KV transfer, "
+            "first decode step, ...), as each hop measured it",
+            [*labels, "hop"],
+            buckets=HOP_BUCKETS,
+            registry=self.registry,
+        )
+        self._hop_children: dict[str, object] = {}
         self.requests = Counter(
             "pdserve_requests", "Finished requests by status", [*labels, "status"], registry=self.registry
         )
@@ -57,6 +68,17 @@ class IngressMetrics:
         child = self.itl.labels(self.model)
         for _ in range(tokens):
             child.observe(gap_s / tokens)
+
+    def observe_hops(self, hops: dict[str, float]) -> None:
+        """One request's hop timing (milliseconds), totals (TTFT, E2E) left out."""
+        children = self._hop_children
+        for hop, ms in hops.items():
+            if hop in TOTALS:
+                continue
+            child = children.get(hop)
+            if child is None:
+                child = children[hop] = self.hops.labels(self.model, hop)
+            child.observe(ms / 1e3)
 
     def count(self, status: str) -> None:
         self.requests.labels(self.model, status).inc()

@@ -24,6 +24,7 @@ from ingress.metrics import IngressMetrics
 from ingress.model_info import ModelInfo
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ingress.options import IngressOptions
+from ingress.request_timing import TIMING_FIELD, IngressStamps
 from ingress.request_validation import GenerationRequest, parse_body, validate_chat, validate_completion
 from router.client import RouterClient
 
@@ -86,13 +87,17 @@ class OpenAIServing:
             card["description"] = "tiny random-weight demo model: its text is meaningless"
         return {"object": "list", "data": [card]}
 
-    async def completions(self, body: bytes):
+    async def completions(self, body: bytes, arrived: float | None = None, timing: bool = False):
+        """``arrived``: when the HTTP handler took the request (perf_counter); ``timing``: return
+        the request's hop timing with the answer."""
+        stamps = IngressStamps(arrived if arrived is not None else time.perf_counter())
         req = self._validated(body, CompletionRequest, validate_completion)
-        return await self._serve(req, f"cmpl-{uuid.uuid4().hex}")
+        return await self._serve(req, f"cmpl-{uuid.uuid4().hex}", stamps, timing)
 
-    async def chat(self, body: bytes):
+    async def chat(self, body: bytes, arrived: float | None = None, timing: bool = False):
+        stamps = IngressStamps(arrived if arrived is not None else time.perf_counter())
         req = self._validated(body, ChatCompletionRequest, validate_chat)
-        return await self._serve(req, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._serve(req, f"chatcmpl-{uuid.uuid4().hex}", stamps, timing)
 
     def _validated(self, body, model_cls, validate) -> GenerationRequest:
         try:
@@ -105,15 +110,18 @@ class OpenAIServing:
 
     # Generation --------------------------------------------------------------------------------
 
-    async def _serve(self, req: GenerationRequest, rid: str):
-        """A dict (non-streaming) or an async iterator of SSE lines (streaming); APIError on failure."""
-        gen = Generation(rid, req, self.info.tokenizer, self.metrics)
+    async def _serve(self, req: GenerationRequest, rid: str, stamps: IngressStamps, timing: bool):
+        """A dict (non-streaming) or an async iterator of SSE lines (streaming); APIError on failure.
+        With ``timing`` the answer carries the hop timing (``TIMING_FIELD``: in the dict, or in the
+        stream's last chunk)."""
+        gen = Generation(rid, req, self.info.tokenizer, self.metrics, stamps=stamps)
         slot = self.admission.slot()
         try:
             await slot.__aenter__()
         except APIError:
             self.metrics.count("rejected")
             raise
+        stamps.admitted = time.perf_counter()
         events = gen.events(self.router, self.options.request_timeout_s)
         if not req.stream:
             try:
@@ -122,7 +130,10 @@ class OpenAIServing:
                     for d in deltas:
                         choices[d.index].extend(d.logprobs)
                 self.metrics.count("success")
-                return self._full_response(rid, req, gen, choices)
+                answer = self._full_response(rid, req, gen, choices)
+                if timing:
+                    answer[TIMING_FIELD] = stamps.hops()
+                return answer
             except BaseException as exc:
                 self.metrics.count(_status_of(exc))
                 raise
@@ -138,9 +149,9 @@ class OpenAIServing:
             await slot.__aexit__(None, None, None)
             self.metrics.count(_status_of(exc))
             raise
-        return self._sse(rid, req, gen, first, events, slot)
+        return self._sse(rid, req, gen, first, events, slot, timing)
 
-    async def _sse(self, rid, req, gen: Generation, first, events, slot) -> AsyncIterator[bytes]:
+    async def _sse(self, rid, req, gen: Generation, first, events, slot, timing) -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if req.chat else "text_completion"
         status = "error"
@@ -150,12 +161,18 @@ class OpenAIServing:
                     for i in range(req.params.n):
                         yield _sse(_chunk(rid, obj, created, self.info.name, [_chat_delta(i, "", role=True)]))
                 batch: list[ChoiceDelta] | None = first
+                gen.stamps.first_out = time.perf_counter()
                 while batch is not None:
                     choices = [self._stream_choice(req, d) for d in batch]
                     yield _sse(_chunk(rid, obj, created, self.info.name, choices))
                     batch = await anext(events, None)
-            if req.include_usage:
-                yield _sse(_chunk(rid, obj, created, self.info.name, [], usage=gen.usage.to_dict()))
+            if req.include_usage or timing:  # OpenAI's usage chunk: no choices
+                last = _chunk(rid, obj, created, self.info.name, [])
+                if req.include_usage:
+                    last["usage"] = gen.usage.to_dict()
+                if timing:
+                    last[TIMING_FIELD] = gen.stamps.hops()
+                yield _sse(last)
             status = "success"
         except APIError as exc:
             logger.warning("%s failed mid-stream: %s", rid, exc.message)

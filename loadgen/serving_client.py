@@ -35,6 +35,7 @@ class RequestResult:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
+    timing_ms: dict[str, float] = field(default_factory=dict)  # the server's hop timing (--debug-timing)
 
     @property
     def tpot_s(self) -> float:
@@ -74,6 +75,8 @@ async def send(
                 if "error" in event:
                     res.error = event["error"].get("message", "stream error")
                     return res
+                if "pdserve_timing" in event:
+                    res.timing_ms = event["pdserve_timing"]
                 if event.get("usage"):
                     res.prompt_tokens = event["usage"].get("prompt_tokens", 0)
                     res.output_tokens = event["usage"].get("completion_tokens", 0)
@@ -109,6 +112,8 @@ def _arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
 async def run_load(args, requests: list[ServingRequest], concurrency: int | None, rate: float | None) -> dict:
     url = args.base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if getattr(args, "debug_timing", False):
+        headers["x-pdserve-debug"] = "timing"  # pdserve returns each request's hop timing
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     limit = concurrency or 0
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit)) as session:
@@ -196,8 +201,28 @@ def summarize(results: list[RequestResult], elapsed: float, goodput: dict, concu
         "tpot_s": _stats([r.tpot_s for r in ok if r.output_tokens > 1]),
         "itl_s": _stats(itl),
         "e2e_s": _stats([r.e2e_s for r in ok]),
-        "samples": {"ttft_s": [r.ttft_s for r in ok], "itl_s": itl, "e2e_s": [r.e2e_s for r in ok]},
+        "samples": {
+            "ttft_s": [r.ttft_s for r in ok],
+            "itl_s": itl,
+            "e2e_s": [r.e2e_s for r in ok],
+            "timing_ms": [r.timing_ms | {"client_ttft": r.ttft_s * 1e3} for r in ok if r.timing_ms],
+        },
+        "hop_timing_ms": hop_summary(ok),
     }
+
+
+def hop_summary(results: list[RequestResult]) -> dict[str, dict[str, float]]:
+    """Per hop of the server's timing (--debug-timing), plus ``http_proxy``: the client's TTFT less
+    the ingress's (the HTTP proxy, the network and the client's own parsing)."""
+    by_hop: dict[str, list[float]] = {}
+    for r in results:
+        hops = dict(r.timing_ms)
+        if "ttft" in hops:
+            hops["http_proxy"] = max(0.0, r.ttft_s * 1e3 - hops["ttft"])
+            hops["client_ttft"] = r.ttft_s * 1e3
+        for name, ms in hops.items():
+            by_hop.setdefault(name, []).append(ms)
+    return {name: _stats(values) for name, values in by_hop.items()}
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -226,6 +251,8 @@ def print_report(s: dict) -> None:
         print(f"   goodput {s['goodput']:.2f} req/s under {s['goodput_slo_ms']}")
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         print(f"   {name[:-2].upper():5s} {ms(s[name])}")
+    for hop, st in s.get("hop_timing_ms", {}).items():
+        print(f"   hop {hop:22s} median {st['median']:8.2f}  p90 {st['p90']:8.2f} ms")
 
 
 def write_results(path: str, runs: list[dict], result: dict, args) -> list[str]:
@@ -289,6 +316,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--plot", default=None, help="write PNG plots with this path prefix")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--debug-timing",
+        action="store_true",
+        help="ask pdserve for each request's per-hop timing (x-pdserve-debug: timing) and summarise it",
+    )
 
 
 def run(args) -> dict:

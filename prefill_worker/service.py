@@ -48,7 +48,10 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             num_cached_tokens=result.num_cached_tokens,
             address=self.worker.address,
         )
-        resp = pb.PrefillResponse(handle=handle)
+        timing = pb.HopTiming(
+            prefill_queue_ms=result.queue_s * 1e3, prefill_compute_ms=result.compute_s * 1e3
+        )
+        resp = pb.PrefillResponse(handle=handle, timing=timing)
         if result.finish_reason is not None:
             resp.finished.CopyFrom(
                 pb.Finished(
@@ -59,6 +62,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                         completion_tokens=1,
                         cached_tokens=result.num_cached_tokens,
                     ),
+                    timing=timing,
                 )
             )
         return resp

@@ -43,6 +43,8 @@ class PrefillResult:
     lease_expiry_unix: float
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    queue_s: float = 0.0  # arrival -> start of the step that finished the prompt
+    compute_s: float = 0.0  # that step
 
 
 @dataclass(slots=True)
@@ -75,12 +77,14 @@ class PrefillWorker(WorkerRuntime):
     ) -> PrefillResult:
         """Raises ValueError for a request the engine can never serve; RuntimeError on engine error."""
         stream = self.loop.open_stream(request_id)
+        clock = self.clocks.arrive(request_id)
+
+        def add() -> None:
+            self.core.add_request(request_id, prompt, params, priority=priority, prefill_only=True)
+            self.clocks.ready(request_id)
+
         try:
-            await self.loop.run(
-                lambda: self.core.add_request(
-                    request_id, prompt, params, priority=priority, prefill_only=True
-                )
-            )
+            await self.loop.run(add)
             out: SequenceOutput = await stream.get()
             lease = await self.loop.run(lambda: self.leases.get(request_id))
         except asyncio.CancelledError:  # the caller left: nobody will ever get the handle
@@ -89,6 +93,7 @@ class PrefillWorker(WorkerRuntime):
             raise
         finally:
             self.loop.close_stream(request_id)  # also when the engine refused the request
+            self.clocks.forget(request_id)
         if out.error:
             raise RuntimeError(out.error)
         if out.finish_reason is not None and not out.new_token_ids:
@@ -104,6 +109,8 @@ class PrefillWorker(WorkerRuntime):
             lease_expiry_unix=lease.expiry_unix if lease else 0.0,
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
+            queue_s=clock.queue_s,
+            compute_s=clock.first_step_s,
         )
 
     async def release(self, request_id: str) -> bool:

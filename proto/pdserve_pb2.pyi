@@ -91,12 +91,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("handle", "finished")
+    __slots__ = ("handle", "timing", "finished")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     handle: KVHandle
+    timing: HopTiming
     finished: Finished
-    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "epoch")
@@ -147,16 +149,40 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("sample_index", "finish_reason", "stop_reason", "usage")
+    __slots__ = ("sample_index", "finish_reason", "stop_reason", "usage", "timing")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     finish_reason: str
     stop_reason: str
     usage: Usage
-    def __init__(self, sample_index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    timing: HopTiming
+    def __init__(self, sample_index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ...) -> None: ...
+
+class HopTiming(_message.Message):
+    __slots__ = ("route_ms", "router_ms", "prefill_call_ms", "decode_call_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "decode_queue_ms", "decode_first_step_ms")
+    ROUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CALL_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CALL_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    route_ms: float
+    router_ms: float
+    prefill_call_ms: float
+    decode_call_ms: float
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    kv_transfer_ms: float
+    decode_queue_ms: float
+    decode_first_step_ms: float
+    def __init__(self, route_ms: _Optional[float] = ..., router_ms: _Optional[float] = ..., prefill_call_ms: _Optional[float] = ..., decode_call_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_queue_ms: _Optional[float] = ..., decode_first_step_ms: _Optional[float] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message")
@@ -361,7 +387,7 @@ class RoutingCount(_message.Message):
     def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining", "decode_retries", "local_prefills")
+    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining", "decode_retries", "local_prefills", "hop_timing")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -381,6 +407,7 @@ class ClusterState(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     DECODE_RETRIES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    HOP_TIMING_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSummary]
     degraded: bool
     policy: str
@@ -400,4 +427,19 @@ class ClusterState(_message.Message):
     draining: bool
     decode_retries: int
     local_prefills: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., decode_retries: _Optional[int] = ..., local_prefills: _Optional[int] = ...) -> None: ...
+    hop_timing: _containers.RepeatedCompositeFieldContainer[HopSummary]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., decode_retries: _Optional[int] = ..., local_prefills: _Optional[int] = ..., hop_timing: _Optional[_Iterable[_Union[HopSummary, _Mapping]]] = ...) -> None: ...
+
+class HopSummary(_message.Message):
+    __slots__ = ("hop", "count", "mean_ms", "p50_ms", "p90_ms")
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEAN_MS_FIELD_NUMBER: _ClassVar[int]
+    P50_MS_FIELD_NUMBER: _ClassVar[int]
+    P90_MS_FIELD_NUMBER: _ClassVar[int]
+    hop: str
+    count: int
+    mean_ms: float
+    p50_ms: float
+    p90_ms: float
+    def __init__(self, hop: _Optional[str] = ..., count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ...) -> None: ...

@@ -30,6 +30,7 @@ from proto.convert import params_to_proto
 from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord
 from router.affinity import RoutedPrefixes
+from router.hop_timing import HopWindow, RouterClock
 from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class Router:
         self.routed = RoutedPrefixes()  # prefixes sent to workers, until the index shows them
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, worker) -> routed requests
         self.stats = RouterStats()
+        self.hops = HopWindow()  # hop timings of the last finished requests (pdserve status)
         self.active = 0  # Generate streams in progress (shutdown waits for them)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Future] = set()
@@ -158,6 +160,7 @@ class Router:
             raise NoWorkersError("the service is shutting down and takes no new requests")
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt)
+        clock = RouterClock(self.hops)
         proto_params = params_to_proto(params)
         exclude: set[str] = set()
         route, hashes = self._route(prompt)
@@ -165,6 +168,7 @@ class Router:
         if route.prefill is not None and params.n == 1 and self._prefill_locally(prompt, route):
             self.stats.local_prefills += 1
             route = Route(None, route.decode, route.predicted_hit_tokens)
+        clock.routed()
         if route.prefill is not None and params.n == 1:
             for attempt in range(self.prefill_attempts):
                 try:
@@ -173,6 +177,7 @@ class Router:
                     )
                     self.stats.predicted_hit_tokens += route.predicted_hit_tokens
                     self.stats.delivered_hit_tokens += resp.handle.num_cached_tokens
+                    clock.prefilled(resp)
                     break
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in _RETRYABLE or _expired(deadline):
@@ -187,11 +192,14 @@ class Router:
                         break
         if resp is None:
             self.stats.aggregated_fallbacks += route.prefill is not None or (params.n == 1 and bool(exclude))
+            clock.decoding()
             async for msg in self._relay_decode(
                 route.decode, request_id, prompt, proto_params, priority, None, deadline
             ):
+                clock.on_message(msg)
                 yield msg
             return
+        clock.first_token()
         yield pb.GenerateResponse(
             tokens=pb.TokenChunk(token_ids=[resp.handle.first_token], logprobs=[resp.handle.first_logprobs])
         )
@@ -212,14 +220,17 @@ class Router:
             resp.handle.num_cached_tokens,
         )
         if resp.HasField("finished"):
+            clock.stamp(resp.finished.timing)
             yield pb.GenerateResponse(finished=resp.finished)
             return
         pulled = False
+        clock.decoding()
         try:
             async for msg in self._relay_decode(
                 route.decode, request_id, prompt, proto_params, priority, resp.handle, deadline
             ):
                 pulled = True
+                clock.on_message(msg)
                 yield msg
         finally:
             if not pulled:  # the decode side never got going: do not leave the KV to its lease

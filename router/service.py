@@ -100,6 +100,7 @@ class RouterService(pb_grpc.RouterServicer):
             decode_retries=s.decode_retries,
             local_prefills=s.local_prefills,
             draining=view.draining,
+            hop_timing=r.hops.summary(),
         )
 
 

@@ -31,6 +31,7 @@ from proto import pdserve_pb2 as pb
 from registry.publisher import RegistryPublisher
 from worker.config import WorkerConfig
 from worker.registry_link import RegistryLink, worker_record
+from worker.request_clock import RequestClocks
 from worker.state import worker_state_to_proto
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class WorkerRuntime(ABC):
             self.core, f"{self.worker_id}-{self.epoch}", self.compat
         )
         self.loop = EngineLoop(self.core)
+        self.clocks = RequestClocks(self.loop)  # per-request hop timing
         self.registry: RegistryLink | None = None
         self.draining = False
         self.address = ""

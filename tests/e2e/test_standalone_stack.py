@@ -32,15 +32,50 @@ def _spawn(module: str, *args: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"{module} did not start within {START_TIMEOUT_S}s")
 
 
-def _post(base: str, path: str, body: dict) -> tuple[int, dict]:
+def _post(base: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(
-        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        base + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
+            if "x-pdserve-timing" in resp.headers:
+                return resp.status, json.loads(resp.read()) | {"header": resp.headers["x-pdserve-timing"]}
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+DISAGGREGATED_HOPS = {
+    "ingress_parse",
+    "ingress_queue",
+    "ingress",
+    "router_call",
+    "route",
+    "router",
+    "prefill_call",
+    "prefill_queue",
+    "prefill_compute",
+    "decode_call",
+    "kv_transfer",
+    "decode_queue",
+    "decode_first_step",
+    "ttft",
+    "e2e",
+}
+
+
+def _stream(base: str, path: str, body: dict, headers: dict) -> list[dict]:
+    req = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **headers}
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        lines = [
+            ln[len(b"data: ") :].strip() for ln in resp.read().split(b"\n\n") if ln.startswith(b"data: ")
+        ]
+    assert lines[-1] == b"[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
 
 
 def _get(base: str, path: str) -> tuple[int, dict]:
@@ -102,6 +137,21 @@ def test_openai_http_without_ray_equals_hf(stack, tiny_llama, hf_greedy):
         assert body["choices"][0]["text"] == continuation(
             tiny_llama, prompt, hf_greedy(tiny_llama, prompt, 8)
         )
+
+    # Hop timing on request: every hop of the disaggregated path reports its own part.
+    prompt = prompts[1]
+    req = {"model": str(tiny_llama), "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    code, body = _post(base, "/v1/completions", req, {"x-pdserve-debug": "timing"})
+    assert code == 200 and body["choices"][0]["text"] == continuation(
+        tiny_llama, prompt, hf_greedy(tiny_llama, prompt, 8)
+    )
+    header = dict(item.split(";dur=") for item in body["header"].split(", "))
+    assert set(header) >= DISAGGREGATED_HOPS and all(float(v) >= 0 for v in header.values())
+    assert set(body["pdserve_timing"]) == set(header)
+    req["stream"] = True
+    events = _stream(base, "/v1/completions", req, {"x-pdserve-debug": "timing"})
+    assert "".join(c["text"] for e in events for c in e["choices"]) == body["choices"][0]["text"]
+    assert set(events[-1]["pdserve_timing"]) >= DISAGGREGATED_HOPS
 
     code, body = _post(base, "/v1/completions", {"model": str(tiny_llama), "prompt": "x", "temperature": -1})
     assert code == 400 and body["error"]["param"] == "temperature"

@@ -1,0 +1,56 @@
+"""A worker's per-request clock: the stamps its hop timing is made of are consistent — the queue,
+the KV transfer and the first step add up to arrival -> first output, the step starts no earlier
+than the request could run, and a request's clock is gone once it is forgotten."""
+
+from __future__ import annotations
+
+import time
+
+from engine.scheduler_output import SequenceOutput
+from worker.request_clock import RequestClocks
+
+
+class FakeLoop:
+    def __init__(self) -> None:
+        self.hooks = []
+        self.last_progress = 0.0
+
+    def add_output_hook(self, fn) -> None:
+        self.hooks.append(fn)
+
+    def output(self, out: SequenceOutput) -> None:
+        for hook in self.hooks:
+            hook(out)
+
+
+def test_first_output_splits_into_queue_transfer_and_step():
+    loop = FakeLoop()
+    clocks = RequestClocks(loop)
+    clock = clocks.arrive("r")
+    clocks.transferred("r", 0.0)  # the KV landed (a READ of no measurable length)
+    loop.last_progress = time.monotonic()  # a step of other requests ended after it was ready
+    loop.output(SequenceOutput("other", 0, [5]))  # another request's output leaves "r" alone
+    assert clock.first_output is None
+    loop.output(SequenceOutput("r", 0, []))  # no token yet (e.g. an abort notice): not the first
+    assert clock.first_output is None
+    loop.output(SequenceOutput("r", 0, [7]))
+    first, started = clock.first_output, clock.step_started
+    assert started >= clock.ready >= clock.arrived and first >= started
+    assert clock.queue_s >= 0 and clock.first_step_s >= 0
+    total = clock.queue_s + clock.kv_transfer_s + clock.first_step_s
+    assert abs(total - (first - clock.arrived)) < 1e-9
+    loop.output(SequenceOutput("r", 0, [8]))  # later tokens do not move the first stamps
+    assert (clock.first_output, clock.step_started) == (first, started)
+    clocks.forget("r")
+    assert clocks.get("r") is None and len(clocks) == 0
+
+
+def test_step_start_is_the_previous_step_end_when_the_request_waited():
+    loop = FakeLoop()
+    clocks = RequestClocks(loop)
+    clock = clocks.arrive("r")
+    clocks.ready("r")
+    loop.last_progress = clock.ready + 5.0  # it waited behind a (long) step that ended later
+    loop.output(SequenceOutput("r", 0, [1]))
+    assert clock.step_started == loop.last_progress
+    assert clock.kv_transfer_s is None  # never transferred: aggregated
