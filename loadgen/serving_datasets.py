@@ -37,13 +37,23 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def prefix_dataset(
-    n: int, prefixes: int, prefix_len: int, suffix_len: int, output_len: int, vocab: int, seed: int
+    n: int,
+    prefixes: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    vocab: int,
+    seed: int,
+    skew: float = 0.0,
 ) -> list[ServingRequest]:
+    """``skew`` > 0: tenant ``t`` is picked with weight ``1 / (t + 1) ** skew`` (Zipf: a few hot
+    tenants); 0: uniformly."""
     rng = random.Random(seed)
     shared = [_ids(rng, prefix_len, vocab) for _ in range(prefixes)]
+    weights = [1 / (t + 1) ** skew for t in range(prefixes)]
     out = []
     for _ in range(n):
-        t = rng.randrange(prefixes)
+        t = rng.choices(range(prefixes), weights)[0] if skew else rng.randrange(prefixes)
         out.append(ServingRequest(shared[t] + _ids(rng, suffix_len, vocab), output_len, tenant=t))
     return out
 
