@@ -1,10 +1,12 @@
 """The serving comparisons, each a ratio from one run on this machine (``pdserve bench`` as client):
 
 1. disaggregated vs aggregated at equal total workers (1 prefill + 1 decode vs 2 aggregated decode
-   workers) under an interference mix (long prompts among short chat turns): ITL p99 and goodput;
+   workers) under an interference mix (long prompts among short chat turns): ITL p99 and goodput,
+   with today's engine policy and with conditional disaggregation + fair batching;
 2. conditional disaggregation: short chat turns prefilled on the decode worker vs always
    disaggregating (TTFT of the short turns, ITL p99);
-3. cache_aware vs round_robin routing on the multi-tenant prefix workload: TTFT p90 and throughput;
+3. cache_aware vs round_robin routing on the multi-tenant prefix workload (the headline variant of
+   ``python -m bench.prefix_routing``, which sweeps the others): TTFT p50/p90/p99 and throughput;
 4. serving overhead: request throughput of the full HTTP stack (ingress -> router -> worker) vs the
    engine alone (``LLM.generate``) on the same short requests.
 (The engine vs HF transformers comparison is ``python -m bench.offline_throughput``.)
@@ -107,21 +109,37 @@ def interference_args(quick: bool) -> argparse.Namespace:
 
 
 def interference(quick: bool) -> dict:
+    """Equal workers (1 prefill + 1 decode vs 2 aggregated), today's engine policy and the full
+    package on each side: disaggregation with short turns prefilled on the decode worker
+    (``--local-prefill-tokens 64``) and fair prefill/decode batching, against aggregated serving
+    with fifo and with fair batching."""
     args = interference_args(quick)
+    disagg = ("--prefill", "1", "--decode", "1")
+    agg = ("--mode", "aggregated", "--decode", "2")
+    fair = ("--scheduling-policy", "fair")
     runs = {}
     for name, flags in (
-        ("disaggregated", ("--prefill", "1", "--decode", "1")),
-        ("aggregated", ("--mode", "aggregated", "--decode", "2")),
+        ("disaggregated", disagg),
+        ("disaggregated_local_prefill_fair", (*disagg, "--local-prefill-tokens", "64", *fair)),
+        ("aggregated", agg),
+        ("aggregated_fair", (*agg, *fair)),
     ):
         with serving(*flags) as base:
             runs[name] = load(base, args, concurrency=8)
     d, a = runs["disaggregated"], runs["aggregated"]
+    best_d = runs["disaggregated_local_prefill_fair"]
+    best_a = max(a, runs["aggregated_fair"], key=lambda r: r["goodput"])
+
+    def ratio(x: float, y: float) -> float:
+        return x / y if y else float("inf")
+
     return {
         "runs": runs,
         "itl_p99_ratio_aggregated_over_disaggregated": a["itl_s"]["p99"] / d["itl_s"]["p99"],
-        "goodput_ratio_disaggregated_over_aggregated": d["goodput"] / a["goodput"]
-        if a["goodput"]
-        else float("inf"),
+        "goodput_ratio_disaggregated_over_aggregated": ratio(d["goodput"], a["goodput"]),
+        "itl_p99_ratio_best_aggregated_over_best_disaggregated": best_a["itl_s"]["p99"]
+        / best_d["itl_s"]["p99"],
+        "goodput_ratio_best_disaggregated_over_best_aggregated": ratio(best_d["goodput"], best_a["goodput"]),
     }
 
 
@@ -165,27 +183,9 @@ def local_prefill(quick: bool) -> dict:
 
 
 def prefix(quick: bool) -> dict:
-    args = bench_args(
-        dataset="prefix",
-        num_prompts=48 if quick else 128,
-        num_prefixes=8,
-        prefix_len=512,
-        suffix_len=32,
-        output_len=8,
-        vocab_size=VOCAB,
-        ignore_eos=True,
-        warmup=0,
-    )
-    runs = {}
-    for policy in ("cache_aware", "round_robin"):
-        with serving("--prefill", "2", "--decode", "1", "--policy", policy, "--worker-cpus", "0.5") as base:
-            runs[policy] = load(base, args, concurrency=8)
-    c, r = runs["cache_aware"], runs["round_robin"]
-    return {
-        "runs": runs,
-        "ttft_p90_ratio_round_robin_over_cache_aware": r["ttft_s"]["p90"] / c["ttft_s"]["p90"],
-        "throughput_ratio_cache_aware_over_round_robin": c["request_throughput"] / r["request_throughput"],
-    }
+    from bench.prefix_routing import VARIANTS, run_variant
+
+    return run_variant(VARIANTS["headline"], quick)
 
 
 def overhead(quick: bool) -> dict:
