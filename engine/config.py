@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority")
+SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority", "fair")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _DTYPE_ALIASES = {
     "float32": "float32",
@@ -79,6 +79,9 @@ class EngineConfig:
     max_num_batched_tokens: int = option(2048, "token budget of one engine step (chunked prefill above it)")
     max_num_seqs: int = option(256, "most sequences in one step")
     scheduling_policy: str = option("fifo", "order of waiting requests", SCHEDULING_POLICIES)
+    itl_target_ms: float = option(
+        100.0, "fair policy: step time (ms) a step carrying decodes is sized to stay within"
+    )
     admission_margin: float = option(0.01, "fraction of KV blocks kept free when admitting new requests")
     attention_backend: str = option(
         "auto", "attention kernels (auto: Triton on CUDA, torch elsewhere)", ATTENTION_BACKENDS
@@ -110,6 +113,8 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
+        if not isinstance(self.itl_target_ms, (int, float)) or not self.itl_target_ms > 0:
+            raise ValueError(f"itl_target_ms must be a positive number of ms, got {self.itl_target_ms}")
         if not 0 <= self.admission_margin < 1:
             raise ValueError(f"admission_margin must be a fraction in [0, 1), got {self.admission_margin}")
         if not self.model:

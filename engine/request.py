@@ -106,6 +106,26 @@ class Request:
     def max_total_tokens(self) -> int:
         return self.prompt_len + self.params.max_tokens
 
+    def fork(self, index: int) -> Request:
+        """Parallel sample ``index`` of this request, forked after its prompt (same computed state;
+        the caller shares the blocks)."""
+        child = Request(
+            f"{self.group_id}#{index}",
+            self.token_ids[: self.prompt_len],
+            self.params,
+            seed=self.seed,
+            eos_token_ids=self.eos_token_ids,
+            priority=self.priority,
+            arrival_time=self.arrival_time,
+            group_id=self.group_id,
+            sample_index=index,
+        )
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.status = self.status
+        return child
+
     def update_block_hashes(self, block_size: int, salt: str) -> None:
         """Extend the hash chain over any newly full blocks of ``token_ids``."""
         done = len(self.block_hashes)

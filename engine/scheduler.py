@@ -10,6 +10,8 @@ Order within a step, by policy:
 - ``prefill_first``: running prefill chunks, new requests, swapped-in, then decodes.
 - ``priority``: as fifo, but queues sorted by (priority, arrival); a waiting request may preempt
   running ones of lower priority (higher value).
+- ``fair``: decodes, then swapped-in, new requests and running prefill chunks by least attained
+  service, within a prefill allowance sized to an ITL target (``engine.batching_policy``).
 When a running sequence cannot get a block, the latest-arrived (or lowest-priority) running sequence
 not yet scheduled this step is preempted: swapped to the CPU pool if there is room, else freed and
 requeued for recompute. New requests are admitted only while a margin of free blocks remains.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from engine.batching_policy import FairBatching
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import (
@@ -47,12 +50,16 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fifo",
         admission_margin: float = 0.01,
+        itl_target_ms: float = 100.0,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.policy = policy
+        self.batching = (
+            FairBatching(max_num_batched_tokens, itl_target_ms / 1000) if policy == "fair" else None
+        )
         self.margin_blocks = int(admission_margin * kv.num_blocks)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}
@@ -165,6 +172,14 @@ class Scheduler:
             self._schedule_waiting(out, budget, scheduled)
             self._schedule_swapped(out, budget, scheduled)
             self._schedule_running(decodes, out, budget, scheduled)
+        elif self.batching is not None:
+            self._schedule_running(decodes, out, budget, scheduled)
+            held = max(0, budget[0] - self.batching.prefill_budget(len(scheduled)))
+            budget[0] -= held
+            self._schedule_swapped(out, budget, scheduled)
+            self._schedule_waiting(out, budget, scheduled)
+            self._schedule_running(sorted(prefills, key=_attained_service), out, budget, scheduled)
+            budget[0] += held
         else:
             self._schedule_running(decodes, out, budget, scheduled)
             self._schedule_running(prefills, out, budget, scheduled)
@@ -172,6 +187,11 @@ class Scheduler:
             self._schedule_waiting(out, budget, scheduled)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget[0]
         return out
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """The engine ran ``sched`` in ``seconds``: the fair policy sizes later steps from it."""
+        if self.batching is not None:
+            self.batching.observe(sched.total_num_scheduled_tokens, seconds)
 
     def _schedule_running(
         self, candidates: list[Request], out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]
@@ -366,9 +386,7 @@ class Scheduler:
         return outputs
 
     def _append(self, req: Request, token: int, logprobs: dict[int, float] | None) -> SequenceOutput:
-        req.token_ids.append(token)
-        if logprobs is not None:
-            req.output_logprobs.append(logprobs)
+        req.append_token(token, logprobs)
         status = req.check_stop(self.max_model_len)
         out = SequenceOutput(
             req.group_id,
@@ -399,21 +417,7 @@ class Scheduler:
     def _fork(
         self, parent: Request, index: int, token: int, logprobs: dict[int, float] | None
     ) -> SequenceOutput:
-        child = Request(
-            f"{parent.group_id}#{index}",
-            parent.token_ids[: parent.prompt_len],
-            parent.params,
-            seed=parent.seed,
-            eos_token_ids=parent.eos_token_ids,
-            priority=parent.priority,
-            arrival_time=parent.arrival_time,
-            group_id=parent.group_id,
-            sample_index=index,
-        )
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.block_hashes = list(parent.block_hashes)
-        child.status = RequestStatus.RUNNING
+        child = parent.fork(index)
         self.kv.fork(parent, child)
         self.requests[child.request_id] = child
         self.groups[parent.group_id].append(child.request_id)
@@ -439,3 +443,7 @@ _NO_BLOCKS: list[int] = []
 
 def _priority_key(req: Request) -> tuple[int, float]:
     return (req.priority, req.arrival_time)
+
+
+def _attained_service(req: Request) -> int:
+    return req.num_computed_tokens

@@ -1,7 +1,8 @@
 """Greedy output is token-identical to HF transformers' ``generate`` (float32, tiny random models).
 
 Every architecture in one batch of mixed-length prompts, then the engine's hard paths on Llama:
-chunked prefill, prefix-cache hits, preemption by recompute and by swap, and a sharded checkpoint.
+chunked prefill, every scheduling policy, prefix-cache hits, preemption by recompute and by swap, and
+a sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import SCHEDULING_POLICIES
 
 MAX_NEW = 12
 
@@ -60,6 +62,24 @@ def test_chunked_prefill_qwen3_matches_hf(tiny_model_factory, hf_greedy):
     model_dir = tiny_model_factory("qwen3", head_dim=32)
     llm = LLM(str(model_dir), block_size=4, num_blocks=256, max_num_batched_tokens=16)
     _check(llm, model_dir, _prompts(3, [9, 31, 50]), hf_greedy)
+
+
+@pytest.mark.parametrize("policy", SCHEDULING_POLICIES)
+def test_every_scheduling_policy_matches_hf(tiny_llama, hf_greedy, policy):
+    # Three sequences at a time: later prompts prefill next to running decodes, in chunks (fair: the
+    # ITL target cannot be met, so prompts run in the guaranteed minimum chunks).
+    llm = LLM(
+        str(tiny_llama),
+        block_size=8,
+        num_blocks=128,
+        max_num_seqs=3,
+        max_num_batched_tokens=48,
+        scheduling_policy=policy,
+        itl_target_ms=0.001,
+    )
+    _check(llm, tiny_llama, _prompts(10, [3, 17, 33, 70, 5, 41]), hf_greedy)
+    batching = llm.core.scheduler.batching
+    assert (batching is not None and batching.cost_model() is not None) == (policy == "fair")
 
 
 def test_prefix_cache_hits_match_hf(tiny_llama, hf_greedy):
