@@ -12,9 +12,9 @@ so that a step carrying decodes stays within an inter-token-latency target:
   minimum chunk), so long prompts progress however many sequences decode.
 - A step with no decodes runs the whole ``max_num_batched_tokens``: nobody waits for a next token.
 
-Which prefills share that allowance is the scheduler's part: least attained service first (waiting
-prompts, then running prompts by computed tokens), so one long prompt does not hold back the short
-ones queued behind it.
+Which prompts share that allowance is the scheduler's part: new prompts shortest first, then running
+ones by fewest tokens left to compute, so one long prompt does not hold back the short ones queued
+behind it, and of two long ones the nearer to its first token finishes first (rather than both late).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Order within a step, by policy:
 - ``prefill_first``: running prefill chunks, new requests, swapped-in, then decodes.
 - ``priority``: as fifo, but queues sorted by (priority, arrival); a waiting request may preempt
   running ones of lower priority (higher value).
-- ``fair``: decodes, then swapped-in, new requests and running prefill chunks by least attained
-  service, within a prefill allowance sized to an ITL target (``engine.batching_policy``).
+- ``fair``: decodes, then swapped-in, new requests and running prefill chunks, prompts shortest
+  remaining first, within a prefill allowance sized to an ITL target (``engine.batching_policy``).
 When a running sequence cannot get a block, the latest-arrived (or lowest-priority) running sequence
 not yet scheduled this step is preempted: swapped to the CPU pool if there is room, else freed and
 requeued for recompute. New requests are admitted only while a margin of free blocks remains.
@@ -57,8 +57,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.policy = policy
+        # The fair policy's step sizing; the engine reports each step's duration to it.
         self.batching = (
-            FairBatching(max_num_batched_tokens, itl_target_ms / 1000) if policy == "fair" else None
+            FairBatching(max_num_batched_tokens, itl_target_ms / 1e3) if policy == "fair" else None
         )
         self.margin_blocks = int(admission_margin * kv.num_blocks)
         self.requests: dict[str, Request] = {}
@@ -79,7 +80,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.groups.setdefault(req.group_id, []).append(req.request_id)
         self.waiting.append(req)
-        if self.policy == "priority":
+        if self.policy in _WAITING_ORDER:
             self._sort_waiting()
 
     def finish(self, seq_id: str, status: RequestStatus) -> Request | None:
@@ -178,7 +179,7 @@ class Scheduler:
             budget[0] -= held
             self._schedule_swapped(out, budget, scheduled)
             self._schedule_waiting(out, budget, scheduled)
-            self._schedule_running(sorted(prefills, key=_attained_service), out, budget, scheduled)
+            self._schedule_running(sorted(prefills, key=_remaining_prefill), out, budget, scheduled)
             budget[0] += held
         else:
             self._schedule_running(decodes, out, budget, scheduled)
@@ -187,11 +188,6 @@ class Scheduler:
             self._schedule_waiting(out, budget, scheduled)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget[0]
         return out
-
-    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        """The engine ran ``sched`` in ``seconds``: the fair policy sizes later steps from it."""
-        if self.batching is not None:
-            self.batching.observe(sched.total_num_scheduled_tokens, seconds)
 
     def _schedule_running(
         self, candidates: list[Request], out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]
@@ -364,7 +360,7 @@ class Scheduler:
             self._preempt(victim, out)
 
     def _sort_waiting(self) -> None:
-        self.waiting = deque(sorted(self.waiting, key=_priority_key))
+        self.waiting = deque(sorted(self.waiting, key=_WAITING_ORDER[self.policy]))
 
     # Results ----------------------------------------------------------------------------------
 
@@ -445,5 +441,8 @@ def _priority_key(req: Request) -> tuple[int, float]:
     return (req.priority, req.arrival_time)
 
 
-def _attained_service(req: Request) -> int:
-    return req.num_computed_tokens
+def _remaining_prefill(req: Request) -> int:
+    return req.num_tokens - req.num_computed_tokens
+
+
+_WAITING_ORDER = {"priority": _priority_key, "fair": _remaining_prefill}

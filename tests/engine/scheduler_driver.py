@@ -160,8 +160,8 @@ class Driver:
             self.outputs[(o.request_id, o.sample_index)].extend(o.new_token_ids)
             if o.finished:
                 self.finish_reasons[(o.request_id, o.sample_index)] = o.finish_reason
-        if self.step_seconds is not None:
-            self.sched.observe_step(out, self.step_seconds(out))
+        if self.step_seconds is not None and self.sched.batching is not None:
+            self.sched.batching.observe(out.total_num_scheduled_tokens, self.step_seconds(out))
         self.steps.append(out)
         return out
 
