@@ -113,8 +113,8 @@ def test_pending_prompt_tokens_count_only_the_uncached_part_of_waiting_prompts(t
     p = _engine(tiny_llama)
     prefix = list(range(20, 20 + 4 * BLOCK))
     params = SamplingParams(temperature=0, max_tokens=4)
-    _prefill(p, "warm", prefix + [7, 8, 9], params)
+    _prefill(p, "warm", [*prefix, 7, 8, 9], params)
     p.release_held("warm")
-    p.add_request("hit", prefix + [5, 6, 7, 8, 9], params)
+    p.add_request("hit", [*prefix, 5, 6, 7, 8, 9], params)
     p.add_request("cold", list(range(300, 300 + 2 * BLOCK)), params)
     assert p.pending_prompt_tokens() == 5 + 2 * BLOCK
