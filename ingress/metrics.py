@@ -58,6 +58,7 @@ class IngressMetrics:
             registry=self.registry,
         )
         self._hop_children: dict[str, object] = {}
+        self._itl = self.itl.labels(model)  # per token: the labelled child looked up once
         self.requests = Counter(
             "pdserve_requests", "Finished requests by status", [*labels, "status"], registry=self.registry
         )
@@ -65,7 +66,7 @@ class IngressMetrics:
             self.requests.labels(model, status)
 
     def observe_token_gap(self, gap_s: float, tokens: int) -> None:
-        child = self.itl.labels(self.model)
+        child = self._itl
         for _ in range(tokens):
             child.observe(gap_s / tokens)
 

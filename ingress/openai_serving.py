@@ -160,11 +160,14 @@ class OpenAIServing:
                 if req.chat:  # OpenAI opens every choice with the assistant role
                     for i in range(req.params.n):
                         yield _sse(_chunk(rid, obj, created, self.info.name, [_chat_delta(i, "", role=True)]))
+                # Once per request: every chunk's fields but its choices, serialized (the same bytes
+                # as json.dumps of the whole chunk).
+                head = _sse(_chunk(rid, obj, created, self.info.name, []))[: -len(b"[]}\n\n")]
                 batch: list[ChoiceDelta] | None = first
                 gen.stamps.first_out = time.perf_counter()
                 while batch is not None:
                     choices = [self._stream_choice(req, d) for d in batch]
-                    yield _sse(_chunk(rid, obj, created, self.info.name, choices))
+                    yield head + _dumps(choices) + b"}\n\n"
                     batch = await anext(events, None)
             if req.include_usage or timing:  # OpenAI's usage chunk: no choices
                 last = _chunk(rid, obj, created, self.info.name, [])
@@ -227,8 +230,12 @@ def _status_of(exc: BaseException) -> str:
     return "error"
 
 
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _dumps(obj) + b"\n\n"
 
 
 def _chunk(rid: str, obj: str, created: int, model: str, choices: list, usage: dict | None = None) -> dict:
