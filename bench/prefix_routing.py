@@ -10,8 +10,10 @@ in flight (``--prefill-engine '{"num_blocks": N}'``): the working set is larger 
 cache and fits the pool's, the regime of a busy production pool, where sending a tenant where its
 prefix lives is what keeps it cached. The ``ample cache`` variant gives every worker room for all
 tenants (only cold misses and load balance differ there); ``hot tenants`` draws tenants from a
-Zipf distribution. Before each run, requests with unrelated prompts warm the processes (compiled
-paths, connections) without warming the prefix caches.
+Zipf distribution. Before each measured run, requests with unrelated prompts warm the processes
+(compiled paths, connections), then one request per tenant, routed by the policy under test, puts
+each prefix somewhere: what is measured is the steady state, where the policy decides whether a
+tenant's next request finds its prefix.
 
     python -m bench.prefix_routing [--quick] [--variants headline,tenants_32,...]
 """
@@ -24,7 +26,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.serving_comparisons import VOCAB, bench_args, serving
+from bench.serving_harness import VOCAB, bench_args, serving
 from loadgen.serving_client import run_load
 from loadgen.serving_datasets import ServingRequest, prefix_dataset
 from loadgen.workloads import random_workload
@@ -79,6 +81,19 @@ def warmup_requests(v: Variant) -> list[ServingRequest]:
     return [ServingRequest(r.prompt_token_ids, r.max_tokens) for r in reqs]
 
 
+def tenant_requests(v: Variant) -> list[ServingRequest]:
+    """One request per tenant (its prefix, a question of its own), the run's own routing deciding
+    where each prefix first lands: the measured run then sees the steady state, not the tenants'
+    first arrivals, which are cold misses under any policy and at 8 tenants would be the p99."""
+    reqs = prefix_dataset(8 * v.tenants, v.tenants, v.prefix_len, SUFFIX, OUTPUT, VOCAB, 0, skew=v.skew)
+    first: dict[int, ServingRequest] = {}
+    for r in reqs:
+        first.setdefault(r.tenant, r)
+    return [
+        ServingRequest([*r.prompt[: v.prefix_len], *range(20, 20 + SUFFIX)], OUTPUT) for r in first.values()
+    ]
+
+
 def run_variant(v: Variant, quick: bool) -> dict:
     args = bench_args(warmup=0, ignore_eos=True, vocab_size=VOCAB, no_progress=False)
     runs = {}
@@ -90,6 +105,7 @@ def run_variant(v: Variant, quick: bool) -> dict:
         with serving(*flags) as base:
             args.base_url = base
             asyncio.run(run_load(args, warmup_requests(v), v.concurrency, None))
+            asyncio.run(run_load(args, tenant_requests(v), v.concurrency, None))
             runs[policy] = asyncio.run(run_load(args, requests_for(v, quick), v.concurrency, None))
     c, r = runs["cache_aware"], runs["round_robin"]
     ratios = {

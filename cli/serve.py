@@ -81,7 +81,7 @@ def add_parser(sub) -> None:
             default={},
             metavar="JSON",
             help=f"engine options of the {role} workers that differ from the shared ones, "
-            'e.g. \'{"num_blocks": 512}\'',
+            "e.g. '{\"num_blocks\": 512}'",
         )
     s.add_argument("--worker-gpus", type=float, default=0.0, help="GPUs per prefill/decode replica")
     s.add_argument("--ray-cpus", type=int, default=None, help="CPUs of the local Ray cluster")

@@ -82,7 +82,7 @@ def test_pools_override_engine_options_and_keep_the_kv_layout_shared():
     prefill, decode = config.engine_for("prefill"), config.engine_for("decode")
     assert (prefill.num_blocks, prefill.max_num_seqs, decode.num_blocks) == (300, 8, 900)
     assert decode.max_num_seqs == config.engine.max_num_seqs
-    with pytest.raises(ValueError, match="(?s)prefill.engine.*num_blocks must be a positive"):
+    with pytest.raises(ValueError, match=r"(?s)prefill\.engine.*num_blocks must be a positive"):
         PDServeConfig(model="m", prefill={"engine": {"num_blocks": -1}})
     with pytest.raises(ValueError, match="num_blockz"):
         PDServeConfig(model="m", decode={"engine": {"num_blockz": 1}})
