@@ -55,7 +55,7 @@ def interference(quick: bool) -> dict:
     args = interference_args(quick)
     disagg = ("--prefill", "1", "--decode", "1")
     agg = ("--mode", "aggregated", "--decode", "2")
-    fair = ("--scheduling-policy", "fair")
+    fair = ("--scheduling-policy", "fair", "--itl-target-ms", "200")  # ~5 decode steps here
     runs = {}
     for name, flags in (
         ("disaggregated", disagg),
