@@ -1,0 +1,128 @@
+"""The router records what it routes where, over real gRPC and a real Redis (fake workers that
+publish no KV events, so the index never shows a prefix: whatever affinity appears is the router's
+own record). A second request with the same prefix follows the first; a refused prefill leaves no
+record behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from fake_decode_worker import FakeDecodeWorker, until
+from test_decode_swap import PROMPT, HandingPrefillWorker, _start
+
+from engine.block_hash import hash_blocks
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from registry.cluster_view import ClusterView
+from router.affinity import RoutedPrefixes
+from router.router import Router
+from router.service import serve
+
+
+class RefusingPrefillWorker(HandingPrefillWorker):
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused")
+
+
+class Frozen:
+    """A clock that does not move: records live until the test says so."""
+
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_routed_prefix_draws_the_next_request_until_the_grace_ends(redis_server):
+    async def main() -> None:
+        url = redis_server.url
+        view = ClusterView(url, poll_s=0.05)
+        view.start()
+        p0, p1, decode = HandingPrefillWorker(), HandingPrefillWorker(), FakeDecodeWorker("d0", max_tokens=3)
+        add = pb_grpc.add_PrefillWorkerServicer_to_server
+        servers = [
+            await _start(p0, add, "p0", "prefill", url, 100),
+            await _start(p1, add, "p1", "prefill", url, 100),
+        ]
+        await decode.start(url)
+        router = Router(view)
+        clock = Frozen()
+        router.routed = RoutedPrefixes(grace_s=5.0, clock=clock)
+        server, address = await serve(router)
+        channel = grpc.aio.insecure_channel(address)
+        stub = pb_grpc.RouterStub(channel)
+        hashes = hash_blocks(PROMPT, 4)
+
+        async def generate(rid: str, prompt: list[int]) -> None:
+            params = pb.SamplingParams(max_tokens=4, ignore_eos=True)
+            req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params)
+            async for _ in stub.Generate(req, timeout=30):
+                pass
+
+        try:
+            await until(lambda: len(view.live_workers()) == 3, "the view lists p0, p1 and d0")
+            await generate("a", PROMPT)
+            (first,) = [w for w, n in router.decisions.items() if w[0] == "prefill" and n]
+            holders = router.routed.holders()
+            assert all(set(holders[h]) == {first[1]} for h in hashes), "the routed prompt was not recorded"
+            # Same prefix, another question: it follows the first to where its blocks are, though
+            # that worker has some work queued and the other none (a tie would go to either).
+            router.inflight[first[1]].prompt_tokens = 8
+            await generate("b", [*PROMPT[:16], 900, 901, 902])
+            assert router.decisions[first] == 2
+
+            clock.t = 6.0  # past the grace: the record is gone (the index would show the truth)
+            assert router.routed.holders() == {} and len(router.routed) == 0
+
+        finally:
+            await channel.close()
+            await server.stop(0)
+            await router.close()
+            for s in servers:
+                await s.stop(0)
+            await decode.stop()
+            view.stop()
+
+    asyncio.run(main())
+
+
+def test_refused_prefill_leaves_no_record(redis_server):
+    async def main() -> None:
+        url = redis_server.url
+        view = ClusterView(url, poll_s=0.05)
+        view.start()
+        refusing, decode = RefusingPrefillWorker(), FakeDecodeWorker("d0", max_tokens=3)
+        servers = [
+            await _start(refusing, pb_grpc.add_PrefillWorkerServicer_to_server, "p0", "prefill", url, 100)
+        ]
+        await decode.start(url)
+        router = Router(view)
+        router.routed = RoutedPrefixes(grace_s=5.0, clock=Frozen())
+        server, address = await serve(router)
+        channel = grpc.aio.insecure_channel(address)
+        try:
+            await until(lambda: len(view.live_workers()) == 2, "the view lists p0 and d0")
+            req = pb.GenerateRequest(
+                request_id="r",
+                prompt_token_ids=PROMPT,
+                params=pb.SamplingParams(max_tokens=4, ignore_eos=True),
+            )
+            try:
+                async for _ in pb_grpc.RouterStub(channel).Generate(req, timeout=30):
+                    pass
+                raise AssertionError("the refused prefill did not fail the request")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert router.decisions[("prefill", "p0")] == 1
+            assert router.routed.holders() == {} and len(router.routed) == 0
+        finally:
+            await channel.close()
+            await server.stop(0)
+            await router.close()
+            for s in servers:
+                await s.stop(0)
+            await decode.stop()
+            view.stop()
+
+    asyncio.run(main())
