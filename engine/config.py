@@ -89,6 +89,10 @@ class EngineConfig:
     cache_salt: str = option(
         "", "namespace of the prefix-cache hashes (workers sharing a cache use the same)"
     )
+    cpu_threads: int | None = option(
+        None,
+        "torch threads of a CPU engine (default: torch's, from OMP_NUM_THREADS: Ray sets it to a replica's CPUs)",
+    )
     cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA + Triton backend only)")
     cuda_graph_max_batch: int = option(256, "largest decode batch captured in a CUDA graph")
 
@@ -105,6 +109,8 @@ class EngineConfig:
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.cpu_threads is not None:
+            _positive("cpu_threads", self.cpu_threads)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space < 0:

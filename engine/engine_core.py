@@ -69,6 +69,8 @@ class EngineCore:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.device = torch.device(config.device)
+        if config.cpu_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)  # the process's intra-op pool: one engine each
         backend = get_attention_backend(config.attention_backend, config.device)
         t0 = time.perf_counter()
         self.model = load_model(self.model_path, config.dtype, config.device, backend)

@@ -204,3 +204,17 @@ def test_priority_policy_serves_urgent_requests_first(tiny_llama):
     )
     order = [outs[i].request_id for i in (1, 0, 2)]
     assert seen == order
+
+
+def test_cpu_threads_sets_the_engines_torch_threads(tiny_llama):
+    """A Ray replica inherits OMP_NUM_THREADS = its CPUs (often 1); cpu_threads gives its engine the
+    threads the operator wants."""
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    try:
+        EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=16, cpu_threads=want))
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig(model=str(tiny_llama), cpu_threads=0)
