@@ -1,6 +1,6 @@
 """Where a short request's time goes, hop by hop, through the whole HTTP stack.
 
-    python -m bench.hop_breakdown [--quick] [--http-server serve_proxy,direct]
+    python -m bench.hop_breakdown [--quick] [--http-server serve_proxy,direct] [--cpu-threads N]
 
 Starts ``pdserve serve`` aggregated (1 decode worker) and disaggregated (1 prefill + 1 decode), per
 HTTP server, and sends short requests (16 prompt tokens, 16 output tokens) at concurrency 1 and 32
@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.serving_comparisons import VOCAB, bench_args, load, serving
+from bench.serving_harness import VOCAB, bench_args, load, serving
 from loadgen.serving_datasets import build
 
 RESULTS = Path(__file__).parent / "results"
@@ -124,8 +124,15 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.hop_breakdown", description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     p.add_argument("--http-server", default="serve_proxy,direct", help="comma-separated: serve_proxy, direct")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="the workers' torch threads (default: the replica's, 1 under Ray with fractional CPUs)",
+    )
     p.add_argument("--output", default=str(RESULTS / "hop_breakdown.json"))
     a = p.parse_args()
+    threads = ("--cpu-threads", str(a.cpu_threads)) if a.cpu_threads else ()
     common = dict(
         dataset="random", input_len=16, output_len=16, vocab_size=VOCAB, ignore_eos=True, debug_timing=True
     )
@@ -138,7 +145,7 @@ def main() -> None:
     out: dict = {"engine_alone_ttft_ms": engine, "runs": {}}
     for server in a.http_server.split(","):
         for mode, flags in MODES.items():
-            with serving(*flags, "--http-server", server) as base:
+            with serving(*flags, "--http-server", server, *threads) as base:
                 for c, args in levels.items():
                     run = breakdown(load(base, args, concurrency=c))
                     run["ttft_over_engine_ms"] = run["client_ttft_ms"]["median"] - engine["median"]

@@ -155,6 +155,15 @@ def overhead(quick: bool) -> dict:
         ("aggregated_http_direct", ("--mode", "aggregated", "--decode", "1", "--http-server", "direct")),
         ("disaggregated_http", ("--prefill", "1", "--decode", "1")),
         ("disaggregated_http_direct", ("--prefill", "1", "--decode", "1", "--http-server", "direct")),
+        # The engine alone runs torch on both cores; a replica inherits OMP_NUM_THREADS=1 from Ray.
+        (
+            "aggregated_http_direct_2_threads",
+            ("--mode", "aggregated", "--decode", "1", "--http-server", "direct", "--cpu-threads", "2"),
+        ),
+        (
+            "disaggregated_http_direct_2_threads",
+            ("--prefill", "1", "--decode", "1", "--http-server", "direct", "--cpu-threads", "2"),
+        ),
     ):
         with serving(*flags) as base:
             runs[name] = load(base, args, concurrency=32)
@@ -166,6 +175,14 @@ def overhead(quick: bool) -> dict:
         "direct_http_over_engine_aggregated": runs["aggregated_http_direct"]["request_throughput"]
         / engine_rps,
         "direct_http_over_engine_disaggregated": runs["disaggregated_http_direct"]["request_throughput"]
+        / engine_rps,
+        "direct_2_threads_over_engine_aggregated": runs["aggregated_http_direct_2_threads"][
+            "request_throughput"
+        ]
+        / engine_rps,
+        "direct_2_threads_over_engine_disaggregated": runs["disaggregated_http_direct_2_threads"][
+            "request_throughput"
+        ]
         / engine_rps,
     }
 
