@@ -61,7 +61,7 @@ VARIANTS = {
         Variant("tenants_4", tenants=4),
         Variant("tenants_32", tenants=32),
         Variant("prefix_256", prefix_len=256),
-        Variant("prefix_2048", prefix_len=2048),
+        Variant("prefix_2048", prefix_len=2048),  # the default tiny model has a 4k context
         Variant("concurrency_4", concurrency=4),
         Variant("concurrency_32", concurrency=32),
         Variant("hot_tenants", skew=1.2),
@@ -106,7 +106,10 @@ def run_variant(v: Variant, quick: bool) -> dict:
             args.base_url = base
             asyncio.run(run_load(args, warmup_requests(v), v.concurrency, None))
             asyncio.run(run_load(args, tenant_requests(v), v.concurrency, None))
-            runs[policy] = asyncio.run(run_load(args, requests_for(v, quick), v.concurrency, None))
+            run = runs[policy] = asyncio.run(run_load(args, requests_for(v, quick), v.concurrency, None))
+            if run["failed"]:
+                errors = [e for e in run["vllm"]["errors"] if e]
+                raise RuntimeError(f"{v.name}, {policy}: {run['failed']} requests failed, e.g. {errors[:1]}")
     c, r = runs["cache_aware"], runs["round_robin"]
     ratios = {
         f"ttft_{p}_ratio_round_robin_over_cache_aware": r["ttft_s"][p] / max(c["ttft_s"][p], 1e-9)

@@ -151,7 +151,7 @@ LLAMA_32M = dict(
     num_hidden_layers=8,
     num_attention_heads=8,
     num_key_value_heads=4,
-    max_position_embeddings=1024,
+    max_position_embeddings=4096,  # RoPE: no learned positions, so the context is only this limit
 )
 
 
