@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 from loadgen.serving_client import add_bench_args, run_load
 from loadgen.serving_datasets import build
@@ -20,30 +21,17 @@ VOCAB = 8192  # the default tiny model's vocabulary
 
 @contextlib.contextmanager
 def serving(*flags: str):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ)
-    env.pop("PDSERVE_REDIS_URL", None)
-    env.pop("PDSERVE_API_KEY", None)
-    cmd = [sys.executable, "-m", "cli", "serve", "--port", str(port), *flags]
+    """``pdserve serve FLAGS`` on a free port until the block ends. A port taken between choosing it
+    and the server binding it (Ray's own processes pick ports as they start) is chosen again."""
     print(f"\n$ pdserve serve {' '.join(flags)}", flush=True)
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    ready = threading.Event()
-    lines: list[str] = []
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if "pdserve is serving" in line:
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        if not ready.wait(300):
+    for attempt in range(3):
+        proc, port, lines = _start(flags)
+        if port is not None:
+            break
+        if attempt == 2 or not any("Failed to bind" in line for line in lines):
             raise RuntimeError("server did not start:\n" + "".join(lines[-30:]))
+        print("  its port was taken meanwhile: again on another", flush=True)
+    try:
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -51,6 +39,38 @@ def serving(*flags: str):
             proc.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _start(flags: tuple[str, ...]) -> tuple[subprocess.Popen, int | None, list[str]]:
+    """The server process, its port once it serves (None if it exited first), and its output."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    env.pop("PDSERVE_REDIS_URL", None)
+    env.pop("PDSERVE_API_KEY", None)
+    cmd = [sys.executable, "-m", "cli", "serve", "--port", str(port), *flags]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    ready, ended = threading.Event(), threading.Event()
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "pdserve is serving" in line:
+                ready.set()
+        ended.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + 300
+    while not ready.wait(0.5):
+        if ended.is_set() or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return proc, None, lines
+    return proc, port, lines
 
 
 def bench_args(**kw) -> argparse.Namespace:
