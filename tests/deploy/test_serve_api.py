@@ -340,7 +340,9 @@ def test_pdserve_bench_measures_the_service(service, tmp_path):
         assert r["completed"] == 12 and r["failed"] == 0
         assert r["request_goodput"] == r["request_throughput"]  # every request within the loose SLOs
         assert 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2el_ms"]
-        assert sum(len(i) for i in r["itls"]) == 12 * 5  # 6 tokens: 5 gaps each, measured from the stream
+        # Measured from the stream: a gap per chunk after the first; 6 tokens give at most 5 gaps, fewer
+        # when the decode worker sent several tokens in one message (its stream had fallen behind).
+        assert all(1 <= len(i) <= 5 for i in r["itls"]) and len(r["itls"]) == 12
         assert r["output_lens"] == [6] * 12 and r["pdserve"]["dataset"] == "prefix"
         level = json.loads((tmp_path / f"b.c{r['max_concurrency']}.json").read_text())
         assert level["p99_itl_ms"] == r["p99_itl_ms"]
