@@ -255,21 +255,18 @@ class DecodeWorker(WorkerRuntime):
 
 
 def merge_outputs(outs: list[SequenceOutput]) -> list[SequenceOutput]:
-    """Consecutive outputs of one sample joined into one (tokens and logprobs in order, the last
-    one's finish); an error output stands alone. One output comes back as it is."""
+    """Each sample's queued outputs joined into one (tokens and logprobs in order, the last one's
+    finish), samples in the order they first appear (the engine interleaves them step by step); an
+    error output stands alone. One output comes back as it is."""
     if len(outs) == 1:
         return outs
     merged: list[SequenceOutput] = []
+    open_: dict[int, SequenceOutput] = {}  # sample -> its output still taking tokens
     for out in outs:
-        last = merged[-1] if merged else None
-        if (
-            last is None
-            or last.sample_index != out.sample_index
-            or last.finish_reason is not None
-            or last.error
-            or out.error
-        ):
-            merged.append(dataclasses.replace(out, new_token_ids=list(out.new_token_ids)))
+        last = open_.get(out.sample_index)
+        if last is None or last.finish_reason is not None or last.error or out.error:
+            last = open_[out.sample_index] = dataclasses.replace(out, new_token_ids=list(out.new_token_ids))
+            merged.append(last)
             continue
         last.new_token_ids.extend(out.new_token_ids)
         if last.new_logprobs is not None or out.new_logprobs is not None:

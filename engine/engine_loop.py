@@ -37,6 +37,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.last_progress = time.monotonic()
+        self.step_started = self.last_progress  # the current (or last) step's start
         self.busy_since: float | None = None
 
     def start(self) -> None:
@@ -113,6 +114,7 @@ class EngineLoop:
                     fn = None
             if core.has_unfinished():
                 self.busy_since = self.busy_since or time.monotonic()
+                self.step_started = time.monotonic()  # what a request's first step is timed from
                 self.publish(core.step())
                 self.last_progress = time.monotonic()
             else:

@@ -45,16 +45,26 @@ async def _serve(args: argparse.Namespace) -> None:
         api_key_from(options.api_key_file),
         expect_prefill=args.mode == "disaggregated",
     )
-    server = await serve_http(ingress.http, options.host, options.port, reuse_port=False)
+    server = await serve_http(
+        ingress.http, options.host, options.port, reuse_port=False, log_level=args.log_level
+    )
     host, port = server.address
     print(f"LISTENING {f'[{host}]' if ':' in host else host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await ingress.close()
-    await server.stop()
+    # uvicorn takes SIGINT/SIGTERM itself in the main thread (and ends its task); a server that
+    # fails ends its task too: either way, stop rather than wait for a signal that already came.
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({stopping, server.task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        await ingress.close()
+        await server.stop()
+    if server.task.done() and not server.task.cancelled() and server.task.exception():
+        raise server.task.exception()
 
 
 def main() -> None:

@@ -78,7 +78,7 @@ class Generation:
     req: GenerationRequest
     tokenizer: object
     metrics: IngressMetrics
-    started: float = field(default_factory=time.perf_counter)
+    started: float = 0.0  # the request's arrival (its stamps'): TTFT and E2E metrics count from it
     first_token_at: float | None = None
     last_token_at: float | None = None
     route: tuple[str, str] | None = None  # (prefill worker, decode worker)
@@ -88,9 +88,11 @@ class Generation:
     stamps: IngressStamps | None = None  # hop timing; arrival defaults to this object's creation
 
     def __post_init__(self) -> None:
+        now = time.perf_counter()  # the request is parsed and valid
         if self.stamps is None:
-            self.stamps = IngressStamps(self.started)
-        self.stamps.validated = self.stamps.admitted = self.started
+            self.stamps = IngressStamps(now)
+        self.stamps.validated = self.stamps.admitted = now
+        self.started = self.stamps.arrived
         p = self.req.params
         self.samples = [
             _Sample(IncrementalDetokenizer(self.tokenizer, self.req.prompt_ids, p)) for _ in range(p.n)

@@ -80,21 +80,23 @@ class Ingress:
 class HTTPServer:
     """uvicorn serving an app on an already listening socket, as a task of the running loop."""
 
-    def __init__(self, app: FastAPI, sock: socket.socket) -> None:
+    def __init__(self, app: FastAPI, sock: socket.socket, log_level: str = "warning") -> None:
         import uvicorn
 
         self.sock = sock
         self.address = sock.getsockname()[:2]
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), lifespan="off"))
+        self.task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
 
     async def stop(self) -> None:
         self._server.should_exit = True
-        await asyncio.wait({self._task}, timeout=10)
+        await asyncio.wait({self.task}, timeout=10)
         self.sock.close()
 
 
-async def serve_http(app: FastAPI, host: str, port: int, *, reuse_port: bool = True) -> HTTPServer:
+async def serve_http(
+    app: FastAPI, host: str, port: int, *, reuse_port: bool = True, log_level: str = "warning"
+) -> HTTPServer:
     """Serve ``app`` on ``host:port`` (0 picks a port) from this process's event loop. With
     ``reuse_port`` several processes (ingress replicas on one node) share the port; the kernel
     spreads connections over them. Listening before it returns: a connection made then waits in
@@ -105,7 +107,7 @@ async def serve_http(app: FastAPI, host: str, port: int, *, reuse_port: bool = T
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
-    return HTTPServer(app, sock)
+    return HTTPServer(app, sock, log_level)
 
 
 def api_key_from(path: str | None) -> str | None:

@@ -61,8 +61,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                         prompt_tokens=result.num_tokens,
                         completion_tokens=1,
                         cached_tokens=result.num_cached_tokens,
-                    ),
-                    timing=timing,
+                    ),  # the timing rides in the response once: the router merges it here
                 )
             )
         return resp

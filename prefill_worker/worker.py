@@ -88,7 +88,6 @@ class PrefillWorker(WorkerRuntime):
             out: SequenceOutput = await stream.get()
             lease = await self.loop.run(lambda: self.leases.get(request_id))
         except asyncio.CancelledError:  # the caller left: nobody will ever get the handle
-            self.loop.close_stream(request_id)
             self.loop.call(lambda: self._abandon(request_id))
             raise
         finally:

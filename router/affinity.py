@@ -18,7 +18,9 @@ import heapq
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+
+from engine.block_hash import iter_block_hashes
 
 
 class RoutedPrefixes:
@@ -89,3 +91,23 @@ class RoutedPrefixes:
                 del counts[worker]
                 if not counts:
                     del self._holders[h]
+
+
+class PromptHashes:
+    """A prompt's block hashes, computed only as far as they are read: the routing decision stops at
+    the first block no worker holds, and ``all()`` finishes the rest only for a prompt that is
+    recorded (the tail its worker is about to compute anyway)."""
+
+    def __init__(self, prompt: list[int], block_size: int, salt: str) -> None:
+        self._rest = iter_block_hashes(prompt, block_size, salt)
+        self._done: list[bytes] = []
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self._done
+        for h in self._rest:
+            self._done.append(h)
+            yield h
+
+    def all(self) -> list[bytes]:
+        self._done.extend(self._rest)
+        return self._done

@@ -94,7 +94,8 @@ class RouterClock:
             self.first_token_s = time.perf_counter() - self.started
 
     def decoding(self) -> None:
-        """The decode call is about to open (again, after a swap: the last one counts)."""
+        """The decode call is about to open (a swap to another decode worker keeps this stamp, so
+        ``decode_call`` then includes the failed attempt)."""
         self.decode_opened, self.decode_s = time.perf_counter(), None
 
     def on_message(self, msg: pb.GenerateResponse) -> None:

@@ -29,7 +29,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_to_proto
 from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord
-from router.affinity import RoutedPrefixes
+from router.affinity import PromptHashes, RoutedPrefixes
 from router.hop_timing import HopWindow, RouterClock
 from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
 
@@ -106,14 +106,14 @@ class Router:
     def route(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> Route:
         return self._route(prompt, exclude)[0]
 
-    def _route(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> tuple[Route, list[bytes]]:
+    def _route(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> tuple[Route, PromptHashes]:
         """The policy's route and the prompt's block hashes (what the chosen worker will cache)."""
         prefills = [w for w in self.view.live_workers("prefill") if w.worker_id not in exclude]
         decodes = self.view.live_workers("decode")
         if not decodes:
             raise NoWorkersError("no decode worker is registered")
         ref = (prefills or decodes)[0]
-        hashes = list(iter_block_hashes(prompt, ref.block_size, ref.cache_salt))
+        hashes = PromptHashes(prompt, ref.block_size, ref.cache_salt)
         inp = RoutingInput(
             iter(hashes), len(prompt), ref.block_size, prefills, decodes, self.inflight, self.routed.holders()
         )
@@ -259,7 +259,7 @@ class Router:
         work = len(prompt) - route.predicted_hit_tokens
         load.prompt_tokens += work
         load.requests += 1
-        routed = self.routed.add(w.worker_id, hashes)
+        routed = self.routed.add(w.worker_id, hashes.all())
         computed = False
         try:
             stub = pb_grpc.PrefillWorkerStub(self._channel(w.address))

@@ -4,7 +4,7 @@ first token.
 A request's stamps, all ``time.monotonic()`` (the engine loop's clock): ``arrive`` when its handler
 takes it (event-loop thread) -> ``ready`` when the engine could first run it: added to the engine,
 or its KV landed (engine thread) -> its first output (engine thread, an output hook): the step that
-produced it started at ``max(end of the previous step, ready)``. ``kv_transfer_s`` is set by the
+produced it started at ``max(the loop's stamp of that step's start, ready)``. ``kv_transfer_s`` is set by the
 decode worker's pull. The handler reads the stamps after it received the first output (the output's
 delivery orders the writes before the reads) and ``forget``s the request when it ends.
 """
@@ -79,6 +79,6 @@ class RequestClocks:
         if clock is None or clock.first_output is not None or not out.new_token_ids:
             return
         clock.first_output = time.monotonic()
-        # NOTE: called from publish(core.step()), before the loop stamps this step's end, so
-        # last_progress is still the previous step's end.
-        clock.step_started = max(self._loop.last_progress, clock.ready or clock.arrived)
+        # Called from publish(core.step()): the loop's step_started is this step's start (loop
+        # ticks and other requests' commands between steps are not counted as the step).
+        clock.step_started = max(self._loop.step_started, clock.ready or clock.arrived)

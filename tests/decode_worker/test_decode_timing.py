@@ -21,11 +21,11 @@ from proto.convert import params_to_proto
 make_pair = dw.make_pair  # the fixture: started prefill and decode workers on one in-process fabric
 
 
-def test_merge_outputs_joins_consecutive_outputs_of_one_sample():
-    outs = [
+def test_merge_outputs_joins_each_samples_outputs():
+    outs = [  # n = 2: the engine interleaves the samples step by step
         SequenceOutput("r", 0, [1], [{1: -0.1}]),
-        SequenceOutput("r", 0, [2], [{2: -0.2}]),
         SequenceOutput("r", 1, [9], [{9: -0.9}]),
+        SequenceOutput("r", 0, [2], [{2: -0.2}]),
         SequenceOutput("r", 1, [10], [{10: -1.0}], finish_reason="length"),
         SequenceOutput("r", 1, [], error="boom", finish_reason="error"),
     ]

@@ -113,3 +113,13 @@ def test_a_stale_heartbeat_does_not_push_requests_off_an_idle_warm_worker():
     route(ps, routed.holders(), inflight)  # the heartbeat's figure reaches us while ours are queued
     load.prompt_tokens, load.requests = 0, 0
     assert route(ps, routed.holders(), inflight).prefill.worker_id == "p0"
+
+
+def test_prompt_hashes_are_computed_as_far_as_read_and_finished_on_demand():
+    from router.affinity import PromptHashes
+
+    hashes = PromptHashes(PROMPT, BS, "")
+    first = next(iter(hashes))
+    assert first == HASHES[0] and len(hashes._done) == 1  # the decision read one block: one hashed
+    assert list(hashes) == HASHES  # a second read replays and continues the same chain
+    assert PromptHashes(PROMPT, BS, "").all() == HASHES

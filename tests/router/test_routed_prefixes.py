@@ -6,6 +6,7 @@ record behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 from fake_decode_worker import FakeDecodeWorker, until
@@ -34,37 +35,50 @@ class Frozen:
         return self.t
 
 
+@contextlib.asynccontextmanager
+async def _stack(url: str, prefills: dict[str, pb_grpc.PrefillWorkerServicer], clock: Frozen):
+    """The router's gRPC service over these fake prefill workers and a fake decode worker; yields the
+    router, a Generate caller, and once the view lists every worker."""
+    view = ClusterView(url, poll_s=0.05)
+    view.start()
+    add = pb_grpc.add_PrefillWorkerServicer_to_server
+    servers = [await _start(p, add, wid, "prefill", url, 100) for wid, p in prefills.items()]
+    decode = FakeDecodeWorker("d0", max_tokens=3)
+    await decode.start(url)
+    router = Router(view)
+    router.routed = RoutedPrefixes(grace_s=5.0, clock=clock)
+    server, address = await serve(router)
+    channel = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.RouterStub(channel)
+
+    async def generate(rid: str, prompt: list[int]) -> None:
+        params = pb.SamplingParams(max_tokens=4, ignore_eos=True)
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params)
+        async for _ in stub.Generate(req, timeout=30):
+            pass
+
+    try:
+        await until(lambda: len(view.live_workers()) == len(prefills) + 1, "the view lists every worker")
+        yield router, generate
+    finally:
+        await channel.close()
+        await server.stop(0)
+        await router.close()
+        for s in servers:
+            await s.stop(0)
+        await decode.stop()
+        view.stop()
+
+
 def test_routed_prefix_draws_the_next_request_until_the_grace_ends(redis_server):
     async def main() -> None:
-        url = redis_server.url
-        view = ClusterView(url, poll_s=0.05)
-        view.start()
-        p0, p1, decode = HandingPrefillWorker(), HandingPrefillWorker(), FakeDecodeWorker("d0", max_tokens=3)
-        add = pb_grpc.add_PrefillWorkerServicer_to_server
-        servers = [
-            await _start(p0, add, "p0", "prefill", url, 100),
-            await _start(p1, add, "p1", "prefill", url, 100),
-        ]
-        await decode.start(url)
-        router = Router(view)
         clock = Frozen()
-        router.routed = RoutedPrefixes(grace_s=5.0, clock=clock)
-        server, address = await serve(router)
-        channel = grpc.aio.insecure_channel(address)
-        stub = pb_grpc.RouterStub(channel)
-        hashes = hash_blocks(PROMPT, 4)
-
-        async def generate(rid: str, prompt: list[int]) -> None:
-            params = pb.SamplingParams(max_tokens=4, ignore_eos=True)
-            req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params)
-            async for _ in stub.Generate(req, timeout=30):
-                pass
-
-        try:
-            await until(lambda: len(view.live_workers()) == 3, "the view lists p0, p1 and d0")
+        prefills = {"p0": HandingPrefillWorker(), "p1": HandingPrefillWorker()}
+        async with _stack(redis_server.url, prefills, clock) as (router, generate):
             await generate("a", PROMPT)
             (first,) = [w for w, n in router.decisions.items() if w[0] == "prefill" and n]
             holders = router.routed.holders()
+            hashes = hash_blocks(PROMPT, 4)
             assert all(set(holders[h]) == {first[1]} for h in hashes), "the routed prompt was not recorded"
             # Same prefix, another question: it follows the first to where its blocks are, though
             # that worker has some work queued and the other none (a tie would go to either).
@@ -75,54 +89,18 @@ def test_routed_prefix_draws_the_next_request_until_the_grace_ends(redis_server)
             clock.t = 6.0  # past the grace: the record is gone (the index would show the truth)
             assert router.routed.holders() == {} and len(router.routed) == 0
 
-        finally:
-            await channel.close()
-            await server.stop(0)
-            await router.close()
-            for s in servers:
-                await s.stop(0)
-            await decode.stop()
-            view.stop()
-
     asyncio.run(main())
 
 
 def test_refused_prefill_leaves_no_record(redis_server):
     async def main() -> None:
-        url = redis_server.url
-        view = ClusterView(url, poll_s=0.05)
-        view.start()
-        refusing, decode = RefusingPrefillWorker(), FakeDecodeWorker("d0", max_tokens=3)
-        servers = [
-            await _start(refusing, pb_grpc.add_PrefillWorkerServicer_to_server, "p0", "prefill", url, 100)
-        ]
-        await decode.start(url)
-        router = Router(view)
-        router.routed = RoutedPrefixes(grace_s=5.0, clock=Frozen())
-        server, address = await serve(router)
-        channel = grpc.aio.insecure_channel(address)
-        try:
-            await until(lambda: len(view.live_workers()) == 2, "the view lists p0 and d0")
-            req = pb.GenerateRequest(
-                request_id="r",
-                prompt_token_ids=PROMPT,
-                params=pb.SamplingParams(max_tokens=4, ignore_eos=True),
-            )
+        async with _stack(redis_server.url, {"p0": RefusingPrefillWorker()}, Frozen()) as (router, generate):
             try:
-                async for _ in pb_grpc.RouterStub(channel).Generate(req, timeout=30):
-                    pass
+                await generate("r", PROMPT)
                 raise AssertionError("the refused prefill did not fail the request")
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert router.decisions[("prefill", "p0")] == 1
             assert router.routed.holders() == {} and len(router.routed) == 0
-        finally:
-            await channel.close()
-            await server.stop(0)
-            await router.close()
-            for s in servers:
-                await s.stop(0)
-            await decode.stop()
-            view.stop()
 
     asyncio.run(main())

@@ -13,7 +13,7 @@ from worker.request_clock import RequestClocks
 class FakeLoop:
     def __init__(self) -> None:
         self.hooks = []
-        self.last_progress = 0.0
+        self.step_started = 0.0
 
     def add_output_hook(self, fn) -> None:
         self.hooks.append(fn)
@@ -28,7 +28,7 @@ def test_first_output_splits_into_queue_transfer_and_step():
     clocks = RequestClocks(loop)
     clock = clocks.arrive("r")
     clocks.transferred("r", 0.0)  # the KV landed (a READ of no measurable length)
-    loop.last_progress = time.monotonic()  # a step of other requests ended after it was ready
+    loop.step_started = time.monotonic()  # the step that served it started after it was ready
     loop.output(SequenceOutput("other", 0, [5]))  # another request's output leaves "r" alone
     assert clock.first_output is None
     loop.output(SequenceOutput("r", 0, []))  # no token yet (e.g. an abort notice): not the first
@@ -45,12 +45,12 @@ def test_first_output_splits_into_queue_transfer_and_step():
     assert clocks.get("r") is None and len(clocks) == 0
 
 
-def test_step_start_is_the_previous_step_end_when_the_request_waited():
+def test_step_start_is_the_start_of_the_step_that_served_it():
     loop = FakeLoop()
     clocks = RequestClocks(loop)
     clock = clocks.arrive("r")
     clocks.ready("r")
-    loop.last_progress = clock.ready + 5.0  # it waited behind a (long) step that ended later
+    loop.step_started = clock.ready + 5.0  # it waited behind a (long) step: its own began later
     loop.output(SequenceOutput("r", 0, [1]))
-    assert clock.step_started == loop.last_progress
+    assert clock.step_started == loop.step_started
     assert clock.kv_transfer_s is None  # never transferred: aggregated
