@@ -8,7 +8,8 @@
 3. cache_aware vs round_robin routing on the multi-tenant prefix workload (the headline variant of
    ``python -m bench.prefix_routing``, which sweeps the others): TTFT p50/p90/p99 and throughput;
 4. serving overhead: request throughput of the full HTTP stack (ingress -> router -> worker) vs the
-   engine alone (``LLM.generate``) on the same short requests.
+   engine alone on the same short requests, both offline (``LLM.generate`` with every request queued
+   at once) and closed-loop at the HTTP client's concurrency (at most 32 requests in the engine).
 (The engine vs HF transformers comparison is ``python -m bench.offline_throughput``.)
 
     python -m bench.serving_comparisons [--only interference,local_prefill,prefix,overhead] [--quick]
@@ -148,6 +149,7 @@ def overhead(quick: bool) -> dict:
     t0 = time.perf_counter()
     llm.generate(prompts, params)
     engine_rps = len(prompts) / (time.perf_counter() - t0)
+    engine_closed_rps = engine_closed_loop(llm.core, prompts, params, concurrency=32)
     del llm
     runs = {}
     for name, flags in (
@@ -167,8 +169,14 @@ def overhead(quick: bool) -> dict:
     ):
         with serving(*flags) as base:
             runs[name] = load(base, args, concurrency=32)
+    closed = {
+        f"{name}_over_engine_closed_loop": run["request_throughput"] / engine_closed_rps
+        for name, run in runs.items()
+    }
     return {
         "engine_alone_requests_per_s": engine_rps,
+        "engine_alone_closed_loop_requests_per_s": engine_closed_rps,
+        **closed,
         "runs": runs,
         "http_over_engine_aggregated": runs["aggregated_http"]["request_throughput"] / engine_rps,
         "http_over_engine_disaggregated": runs["disaggregated_http"]["request_throughput"] / engine_rps,
@@ -185,6 +193,26 @@ def overhead(quick: bool) -> dict:
         ]
         / engine_rps,
     }
+
+
+def engine_closed_loop(core, prompts: list, params, *, concurrency: int) -> float:
+    """Requests/s of the engine alone fed like the HTTP client feeds the stack: at most
+    ``concurrency`` requests in flight, the next one added as soon as one finishes."""
+    pending = iter(enumerate(prompts))
+
+    def add_next() -> None:
+        nxt = next(pending, None)
+        if nxt is not None:
+            core.add_request(f"closed-{nxt[0]}", nxt[1], params)
+
+    for _ in range(concurrency):
+        add_next()
+    t0 = time.perf_counter()
+    while core.has_unfinished():
+        for out in core.step():
+            if out.finished:
+                add_next()
+    return len(prompts) / (time.perf_counter() - t0)
 
 
 def main() -> None:
