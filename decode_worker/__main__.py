@@ -21,6 +21,12 @@ def main() -> None:
     add_worker_args(p, "decode")
     p.add_argument("--kv-failure-policy", default="recompute", choices=FAILURE_POLICIES)
     p.add_argument("--transfer-timeout", type=float, default=10.0, help="seconds before a KV pull fails")
+    p.add_argument(
+        "--keepalive",
+        type=float,
+        default=0.5,
+        help="seconds between Progress messages on a quiet Decode stream (the router's stall watch)",
+    )
     args = p.parse_args()
     prepare_process(args)
     config = DecodeWorkerConfig(
@@ -29,6 +35,7 @@ def main() -> None:
         redis_url=args.redis_url,
         kv_failure_policy=args.kv_failure_policy,
         transfer_timeout_s=args.transfer_timeout,
+        keepalive_s=args.keepalive,
     )
     worker = DecodeWorker(config)
     asyncio.run(serve_until_signal(worker, serve, args.host, args.port))

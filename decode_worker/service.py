@@ -1,7 +1,9 @@
 """gRPC face of the decode worker (asyncio): Decode (server stream), Abort, GetState.
 
-Bad requests are refused with INVALID_ARGUMENT before the engine is touched; failures after the
-stream started arrive in-band as a ``StreamError`` message, then the stream ends. A cancelled call
+Bad requests are refused with INVALID_ARGUMENT before the engine is touched, and every request with
+UNAVAILABLE once the engine loop failed; failures after the stream started arrive in-band as a
+``StreamError`` message, then the stream ends (``unavailable``: the worker cannot go on, the router
+resumes the request elsewhere). A quiet stream carries ``Progress`` messages. A cancelled call
 (client gone, deadline passed) aborts the request and frees its blocks.
 """
 
@@ -12,7 +14,8 @@ import logging
 import grpc
 
 from decode_worker.kv_pull import KVTransferError, PulledKV
-from decode_worker.worker import DecodeWorker
+from decode_worker.worker import DecodeWorker, Progress, WorkerUnavailableError
+from engine.engine_loop import EngineLoopFailed
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import logprobs_from_proto, logprobs_to_proto, params_from_proto, stop_reason_text
@@ -51,9 +54,25 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             self.worker.core.validate(prompt, params)  # static checks only: safe off the engine thread
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.worker.loop.failure is not None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{self.worker.worker_id}: {self.worker.loop.failure}"
+            )
         completion = 1 if kv is not None else 0
+        keepalive = self.worker.config.keepalive_s or None
         try:
-            async for out in self.worker.decode(rid, prompt, params, priority=request.priority, kv=kv):
+            async for out in self.worker.decode(
+                rid, prompt, params, priority=request.priority, kv=kv, keepalive_s=keepalive
+            ):
+                if isinstance(out, Progress):
+                    yield pb.GenerateResponse(
+                        progress=pb.Progress(
+                            step_ms=out.step_s * 1e3,
+                            blocked_ms=out.blocked_s * 1e3,
+                            interval_ms=out.interval_s * 1e3,
+                        )
+                    )
+                    continue
                 if out.new_token_ids:
                     completion += len(out.new_token_ids)
                     yield pb.GenerateResponse(
@@ -81,6 +100,9 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             yield pb.GenerateResponse(error=pb.StreamError(code="invalid_argument", message=str(exc)))
         except KVTransferError as exc:
             yield pb.GenerateResponse(error=pb.StreamError(code="kv_transfer_failed", message=str(exc)))
+        except (WorkerUnavailableError, EngineLoopFailed) as exc:
+            logger.warning("decode of %s cannot go on here: %s", rid, exc)
+            yield pb.GenerateResponse(error=pb.StreamError(code="unavailable", message=str(exc)))
         except RuntimeError as exc:
             logger.warning("decode of %s failed: %s", rid, exc)
             yield pb.GenerateResponse(error=pb.StreamError(code="internal", message=str(exc)))
@@ -100,6 +122,10 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return pb.AbortResponse(aborted=await self.worker.abort(request.request_id))
 
     async def GetState(self, request, context) -> pb.WorkerState:
+        if self.worker.loop.failure is not None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{self.worker.worker_id}: {self.worker.loop.failure}"
+            )
         return await self.worker.get_state()
 
 

@@ -7,8 +7,14 @@ running batch keeps stepping) -> on success the prefill worker is notified (NIXL
 read) and the request joins the batch from token 2 -> tokens stream until it finishes. A failed or
 timed-out read either recomputes the prompt locally (``kv_failure_policy="recompute"``) or ends the
 stream with a ``KVTransferError`` (``"fail"``). Without a handle the request runs here whole
-(aggregated mode). A cancelled stream aborts its request. Every engine and NIXL call runs on the
-engine-loop thread.
+(aggregated mode; also how the router resumes a request moved here from another decode worker: the
+prompt plus the tokens already streamed, the request's seed, the tokens left). A cancelled stream
+aborts its request. Every engine and NIXL call runs on the engine-loop thread.
+
+A stream this worker cannot finish ends with ``WorkerUnavailableError`` (the router resumes it
+elsewhere): when the engine loop failed, and when the worker shuts down with requests still running
+(``hand_off``). With ``keepalive_s`` a quiet stream carries ``Progress`` every ``keepalive_s``: the
+router tells a busy worker (long prefill, queued behind others) from a stalled one by them.
 
 Peers are kept warm by the worker itself: before it registers, and then every ``warm_interval_s``,
 it connects NIXL to every prefill worker the registry lists, so first pulls pay no setup.
@@ -44,7 +50,15 @@ from worker.runtime import TransferFactory, WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FAILURE_POLICIES", "DecodeWorker", "DecodeWorkerConfig", "KVTransferError", "PulledKV"]
+__all__ = [
+    "FAILURE_POLICIES",
+    "DecodeWorker",
+    "DecodeWorkerConfig",
+    "KVTransferError",
+    "Progress",
+    "PulledKV",
+    "WorkerUnavailableError",
+]
 
 PeerFetcher = Callable[[str], Awaitable[RemoteKVInfo]]
 
@@ -55,6 +69,22 @@ class DecodeWorkerConfig(WorkerConfig):
     kv_failure_policy: str = "recompute"  # or "fail"
     transfer_timeout_s: float = 10.0  # seconds before a KV pull fails
     warm_interval_s: float = 5.0  # how often new prefill workers are looked up and connected
+    keepalive_s: float = 0.5  # a quiet Decode stream carries a Progress message this often
+
+
+class WorkerUnavailableError(RuntimeError):
+    """This worker cannot go on with the request (its engine failed, or it is shutting down); the
+    caller may resume it on another worker."""
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A quiet stream's sign of life: the engine's longest recent step, how long its thread has gone
+    without finishing an iteration, and the longest this worker stays silent."""
+
+    step_s: float
+    blocked_s: float
+    interval_s: float
 
 
 class DecodeWorker(WorkerRuntime):
@@ -80,6 +110,8 @@ class DecodeWorker(WorkerRuntime):
         self._peers: set[str] = set()  # agent names NIXL knows
         self._warmed: set[str] = set()  # prefill addresses already tried
         self._warmer: asyncio.Task | None = None
+        self._handed_off: set[str] = set()  # requests ended by hand_off (engine thread writes)
+        self.handing_off = False
 
     def transfer_stats(self) -> TransferStats | None:
         return self.pulls.stats
@@ -166,37 +198,51 @@ class DecodeWorker(WorkerRuntime):
         priority: int = 0,
         kv: PulledKV | None = None,
         policy: str | None = None,
-    ) -> AsyncIterator[SequenceOutput]:
-        """Stream the request's outputs (from token 2 on when ``kv`` is given).
+        keepalive_s: float | None = None,
+    ) -> AsyncIterator[SequenceOutput | Progress]:
+        """Stream the request's outputs (from token 2 on when ``kv`` is given), and a ``Progress``
+        whenever nothing was sent for ``keepalive_s`` (None: never).
 
         Raises ValueError for a request the engine can never serve (``IncompatibleKVError`` for a
-        peer with another KV layout), and ``KVTransferError`` when the pull fails under the
-        ``fail`` policy.
+        peer with another KV layout), ``KVTransferError`` when the pull fails under the ``fail``
+        policy, and ``WorkerUnavailableError`` when this worker cannot go on with it.
         """
+        self._check_available()
         policy_ = FailurePolicy(policy or self.config.kv_failure_policy)
         stream = self.loop.open_stream(request_id)
         self.clocks.arrive(request_id)
-
-        def add() -> None:
-            self.core.add_request(request_id, prompt, params, priority=priority)
-            self.clocks.ready(request_id)
-
+        admit = self._admit(request_id, prompt, params, priority, kv, policy_)
         try:
-            if kv is None:
-                await self.loop.run(add)
-            else:
-                pull = PendingPull(request_id, prompt, params, priority, kv, policy_)
-                reachable = await self._connect_peer(pull)
-                if not await self.loop.run(lambda: self.pulls.start(pull, reachable=reachable)):
-                    return  # the first token already ended the request
+            if keepalive_s is None:
+                admitted = await admit
+            else:  # the admission may wait (an engine busy with a long step, a peer to connect)
+                task = asyncio.ensure_future(admit)
+                try:
+                    while not (await asyncio.wait({task}, timeout=keepalive_s))[0]:
+                        yield self.progress(keepalive_s)
+                finally:
+                    task.cancel()
+                admitted = task.result()
+            if not admitted:
+                return  # the first token already ended the request
             unfinished = params.n  # every sample ends with its own finish reason
             while True:
                 # Whatever the engine produced since the last look goes out as one output per
                 # sample: a stream that fell behind catches up in one message, not one per token.
-                outs = [await stream.get()]
+                if keepalive_s is None:
+                    outs = [await stream.get()]
+                else:
+                    try:
+                        async with asyncio.timeout(keepalive_s):
+                            outs = [await stream.get()]
+                    except TimeoutError:
+                        yield self.progress(keepalive_s)
+                        continue
                 while not stream.empty():
                     outs.append(stream.get_nowait())
                 for out in merge_outputs(outs):
+                    if out.finish_reason in ("error", "abort"):
+                        self._check_available(request_id)
                     if out.error and out.finish_reason == "error":
                         raise self.pulls.take_error(request_id) or RuntimeError(out.error)
                     yield out
@@ -207,7 +253,56 @@ class DecodeWorker(WorkerRuntime):
         finally:
             self.loop.close_stream(request_id)
             self.clocks.forget(request_id)
-            self.loop.call(lambda: self._abort(request_id))
+            self._handed_off.discard(request_id)
+            if self.loop.failure is None:
+                self.loop.call(lambda: self._abort(request_id))
+
+    async def _admit(self, request_id, prompt, params, priority, kv, policy: FailurePolicy) -> bool:
+        """Add the request (or start its pull); False when the first token already ended it."""
+
+        def add() -> None:
+            self.core.add_request(request_id, prompt, params, priority=priority)
+            self.clocks.ready(request_id)
+
+        if kv is None:
+            await self.loop.run(add)
+            return True
+        pull = PendingPull(request_id, prompt, params, priority, kv, policy)
+        reachable = await self._connect_peer(pull)
+        return await self.loop.run(lambda: self.pulls.start(pull, reachable=reachable))
+
+    def _check_available(self, request_id: str | None = None) -> None:
+        """Raise ``WorkerUnavailableError`` if the engine loop failed, or (for a new request, or one
+        ``hand_off`` ended) if this worker is shutting down."""
+        if self.loop.failure is not None:
+            raise WorkerUnavailableError(f"decode worker {self.worker_id}: {self.loop.failure}")
+        if (request_id is None and self.handing_off) or request_id in self._handed_off:
+            raise WorkerUnavailableError(f"decode worker {self.worker_id} is shutting down")
+
+    def progress(self, interval_s: float) -> Progress:
+        loop = self.loop
+        return Progress(loop.recent_step_s, loop.blocked_for(), interval_s)
+
+    async def hand_off(self) -> int:
+        """End every open stream with ``WorkerUnavailableError`` (the router resumes each on another
+        decode worker) and free its blocks; new requests are refused. Returns how many were ended."""
+        self.handing_off = True
+
+        def end_all() -> int:
+            rids = self.loop.stream_ids()
+            self._handed_off.update(rids)
+            return sum(1 for rid in rids if self._abort(rid))
+
+        return await self.loop.run(end_all) if self.loop.alive else 0
+
+    async def shutdown(self, grace_s: float = 1.0) -> None:
+        """Hand the requests still running to the router (instead of cutting their streams), give
+        their streams ``grace_s`` to say so, then stop."""
+        if await self.hand_off():
+            deadline = asyncio.get_running_loop().time() + grace_s
+            while self.loop.stream_ids() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+        await super().shutdown(grace_s)
 
     async def abort(self, request_id: str) -> bool:
         return await self.loop.run(lambda: self._abort(request_id))

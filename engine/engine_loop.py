@@ -5,7 +5,14 @@ engine step if anything is unfinished, then the registered tick callbacks (lease
 polling); when there is nothing to do it sleeps on the command queue until a command arrives or
 ``idle_tick_s`` passes. ``stop()`` ends it. Per-request outputs go to asyncio queues on the caller's
 event loop through ``call_soon_threadsafe``, so a slow stream never stalls a step and a step never
-blocks a handler. ``last_progress`` lets a health check tell a stuck loop from an idle one.
+blocks a handler. ``last_progress`` lets a health check tell a stuck loop from an idle one;
+``blocked_for()`` and ``recent_step_s`` let a stream's reader (the router) tell a stalled loop from a
+busy one.
+
+If ``step()`` itself raises (the engine's state can no longer be trusted), the loop *fails*: every
+open stream gets an error output at once (no stream waits for a health check), commands still queued
+and any later ``call`` fail with ``EngineLoopFailed``, the ``on_failure`` callbacks run (a worker
+leaves the registry) and the thread ends, so ``alive`` turns False.
 """
 
 from __future__ import annotations
@@ -25,6 +32,14 @@ from engine.scheduler_output import SequenceOutput
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# How fast the remembered longest step decays per step: a long prefill step is remembered for a few
+# hundred short ones, so a stream's deadline does not shrink back between two long steps.
+_STEP_DECAY = 0.99
+
+
+class EngineLoopFailed(RuntimeError):
+    """The engine loop died (its step raised); nothing more will run on it."""
+
 
 class EngineLoop:
     def __init__(self, core: EngineCore, *, idle_tick_s: float = 0.005) -> None:
@@ -39,6 +54,10 @@ class EngineLoop:
         self.last_progress = time.monotonic()
         self.step_started = self.last_progress  # the current (or last) step's start
         self.busy_since: float | None = None
+        self.beat = self.last_progress  # the thread's last sign of life: an iteration or a step ended
+        self.recent_step_s = 0.0  # the longest recent step, decaying (what a stall is judged against)
+        self.failure: EngineLoopFailed | None = None
+        self._failure_hooks: list[Callable[[EngineLoopFailed], None]] = []
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -63,13 +82,32 @@ class EngineLoop:
         """Run ``fn`` on the engine thread for every output, before it is delivered."""
         self._output_hooks.append(fn)
 
+    def on_failure(self, fn: Callable[[EngineLoopFailed], None]) -> None:
+        """Run ``fn`` (on the dying engine thread) if the loop fails; keep it short."""
+        self._failure_hooks.append(fn)
+
+    def blocked_for(self) -> float:
+        """Seconds since the engine thread last finished a loop iteration or a step: near 0 while it
+        runs (idle iterations end every ``idle_tick_s``), the step's age during a long step, growing
+        without bound when the thread is stuck or dead."""
+        return time.monotonic() - self.beat
+
+    def stream_ids(self) -> list[str]:
+        """The requests whose outputs someone is waiting for (any thread)."""
+        return list(self._streams)
+
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._streams
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the engine thread (the only thread that touches the engine)."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self.failure is not None:
+            fut.set_exception(self.failure)
+            return fut
         self._commands.put((fn, fut))
+        if self.failure is not None:  # failed meanwhile: its drain may have missed this command
+            self._fail_commands()
         return fut
 
     async def run(self, fn: Callable[[], T]) -> T:
@@ -99,8 +137,16 @@ class EngineLoop:
                 loop.call_soon_threadsafe(q.put_nowait, out)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # the engine's state is no longer trustworthy: fail, loudly and at once
+            logger.exception("engine loop failed; failing its %d open streams", len(self._streams))
+            self._fail(EngineLoopFailed(f"engine step failed: {type(exc).__name__}: {exc}"))
+
+    def _serve(self) -> None:
         core = self.core
         while not self._stop.is_set():
+            self.beat = time.monotonic()
             has_work = core.has_unfinished()
             try:
                 fn, fut = self._commands.get(timeout=0 if has_work else self.idle_tick_s)
@@ -114,9 +160,12 @@ class EngineLoop:
                     fn = None
             if core.has_unfinished():
                 self.busy_since = self.busy_since or time.monotonic()
-                self.step_started = time.monotonic()  # what a request's first step is timed from
+                self.step_started = self.beat = time.monotonic()  # what a request's first step is timed from
                 self.publish(core.step())
-                self.last_progress = time.monotonic()
+                self.last_progress = self.beat = time.monotonic()
+                self.recent_step_s = max(
+                    self.last_progress - self.step_started, self.recent_step_s * _STEP_DECAY
+                )
             else:
                 self.busy_since = None
             for tick in self._ticks:
@@ -124,6 +173,27 @@ class EngineLoop:
                     tick()
                 except Exception:
                     logger.exception("engine loop tick failed")
+
+    def _fail(self, failure: EngineLoopFailed) -> None:
+        self.failure = failure
+        self._fail_commands()
+        self.publish(
+            [SequenceOutput(rid, 0, [], finish_reason="error", error=str(failure)) for rid in self._streams]
+        )
+        for hook in self._failure_hooks:
+            try:
+                hook(failure)
+            except Exception:
+                logger.exception("engine loop failure hook failed")
+
+    def _fail_commands(self) -> None:
+        while True:
+            try:
+                _fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(self.failure)
 
     @staticmethod
     def _execute(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:

@@ -192,6 +192,16 @@ class StreamError(_message.Message):
     message: str
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class Progress(_message.Message):
+    __slots__ = ("step_ms", "blocked_ms", "interval_ms")
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_MS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    step_ms: float
+    blocked_ms: float
+    interval_ms: float
+    def __init__(self, step_ms: _Optional[float] = ..., blocked_ms: _Optional[float] = ..., interval_ms: _Optional[float] = ...) -> None: ...
+
 class RouteInfo(_message.Message):
     __slots__ = ("prefill_worker", "decode_worker", "predicted_hit_tokens", "delivered_hit_tokens")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -205,16 +215,18 @@ class RouteInfo(_message.Message):
     def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., predicted_hit_tokens: _Optional[int] = ..., delivered_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "finished", "error", "route")
+    __slots__ = ("tokens", "finished", "error", "route", "progress")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenChunk
     finished: Finished
     error: StreamError
     route: RouteInfo
-    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ...) -> None: ...
+    progress: Progress
+    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -387,7 +399,7 @@ class RoutingCount(_message.Message):
     def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining", "decode_retries", "local_prefills", "hop_timing")
+    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining", "decode_retries", "local_prefills", "hop_timing", "migrations", "stalls", "migrations_refused", "suspect_workers")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -408,6 +420,10 @@ class ClusterState(_message.Message):
     DECODE_RETRIES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     HOP_TIMING_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    STALLS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSummary]
     degraded: bool
     policy: str
@@ -428,7 +444,11 @@ class ClusterState(_message.Message):
     decode_retries: int
     local_prefills: int
     hop_timing: _containers.RepeatedCompositeFieldContainer[HopSummary]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., decode_retries: _Optional[int] = ..., local_prefills: _Optional[int] = ..., hop_timing: _Optional[_Iterable[_Union[HopSummary, _Mapping]]] = ...) -> None: ...
+    migrations: int
+    stalls: int
+    migrations_refused: int
+    suspect_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., decode_retries: _Optional[int] = ..., local_prefills: _Optional[int] = ..., hop_timing: _Optional[_Iterable[_Union[HopSummary, _Mapping]]] = ..., migrations: _Optional[int] = ..., stalls: _Optional[int] = ..., migrations_refused: _Optional[int] = ..., suspect_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HopSummary(_message.Message):
     __slots__ = ("hop", "count", "mean_ms", "p50_ms", "p90_ms")

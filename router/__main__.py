@@ -12,6 +12,7 @@ import logging
 import signal
 
 from registry.cluster_view import ClusterView
+from router.migration import MigrationOptions
 from router.policies import POLICIES
 from router.router import Router
 from router.service import serve
@@ -22,7 +23,13 @@ async def _main(args: argparse.Namespace) -> None:
     view = ClusterView(args.redis_url)
     view.start()
     view.wait_synced(10)
-    router = Router(view, args.policy, local_prefill_tokens=args.local_prefill_tokens)
+    migration = MigrationOptions(
+        max_migrations=args.max_migrations,
+        stall_timeout_s=args.stall_timeout,
+        stall_floor_s=args.stall_floor,
+        stall_step_multiple=args.stall_step_multiple,
+    )
+    router = Router(view, args.policy, local_prefill_tokens=args.local_prefill_tokens, migration=migration)
     server, address = await serve(router, args.host, args.port)
     print(f"LISTENING {address}", flush=True)
     stop = asyncio.Event()
@@ -49,6 +56,32 @@ def main() -> None:
         type=int,
         default=0,
         help="prefill on the decode worker when its uncached prompt part is at most this many tokens (0: never)",
+    )
+    defaults = MigrationOptions()
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=defaults.max_migrations,
+        help="times a request may move to another decode worker when its own is lost mid-stream (0: never)",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        help="seconds a decode stream may stay silent before its worker counts as stalled "
+        "(default: derived from the worker's step time, see --stall-floor)",
+    )
+    p.add_argument(
+        "--stall-floor",
+        type=float,
+        default=defaults.stall_floor_s,
+        help="the derived stall deadline is never shorter than this (seconds)",
+    )
+    p.add_argument(
+        "--stall-step-multiple",
+        type=float,
+        default=defaults.stall_step_multiple,
+        help="the derived stall deadline: this many times the worker's longest recent engine step",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=0)

@@ -6,7 +6,8 @@ the caller at once: TTFT does not wait for the KV transfer) -> ``Decode`` on D w
 whose stream is relayed. If P fails, another prefill worker is tried, then the request runs
 aggregated on D; it is never silently lost, and the caller's deadline bounds every call.
 Cancellation propagates: a cancelled caller cancels the worker calls (the decode worker aborts and
-frees its blocks) and, if the KV was never pulled, the router releases it on P.
+frees its blocks) and, if the KV was never pulled, the router releases it on P. A decode worker lost
+mid-stream (dead, stalled, failed, drained) is resumed on another one (``router.migration``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -30,7 +30,17 @@ from proto.convert import params_to_proto
 from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord
 from router.affinity import PromptHashes, RoutedPrefixes
+from router.cancellation import Cancellation
 from router.hop_timing import HopWindow, RouterClock
+from router.migration import (
+    MIGRATABLE,
+    DecodeLost,
+    MigrationOptions,
+    MigrationRefused,
+    ProgressWatch,
+    Resumption,
+    continuation,
+)
 from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
 
 logger = logging.getLogger(__name__)
@@ -59,6 +69,9 @@ class RouterStats:
     predicted_hit_tokens: int = 0
     delivered_hit_tokens: int = 0
     prompt_tokens: int = 0
+    migrations: int = 0  # streams resumed on another decode worker
+    stalls: int = 0  # decode streams given up on as stalled
+    migrations_refused: int = 0  # lost streams that could not be resumed (limit, no worker, n > 1)
 
 
 class Router:
@@ -68,6 +81,7 @@ class Router:
         policy: str = "cache_aware",
         prefill_attempts: int = 2,
         local_prefill_tokens: int = 0,
+        migration: MigrationOptions | None = None,
     ) -> None:
         if local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
@@ -77,6 +91,9 @@ class Router:
         # Conditional disaggregation: a prompt whose part the decode worker has not cached is at most
         # this many tokens is prefilled there (no prefill hop, no KV transfer); 0 always disaggregates.
         self.local_prefill_tokens = local_prefill_tokens
+        self.migration = migration or MigrationOptions()
+        self.watch = ProgressWatch(self.migration)
+        self.suspects: dict[str, float] = {}  # decode worker -> time.monotonic() until which it is avoided
         self.inflight: dict[str, WorkerLoad] = {}
         self.routed = RoutedPrefixes()  # prefixes sent to workers, until the index shows them
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, worker) -> routed requests
@@ -85,11 +102,7 @@ class Router:
         self.active = 0  # Generate streams in progress (shutdown waits for them)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Future] = set()
-        # Requests streaming through this router: the task serving each, and its decode worker once
-        # the decode call is open (what ``abort`` acts on).
-        self._tasks: dict[str, asyncio.Task] = {}
-        self._decoding: dict[str, WorkerRecord] = {}
-        self._aborted: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # cancelled by ``abort``
+        self.cancellation = Cancellation(self._channel)  # what ``abort`` acts on
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -106,18 +119,37 @@ class Router:
     def route(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> Route:
         return self._route(prompt, exclude)[0]
 
-    def _route(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> tuple[Route, PromptHashes]:
-        """The policy's route and the prompt's block hashes (what the chosen worker will cache)."""
+    def _route(
+        self, prompt: list[int], exclude: frozenset[str] = frozenset(), lost: frozenset[str] = frozenset()
+    ) -> tuple[Route, PromptHashes]:
+        """The policy's route and the prompt's block hashes (what the chosen worker will cache);
+        ``exclude``: prefill workers that failed this request, ``lost``: decode workers that did."""
         prefills = [w for w in self.view.live_workers("prefill") if w.worker_id not in exclude]
-        decodes = self.view.live_workers("decode")
+        decodes = self.decode_candidates(lost)
         if not decodes:
-            raise NoWorkersError("no decode worker is registered")
+            raise NoWorkersError(
+                "no decode worker is registered" + (" besides the lost ones" if lost else "")
+            )
         ref = (prefills or decodes)[0]
         hashes = PromptHashes(prompt, ref.block_size, ref.cache_salt)
         inp = RoutingInput(
             iter(hashes), len(prompt), ref.block_size, prefills, decodes, self.inflight, self.routed.holders()
         )
         return self.policy.choose(inp, self.view.index), hashes
+
+    def decode_candidates(self, lost: frozenset[str] | set[str] = frozenset()) -> list[WorkerRecord]:
+        """Live decode workers not lost by the request, suspects left out while others remain."""
+        live = [w for w in self.view.live_workers("decode") if w.worker_id not in lost]
+        if self.suspects:
+            now = time.monotonic()
+            for wid in [w for w, until in self.suspects.items() if until <= now]:
+                del self.suspects[wid]
+            trusted = [w for w in live if w.worker_id not in self.suspects]
+            return trusted or live
+        return live
+
+    def suspect(self, worker_id: str) -> None:
+        self.suspects[worker_id] = time.monotonic() + self.migration.suspect_s
 
     # Orchestration ----------------------------------------------------------------------------
 
@@ -132,44 +164,76 @@ class Router:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Yields the caller's stream: the first token as soon as prefill has it, then the rest."""
         self.active += 1
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks[request_id] = task
+        task = self.cancellation.track(request_id)
         try:
             async with aclosing(self._generate(request_id, prompt, params, priority, deadline)) as stream:
                 async for msg in stream:
                     yield msg
         finally:
             self.active -= 1
-            if self._tasks.get(request_id) is task:
-                del self._tasks[request_id]
+            self.cancellation.untrack(request_id, task)
 
     def take_aborted(self) -> bool:
-        """Whether ``abort`` (not the caller) cancelled the current task's stream; asked once, by the
-        stream's handler."""
-        task = asyncio.current_task()
-        if task is not None and task in self._aborted:
-            self._aborted.discard(task)
-            return True
-        return False
+        return self.cancellation.take_aborted()
 
     async def _generate(
         self, request_id, prompt, params, priority, deadline
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """Attempt after attempt until the request ends: a decode worker lost mid-stream is replaced
+        and the request resumed from what was already relayed (``router.migration``)."""
         if self.view.draining:
             raise NoWorkersError("the service is shutting down and takes no new requests")
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt)
         clock = RouterClock(self.hops)
-        proto_params = params_to_proto(params)
+        res = Resumption(prompt, params_to_proto(params), params.n)
+        lost: set[str] = set()
+        while True:
+            try:
+                async with aclosing(
+                    self._attempt(request_id, res, priority, deadline, clock, frozenset(lost))
+                ) as s:
+                    async for msg in s:
+                        yield res.relay(msg)
+                return
+            except DecodeLost as exc:
+                if exc.reason.startswith("stalled"):
+                    self.stats.stalls += 1
+                if exc.suspect:
+                    self.suspect(exc.worker_id)
+                lost.add(exc.worker_id)
+                end = res.ended_by_itself()
+                if end is not None:  # only its last message was lost
+                    yield res.relay(end)
+                    return
+                try:
+                    res.resume(exc, self.migration, len(self.decode_candidates(lost)), deadline)
+                except MigrationRefused:
+                    self.stats.migrations_refused += 1
+                    raise
+                self.stats.migrations += 1
+                logger.warning(
+                    "%s: %s; resuming after %d tokens elsewhere (move %d)",
+                    request_id,
+                    exc,
+                    res.offset,
+                    res.migrations,
+                )
+
+    async def _attempt(
+        self, request_id, res: Resumption, priority, deadline, clock: RouterClock, lost: frozenset[str]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One route -> prefill -> decode pass over the request as ``res`` has it now."""
+        prompt, proto_params = res.request()
         exclude: set[str] = set()
-        route, hashes = self._route(prompt)
+        route, hashes = self._route(prompt, lost=lost)
+        n = proto_params.n or 1
         resp = None
-        if route.prefill is not None and params.n == 1 and self._prefill_locally(prompt, route):
+        if route.prefill is not None and n == 1 and self._prefill_locally(prompt, route):
             self.stats.local_prefills += 1
             route = Route(None, route.decode, route.predicted_hit_tokens)
         clock.routed()
-        if route.prefill is not None and params.n == 1:
+        if route.prefill is not None and n == 1:
             for attempt in range(self.prefill_attempts):
                 try:
                     resp = await self._prefill(
@@ -187,19 +251,21 @@ class Router:
                     )
                     self.stats.prefill_retries += attempt == 0
                     exclude.add(route.prefill.worker_id)
-                    route, hashes = self._route(prompt, frozenset(exclude))
+                    route, hashes = self._route(prompt, frozenset(exclude), lost)
                     if route.prefill is None:
                         break
         if resp is None:
-            self.stats.aggregated_fallbacks += route.prefill is not None or (params.n == 1 and bool(exclude))
+            self.stats.aggregated_fallbacks += route.prefill is not None or (n == 1 and bool(exclude))
             clock.decoding()
             async for msg in self._relay_decode(
-                route.decode, request_id, prompt, proto_params, priority, None, deadline
+                route.decode, request_id, prompt, proto_params, priority, None, deadline, lost
             ):
                 clock.on_message(msg)
                 yield msg
             return
         clock.first_token()
+        if res.seed is None:  # the seed the prefill worker drew: a resumed request keeps it
+            res.seed = resp.handle.seed
         yield pb.GenerateResponse(
             tokens=pb.TokenChunk(token_ids=[resp.handle.first_token], logprobs=[resp.handle.first_logprobs])
         )
@@ -227,7 +293,7 @@ class Router:
         clock.decoding()
         try:
             async for msg in self._relay_decode(
-                route.decode, request_id, prompt, proto_params, priority, resp.handle, deadline
+                route.decode, request_id, prompt, proto_params, priority, resp.handle, deadline, lost
             ):
                 pulled = True
                 clock.on_message(msg)
@@ -274,43 +340,57 @@ class Router:
             load.requests -= 1
             self.routed.settle(routed, computed)
 
-    async def _relay_decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline):
+    async def _relay_decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline, lost):
         """Relay Decode from ``w``; a decode worker that is unreachable before it sent anything (it
-        died, its record not expired yet) is swapped for the least-loaded other one.
+        died, its record not expired yet) is swapped for the least-loaded other one. A worker lost
+        once it started raises ``DecodeLost`` (the request is resumed: ``router.migration``).
 
         NOTE: a swap never reuses the KV handle. The first worker may have pulled the KV before it
         died, and a pull tells the prefill worker to free (and reuse) those blocks, so a second pull
         could read another request's KV. The new worker computes the prompt plus the first token
         itself (seeded samples depend on positions only, so the output is the same), and the held
         KV is released."""
-        tried: set[str] = set()
+        tried: set[str] = set(lost)
         shifted = False  # the prompt now ends with the first token: usage counts it as generated
+        samples = params.n or 1
         while True:
-            started = False
+            started, ended = False, 0
             try:
                 async with aclosing(
                     self._decode(w, rid, prompt, params, priority, handle, deadline)
                 ) as stream:
                     async for msg in stream:
                         started = True
-                        if shifted and msg.HasField("finished") and msg.finished.usage.prompt_tokens:
-                            msg.finished.usage.prompt_tokens -= 1
-                            msg.finished.usage.completion_tokens += 1
+                        kind = msg.WhichOneof("kind")
+                        if kind == "finished":
+                            ended += 1
+                            if shifted and msg.finished.usage.prompt_tokens:
+                                msg.finished.usage.prompt_tokens -= 1
+                                msg.finished.usage.completion_tokens += 1
+                        elif kind == "error":
+                            if msg.error.code == "unavailable":  # it cannot go on: resume elsewhere
+                                raise DecodeLost(w.worker_id, msg.error.message)
+                            ended = samples  # a refusal or failure of this request: passed on as is
                         yield msg
+                if ended < samples:
+                    raise DecodeLost(w.worker_id, "its stream ended before the request did", suspect=False)
                 return
             except grpc.aio.AioRpcError as exc:
-                if started or exc.code() != grpc.StatusCode.UNAVAILABLE or _expired(deadline):
+                code = exc.code()
+                if _expired(deadline) or code not in MIGRATABLE:
                     raise
+                if started or code != grpc.StatusCode.UNAVAILABLE:
+                    raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
                 tried.add(w.worker_id)
-                others = [d for d in self.view.live_workers("decode") if d.worker_id not in tried]
+                others = self.decode_candidates(tried)
                 if not others:
-                    raise
+                    raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
                 logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)
                 self.stats.decode_retries += 1
                 w = min(others, key=lambda d: self.inflight.get(d.worker_id, WorkerLoad()).requests)
                 if handle is not None:
                     self._in_background(self._release_at(handle.address, rid, handle.epoch))
-                    prompt, params = _continuation(prompt, params, handle)
+                    prompt, params = continuation(prompt, params, handle)
                     handle, shifted = None, True
 
     async def _decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline):
@@ -321,14 +401,15 @@ class Router:
         if handle is not None:
             req.handle.CopyFrom(handle)
         call = pb_grpc.DecodeWorkerStub(self._channel(w.address)).Decode(req, timeout=_remaining(deadline))
-        self._decoding[rid] = w
+        decoding = self.cancellation.decoding
+        decoding[rid] = w
         try:
-            async for msg in call:
+            async for msg in self.watch.watch(call, w.worker_id):  # raises DecodeLost on a stall
                 yield msg
         finally:
             load.requests -= 1
-            if self._decoding.get(rid) is w:
-                del self._decoding[rid]
+            if decoding.get(rid) is w:
+                del decoding[rid]
             call.cancel()  # no-op when finished; aborts the request on the worker otherwise
 
     async def _release(self, w: WorkerRecord, rid: str, epoch: int) -> None:
@@ -348,49 +429,9 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a request wherever it is. Decoding through this router: its decode worker aborts it
-        (the stream ends with finish reason ``abort``). Still in prefill here: its stream is cancelled,
-        which cancels the prefill call and releases any KV held for it. Unknown here (another router
-        replica routed it): every decode worker is asked (the request lives on at most one). Either way
-        the caller's stream ends with finish reason ``abort``."""
-        w = self._decoding.get(request_id)
-        if w is not None:
-            try:
-                r = await pb_grpc.DecodeWorkerStub(self._channel(w.address)).Abort(
-                    pb.AbortRequest(request_id=request_id), timeout=5
-                )
-                if r.aborted:
-                    return True
-            except grpc.aio.AioRpcError as exc:
-                logger.info("abort of %s on %s failed (%s)", request_id, w.worker_id, exc.code())
-        task = self._tasks.get(request_id)
-        if task is not None and task is not asyncio.current_task():
-            self._aborted.add(task)
-            task.cancel()
-            return True
-
-        async def ask(w: WorkerRecord) -> bool:
-            try:
-                r = await pb_grpc.DecodeWorkerStub(self._channel(w.address)).Abort(
-                    pb.AbortRequest(request_id=request_id), timeout=5
-                )
-                return r.aborted
-            except grpc.aio.AioRpcError:
-                return False
-
-        # All at once: one hung worker must not hold up the answer from the others.
-        return any(await asyncio.gather(*(ask(w) for w in self.view.live_workers("decode"))))
-
-
-def _continuation(prompt: list[int], params: pb.SamplingParams, handle: pb.KVHandle):
-    """The request as a decode worker computes it without the handle: the first token (already
-    streamed) joins the prompt, one token less is left, and the prefill's seed keeps positions'
-    samples what one engine would draw."""
-    rest = pb.SamplingParams()
-    rest.CopyFrom(params)
-    rest.max_tokens = params.max_tokens - 1
-    rest.seed = handle.seed
-    return [*prompt, handle.first_token], rest
+        """Abort a request wherever it is; its stream ends with finish reason ``abort``
+        (``router.cancellation``)."""
+        return await self.cancellation.abort(request_id, self.view.live_workers("decode"))
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -11,6 +11,7 @@ import grpc
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_from_proto
+from router.migration import MigrationRefused
 from router.router import NoWorkersError, Router
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ class RouterService(pb_grpc.RouterServicer):
         except NoWorkersError as exc:
             self.router.stats.failed += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except MigrationRefused as exc:  # its decode worker was lost and it cannot move (a 503)
+            self.router.stats.failed += 1
+            await context.abort(exc.code, str(exc))
         except grpc.aio.AioRpcError as exc:  # a worker's refusal or failure, passed on as is
             self.router.stats.failed += 1
             await context.abort(exc.code(), exc.details() or str(exc.code()))
@@ -73,7 +77,7 @@ class RouterService(pb_grpc.RouterServicer):
                             kv_usage=1 - w.num_free_blocks / w.num_blocks if w.num_blocks else 0.0,
                         ),
                     ),
-                    healthy=True,
+                    healthy=w.worker_id not in r.suspects,
                     queued_prompt_tokens=max(w.queued_prompt_tokens, load.prompt_tokens if load else 0),
                 )
             )
@@ -101,6 +105,10 @@ class RouterService(pb_grpc.RouterServicer):
             local_prefills=s.local_prefills,
             draining=view.draining,
             hop_timing=r.hops.summary(),
+            migrations=s.migrations,
+            stalls=s.stalls,
+            migrations_refused=s.migrations_refused,
+            suspect_workers=sorted(r.suspects),
         )
 
 

@@ -6,7 +6,9 @@ A worker's life: constructed (model loaded, KV pool allocated, transfer agent re
 ``before_register`` warm-up runs (decode: NIXL connections to the prefill workers), and only then
 the worker registers in Redis, so the router sends nothing here before it is ready -> serving ->
 ``drain()``: it leaves the registry (no new routes) and waits until no work is left -> ``stop()``:
-the engine loop, the registry link and the transfer agent close.
+the engine loop, the registry link and the transfer agent close. If the engine loop *fails* (its step
+raised), its streams have already failed; the worker leaves the registry at once (no new routes) and
+its health check fails (``loop.alive`` is False) so the deployment replaces it.
 
 Roles implement ``busy`` (work that must finish before a drain ends) and may override
 ``before_register`` and ``transfer_stats``; each role's ``service.serve`` passes its gRPC servicer.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -62,6 +65,7 @@ class WorkerRuntime(ABC):
             self.core, f"{self.worker_id}-{self.epoch}", self.compat
         )
         self.loop = EngineLoop(self.core)
+        self.loop.on_failure(self._on_engine_failure)
         self.clocks = RequestClocks(self.loop)  # per-request hop timing
         self.registry: RegistryLink | None = None
         self.draining = False
@@ -117,6 +121,13 @@ class WorkerRuntime(ABC):
         self.registry = RegistryLink(self.core, publisher)
         self.loop.add_tick(self.registry.tick)
 
+    def _on_engine_failure(self, failure: Exception) -> None:
+        """Engine thread, dying: leave the registry (its Redis calls in a thread of their own)."""
+        registry, self.registry = self.registry, None
+        logger.error("%s %s is unhealthy: %s; leaving the registry", self.role, self.worker_id, failure)
+        if registry is not None:
+            threading.Thread(target=registry.stop, name="registry-leave", daemon=True).start()
+
     async def drain(self, timeout_s: float = 30.0, quiet_s: float = 1.0) -> bool:
         """Leave the registry so no new request is routed here, then wait until ``busy()`` stays 0.
 
@@ -132,6 +143,8 @@ class WorkerRuntime(ABC):
         deadline = loop.time() + timeout_s
         idle_since = None
         while True:
+            if self.loop.failure is not None:  # its streams already failed; nothing will finish
+                return False
             left = await self.busy()
             now = loop.time()
             if left == 0:
