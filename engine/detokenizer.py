@@ -4,6 +4,9 @@ Decoding only a short window of recent tokens keeps each step O(1) in the output
 window that ends in an incomplete UTF-8 sequence (U+FFFD) waits for the next token. Stop strings
 are searched in the tail where a new match can start; on a match the text is cut before the stop
 string (or after it with ``include_stop_str_in_output``).
+
+``pieces`` says what each token of the last ``add`` contributed to ``text`` (before a stop-string
+cut), so per-token views (logprob tokens, their offsets) line up with the text exactly.
 """
 
 from __future__ import annotations
@@ -21,13 +24,20 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         self.text = ""
         self._max_stop = max((len(s) for s in params.stop), default=0)
+        # Per token of the last add(): the text it completed, or None while it ends inside an
+        # incomplete UTF-8 sequence (its bytes come out with a later token's text).
+        self.pieces: list[str | None] = []
+        self._incomplete = False
 
     def add(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the matched stop string, if the output now contains one."""
         start = len(self.text)
+        self.pieces = []
         for tok in token_ids:
             self.tokens.append(tok)
-            self.text += self._step()
+            piece = self._step()
+            self.text += piece
+            self.pieces.append(None if self._incomplete else piece)
         if not self._max_stop:
             return None
         lo = max(0, start - self._max_stop + 1)
@@ -43,7 +53,8 @@ class IncrementalDetokenizer:
         dec = self.tokenizer.decode
         prefix = dec(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         full = dec(self.tokens[self.prefix_offset :], skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        self._incomplete = full.endswith("\ufffd")
+        if len(full) > len(prefix) and not self._incomplete:
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.tokens)
             return full[len(prefix) :]

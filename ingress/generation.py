@@ -20,6 +20,7 @@ from ingress.metrics import IngressMetrics
 from ingress.openai_protocol import APIError
 from ingress.request_timing import IngressStamps
 from ingress.request_validation import GenerationRequest
+from ingress.token_text import TokenLogprob, TokenTexts
 from router.client import RouterClient
 
 _GRPC_STATUS = {
@@ -30,13 +31,6 @@ _GRPC_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 _STREAM_STATUS = {"invalid_argument": 400, "kv_transfer_failed": 503, "unavailable": 503}
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token: str
-    logprob: float
-    top: list[tuple[str, float]]  # the most likely tokens at this position, best first
 
 
 @dataclass(slots=True)
@@ -53,6 +47,8 @@ class _Sample:
     detok: IncrementalDetokenizer
     emitted: int = 0  # characters of detok.text already handed out
     tokens: int = 0
+    decoded: int = 0  # characters the tokens so far added to the text (before a stop-string cut)
+    split: bool = False  # the last token ended inside a UTF-8 sequence
     finish_reason: str | None = None
     stop_reason: str | None = None
 
@@ -78,6 +74,7 @@ class Generation:
     req: GenerationRequest
     tokenizer: object
     metrics: IngressMetrics
+    texts: TokenTexts | None = None  # logprob token strings; one per tokenizer, shared by requests
     started: float = 0.0  # the request's arrival (its stamps'): TTFT and E2E metrics count from it
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -98,6 +95,8 @@ class Generation:
             _Sample(IncrementalDetokenizer(self.tokenizer, self.req.prompt_ids, p)) for _ in range(p.n)
         ]
         self.usage = Usage(len(self.req.prompt_ids))
+        if self.texts is None and self.req.logprobs is not None:
+            self.texts = TokenTexts(self.tokenizer)
         self.hold = max(0, max((len(s) for s in p.stop), default=0) - 1) if self.req.stream else 0
 
     async def events(self, router: RouterClient, timeout_s: float) -> AsyncIterator[list[ChoiceDelta]]:
@@ -105,6 +104,19 @@ class Generation:
         g = self.req
         self.stamps.router_called = time.perf_counter()
         stream = router.generate(self.request_id, g.prompt_ids, g.params, g.priority, timeout_s)
+        try:
+            async with aclosing(self._follow(stream)) as follow:
+                async for deltas in follow:
+                    yield deltas
+        finally:  # once per request, however it ends
+            self.metrics.count_tokens(self.usage.prompt_tokens, self.usage.completion_tokens)
+        if any(s.finish_reason is None for s in self.samples):
+            raise APIError(500, "the generation stream ended before every sample finished", code="internal")
+        now = self.stamps.finished = time.perf_counter()
+        self.metrics.e2e.labels(self.metrics.model).observe(now - self.started)
+        self.metrics.observe_hops(self.stamps.hops())
+
+    async def _follow(self, stream) -> AsyncIterator[list[ChoiceDelta]]:
         async with aclosing(stream):
             try:
                 async for msg in stream:
@@ -127,11 +139,6 @@ class Generation:
             except grpc.aio.AioRpcError as exc:
                 status, code = _GRPC_STATUS.get(exc.code(), (500, "internal"))
                 raise APIError(status, exc.details() or exc.code().name.lower(), code=code) from exc
-        if any(s.finish_reason is None for s in self.samples):
-            raise APIError(500, "the generation stream ended before every sample finished", code="internal")
-        now = self.stamps.finished = time.perf_counter()
-        self.metrics.e2e.labels(self.metrics.model).observe(now - self.started)
-        self.metrics.observe_hops(self.stamps.hops())
 
     def _on_tokens(self, chunk) -> list[ChoiceDelta]:
         s = self.samples[chunk.sample_index]
@@ -155,7 +162,7 @@ class Generation:
         stop = s.detok.add(ids)
         if stop is not None:
             s.finish_reason, s.stop_reason = "stop", stop
-        logprobs = self._logprobs(ids, chunk.logprobs) if self.req.logprobs is not None else []
+        logprobs = self._logprobs(s, ids, chunk.logprobs) if self.req.logprobs is not None else []
         return [self._delta(chunk.sample_index, s, logprobs)]
 
     def _on_finished(self, fin) -> list[ChoiceDelta]:
@@ -178,16 +185,29 @@ class Generation:
         text, s.emitted = s.detok.text[s.emitted : end], end
         return ChoiceDelta(index, text, logprobs, s.finish_reason, s.stop_reason)
 
-    def _logprobs(self, ids: list[int], entries) -> list[TokenLogprob]:
-        dec = self.tokenizer.decode
+    def _logprobs(self, s: _Sample, ids: list[int], entries) -> list[TokenLogprob]:
+        """The chunk's tokens as logprob entries; called right after ``s.detok.add(ids)``."""
         k = self.req.logprobs or 0
+        pieces = s.detok.pieces
+        sampled = self.texts.sampled(ids, pieces, s.split)
+        s.split = bool(pieces) and pieces[-1] is None
+        history = s.detok.tokens
+        base = len(history) - len(ids)
         out = []
-        for tid, lp in zip(ids, entries):
+        for j, (tid, lp, (token, raw)) in enumerate(zip(ids, entries, sampled)):
             # -inf (a token outside top-k/top-p) is not JSON: clamp like other OpenAI servers do.
             pairs = [(e.token_id, max(e.logprob, -9999.0)) for e in lp.entries]
-            sampled = next((v for t, v in pairs if t == tid), -9999.0)
-            top = sorted(pairs, key=lambda p: -p[1])[:k]
-            out.append(TokenLogprob(dec([tid]), sampled, [(dec([t]), v) for t, v in top]))
+            value = next((v for t, v in pairs if t == tid), -9999.0)
+            top = []
+            for t, v in sorted(pairs, key=lambda p: -p[1])[:k]:
+                alt = (
+                    (token, raw)
+                    if t == tid
+                    else self.texts.alternative(history[max(0, base + j - 4) : base + j], t)
+                )
+                top.append((*alt, v))
+            out.append(TokenLogprob(token, raw, value, top, s.decoded))
+            s.decoded += len(pieces[j] or "")
         return out
 
     def text(self, index: int) -> str:

@@ -2,8 +2,9 @@
 
 Every error, including unknown routes and unexpected failures, answers with
 ``{"error": {"message", "type", "param", "code"}}``; nothing internal (tracebacks, addresses) leaks.
-``/v1/*`` needs the API key when one is configured; ``/health`` and ``/metrics`` do not (probes and
-scrapers), and reveal no request content.
+``/v1/*`` and the API description (``/docs``, ``/redoc``, ``/openapi.json``) need the API key when one
+is configured; ``/health`` and ``/metrics`` do not (probes and scrapers), and reveal no request
+content.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def build_http_app(
 ) -> FastAPI:
     app = FastAPI(title="pdserve", description="OpenAI-compatible disaggregated prefill/decode serving")
     key = api_key.encode() if api_key else None
+    guarded = tuple(p for p in (app.docs_url, app.redoc_url, app.openapi_url) if p)
     max_body = serving.options.max_body_bytes
 
     @app.exception_handler(APIError)
@@ -75,7 +77,8 @@ def build_http_app(
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if key is not None and request.url.path.startswith("/v1/"):
+        path = request.url.path
+        if key is not None and (path.startswith("/v1/") or path.startswith(guarded)):
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):

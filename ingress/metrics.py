@@ -64,6 +64,20 @@ class IngressMetrics:
         )
         for status in STATUSES:
             self.requests.labels(model, status)
+        # vLLM's prompt_tokens_total / generation_tokens_total, counted once per request sent to
+        # the router, when it ends (finished, failed or cancelled: the tokens were computed).
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens",
+            "Prompt tokens of requests sent to the router",
+            labels,
+            registry=self.registry,
+        ).labels(model)
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens",
+            "Tokens generated for requests (every sample)",
+            labels,
+            registry=self.registry,
+        ).labels(model)
 
     def observe_token_gap(self, gap_s: float, tokens: int) -> None:
         child = self._itl
@@ -80,6 +94,10 @@ class IngressMetrics:
             if child is None:
                 child = children[hop] = self.hops.labels(self.model, hop)
             child.observe(ms / 1e3)
+
+    def count_tokens(self, prompt: int, generated: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
 
     def count(self, status: str) -> None:
         self.requests.labels(self.model, status).inc()

@@ -60,7 +60,8 @@ class APIError(Exception):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and infinities (json accepts NaN, Infinity and 1e999) are refused with the field named.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -130,11 +131,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 def error_from_validation(exc) -> APIError:
     """A pydantic ValidationError as a 400 naming the first offending field."""
-    first = exc.errors()[0]
+    errors = exc.errors()
+    first = errors[0]
     # Union members add a type tag to the location ("temperature.float"): name the field only.
-    loc = ".".join(str(p) for p in first.get("loc", ()) if not _is_type_tag(p))
+    loc = _loc(first)
     kind = first.get("type", "")
-    if kind == "extra_forbidden":
+    # A union reports each member; a non-finite float fails the int member first, so look further.
+    finite = next((e for e in errors if e.get("type") == "finite_number" and _loc(e) == loc), None)
+    if finite is not None:
+        msg = f"invalid value for {loc!r}: must be a finite number, got {finite.get('input')}"
+    elif kind == "extra_forbidden":
         msg = f"unsupported field {loc!r}"
     elif kind == "missing":
         msg = f"missing required field {loc!r}"
@@ -143,6 +149,10 @@ def error_from_validation(exc) -> APIError:
     return APIError(
         400, msg, param=loc or None, code="invalid_value" if kind != "missing" else "missing_field"
     )
+
+
+def _loc(error: dict) -> str:
+    return ".".join(str(p) for p in error.get("loc", ()) if not _is_type_tag(p))
 
 
 def _is_type_tag(part) -> bool:

@@ -1,7 +1,8 @@
 """The OpenAI endpoints' logic: validate, admit, generate through the router, answer in OpenAI's shapes.
 
 A request's life in the ingress: body read (size-capped) -> parsed and validated (any failure: a 4xx
-with OpenAI's error schema, no worker touched) -> admitted (a slot among ``max_concurrent_requests``,
+with OpenAI's error schema, no worker touched; a body over ``INLINE_BODY_BYTES`` is parsed, templated
+and tokenized on a thread pool, so a multi-megabyte prompt never stalls the streams on the loop) -> admitted (a slot among ``max_concurrent_requests``,
 or a place among ``max_queued_requests`` waiting for one; beyond that 429 + Retry-After) -> streamed
 from the router -> answered as JSON or SSE. A streaming answer starts only once the first token (or
 an error) is in, so early failures keep their HTTP status. A client that goes away cancels the
@@ -17,6 +18,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 
 from ingress.generation import ChoiceDelta, Generation
@@ -26,9 +28,15 @@ from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionR
 from ingress.options import IngressOptions
 from ingress.request_timing import TIMING_FIELD, IngressStamps
 from ingress.request_validation import GenerationRequest, parse_body, validate_chat, validate_completion
+from ingress.token_text import TokenTexts
 from router.client import RouterClient
 
 logger = logging.getLogger(__name__)
+
+# Bodies up to this size are validated on the event loop: tokenizing that much takes well under a
+# millisecond, less than a hand-off to a thread. Larger ones go to the pool.
+INLINE_BODY_BYTES = 16 << 10
+TOKENIZER_THREADS = 2
 
 
 class Admission:
@@ -77,6 +85,14 @@ class OpenAIServing:
         self.metrics = metrics
         self.admission = Admission(options.max_concurrent_requests, options.max_queued_requests)
         self.draining = False
+        self.texts = TokenTexts(info.tokenizer)
+        # NOTE: the tokenizer is shared by these threads and the loop; encode() with one
+        # (truncation-free) configuration only reads it, so concurrent calls are safe.
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ingress-tokenize")
+
+    def close(self) -> None:
+        self.draining = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # Endpoints ---------------------------------------------------------------------------------
 
@@ -91,19 +107,24 @@ class OpenAIServing:
         """``arrived``: when the HTTP handler took the request (perf_counter); ``timing``: return
         the request's hop timing with the answer."""
         stamps = IngressStamps(arrived if arrived is not None else time.perf_counter())
-        req = self._validated(body, CompletionRequest, validate_completion)
+        req = await self._validated(body, CompletionRequest, validate_completion)
         return await self._serve(req, f"cmpl-{uuid.uuid4().hex}", stamps, timing)
 
     async def chat(self, body: bytes, arrived: float | None = None, timing: bool = False):
         stamps = IngressStamps(arrived if arrived is not None else time.perf_counter())
-        req = self._validated(body, ChatCompletionRequest, validate_chat)
+        req = await self._validated(body, ChatCompletionRequest, validate_chat)
         return await self._serve(req, f"chatcmpl-{uuid.uuid4().hex}", stamps, timing)
 
-    def _validated(self, body, model_cls, validate) -> GenerationRequest:
+    async def _validated(self, body, model_cls, validate) -> GenerationRequest:
+        def run() -> GenerationRequest:
+            return validate(parse_body(body, model_cls), self.info, self.options)
+
         try:
             if self.draining:
                 raise APIError(503, "server is shutting down", code="draining")
-            return validate(parse_body(body, model_cls), self.info, self.options)
+            if len(body) <= INLINE_BODY_BYTES:
+                return run()
+            return await asyncio.get_running_loop().run_in_executor(self._pool, run)
         except APIError as exc:
             self.metrics.count("client_error" if exc.status < 500 else "rejected")
             raise
@@ -114,7 +135,7 @@ class OpenAIServing:
         """A dict (non-streaming) or an async iterator of SSE lines (streaming); APIError on failure.
         With ``timing`` the answer carries the hop timing (``TIMING_FIELD``: in the dict, or in the
         stream's last chunk)."""
-        gen = Generation(rid, req, self.info.tokenizer, self.metrics, stamps=stamps)
+        gen = Generation(rid, req, self.info.tokenizer, self.metrics, self.texts, stamps=stamps)
         slot = self.admission.slot()
         try:
             await slot.__aenter__()
@@ -251,15 +272,11 @@ def _chat_delta(index: int, text: str, role: bool = False) -> dict:
 
 
 def _completion_logprobs(entries) -> dict:
-    offsets, pos = [], 0
-    for e in entries:
-        offsets.append(pos)
-        pos += len(e.token)
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [dict(e.top) for e in entries],
-        "text_offset": offsets,
+        "top_logprobs": [{t: v for t, _, v in e.top} for e in entries],
+        "text_offset": [e.offset for e in entries],
     }
 
 
@@ -268,8 +285,8 @@ def _chat_logprobs(entries) -> list[dict]:
         {
             "token": e.token,
             "logprob": e.logprob,
-            "bytes": list(e.token.encode()),
-            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in e.top],
+            "bytes": list(e.raw),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(raw)} for t, raw, v in e.top],
         }
         for e in entries
     ]

@@ -18,6 +18,12 @@ class IngressOptions(BaseModel):
     max_queued_requests: int = Field(512, ge=0, description="requests waiting for a slot; beyond it: 429")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request body (413 above)")
     max_n: int = Field(16, ge=1, description="largest n per request")
+    max_prompt_chars: int | None = Field(
+        None,
+        ge=1,
+        description="longest prompt text in characters (chat: the messages' text), refused before "
+        "tokenizing (default: 32 x the model's context length)",
+    )
     max_logprobs: int = Field(20, ge=0, description="largest logprobs / top_logprobs per request")
     request_timeout_s: float = Field(600.0, gt=0, description="deadline of one request at the router")
     api_key_file: str | None = Field(None, description="file holding the API key (else PDSERVE_API_KEY)")

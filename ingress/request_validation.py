@@ -2,6 +2,9 @@
 
 Runs entirely in the ingress: every check that can fail does so here, before the router or any
 worker sees the request (range checks, the model name, the vocabulary, the context length).
+Cheap checks come first and the prompt's length in characters is bounded before it is tokenized,
+so an oversized prompt costs almost nothing. These functions block (templates, tokenization): the
+serving layer runs large bodies through them off the event loop.
 """
 
 from __future__ import annotations
@@ -20,8 +23,14 @@ from ingress.openai_protocol import (
     error_from_validation,
 )
 from ingress.options import IngressOptions
-
-MAX_STOP_STRINGS = 16
+from ingress.request_bounds import (
+    TOP_P_FLOOR,
+    check_max_tokens,
+    check_prompt_chars,
+    check_range,
+    check_sampling,
+    prompt_chars_limit,
+)
 
 
 @dataclass(slots=True)
@@ -40,7 +49,7 @@ class GenerationRequest:
 def parse_body(body: bytes, model_cls: type[CompletionRequest] | type[ChatCompletionRequest]):
     try:
         obj = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also: integers over 4300 digits, deep nesting
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(obj, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
@@ -56,6 +65,9 @@ def validate_completion(req: CompletionRequest, info: ModelInfo, limits: Ingress
         raise APIError(400, "echo is not supported", param="echo", code="unsupported_parameter")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+    check_sampling(req, limits.max_n)
+    logprobs = _bounded("logprobs", req.logprobs, limits.max_logprobs)
+    check_max_tokens("max_tokens", req.max_tokens)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(
             400, "best_of must equal n (or be omitted)", param="best_of", code="unsupported_parameter"
@@ -73,6 +85,8 @@ def validate_completion(req: CompletionRequest, info: ModelInfo, limits: Ingress
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
+        limit = prompt_chars_limit(limits.max_prompt_chars, info.max_model_len)
+        check_prompt_chars(len(prompt), limit, info.max_model_len, "prompt")
         ids = list(info.tokenizer.encode(prompt))
     else:
         ids = list(prompt)
@@ -86,8 +100,7 @@ def validate_completion(req: CompletionRequest, info: ModelInfo, limits: Ingress
             param="prompt",
             code="invalid_token_id",
         )
-    logprobs = _bounded("logprobs", req.logprobs, limits.max_logprobs)
-    return _finish(req, ids, req.max_tokens, "max_tokens", logprobs, info, limits, chat=False)
+    return _finish(req, ids, req.max_tokens, "max_tokens", logprobs, info, chat=False)
 
 
 def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOptions) -> GenerationRequest:
@@ -101,8 +114,11 @@ def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOp
             param="response_format",
             code="unsupported_parameter",
         )
+    check_sampling(req, limits.max_n)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise APIError(400, "give max_completion_tokens or max_tokens, not both", param="max_tokens")
+    check_max_tokens("max_tokens", req.max_tokens)
+    check_max_tokens("max_completion_tokens", req.max_completion_tokens)
     top = _bounded("top_logprobs", req.top_logprobs, limits.max_logprobs)
     if top is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
@@ -112,6 +128,8 @@ def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOp
             400, f"model {info.name} has no chat template: use /v1/completions", code="no_chat_template"
         )
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    limit = prompt_chars_limit(limits.max_prompt_chars, info.max_model_len)
+    check_prompt_chars(sum(len(m["content"]) for m in messages), limit, info.max_model_len, "messages")
     try:
         text = tok.apply_chat_template(
             messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
@@ -124,57 +142,58 @@ def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOp
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (top or 0) if req.logprobs else None
-    return _finish(req, ids, max_tokens, param, logprobs, info, limits, chat=True)
+    return _finish(req, ids, max_tokens, param, logprobs, info, chat=True)
 
 
-def _finish(req, ids, max_tokens, max_param, logprobs, info, limits, *, chat: bool) -> GenerationRequest:
-    if not 1 <= req.n <= limits.max_n:
-        raise APIError(400, f"n must be in [1, {limits.max_n}], got {req.n}", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_parameter")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise APIError(400, f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+def _finish(req, ids, max_tokens, max_param, logprobs, info, *, chat: bool) -> GenerationRequest:
+    """The context check and the engine's parameters; the fields' own ranges are checked already."""
+    prompt_param = "messages" if chat else "prompt"
     room = info.max_model_len - len(ids)
+    if room < 1:  # the prompt alone fills the context, whatever max_tokens says
+        raise APIError(
+            400,
+            f"This model's maximum context length is {info.max_model_len} tokens. However, your "
+            f"{prompt_param} resulted in {len(ids)} tokens, which leaves no room for the completion. "
+            f"Please reduce the length of the {prompt_param}.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     if max_tokens is None:  # chat default: whatever the context leaves
         max_tokens = room
-    if max_tokens < 1:
-        raise APIError(400, f"{max_param} must be >= 1, got {max_tokens}", param=max_param)
     if len(ids) + max_tokens > info.max_model_len:
         raise APIError(
             400,
             f"This model's maximum context length is {info.max_model_len} tokens. However, you requested "
-            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
-            "Please reduce the prompt or the completion length.",
-            param=max_param if room > 0 else ("messages" if chat else "prompt"),
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the {prompt_param}, {max_tokens} for the "
+            "completion). Please reduce the prompt or the completion length.",
+            param=max_param,
             code="context_length_exceeded",
         )
+    bad = next((t for t in req.stop_token_ids or [] if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"stop token id {bad} is outside the vocabulary [0, {info.vocab_size})",
+            param="stop_token_ids",
+        )
     top_k = req.top_k if req.top_k is not None else 0
-    if top_k < -1:
-        raise APIError(400, f"top_k must be -1 or 0 (off) or >= 1, got {top_k}", param="top_k")
-    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else max(req.top_p, TOP_P_FLOOR)
     try:
         params = SamplingParams(
             n=req.n,
-            temperature=temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=top_p,
             top_k=max(top_k, 0),
             min_p=0.0 if req.min_p is None else req.min_p,
             seed=req.seed,
             max_tokens=max_tokens,
-            stop=stop,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
         )
-    except ValueError as exc:
+    except ValueError as exc:  # the engine's own bounds, should they ever be narrower than ours
         raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
-    bad = next((t for t in params.stop_token_ids if t >= info.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"stop token id {bad} is outside the vocabulary", param="stop_token_ids")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return GenerationRequest(ids, params, req.stream, include_usage, chat, req.priority, logprobs)
 
@@ -190,8 +209,7 @@ def _check_model(model: str, info: ModelInfo) -> None:
 
 
 def _bounded(name: str, value: int | None, bound: int) -> int | None:
-    if value is not None and not 0 <= value <= bound:
-        raise APIError(400, f"{name} must be in [0, {bound}], got {value}", param=name)
+    check_range(name, value, 0, bound)
     return value
 
 

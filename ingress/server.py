@@ -73,7 +73,7 @@ class Ingress:
         return self.serving.metrics.render(cluster, workers, (self.replica, adm.running, adm.waiting))
 
     async def close(self) -> None:
-        self.serving.draining = True
+        self.serving.close()
         await self.client.close()
 
 

@@ -1,0 +1,145 @@
+"""Logprob tokens that line up with the text: completions' ``tokens`` concatenate to the returned text
+and ``text_offset`` indexes into it (across stream chunks too); chat's ``bytes`` are the token's
+bytes; a token inside a character split over byte-level tokens reads ``bytes:\\x..`` and its bytes
+list carries the raw bytes. Three tokenizer kinds: the tiny model's word-level one (a decoder that
+joins words with spaces), a byte-level BPE (GPT-2 style) and a SentencePiece-style byte fallback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from asgi_client import FedRouter, call, finished, tokens
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from ingress.http_app import build_http_app
+from ingress.metrics import IngressMetrics
+from ingress.model_info import load_model_info
+from ingress.openai_serving import OpenAIServing
+from ingress.options import IngressOptions
+from ingress.token_text import TokenTexts
+from proto import pdserve_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def info(tiny_llama):
+    return load_model_info(str(tiny_llama), "tiny", None, tiny=True)
+
+
+def _logprobs(ids: list[int], k: int = 2) -> list[pb.TokenLogprobs]:
+    """The sampled token first, then k alternatives (ids next to it), as a worker sends them."""
+    return [
+        pb.TokenLogprobs(
+            entries=[pb.TokenLogprob(token_id=t, logprob=-0.5)]
+            + [pb.TokenLogprob(token_id=t + j, logprob=-1.0 - j) for j in range(1, k + 1)]
+        )
+        for t in ids
+    ]
+
+
+def _app(info, script):
+    metrics = IngressMetrics("tiny")
+    serving = OpenAIServing(info, IngressOptions(), FedRouter(script), metrics)
+
+    async def health():
+        return True, {}
+
+    async def render():
+        return b""
+
+    return build_http_app(serving, None, health, render)
+
+
+def test_completion_tokens_concatenate_to_the_text_and_offsets_index_it(info):
+    ids = info.tokenizer.encode("the world is in the world", add_special_tokens=False)
+    script = [tokens(ids[:2], _logprobs(ids[:2])), tokens(ids[2:], _logprobs(ids[2:])), finished()]
+    body = {"model": "tiny", "prompt": "a", "max_tokens": len(ids), "logprobs": 2}
+    r = asyncio.run(call(_app(info, script), "/v1/completions", body)).json()["choices"][0]
+    lp, text = r["logprobs"], r["text"]
+    assert "".join(lp["tokens"]) == text and text.startswith(" ")  # the words' spaces kept
+    assert [text[o:].startswith(t) for o, t in zip(lp["text_offset"], lp["tokens"])] == [True] * len(ids)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
+    assert all(tok in top and len(top) == 2 for tok, top in zip(lp["tokens"], lp["top_logprobs"]))
+    # Streaming: offsets keep counting across chunks (into the whole text, not the chunk's).
+    r = asyncio.run(call(_app(info, script), "/v1/completions", {**body, "stream": True}))
+    chunks = [c["choices"][0] for c in r.events() if c["choices"] and c["choices"][0]["logprobs"]]
+    streamed = [t for c in chunks for t in c["logprobs"]["tokens"]]
+    offsets = [o for c in chunks for o in c["logprobs"]["text_offset"]]
+    assert streamed == lp["tokens"] and offsets == lp["text_offset"]
+
+
+def test_chat_bytes_are_the_tokens_own_bytes(info):
+    ids = info.tokenizer.encode("the world is", add_special_tokens=False)
+    script = [tokens(ids, _logprobs(ids)), finished()]
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "max_tokens": len(ids),
+    }
+    r = asyncio.run(call(_app(info, script), "/v1/chat/completions", body)).json()["choices"][0]
+    content = r["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == r["message"]["content"]
+    assert all(bytes(c["bytes"]) == c["token"].encode() for c in content)
+    alts = [a for c in content for a in c["top_logprobs"]]
+    assert all(bytes(a["bytes"]) == a["token"].encode() for a in alts)
+    # After the first word, an alternative reads as it would in the text: with its space.
+    assert all(a["token"].startswith(" ") for c in content[1:] for a in c["top_logprobs"])
+
+
+def _byte_level_tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|end|>"]
+    )
+    tok.train_from_iterator(["hello world the world is " * 50], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+
+
+def _sentencepiece_tokenizer():
+    vocab = [("<unk>", 0.0)] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
+    vocab += [("\u2581hello", -1.0), ("\u2581world", -1.0), ("\u2581", -2.0)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def _read(tok, prompt: str, text: str, chunk: int):
+    """The sampled tokens' (string, bytes) and the detokenized text, fed ``chunk`` tokens at a time."""
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt, add_special_tokens=False), SamplingParams())
+    texts, out, split = TokenTexts(tok), [], False
+    for i in range(0, len(ids), chunk):
+        detok.add(ids[i : i + chunk])
+        out += texts.sampled(ids[i : i + chunk], detok.pieces, split)
+        split = detok.pieces[-1] is None
+    return out, detok.text
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _sentencepiece_tokenizer])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_character_split_over_tokens_reads_as_bytes(make, chunk):
+    tok = make()
+    read, text = _read(tok, "hello", " hello é world \U0001f600 hello", chunk)
+    assert text == " hello é world \U0001f600 hello"
+    assert b"".join(raw for _, raw in read) == text.encode()  # the bytes lists carry every byte
+    split = [s for s, raw in read if s.startswith("bytes:")]
+    assert split and all(eval(f'b"{s[len("bytes:") :]}"') in text.encode() for s in split)
+    whole = [s for s, _ in read if not s.startswith("bytes:")]
+    assert "".join(whole) == text.replace("é", "").replace("\U0001f600", "")  # the rest is the text
+
+
+def test_alternatives_read_as_they_would_in_the_text():
+    for tok in (_byte_level_tokenizer(), _sentencepiece_tokenizer()):
+        texts = TokenTexts(tok)
+        world = tok.encode(" world", add_special_tokens=False)
+        assert texts.alternative(tok.encode("hello", add_special_tokens=False), world[0])[0].startswith(" w")
