@@ -3,35 +3,43 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+
+from cli.service_target import add_target_args, choose_target
 
 
 def add_parser(sub) -> None:
     sc = sub.add_parser("scale", help="change a running service's prefill/decode replica counts in place")
     sc.add_argument("--prefill", type=int, default=None, help="prefill replicas")
     sc.add_argument("--decode", type=int, default=None, help="decode replicas")
-    sc.add_argument("--address", default=None, help="Ray cluster address (default: the local one)")
-    sc.add_argument("--app", default="pdserve", help="Serve application name")
+    add_target_args(sc)
     sc.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import ray
 
+    from cli.ray_cluster import connect
     from deploy.scaling import set_replicas, target_replicas
 
     counts = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
     if not counts:
         print("error: give --prefill N and/or --decode M", file=sys.stderr)
         return 2
-    ray.init(address=args.address or "auto", logging_level=logging.ERROR, log_to_driver=False)
+    target = choose_target(args)
+    print(f"scaling {target.describe()}", flush=True)
+    connect(target)
     try:
-        before = target_replicas(args.app)
+        before = target_replicas(target.app_name)
         if "Autoscaler" in before:
             print("note: the P/D autoscaler is running; it may change these counts again", file=sys.stderr)
-        set_replicas(args.app, counts)
-        after = target_replicas(args.app)
+        set_replicas(target.app_name, counts)
+        after = target_replicas(target.app_name)
+    except ValueError:
+        raise
+    except Exception as exc:  # e.g. no Serve instance on that cluster
+        first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+        raise ConnectionError(f"Serve on {target.ray_address} did not take the change: {first}") from None
     finally:
         ray.shutdown()
     for name in ("Prefill", "Decode"):

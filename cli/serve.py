@@ -21,6 +21,9 @@ import threading
 import time
 
 from cli.app_client import router_client
+from cli.ray_cluster import cluster_identity
+from cli.ready_banner import ready_banner
+from cli.service_record import claim_name, new_record, remove_record, write_record
 from cli.tiny_model import ensure_tiny_model
 from deploy.config import PDServeConfig
 from engine.args import add_engine_args, engine_kwargs_from_args
@@ -39,6 +42,10 @@ def add_parser(sub) -> None:
         "replaces the model, engine and pool flags",
     )
     s.add_argument("--served-model-name", help="the model name clients use (default: --model)")
+    s.add_argument(
+        "--name",
+        help="this service's name, for pdserve status/scale --service (default: <app>-<port>, e.g. pdserve-8000)",
+    )
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--prefill", type=int, default=1, help="prefill replicas")
@@ -147,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         tiny = args.model is None
         config = config_from_args(args, args.model or str(ensure_tiny_model()), tiny)
+    args.name = claim_name(args.name or f"{config.app_name}-{config.ingress.port}")
     if args.api_key:
         environment.export_secret(environment.API_KEY, args.api_key)  # the local Ray cluster inherits it
     embedded = None
@@ -191,6 +199,9 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
             log_to_driver=args.verbose,
         )
     _on_signals(stop)  # NOTE: again: ray.init replaces the SIGTERM handler with a plain exit
+    base = f"http://{_display_host(config.ingress.host)}:{config.ingress.port}"
+    record = new_record(args.name, config.app_name, base, *cluster_identity())
+    write_record(record)  # from now on `pdserve status --service NAME` finds this cluster
     try:
         if config.ingress.http_server == "direct":  # the ingress replicas serve HTTP themselves
             serve.start(proxy_location="Disabled")
@@ -199,11 +210,10 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
         if not _deploy(serve, build_app(config), config, stop):
             print("interrupted before the application was ready", file=sys.stderr)
             return 130
-        base = f"http://{_display_host(config.ingress.host)}:{config.ingress.port}"
         if not _wait_healthy(base, config, stop):
             print("interrupted before the workers registered", file=sys.stderr)
             return 130
-        _print_ready(config, base)
+        print(ready_banner(config, record, api_key_from_flag=bool(args.api_key)), flush=True)
         if args.demo:
             from cli.demo import run_demo
 
@@ -214,13 +224,26 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
         print("\nshutting down: draining in-flight requests ...")
         set_draining(connect(redis_url), True, ttl_s=args.drain_timeout + 60)
         _report(asyncio.run(_drain(config.app_name, args.drain_timeout)))
-        serve.shutdown()
+        _stop_serve(serve, config, joined=bool(args.address))
     finally:
         ray.shutdown()
+        remove_record(record.name, pid=record.pid)
         with contextlib.suppress(Exception):  # an embedded server may be gone: nothing to clear then
             set_draining(connect(redis_url), False)
     print("pdserve stopped")
     return 0
+
+
+def _stop_serve(serve, config: PDServeConfig, joined: bool) -> None:
+    """Delete the application (its replicas stop gracefully). On a cluster of our own, Serve's
+    controller and proxy then go with ``ray.shutdown``: ``serve.shutdown()`` would kill the controller
+    under the driver's in-flight calls to it, and Ray prints each as a failed task ("Task
+    ServeController.graceful_shutdown failed ...") on an otherwise clean exit."""
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # "Deleting app [...]"
+    serve.delete(config.app_name)
+    if joined:  # someone else's cluster: leave nothing of ours running there
+        serve.shutdown()
 
 
 def _on_signals(stop: threading.Event) -> None:
@@ -283,43 +306,48 @@ def _progress(serve, name: str) -> str:
 
 
 def _wait_healthy(base: str, config: PDServeConfig, stop: threading.Event, timeout_s: float = 120.0) -> bool:
-    """Replicas being up is not enough: wait until the router sees the workers registered."""
+    """Replicas being up is not enough: wait until the router sees every starting worker registered."""
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
-    want_prefill = config.mode == "disaggregated"
+    want_prefill = _starting_replicas(config.prefill) if config.mode == "disaggregated" else 0
+    want_decode = _starting_replicas(config.decode)
+    health: dict = {}
     while not stop.is_set():
         try:
             with urllib.request.urlopen(base + "/health", timeout=5) as resp:
                 health = json.loads(resp.read())
-            if health.get("decode_workers") and (health.get("prefill_workers") or not want_prefill):
+            if (
+                health.get("decode_workers", 0) >= want_decode
+                and health.get("prefill_workers", 0) >= want_prefill
+            ):
                 return True
         except (urllib.error.URLError, OSError, ValueError):
             pass  # 503 until a decode worker is registered
         if time.monotonic() > deadline:
-            print(f"warning: workers not registered after {timeout_s:.0f}s; serving anyway", file=sys.stderr)
+            print(
+                f"warning: {health.get('prefill_workers', 0)}/{want_prefill} prefill and "
+                f"{health.get('decode_workers', 0)}/{want_decode} decode workers registered after "
+                f"{timeout_s:.0f}s; serving anyway",
+                file=sys.stderr,
+            )
             return True
         stop.wait(0.25)
     return False
 
 
+def _starting_replicas(pool) -> int:
+    """Replicas a pool starts with (at least one: the service needs a worker of each role)."""
+    if pool.autoscaling is None:
+        return max(1, pool.num_replicas)
+    initial = pool.autoscaling.initial_replicas
+    return max(1, pool.autoscaling.min_replicas if initial is None else initial)
+
+
 def _display_host(host: str) -> str:
     """The host to print in the ready banner's URL (binding stays as asked: 127.0.0.1 by default)."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
-
-
-def _print_ready(config: PDServeConfig, base: str) -> None:
-    auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if environment.api_key() else ""
-    body = json.dumps(
-        {"model": config.model_name, "prompt": "the world is", "max_tokens": 16, "temperature": 0}
-    )
-    print(f"\npdserve is serving {config.model_name!r} at {base}/v1")
-    if config.tiny_model:
-        print("  NOTE: this is a tiny random-weight demo model (no --model given): its text is meaningless")
-    print(f"  try:    curl {base}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
-    print(f"  health: {base}/health   metrics: {base}/metrics   workers: pdserve status")
-    print("  Ctrl-C (or SIGTERM) drains in-flight requests and stops.\n", flush=True)
 
 
 async def _drain(app_name: str, timeout_s: float):

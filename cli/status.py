@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 
 from cli.app_client import router_client
+from cli.service_target import Target, add_target_args, choose_target
+
+# Not for operators: NIXL's serialized agent metadata (bytes fields) and raw memory addresses.
+HIDDEN_FIELDS = frozenset({"base_addr"})
 
 
 def add_parser(sub) -> None:
     st = sub.add_parser("status", help="workers, roles, load, KV usage and hit rates of a running service")
-    st.add_argument("--address", default=None, help="Ray cluster address (default: the local one)")
-    st.add_argument("--app", default="pdserve", help="Serve application name")
+    add_target_args(st)
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=run)
 
@@ -21,26 +23,69 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    ray.init(address=args.address or "auto", logging_level=logging.ERROR, log_to_driver=False)
+    from cli.ray_cluster import connect
+
+    target = choose_target(args)
+    if not args.json:
+        print(f"{target.describe()}\n", flush=True)
+    connect(target)
     try:
-        cluster, states = asyncio.run(_status(args.app))
+        cluster, states = asyncio.run(_status(target))
     finally:
         ray.shutdown()
     if args.json:
-        from google.protobuf.json_format import MessageToDict
-
-        print(json.dumps({"cluster": MessageToDict(cluster), "workers": [MessageToDict(w) for w in states]}))
+        print(json.dumps(status_json(target, cluster, states)))
         return 0
     print(format_status(cluster, states))
     return 0
 
 
-async def _status(app_name: str):
-    client = await router_client(app_name)
+async def _status(target: Target):
+    try:
+        client = await router_client(target.app_name)
+    except Exception as exc:  # no such application, or its router is not up (yet)
+        first = next((x for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+        raise ConnectionError(
+            f"no router of application {target.app_name!r} answers: {first.strip()}"
+        ) from None
     try:
         return await client.worker_states()
     finally:
         await client.close()
+
+
+def status_json(target: Target, cluster, states) -> dict:
+    service = {"name": None, "endpoint": None}
+    if target.record is not None:
+        service = {"name": target.record.name, "endpoint": target.record.endpoint}
+    service.update(rayAddress=target.ray_address, app=target.app_name)
+    return {"service": service, "cluster": to_plain(cluster), "workers": [to_plain(w) for w in states]}
+
+
+def to_plain(message) -> dict:
+    """A message as JSON values: every field, zeros and falses included, integers as numbers (unlike
+    ``MessageToDict``, which drops defaults and writes 64-bit integers as strings); keys in the
+    JSON (camelCase) names; bytes and ``HIDDEN_FIELDS`` left out."""
+    out = {}
+    for field in message.DESCRIPTOR.fields:
+        if field.type == field.TYPE_BYTES or field.name in HIDDEN_FIELDS:
+            continue
+        value = getattr(message, field.name)
+        if field.type == field.TYPE_MESSAGE:
+            value = [to_plain(v) for v in value] if field.is_repeated else to_plain(value)
+        elif field.type == field.TYPE_ENUM:
+            names = field.enum_type.values_by_number
+            value = [names[v].name for v in value] if field.is_repeated else names[value].name
+        elif field.type == field.TYPE_FLOAT:  # float32: no spurious digits (0.1, not 0.10000000149)
+            value = [_f32(v) for v in value] if field.is_repeated else _f32(value)
+        elif field.is_repeated:
+            value = list(value)
+        out[field.json_name] = value
+    return out
+
+
+def _f32(value: float) -> float:
+    return float(f"{value:.7g}")
 
 
 def format_status(cluster, states) -> str:

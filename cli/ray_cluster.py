@@ -1,0 +1,101 @@
+"""Joining a service's Ray cluster from the command line, and telling others how to join ours.
+
+Ray (2.60) turns token auth on for every local cluster ``ray.init()`` starts: the token comes from
+``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``, and a client must set
+``RAY_AUTH_MODE=token`` to send it — which Ray does by itself only for ``address="auto"``. So
+``serve`` records the token it runs with, and ``connect`` hands it to Ray before ``ray.init``.
+
+A failed connection is one line (``ConnectionError``): Ray's own C++ retries print a warning per
+second to stderr, so stderr is captured while it connects and read for the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+
+from cli.service_record import address_reachable
+from cli.service_target import Target
+
+
+def cluster_identity() -> tuple[str, str | None]:
+    """(GCS address, auth token or None) of the cluster this process joined with ``ray.init``."""
+    import ray
+    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
+
+    address = ray.get_runtime_context().gcs_address
+    if get_authentication_mode() != AuthenticationMode.TOKEN:
+        return address, None
+    return address, AuthenticationTokenLoader.instance().get_raw_token(ignore_auth_mode=True) or None
+
+
+def connect(target: Target) -> None:
+    """``ray.init`` into ``target``'s cluster; ConnectionError (one line, no secret) if that fails."""
+    if not address_reachable(target.ray_address, timeout_s=3.0):
+        raise ConnectionError(f"cannot reach {target.describe()}: nothing answers at {target.ray_address}")
+    _use_token(target.record.auth_token if target.record else None)
+    import ray
+
+    with _captured_stderr() as captured:
+        try:
+            ray.init(address=target.ray_address, logging_level=logging.ERROR, log_to_driver=False)
+            return
+        except Exception as exc:
+            error = exc
+    said = captured()
+    if (
+        "InvalidAuthToken" in said
+        or "Unauthenticated" in said
+        or type(error).__name__ == "AuthenticationError"
+    ):
+        hint = (
+            "the recorded token is not the cluster's"
+            if target.record
+            else "give --service NAME (its record holds the token), or set RAY_AUTH_TOKEN to the cluster's token"
+        )
+        raise ConnectionError(
+            f"the Ray cluster at {target.ray_address} refused this client's auth token (Ray token auth "
+            f"is on): {hint}"
+        )
+    raise ConnectionError(f"cannot connect to {target.describe()}: {_first_line(error)}")
+
+
+def _use_token(token: str | None) -> None:
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    if token:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = token
+        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    elif "RAY_AUTH_MODE" not in os.environ and AuthenticationTokenLoader.instance().has_token(
+        ignore_auth_mode=True
+    ):
+        os.environ["RAY_AUTH_MODE"] = "token"  # what Ray itself does for a local cluster found by "auto"
+    Config.initialize("")  # NOTE: Ray caches its config and the token; both must see the environment
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+@contextlib.contextmanager
+def _captured_stderr():
+    """Fd 2 into a temporary file (C++ writes there directly); yields a reader of what was written."""
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        text: list[str] = []
+        try:
+            yield lambda: "".join(text)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text.append(tmp.read().decode(errors="replace"))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
