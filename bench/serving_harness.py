@@ -21,18 +21,27 @@ VOCAB = 8192  # the default tiny model's vocabulary
 
 @contextlib.contextmanager
 def serving(*flags: str):
-    """``pdserve serve FLAGS`` on a free port until the block ends. A port taken between choosing it
-    and the server binding it (Ray's own processes pick ports as they start) is chosen again."""
+    """``pdserve serve FLAGS`` on a free port until the block ends; yields its base URL."""
+    with serving_process(*flags) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def serving_process(*flags: str, env: dict[str, str] | None = None):
+    """``pdserve serve FLAGS`` on a free port until the block ends; yields (base URL, its process).
+    The server runs in its own session (its session id is its pid), so every process it starts can
+    be told from anyone else's. A port taken between choosing it and the server binding it (Ray's
+    own processes pick ports as they start) is chosen again."""
     print(f"\n$ pdserve serve {' '.join(flags)}", flush=True)
     for attempt in range(3):
-        proc, port, lines = _start(flags)
+        proc, port, lines = _start(flags, env or {})
         if port is not None:
             break
         if attempt == 2 or not any("Failed to bind" in line for line in lines):
             raise RuntimeError("server did not start:\n" + "".join(lines[-30:]))
         print("  its port was taken meanwhile: again on another", flush=True)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -41,7 +50,9 @@ def serving(*flags: str):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _start(flags: tuple[str, ...]) -> tuple[subprocess.Popen, int | None, list[str]]:
+def _start(
+    flags: tuple[str, ...], extra_env: dict[str, str]
+) -> tuple[subprocess.Popen, int | None, list[str]]:
     """The server process, its port once it serves (None if it exited first), and its output."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,6 +60,7 @@ def _start(flags: tuple[str, ...]) -> tuple[subprocess.Popen, int | None, list[s
     env = dict(os.environ)
     env.pop("PDSERVE_REDIS_URL", None)
     env.pop("PDSERVE_API_KEY", None)
+    env.update(extra_env)
     cmd = [sys.executable, "-m", "cli", "serve", "--port", str(port), *flags]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True

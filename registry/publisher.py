@@ -2,8 +2,9 @@
 
 The worker's engine thread hands batches of block events (``offer_events``), its prefix cache when
 a snapshot is wanted (``snapshot_wanted`` / ``offer_snapshot``) and its load (``offer_load``) to a
-queue, never touching Redis itself. A publisher thread drains the queue into Redis. When Redis fails, queued events are dropped and a snapshot is
-requested; once Redis answers again the worker re-registers from that snapshot (a RESYNCED event
+queue, never touching Redis itself. A publisher thread drains the queue into Redis. When Redis fails, or a heartbeat finds that Redis
+lost the worker's registration (restarted empty between two heartbeats, the connection never
+failing), queued events are dropped and a snapshot is requested; once Redis answers again the worker re-registers from that snapshot (a RESYNCED event
 with the whole set), so readers converge without replaying anything. Events drained after the
 snapshot follow it in the queue, so order is kept.
 """
@@ -111,8 +112,13 @@ class RegistryPublisher:
                         reg.publish(kind_, hashes)
                         self.published += 1
                 if not awaiting_snapshot and time.monotonic() >= next_beat:
-                    reg.heartbeat(**self._load)
                     next_beat = time.monotonic() + self.heartbeat_s
+                    if not reg.heartbeat(**self._load):
+                        logger.warning(
+                            "the registry lost this worker (Redis restarted empty?): registering again"
+                        )
+                        awaiting_snapshot = True
+                        self._want_snapshot.set()
             except redis.RedisError as exc:
                 if self.connected:
                     logger.warning("registry unreachable (%s): will resync when it returns", exc)

@@ -159,14 +159,21 @@ class WorkerRegistration:
         )
         pipe.execute()
 
-    def heartbeat(self, **load: int) -> None:
+    def heartbeat(self, **load: int) -> bool:
+        """Refresh the record with the current load. False when Redis no longer knew this worker
+        (restarted empty, or flushed, between two heartbeats): the caller must register again, with
+        a snapshot, or readers would never list it nor know its cache."""
         for k, v in load.items():
             setattr(self.record, k, v)
-        key = worker_key(self.record.worker_id)
+        wid = self.record.worker_id
+        key = worker_key(wid)
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(key, mapping=self.record.to_fields())
         pipe.pexpire(key, self.ttl_ms)
-        pipe.execute()
+        pipe.sadd(WORKERS_SET, wid)
+        pipe.exists(snapshot_meta_key(wid))
+        *_, added, meta = pipe.execute()
+        return not added and bool(meta)
 
     def publish(self, kind: str, hashes: list[bytes]) -> None:
         """One batch of stored/removed block hashes, snapshot and stream updated atomically."""

@@ -19,6 +19,7 @@ from registry.schema import (
     WorkerRecord,
     WorkerRegistration,
     connect,
+    read_workers,
     set_draining,
     snapshot_key,
     snapshot_meta_key,
@@ -175,3 +176,20 @@ def test_set_draining_reaches_the_view(redis_server, views):
     wait_until(lambda: not view.draining, "the view takes requests again")
     set_draining(client, True, ttl_s=30)  # expires: a `serve` that crashed mid-drain wedges nothing
     assert 0 < client.pttl(DRAINING_KEY) <= 30_000
+
+
+def test_a_registry_that_lost_its_data_gets_the_worker_back(redis_server, views, publishers):
+    """Redis emptied between two heartbeats, the worker's connection never failing (a restart it
+    did not notice, or a flush): its next heartbeat finds its registration gone, and it registers
+    again with its whole cache, so routers list it again instead of dropping it after their grace."""
+    view = views()
+    pub = publishers("p0", cached=[H[0], H[1]])
+    converges(view, "p0", {H[0], H[1]})
+    client = connect(redis_server.url)
+    client.flushall()
+    wait_until(pub.snapshot_wanted, "the worker is asked for a snapshot to register again")
+    pub.offer_snapshot([H[0], H[1]])
+    wait_until(lambda: "p0" in read_workers(client), "Redis lists p0 again")
+    assert client.smembers(snapshot_key("p0")) == {H[0], H[1]}
+    converges(view, "p0", {H[0], H[1]})
+    assert "p0" in view.workers

@@ -1,0 +1,420 @@
+"""Chaos: streaming requests over HTTP while workers are killed and stalled and Redis restarts.
+
+    python -m bench.chaos [--requests 160] [--concurrency 8] [--prefill 2] [--decode 2]
+                          [--faults kill_decode,stop_decode,kill_prefill,stop_prefill,restart_redis]
+                          [--stall-s 20] [--quick] [--json PATH]
+
+One ``pdserve serve`` (disaggregated, a real ``redis-server``) started by this script in its own
+session, so the only processes it ever signals are that service's own replicas. A closed-loop
+client streams greedy completions (``ignore_eos``) of a few fixed prompts while an injector works
+through the fault list, one fault at a time:
+
+- ``kill_decode`` / ``kill_prefill``: SIGKILL one replica process of that deployment;
+- ``stop_decode`` / ``stop_prefill``: SIGSTOP one replica for ``--stall-s`` seconds, then SIGCONT;
+- ``restart_redis``: SIGKILL the redis-server and start it again, empty.
+
+Every request ends as one of: identical (its text equals the engine alone's), wrong (completed with
+other text), error (an OpenAI-style error with a message, in the HTTP status or in the stream),
+unclear error (an error without one) or hung (still open after ``--deadline-s``). Per fault: how
+long the streams that were open when it struck went without a token (the client-visible stall:
+the longest gap from the fault to each such stream's next token or end), and how long until the
+service was back at full strength (every worker registered again, all replica processes alive).
+At the end, once idle, every worker's KV blocks must be free (``blocks_leaked`` counts the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+FAULTS = ("kill_decode", "stop_decode", "kill_prefill", "stop_prefill", "restart_redis")
+DEPLOYMENT = {"decode": "Decode", "prefill": "Prefill"}
+
+
+@dataclass
+class Outcome:
+    index: int
+    prompt: int
+    kind: str = "hung"  # identical | wrong | error | unclear_error | hung
+    detail: str = ""
+    start: float = 0.0
+    end: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Fault:
+    kind: str
+    victim: str
+    at: float
+    open_streams: list[int]
+    capacity_restored_s: float | None = None
+    streams_resumed_s: float | None = None
+
+
+class RedisProcess:
+    """A real redis-server on a free local port, no persistence: a restart comes back empty."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise SystemExit("redis-server is not installed (apt-get install -y redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.dir, self.proc = workdir, None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self) -> None:
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.proc = subprocess.Popen(
+            [self.binary, *args, "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def replica_pids(session: int, role: str) -> list[int]:
+    """Live replica processes of ``role`` among the processes of one session (one service)."""
+    out = subprocess.run(["ps", "-eo", "pid,sid,stat,args"], capture_output=True, text=True).stdout
+    title = f"ray::ServeReplica:pdserve:{DEPLOYMENT[role]}"
+    pids = []
+    for line in out.splitlines()[1:]:
+        pid, sid, stat, args = line.split(None, 3)
+        if int(sid) == session and args.startswith(title) and not stat.startswith("Z"):
+            pids.append(int(pid))
+    return sorted(pids)
+
+
+async def registered_workers(session, base: str) -> dict[str, dict[str, float]]:
+    """worker id -> {role, free, total, running, waiting} from the service's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {
+        "pdserve_kv_blocks_free": "free",
+        "pdserve_kv_blocks": "total",
+        "pdserve_requests_running": "running",
+        "pdserve_requests_waiting": "waiting",
+    }
+    async with session.get(base + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, dict] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in names and s.labels.get("role") in ("prefill", "decode"):
+                w = out.setdefault(s.labels["worker"], {"role": s.labels["role"]})
+                w[names[s.name]] = s.value
+    return out
+
+
+async def stream_one(session, base, body, outcome: Outcome, reference: str, deadline_s: float) -> None:
+    async def run() -> None:
+        parts: list[str] = []
+        async with session.post(base + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                err = json.loads(text).get("error", {}) if text.startswith("{") else {}
+                outcome.kind = "error" if err.get("message") else "unclear_error"
+                outcome.detail = f"HTTP {resp.status}: {err.get('message') or text[:200]}"
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    msg = event["error"].get("message")
+                    outcome.kind, outcome.detail = ("error" if msg else "unclear_error"), str(msg or event)
+                    return
+                outcome.token_times.append(time.monotonic())
+                parts.append(event["choices"][0]["text"])
+        outcome.kind = "identical" if "".join(parts) == reference else "wrong"
+
+    import aiohttp
+
+    outcome.start = time.monotonic()
+    try:
+        await asyncio.wait_for(run(), deadline_s)
+    except asyncio.TimeoutError:
+        outcome.kind = "hung"
+    except aiohttp.ClientError as exc:  # the connection itself failed: an answer, but not a clear one
+        outcome.kind, outcome.detail = "unclear_error", f"{type(exc).__name__}: {exc}"
+    outcome.end = time.monotonic()
+
+
+async def inject(kind: str, session_id: int, redis: RedisProcess, stall_s: float, rng) -> str:
+    if kind == "restart_redis":
+        redis.kill()
+        await asyncio.to_thread(redis.start)
+        return "redis"
+    action, role = kind.split("_")
+    pids = replica_pids(session_id, role)
+    if not pids:
+        return "none"
+    victim = rng.choice(pids)
+    if action == "kill":
+        os.kill(victim, signal.SIGKILL)
+    else:
+        os.kill(victim, signal.SIGSTOP)
+        await asyncio.sleep(stall_s)  # the stall's length is the fault itself, not a guess
+        with contextlib.suppress(ProcessLookupError):  # Serve may have replaced it meanwhile
+            os.kill(victim, signal.SIGCONT)
+    return f"{role} pid {victim}"
+
+
+async def wait_full_strength(http, base, session_id: int, expect: dict[str, int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            workers = await registered_workers(http, base)
+        except Exception:  # the ingress itself may be restarting
+            workers = {}
+        roles = [w["role"] for w in workers.values()]
+        if all(roles.count(r) == n and len(replica_pids(session_id, r)) == n for r, n in expect.items()):
+            return True
+        await asyncio.sleep(0.25)
+    return False
+
+
+async def run_chaos(
+    base: str,
+    session_id: int,
+    redis: RedisProcess,
+    prompts: list[list[int]],
+    references: list[str],
+    *,
+    requests: int,
+    concurrency: int,
+    max_tokens: int,
+    faults: list[str],
+    expect: dict[str, int],
+    stall_s: float,
+    deadline_s: float,
+    headers: dict[str, str] | None = None,
+    seed: int = 0,
+) -> dict:
+    import aiohttp
+    from tqdm.auto import tqdm
+
+    rng = random.Random(seed)
+    outcomes = [Outcome(i, i % len(prompts)) for i in range(requests)]
+    model = None
+    open_now: set[int] = set()
+    done = asyncio.Event()
+    records: list[Fault] = []
+    bar = tqdm(total=requests, desc="chaos", unit="req")
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
+    async with aiohttp.ClientSession(headers=headers or {}, timeout=timeout) as http:
+        async with http.get(base + "/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        queue = iter(outcomes)
+
+        async def client() -> None:
+            for o in queue:
+                body = {
+                    "model": model,
+                    "prompt": prompts[o.prompt],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                open_now.add(o.index)
+                await stream_one(http, base, body, o, references[o.prompt], deadline_s)
+                open_now.discard(o.index)
+                bar.update(1)
+
+        async def injector() -> None:
+            # Faults start once streams run; each waits for the service to be whole again first.
+            while len(open_now) < concurrency and not done.is_set():
+                await asyncio.sleep(0.05)
+            for kind in faults:
+                if done.is_set():
+                    break
+                await wait_full_strength(http, base, session_id, expect, 180)
+                while not any(outcomes[i].token_times for i in open_now) and not done.is_set():
+                    await asyncio.sleep(0.05)  # strike mid-stream
+                rec = Fault(kind, "", time.monotonic(), sorted(open_now))
+                rec.victim = await inject(kind, session_id, redis, stall_s, rng)
+                bar.write(f"  fault: {kind} ({rec.victim})")
+                records.append(rec)
+                if await wait_full_strength(http, base, session_id, expect, 180):
+                    rec.capacity_restored_s = time.monotonic() - rec.at
+
+        clients = [asyncio.create_task(client()) for _ in range(concurrency)]
+        chaos = asyncio.create_task(injector())
+        await asyncio.gather(*clients)
+        done.set()
+        await chaos
+        bar.close()
+        leaked, idle = await _blocks_after_idle(http, base, timeout_s=60)
+    for rec in records:
+        rec.streams_resumed_s = _resumed(rec, outcomes)
+    return _summary(outcomes, records, leaked, idle)
+
+
+async def _blocks_after_idle(http, base, timeout_s: float) -> tuple[int, bool]:
+    """(KV blocks not free, whether every worker went idle) once the service is quiet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = await registered_workers(http, base)
+        busy = any(w.get("running", 0) or w.get("waiting", 0) for w in workers.values())
+        leaked = int(sum(w.get("total", 0) - w.get("free", 0) for w in workers.values()))
+        if (not busy and leaked == 0) or time.monotonic() > deadline:
+            return leaked, not busy
+        await asyncio.sleep(0.25)
+
+
+def _resumed(rec: Fault, outcomes: list[Outcome]) -> float | None:
+    gaps = []
+    for i in rec.open_streams:
+        o = outcomes[i]
+        after = [t for t in o.token_times if t > rec.at]
+        nxt = after[0] if after else o.end
+        if nxt > rec.at:
+            gaps.append(nxt - rec.at)
+    return max(gaps) if gaps else None
+
+
+def _summary(outcomes: list[Outcome], records: list[Fault], leaked: int, idle: bool) -> dict:
+    kinds = ("identical", "wrong", "error", "unclear_error", "hung")
+    counts = {k: sum(o.kind == k for o in outcomes) for k in kinds}
+    t0 = min((o.start for o in outcomes if o.start), default=0.0)
+    return {
+        "requests": len(outcomes),
+        **counts,
+        "blocks_leaked": leaked,
+        "idle_at_end": idle,
+        "errors": sorted({o.detail for o in outcomes if o.kind in ("error", "unclear_error")})[:20],
+        "faults": [asdict(r) | {"at": round(r.at - t0, 3)} for r in records],
+        "timeline": [(o.start, o.end, o.kind, o.token_times) for o in outcomes],
+        "t0": t0,
+        "fault_times": [(r.kind, r.at) for r in records],
+    }
+
+
+def print_table(res: dict) -> None:
+    print(f"\nrequests sent {res['requests']}: identical {res['identical']}, wrong {res['wrong']}, "
+          f"clear error {res['error']}, unclear error {res['unclear_error']}, hung {res['hung']}; "
+          f"KV blocks leaked {res['blocks_leaked']}")  # fmt: skip
+    print(
+        f"{'fault':15s} {'victim':18s} {'open streams':>12s} {'streams resumed (s)':>20s} {'capacity back (s)':>18s}"
+    )
+    for f in res["faults"]:
+        resumed = "-" if f["streams_resumed_s"] is None else f"{f['streams_resumed_s']:.1f}"
+        back = "-" if f["capacity_restored_s"] is None else f"{f['capacity_restored_s']:.1f}"
+        print(f"{f['kind']:15s} {f['victim']:18s} {len(f['open_streams']):12d} {resumed:>20s} {back:>18s}")
+    for e in res["errors"]:
+        print("  error:", e[:160])
+
+
+def plot(res: dict, path: Path) -> None:
+    """Tokens per second over time with the faults marked: what the client saw."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = res["t0"]
+    times = sorted(t - t0 for _, _, _, tt in res["timeline"] for t in tt)
+    if not times:
+        return
+    width = 1.0
+    bins = [0] * (int(times[-1] / width) + 1)
+    for t in times:
+        bins[int(t / width)] += 1
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    ax.plot([i * width for i in range(len(bins))], [b / width for b in bins], lw=1)
+    for kind, at in res["fault_times"]:
+        ax.axvline(at - t0, color="r", ls="--", lw=0.8)
+        ax.text(at - t0, max(bins) / width, kind, rotation=90, va="top", ha="right", fontsize=7)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("streamed tokens/s")
+    ax.set_title(f"chaos: {res['identical']}/{res['requests']} identical, {res['hung']} hung")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=160)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--prompt-len", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stall-s", type=float, default=20.0)
+    p.add_argument("--deadline-s", type=float, default=120.0, help="a request open longer has hung")
+    p.add_argument("--quick", action="store_true", help="40 requests, one decode kill and one stall")
+    p.add_argument("--json", default=str(RESULTS / "chaos.json"))
+    a = p.parse_args()
+    if a.quick:
+        a.requests, a.faults = 40, "kill_decode,stop_decode"
+    faults = [f for f in a.faults.split(",") if f]
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        p.error(f"unknown faults {sorted(unknown)}; choose from {', '.join(FAULTS)}")
+
+    from bench.serving_harness import serving_process
+    from cli.tiny_model import ensure_tiny_model
+    from engine import LLM, SamplingParams
+
+    model = ensure_tiny_model()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 8000) for _ in range(a.prompt_len)] for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    references = [o.outputs[0].text for o in LLM(str(model), num_blocks=512).generate(prompts, params)]
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisProcess(Path(tmp))
+        flags = ("--prefill", str(a.prefill), "--decode", str(a.decode), "--redis-url", redis.url)
+        try:
+            with serving_process(*flags) as (base, proc):
+                res = asyncio.run(
+                    run_chaos(
+                        base, proc.pid, redis, prompts, references,
+                        requests=a.requests, concurrency=a.concurrency, max_tokens=a.max_tokens,
+                        faults=faults, expect={"prefill": a.prefill, "decode": a.decode},
+                        stall_s=a.stall_s, deadline_s=a.deadline_s,
+                    )
+                )  # fmt: skip
+        finally:
+            redis.kill()
+    print_table(res)
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({k: v for k, v in res.items() if k != "timeline"}, indent=1))
+    print(f"wrote {out}")
+    plot(res, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
