@@ -71,8 +71,8 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        """The engine thread is running (False before start and after it died or stopped)."""
-        return self._thread is not None and self._thread.is_alive()
+        """The engine thread is running (False before start, and once it failed or stopped)."""
+        return self.failure is None and self._thread is not None and self._thread.is_alive()
 
     def add_tick(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine thread after every step and at least every ``idle_tick_s``."""
