@@ -140,6 +140,14 @@ class _ClusterCollector:
         )
         total = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks in the pool", labels=labels)
         preempt = CounterMetricFamily("pdserve_preemptions", "Requests preempted for KV space", labels=labels)
+        queries = CounterMetricFamily(
+            "pdserve_prefix_cache_queries",
+            "Prompt tokens looked up in the engine's prefix cache",
+            labels=labels,
+        )
+        hits = CounterMetricFamily(
+            "pdserve_prefix_cache_hits", "Prompt tokens found in the engine's prefix cache", labels=labels
+        )
         tbytes = CounterMetricFamily(
             "pdserve_kv_transfer_bytes", "KV bytes pulled from prefill workers", labels=["worker"]
         )
@@ -165,6 +173,8 @@ class _ClusterCollector:
                 ids, s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
             )
             preempt.add_metric(ids, s.num_preemptions)
+            queries.add_metric(ids, s.prefix_cache_queries)
+            hits.add_metric(ids, s.prefix_cache_hits)
             if w.role == "decode":
                 t = w.transfer_stats
                 tbytes.add_metric([w.worker_id], t.bytes)
@@ -174,7 +184,7 @@ class _ClusterCollector:
                     acc += n
                     buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
                 tsec.add_metric([w.worker_id], buckets, t.seconds_sum)
-        yield from (running, waiting, kv, free, total, hit, preempt, tbytes, tfail, tsec)
+        yield from (running, waiting, kv, free, total, hit, preempt, queries, hits, tbytes, tfail, tsec)
         if self.cluster is not None:
             c = self.cluster
             r = GaugeMetricFamily(

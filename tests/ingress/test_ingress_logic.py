@@ -183,7 +183,15 @@ def test_metrics_render_worker_and_transfer_series():
     m = IngressMetrics("tiny")
     m.ttft.labels("tiny").observe(0.1)
     m.count("success")
-    stats = pb.EngineStats(num_running=2, num_blocks=10, num_free_blocks=4, kv_usage=0.6, num_preemptions=3)
+    stats = pb.EngineStats(
+        num_running=2,
+        num_blocks=10,
+        num_free_blocks=4,
+        kv_usage=0.6,
+        num_preemptions=3,
+        prefix_cache_queries=96,
+        prefix_cache_hits=32,
+    )
     transfer = pb.KVTransferStats(
         bytes=4096, completed=2, seconds_sum=0.03, bucket_bounds=[0.01, 0.1], bucket_counts=[1, 1, 0]
     )
@@ -197,6 +205,8 @@ def test_metrics_render_worker_and_transfer_series():
     assert samples[("pdserve_requests_running", (("role", "decode"), ("worker", "decode-a")))] == 2
     assert samples[("pdserve_requests_running", (("role", "ingress"), ("worker", "ing-1")))] == 1
     assert samples[("pdserve_preemptions_total", (("role", "decode"), ("worker", "decode-a")))] == 3
+    assert samples[("pdserve_prefix_cache_queries_total", (("role", "decode"), ("worker", "decode-a")))] == 96
+    assert samples[("pdserve_prefix_cache_hits_total", (("role", "decode"), ("worker", "decode-a")))] == 32
     assert samples[("pdserve_kv_transfer_bytes_total", (("worker", "decode-a"),))] == 4096
     assert samples[("pdserve_kv_transfer_seconds_bucket", (("le", "0.1"), ("worker", "decode-a")))] == 2
     assert samples[("pdserve_kv_transfer_seconds_count", (("worker", "decode-a"),))] == 2
