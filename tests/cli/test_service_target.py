@@ -103,7 +103,13 @@ def test_the_command_line_errors_are_one_line(tmp_path, gcs, monkeypatch, capsys
     directory = tmp_path / ".cache" / "pdserve" / "services"
     live(directory, "a", 8000, gcs[0])
     live(directory, "b", 8001, gcs[1])
-    assert main([command, *extra]) == 2
+
+    def no_connection(target):
+        pytest.fail(f"connected to {target.describe()} although two services run")
+
+    with monkeypatch.context() as m:
+        m.setattr("cli.ray_cluster.connect", no_connection)
+        assert main([command, *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: 2 pdserve services are running; choose one with --service NAME")
     assert "Traceback" not in err and TOKEN not in err

@@ -23,3 +23,44 @@ def test_status_prints_the_hop_summary_when_the_router_has_one():
     assert lines[at + 1].split() == ["HOP", "REQUESTS", "MEAN", "MS", "P50", "MS", "P90", "MS"]
     assert lines[at + 2].split() == ["route", "40", "0.05", "0.04", "0.09"]
     assert lines[at + 3].split() == ["kv_transfer", "39", "2.50", "2.25", "4.00"]
+
+
+def test_status_json_keeps_zeros_and_numbers_and_hides_nixl_blobs_and_addresses():
+    import json
+
+    from cli.service_record import ServiceRecord
+    from cli.service_target import Target
+    from cli.status import status_json
+
+    transfer = pb.KVTransferInfo(
+        agent_name="a0", agent_metadata=b"\x00nixl-blob", base_addr=140234567, num_blocks=8
+    )
+    idle = pb.WorkerState(
+        role="prefill",
+        worker_id="p0",
+        epoch=2**40,  # uint64: MessageToDict would write "1099511627776"
+        pid=4321,
+        transfer=transfer,
+        stats=pb.EngineStats(num_blocks=8, num_free_blocks=8, kv_usage=0.1),
+    )
+    cluster = pb.ClusterState(policy="cache_aware", workers=[pb.WorkerSummary(state=idle, healthy=True)])
+    record = ServiceRecord(
+        "svc", "pdserve", "http://127.0.0.1:8000", "10.0.0.1:6379", pid=1, auth_token="tok"
+    )
+    out = json.loads(json.dumps(status_json(Target("10.0.0.1:6379", "pdserve", record), cluster, [idle])))
+    assert out["service"] == {
+        "name": "svc",
+        "endpoint": "http://127.0.0.1:8000",
+        "rayAddress": "10.0.0.1:6379",
+        "app": "pdserve",
+    }
+    (w,) = out["workers"]
+    assert w["epoch"] == 2**40 and w["pid"] == 4321  # numbers, not strings
+    assert w["stats"]["numRunning"] == 0 and w["stats"]["numPreemptions"] == 0  # zeros kept
+    assert w["stats"]["kvUsage"] == 0.1 and w["draining"] is False
+    assert out["cluster"]["degraded"] is False and out["cluster"]["requestsRouted"] == 0
+    assert out["cluster"]["workers"][0]["state"]["transfer"] == w["transfer"]
+    assert w["transfer"]["agentName"] == "a0" and w["transfer"]["numBlocks"] == 8
+    text = json.dumps(out)
+    assert "agentMetadata" not in text and "baseAddr" not in text and "140234567" not in text
+    assert "tok" not in json.dumps(out["service"])
