@@ -17,7 +17,7 @@ Every request ends as one of: identical (its text equals the engine alone's), wr
 other text), error (an OpenAI-style error with a message, in the HTTP status or in the stream),
 unclear error (an error without one) or hung (still open after ``--deadline-s``). Per fault: how
 long the streams that were open when it struck went without a token (the client-visible stall:
-the longest gap from the fault to each such stream's next token or end), and how long until the
+the longest gap between tokens of any such stream, from the fault until the next one), and how long until the
 service was back at full strength (every worker registered again, all replica processes alive).
 At the end, once idle, every worker's KV blocks must be free (``blocks_leaked`` counts the rest).
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -275,8 +276,8 @@ async def run_chaos(
         await chaos
         bar.close()
         leaked, idle = await _blocks_after_idle(http, base, timeout_s=60)
-    for rec in records:
-        rec.streams_resumed_s = _resumed(rec, outcomes)
+    for rec, nxt in zip(records, [*records[1:], None]):
+        rec.streams_resumed_s = _resumed(rec, outcomes, nxt.at if nxt else float("inf"))
     return _summary(outcomes, records, leaked, idle)
 
 
@@ -292,15 +293,19 @@ async def _blocks_after_idle(http, base, timeout_s: float) -> tuple[int, bool]:
         await asyncio.sleep(0.25)
 
 
-def _resumed(rec: Fault, outcomes: list[Outcome]) -> float | None:
-    gaps = []
+def _resumed(rec: Fault, outcomes: list[Outcome], until: float) -> float | None:
+    """The longest silence, from the fault until ``until`` (the next fault), of the streams that
+    were open when it struck: what a client waited for its next token or its end."""
+    worst = None
     for i in rec.open_streams:
         o = outcomes[i]
-        after = [t for t in o.token_times if t > rec.at]
-        nxt = after[0] if after else o.end
-        if nxt > rec.at:
-            gaps.append(nxt - rec.at)
-    return max(gaps) if gaps else None
+        marks = [rec.at, *(t for t in o.token_times if rec.at < t < until)]
+        if o.end < until:
+            marks.append(o.end)
+        gap = max((b - a for a, b in itertools.pairwise(marks)), default=None)
+        if gap is not None:
+            worst = gap if worst is None else max(worst, gap)
+    return worst
 
 
 def _summary(outcomes: list[Outcome], records: list[Fault], leaked: int, idle: bool) -> dict:
