@@ -1,8 +1,11 @@
 """The end-to-end tier: ``pdserve serve`` really running (Ray, Serve, workers, router, NIXL, Redis).
 
 ``ServeProcess`` starts the CLI as a user would, in its own session (so every process it leaves
-behind can be found), waits for it to print its endpoint, and reads the cluster's state from the
-service's own ``/metrics``.
+behind can be found), under a name of its own (``--name``: ``status`` and ``scale`` are always asked
+about this service, never whichever runs), waits for it to print its endpoint, and reads the
+cluster's state from the service's own ``/metrics`` or ``pdserve status``. A test kills only worker
+processes of its own service: ``worker_pids`` checks each is in the session of the ``serve`` it
+started.
 """
 
 from __future__ import annotations
@@ -36,12 +39,24 @@ class ServeProcess:
     def __init__(self, model: Path, redis_url: str, *extra: str, api_key: str | None = API_KEY) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        self.name = f"test-{self.port}-{os.getpid()}"
         self.api_key = api_key
         env = dict(os.environ, PDSERVE_REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
         env.pop("PDSERVE_API_KEY", None)
         if api_key:
             env["PDSERVE_API_KEY"] = api_key
-        cmd = [sys.executable, "-m", "cli", "serve", "--model", str(model), "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--name",
+            self.name,
+        ]
         self.proc = subprocess.Popen(
             [*cmd, "--num-blocks", "64", "--drain-timeout", "60", *extra],
             stdout=subprocess.PIPE,
@@ -133,6 +148,57 @@ class ServeProcess:
                 )
             time.sleep(0.25)
 
+    # The CLI on this service ----------------------------------------------------------------------
+
+    def cli(self, command: str, *args: str) -> str:
+        """``pdserve <command> --service <this one> ...``: its stdout; fails the test on an error."""
+        out = subprocess.run(
+            [sys.executable, "-m", "cli", command, "--service", self.name, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return out.stdout
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json").strip().splitlines()[-1])
+
+    def worker_pids(self, role: str) -> dict[str, int]:
+        """worker id -> pid of this service's ``role`` workers, each checked to be a process this
+        test's ``serve`` started (in its session), so a test never signals another service's."""
+        status = self.status()
+        assert status["service"]["name"] == self.name, status["service"]
+        pids = {w["workerId"]: w["pid"] for w in status["workers"] if w["role"] == role}
+        for worker, pid in pids.items():
+            try:
+                own = os.getsid(pid) == self.proc.pid
+            except ProcessLookupError:
+                own = False
+            assert own, (
+                f"{worker} (pid {pid}) is not a process of this test's service (session {self.proc.pid})"
+            )
+        return pids
+
+    def wait_workers(self, prefill: int, decode: int, timeout_s: float = 240) -> dict[str, dict[str, float]]:
+        """Until exactly ``prefill`` + ``decode`` workers are registered (a busy machine starts them slowly)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            w = self.workers()
+            roles = [name.split("-")[0] for name in w]
+            if roles.count("prefill") == prefill and roles.count("decode") == decode:
+                return w
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"expected {prefill} prefill + {decode} decode workers after {timeout_s}s: {sorted(w)}"
+                )
+            time.sleep(0.5)
+
+    def record_path(self) -> Path:
+        from cli.service_record import record_path
+
+        return record_path(self.name)
+
     # Lifecycle --------------------------------------------------------------------------------
 
     def terminate(self, timeout_s: float = 120) -> int:
@@ -152,6 +218,8 @@ class ServeProcess:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):  # its serve cannot remove the record any more
+            self.record_path().unlink()
 
 
 @pytest.fixture(scope="module")

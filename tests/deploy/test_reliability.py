@@ -18,8 +18,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -46,14 +44,6 @@ class Outcome:
 def _prompts(n: int = 8) -> list[list[int]]:
     rng = random.Random(7)
     return [[rng.randrange(10, 1000) for _ in range(PROMPT_LEN)] for _ in range(n)]
-
-
-def _status(svc: ServeProcess) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "cli", "status", "--json"], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 async def _one(session, svc, name, prompts, i, rng, cancel_rate: float = CANCEL_RATE) -> Outcome:
@@ -114,14 +104,12 @@ def _diverges_at(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _role_pids(status: dict, role: str) -> dict[str, int]:
-    return {w["workerId"]: int(w["pid"]) for w in status["workers"] if w["role"] == role}
-
-
 async def _fault_cycle(svc: ServeProcess, redis, log: list[str]) -> None:
-    status = await asyncio.to_thread(_status, svc)
-    prefill, decode = _role_pids(status, "prefill"), _role_pids(status, "decode")
-    assert len(prefill) == 2 and len(decode) == 2, status
+    # The pids come from this test's own service and are checked to be its processes.
+    await asyncio.to_thread(svc.wait_workers, 2, 2)
+    prefill = await asyncio.to_thread(svc.worker_pids, "prefill")
+    decode = await asyncio.to_thread(svc.worker_pids, "decode")
+    assert len(prefill) == 2 and len(decode) == 2, (prefill, decode)
     await asyncio.sleep(4)
     victim = sorted(prefill)[0]
     os.kill(prefill[victim], signal.SIGKILL)

@@ -4,8 +4,6 @@ traffic) and back 2 -> 1 while streams run (the removed replica drains; no reque
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 
 import openai
@@ -18,21 +16,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 PROMPTS = ["the world is", "there was a man who", "in the first years", "what people know about"]
 
 
-def scale(*args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "cli", "scale", *args], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
-
-
 def prefill_workers(svc: ServeProcess) -> set[str]:
     return {w for w in svc.workers() if w.startswith("prefill-")}
 
 
 def wait_for(svc: ServeProcess, count: int, timeout_s: float = 180) -> set[str]:
     deadline = time.monotonic() + timeout_s
-    while (workers := prefill_workers(svc)) and len(workers) != count:
+    while len(workers := prefill_workers(svc)) != count:
         assert time.monotonic() < deadline, f"expected {count} prefill workers, have {workers}"
         time.sleep(0.5)
     return workers
@@ -71,20 +61,21 @@ def test_scale_prefill_up_and_down_under_load(serve_model, module_redis_server, 
 
     try:
         name = svc.request("GET", "/v1/models")[2]["data"][0]["id"]
+        svc.wait_workers(prefill=1, decode=1)
         (first,) = wait_for(svc, 1)
-        assert "Prefill: 1 -> 2 replicas" in scale("--prefill", "2")
+        out = svc.cli("scale", "--prefill", "2")  # --service: this test's service, whatever else runs
+        assert f"scaling service {svc.name!r}" in out and "Prefill: 1 -> 2 replicas" in out
         workers = wait_for(svc, 2)
         assert first in workers  # the running replica was untouched (no redeploy)
         prompts = [p + " " + "and " * i for i, p in enumerate(PROMPTS * 2)]
         texts = asyncio.run(streams(name, prompts, 12))
         assert texts == [expected(p, 12) for p in prompts]
-        status = subprocess.run(
-            [sys.executable, "-m", "cli", "status"], capture_output=True, text=True, timeout=120
-        ).stdout
+        status = svc.cli("status")
+        assert status.startswith(f"service {svc.name!r} (endpoint {svc.base}")
         assert all(w in status for w in workers)  # both registered and visible to operators
 
         # Scale down while 8 streams run: every stream completes with the right text.
-        texts = asyncio.run(streams(name, prompts, 48, during=lambda: scale("--prefill", "1")))
+        texts = asyncio.run(streams(name, prompts, 48, during=lambda: svc.cli("scale", "--prefill", "1")))
         assert texts == [expected(p, 48) for p in prompts]
         assert len(wait_for(svc, 1)) == 1
         svc.wait_idle()

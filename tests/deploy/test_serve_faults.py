@@ -11,8 +11,7 @@ import http.client
 import json
 import os
 import signal
-import subprocess
-import sys
+import stat
 import time
 from pathlib import Path
 
@@ -45,17 +44,9 @@ def serve_flags() -> tuple[str, ...]:
     return ("--num-blocks", str(LONG_CONTEXT // BLOCK_SIZE + 32))  # one request can fill the context
 
 
-def _status_json(service) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "cli", "status", "--json"], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _decode_generated_tokens(service) -> int:
-    (decode,) = [w for w in _status_json(service)["workers"] if w["role"] == "decode"]
-    return int(decode["stats"].get("generationTokens", 0))
+    (decode,) = [w for w in service.status()["workers"] if w["role"] == "decode"]
+    return decode["stats"]["generationTokens"]
 
 
 def test_client_disconnect_mid_stream_aborts_down_to_the_workers(service, model_name):
@@ -102,9 +93,10 @@ def test_client_disconnect_mid_stream_aborts_down_to_the_workers(service, model_
 
 
 def test_prefill_replica_killed_while_requests_run(service, model_name, tokenizer, reference):
-    status = _status_json(service)
-    prefill = [w for w in status["workers"] if w["role"] == "prefill"]
+    service.wait_workers(prefill=1, decode=1)
+    prefill = service.worker_pids("prefill")  # this service's own worker: checked before it is killed
     assert len(prefill) == 1
+    (victim,) = prefill
     expected = {p: reference(tokenizer.encode(p), 24)[0] for p in PROMPTS}
     aclient = openai.AsyncOpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
@@ -119,7 +111,7 @@ def test_prefill_replica_killed_while_requests_run(service, model_name, tokenize
     async def main():
         tasks = [asyncio.create_task(one(i)) for i in range(12)]
         await asyncio.sleep(0.3)
-        os.kill(int(prefill[0]["pid"]), signal.SIGKILL)
+        os.kill(prefill[victim], signal.SIGKILL)
         try:
             return await asyncio.gather(*tasks)
         finally:
@@ -138,7 +130,7 @@ def test_prefill_replica_killed_while_requests_run(service, model_name, tokenize
     deadline = time.monotonic() + 120
     while True:
         workers = service.workers()
-        new = [w for w in workers if w.startswith("prefill-") and w != prefill[0]["workerId"]]
+        new = [w for w in workers if w.startswith("prefill-") and w != victim]
         if new:
             break
         assert time.monotonic() < deadline, f"no new prefill worker: {workers}"
@@ -151,6 +143,8 @@ def test_prefill_replica_killed_while_requests_run(service, model_name, tokenize
 
 def test_sigterm_drains_ten_streams_and_leaves_nothing_behind(service, model_name, tokenizer, reference):
     expected = {p: reference(tokenizer.encode(p), 64)[0] for p in PROMPTS}
+    record = service.record_path()
+    assert record.exists() and stat.S_IMODE(record.stat().st_mode) == 0o600  # it holds the Ray token
     aclient = openai.AsyncOpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
     async def one(prompt: str, first: asyncio.Event) -> str:
@@ -184,5 +178,11 @@ def test_sigterm_drains_ten_streams_and_leaves_nothing_behind(service, model_nam
         free, total = line.rsplit(" ", 4)[-4].split("/")
         assert free == total, line
     assert "pdserve stopped" in out
+    shutdown = out[out.index("shutting down") :]
+    noise = [
+        x for x in shutdown.splitlines() if any(w in x.lower() for w in ("error", "failed", "traceback"))
+    ]
+    assert noise == [], shutdown  # a clean stop says so, nothing else
+    assert not record.exists()  # removed on the way out: status no longer finds a stopped service
     time.sleep(1)
     assert service.leftover_processes() == []
