@@ -19,6 +19,7 @@ import tempfile
 
 from cli.service_record import address_reachable
 from cli.service_target import Target
+from settings import environment
 
 
 def cluster_identity() -> tuple[str, str | None]:
@@ -66,16 +67,10 @@ def connect(target: Target) -> None:
 def _use_token(token: str | None) -> None:
     from ray._raylet import AuthenticationTokenLoader, Config
 
-    if token:
-        os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN"] = token
-        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
-    elif "RAY_AUTH_MODE" not in os.environ and AuthenticationTokenLoader.instance().has_token(
-        ignore_auth_mode=True
-    ):
-        os.environ["RAY_AUTH_MODE"] = "token"  # what Ray itself does for a local cluster found by "auto"
+    loader = AuthenticationTokenLoader.instance()
+    environment.use_ray_auth_token(token, ray_has_token=loader.has_token(ignore_auth_mode=True))
     Config.initialize("")  # NOTE: Ray caches its config and the token; both must see the environment
-    AuthenticationTokenLoader.instance().reset_cache()
+    loader.reset_cache()
 
 
 @contextlib.contextmanager

@@ -7,6 +7,8 @@ config file or a log line.
 - ``PDSERVE_REDIS_URL``: the registry's Redis URL (may carry a password).
 - ``PDSERVE_API_KEY``: the bearer key ``/v1`` requires, when set.
 - ``UCX_NET_DEVICES``: UCX's network devices (read by UCX itself when NIXL initialises it).
+- ``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``: Ray's token auth (read by Ray when
+  a client connects); ``pdserve status`` / ``scale`` set them to a service's recorded token.
 
 NOTE: imports nothing of the project, so every layer may use it.
 """
@@ -18,6 +20,9 @@ import os
 REDIS_URL = "PDSERVE_REDIS_URL"
 API_KEY = "PDSERVE_API_KEY"
 UCX_NET_DEVICES = "UCX_NET_DEVICES"
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
+RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
+RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -52,3 +57,15 @@ def use_ucx_devices(devices: str | None, host: str, *, override: bool = True) ->
     chosen = devices or ("lo" if host in LOOPBACK else None)
     if chosen and (override or UCX_NET_DEVICES not in os.environ):
         os.environ[UCX_NET_DEVICES] = chosen
+
+
+def use_ray_auth_token(token: str | None, ray_has_token: bool) -> None:
+    """Make this process's Ray client send ``token`` to the cluster it joins. Without one, token mode
+    goes on when Ray has a token of its own and no mode was chosen: what ``ray.init("auto")`` does
+    by itself, and an explicit address does not."""
+    if token:
+        os.environ[RAY_AUTH_MODE] = "token"
+        os.environ[RAY_AUTH_TOKEN] = token
+        os.environ.pop(RAY_AUTH_TOKEN_PATH, None)
+    elif ray_has_token and RAY_AUTH_MODE not in os.environ:
+        os.environ[RAY_AUTH_MODE] = "token"
