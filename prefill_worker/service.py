@@ -72,6 +72,10 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         return pb.ReleaseResponse(released=await self.worker.release(request.request_id))
 
     async def GetState(self, request, context) -> pb.WorkerState:
+        if self.worker.loop.failure is not None:  # its engine loop failed: it serves nothing more
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{self.worker.worker_id}: {self.worker.loop.failure}"
+            )
         return await self.worker.get_state()
 
 

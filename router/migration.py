@@ -139,6 +139,8 @@ class Resumption:
         """The ``Finished`` the lost worker would have sent next, when the relayed tokens already end
         the request (its last message lost on the way), else None."""
         p = self.params
+        if self.n > 1:
+            return None
         if len(self.tokens) >= p.max_tokens:
             reason, stop = "length", ""
         elif self.tokens and self.tokens[-1] in p.stop_token_ids:

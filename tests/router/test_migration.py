@@ -23,7 +23,7 @@ from kv_transfer import InProcessFabric
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from registry.cluster_view import ClusterView
-from router.migration import MigrationOptions
+from router.migration import DecodeLost, MigrationOptions, ProgressWatch, Resumption
 from router.router import Router
 from router.service import serve
 
@@ -289,3 +289,27 @@ def test_a_request_that_cannot_move_fails_clearly(
             await stack.all_free()
 
     asyncio.run(main())
+
+
+def test_stall_deadline_follows_the_workers_steps_with_a_floor_and_an_override():
+    watch = ProgressWatch(MigrationOptions(stall_floor_s=2.0, stall_step_multiple=10.0))
+    assert watch.deadline_s("d0") == 2.0  # nothing heard yet: the floor
+    watch._step_s["d0"] = 0.5  # a worker whose longest recent step took 0.5 s (a long prefill chunk)
+    assert watch.deadline_s("d0") == 5.0 and watch.deadline_s("d1") == 2.0
+    assert ProgressWatch(MigrationOptions(stall_timeout_s=0.7)).deadline_s("d0") == 0.7
+
+
+def test_a_stream_whose_last_token_was_relayed_ends_without_moving():
+    """The worker was lost right after the request's last token: the router ends the stream itself
+    (finish reason ``length``, usage of the caller's prompt) instead of asking for 0 more tokens."""
+    res = Resumption(PROMPT, GREEDY, 1)
+    res.relay(pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=list(range(GREEDY.max_tokens)))))
+    end = res.ended_by_itself()
+    assert end.finished.finish_reason == "length"
+    assert (end.finished.usage.prompt_tokens, end.finished.usage.completion_tokens) == (len(PROMPT), 48)
+    short = Resumption(PROMPT, GREEDY, 1)
+    short.relay(pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[1, 2])))
+    assert short.ended_by_itself() is None
+    short.resume(DecodeLost("d0", "gone"), MigrationOptions(), others=1, deadline=None)
+    prompt, params = short.request()
+    assert prompt == [*PROMPT, 1, 2] and params.max_tokens == GREEDY.max_tokens - 2
