@@ -25,7 +25,7 @@ SEEDED = SamplingParams(temperature=0.8, top_k=30, seed=77, max_tokens=60, ignor
 
 def test_killed_and_stopped_decode_workers_lose_no_token(workers, redis_server, tiny_llama, hf_greedy):
     cluster = Cluster(workers, redis_server, num_prefill=1, num_decode=3)
-    cluster.router = Router(cluster.view, "cache_aware", migration=MigrationOptions(stall_floor_s=1.0))
+    cluster.router = Router(cluster.view, "cache_aware", migration=MigrationOptions(stall_floor_s=3.0))
     procs = {f"d{i}": p for i, p in enumerate(cluster.decodes)}
 
     async def faulted(rid: str, params: SamplingParams, fault) -> list[int]:
