@@ -60,6 +60,19 @@ def add_parser(sub) -> None:
         "cached is at most this many tokens (0: always disaggregate)",
     )
     s.add_argument(
+        "--max-migrations",
+        type=int,
+        default=3,
+        help="times a request may move to another decode worker when its own is lost mid-stream (0: never)",
+    )
+    s.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        help="seconds a decode stream may stay silent before the router gives up on its worker and "
+        "moves the request (default: max(5 s, 20 x the worker's longest recent step))",
+    )
+    s.add_argument(
         "--redis-url",
         default=environment.redis_url(),
         help="registry Redis (env PDSERVE_REDIS_URL; default: an embedded Redis-protocol server)",
@@ -124,7 +137,12 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
         engine=engine_kwargs_from_args(args),
         prefill={**worker, "num_replicas": args.prefill, "engine": args.prefill_engine},
         decode={**worker, "num_replicas": args.decode, "engine": args.decode_engine},
-        router={"policy": args.policy, "local_prefill_tokens": args.local_prefill_tokens},
+        router={
+            "policy": args.policy,
+            "local_prefill_tokens": args.local_prefill_tokens,
+            "max_migrations": args.max_migrations,
+            "stall_timeout_s": args.stall_timeout,
+        },
         ingress={
             "host": args.host,
             "port": args.port,

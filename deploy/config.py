@@ -129,6 +129,7 @@ class PrefillOptions(_WorkerPoolOptions):
 class DecodeOptions(_WorkerPoolOptions):
     kv_failure_policy: Literal["recompute", "fail"] = "recompute"
     transfer_timeout_s: float = Field(10.0, gt=0)
+    keepalive_s: float = Field(0.5, ge=0)  # Progress messages on a quiet stream (the router's stall watch)
 
 
 class RouterOptions(ReplicaOptions):
@@ -136,6 +137,14 @@ class RouterOptions(ReplicaOptions):
     # Conditional disaggregation: prompts whose part the decode worker has not cached is at most this
     # many tokens are prefilled on the decode worker (0: always disaggregate).
     local_prefill_tokens: int = Field(0, ge=0)
+    # Request migration (router/migration.py): moves per request when its decode worker is lost (0:
+    # off); the stall deadline (fixed, or max(floor, multiple x the worker's longest recent step));
+    # how long a stalled or failed worker gets no new requests.
+    max_migrations: int = Field(3, ge=0)
+    stall_timeout_s: float | None = Field(None, gt=0)
+    stall_floor_s: float = Field(5.0, gt=0)
+    stall_step_multiple: float = Field(20.0, gt=0)
+    suspect_s: float = Field(30.0, ge=0)
     num_cpus: float = Field(0.1, ge=0)
 
 

@@ -105,6 +105,7 @@ class DecodeServer(_WorkerReplica):
                 worker_id=f"decode-{_replica_id()}",
                 kv_failure_policy=config.decode.kv_failure_policy,
                 transfer_timeout_s=config.decode.transfer_timeout_s,
+                keepalive_s=config.decode.keepalive_s,
                 model_name=config.model_name,
                 redis_url=environment.require_redis_url(config.redis_url),
             )
@@ -124,6 +125,7 @@ class DecodeServer(_WorkerReplica):
 class RouterServer:
     async def __init__(self, config: PDServeConfig, workers: list | None = None) -> None:
         from registry.cluster_view import ClusterView
+        from router.migration import MigrationOptions
         from router.router import Router
         from router.service import serve as serve_router
 
@@ -132,8 +134,16 @@ class RouterServer:
         self.view.start()
         if not await asyncio.to_thread(self.view.wait_synced, 10.0):
             logger.warning("router started before the registry answered; routing once it does")
+        r = config.router
+        migration = MigrationOptions(
+            max_migrations=r.max_migrations,
+            stall_timeout_s=r.stall_timeout_s,
+            stall_floor_s=r.stall_floor_s,
+            stall_step_multiple=r.stall_step_multiple,
+            suspect_s=r.suspect_s,
+        )
         self.router = Router(
-            self.view, config.router.policy, local_prefill_tokens=config.router.local_prefill_tokens
+            self.view, r.policy, local_prefill_tokens=r.local_prefill_tokens, migration=migration
         )
         self.server, self.address = await serve_router(self.router, _bind_host(config), 0)
 

@@ -203,6 +203,19 @@ class _ClusterCollector:
                 "Requests prefilled on their decode worker (uncached prompt part under the threshold)",
                 value=c.local_prefills,
             )
+            yield CounterMetricFamily(
+                "pdserve_router_migrations",
+                "Requests resumed on another decode worker after theirs was lost mid-stream",
+                value=c.migrations,
+            )
+            yield CounterMetricFamily(
+                "pdserve_router_stalls", "Decode streams given up on by the stall watch", value=c.stalls
+            )
+            yield CounterMetricFamily(
+                "pdserve_router_migrations_refused",
+                "Requests whose decode worker was lost and that could not be resumed (limit, no other worker, n > 1)",
+                value=c.migrations_refused,
+            )
             yield GaugeMetricFamily(
                 "pdserve_router_active_requests",
                 "Generate streams open on the router",

@@ -196,7 +196,8 @@ def test_metrics_render_worker_and_transfer_series():
         bytes=4096, completed=2, seconds_sum=0.03, bucket_bounds=[0.01, 0.1], bucket_counts=[1, 1, 0]
     )
     workers = [pb.WorkerState(worker_id="decode-a", role="decode", stats=stats, transfer_stats=transfer)]
-    text = m.render(pb.ClusterState(requests_routed=5), workers, ("ing-1", 1, 0)).decode()
+    cluster = pb.ClusterState(requests_routed=5, migrations=2, stalls=1, migrations_refused=1)
+    text = m.render(cluster, workers, ("ing-1", 1, 0)).decode()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for fam in text_string_to_metric_families(text)
@@ -212,6 +213,9 @@ def test_metrics_render_worker_and_transfer_series():
     assert samples[("pdserve_kv_transfer_seconds_count", (("worker", "decode-a"),))] == 2
     assert samples[("pdserve_requests_total", (("model_name", "tiny"), ("status", "success")))] == 1
     assert samples[("pdserve_router_requests_routed_total", ())] == 5
+    assert samples[("pdserve_router_migrations_total", ())] == 2
+    assert samples[("pdserve_router_stalls_total", ())] == 1
+    assert samples[("pdserve_router_migrations_refused_total", ())] == 1
 
 
 def test_config_validation():
