@@ -13,6 +13,9 @@ through the fault list, one fault at a time:
 - ``stop_decode`` / ``stop_prefill``: SIGSTOP one replica for ``--stall-s`` seconds, then SIGCONT;
 - ``restart_redis``: SIGKILL the redis-server and start it again, empty.
 
+The load runs ``--requests`` requests at least, and on until every fault has struck (mid-stream)
+and the service is back at full strength after it.
+
 Every request ends as one of: identical (its text equals the engine alone's), wrong (completed with
 other text), error (an OpenAI-style error with a message, in the HTTP status or in the stream),
 unclear error (an error without one) or hung (still open after ``--deadline-s``). Per fault: how
@@ -64,6 +67,7 @@ class Fault:
     open_streams: list[int]
     capacity_restored_s: float | None = None
     streams_resumed_s: float | None = None
+    not_restored: str = ""  # the last state seen, when full strength did not come back in time
 
 
 class RedisProcess:
@@ -190,18 +194,25 @@ async def inject(kind: str, session_id: int, redis: RedisProcess, stall_s: float
     return f"{role} pid {victim}"
 
 
-async def wait_full_strength(http, base, session_id: int, expect: dict[str, int], timeout_s: float) -> bool:
+async def wait_full_strength(
+    http, base, session_id: int, expect: dict[str, int], timeout_s: float
+) -> tuple[bool, str]:
+    """Wait until every expected worker is registered and every replica process alive; (whether it
+    happened in time, the last state seen)."""
     deadline = time.monotonic() + timeout_s
+    state = ""
     while time.monotonic() < deadline:
         try:
             workers = await registered_workers(http, base)
-        except Exception:  # the ingress itself may be restarting
-            workers = {}
+        except Exception as exc:  # the ingress itself may be restarting
+            workers, state = {}, f"/metrics failed: {exc}"
         roles = [w["role"] for w in workers.values()]
-        if all(roles.count(r) == n and len(replica_pids(session_id, r)) == n for r, n in expect.items()):
-            return True
+        pids = {r: replica_pids(session_id, r) for r in expect}
+        if all(roles.count(r) == n and len(pids[r]) == n for r, n in expect.items()):
+            return True, ""
+        state = state or f"registered {sorted(workers)}, replica processes {pids}"
         await asyncio.sleep(0.25)
-    return False
+    return False, state
 
 
 async def run_chaos(
@@ -225,20 +236,21 @@ async def run_chaos(
     from tqdm.auto import tqdm
 
     rng = random.Random(seed)
-    outcomes = [Outcome(i, i % len(prompts)) for i in range(requests)]
-    model = None
+    outcomes: list[Outcome] = []
     open_now: set[int] = set()
-    done = asyncio.Event()
+    faults_done = asyncio.Event()
     records: list[Fault] = []
     bar = tqdm(total=requests, desc="chaos", unit="req")
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
     async with aiohttp.ClientSession(headers=headers or {}, timeout=timeout) as http:
         async with http.get(base + "/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
-        queue = iter(outcomes)
 
         async def client() -> None:
-            for o in queue:
+            # At least ``requests``, and on until every fault has struck and been recovered from.
+            while len(outcomes) < requests or not faults_done.is_set():
+                o = Outcome(len(outcomes), len(outcomes) % len(prompts))
+                outcomes.append(o)
                 body = {
                     "model": model,
                     "prompt": prompts[o.prompt],
@@ -254,26 +266,24 @@ async def run_chaos(
 
         async def injector() -> None:
             # Faults start once streams run; each waits for the service to be whole again first.
-            while len(open_now) < concurrency and not done.is_set():
-                await asyncio.sleep(0.05)
-            for kind in faults:
-                if done.is_set():
-                    break
-                await wait_full_strength(http, base, session_id, expect, 180)
-                while not any(outcomes[i].token_times for i in open_now) and not done.is_set():
-                    await asyncio.sleep(0.05)  # strike mid-stream
-                rec = Fault(kind, "", time.monotonic(), sorted(open_now))
-                rec.victim = await inject(kind, session_id, redis, stall_s, rng)
-                bar.write(f"  fault: {kind} ({rec.victim})")
-                records.append(rec)
-                if await wait_full_strength(http, base, session_id, expect, 180):
-                    rec.capacity_restored_s = time.monotonic() - rec.at
+            try:
+                for kind in faults:
+                    await wait_full_strength(http, base, session_id, expect, 180)
+                    while not any(outcomes[i].token_times for i in open_now):
+                        await asyncio.sleep(0.05)  # strike mid-stream
+                    rec = Fault(kind, "", time.monotonic(), sorted(open_now))
+                    rec.victim = await inject(kind, session_id, redis, stall_s, rng)
+                    bar.write(f"  fault: {kind} ({rec.victim})")
+                    records.append(rec)
+                    restored, rec.not_restored = await wait_full_strength(http, base, session_id, expect, 180)
+                    if restored:
+                        rec.capacity_restored_s = time.monotonic() - rec.at
+            finally:
+                faults_done.set()
 
         clients = [asyncio.create_task(client()) for _ in range(concurrency)]
         chaos = asyncio.create_task(injector())
-        await asyncio.gather(*clients)
-        done.set()
-        await chaos
+        await asyncio.gather(*clients, chaos)
         bar.close()
         leaked, idle = await _blocks_after_idle(http, base, timeout_s=60)
     for rec, nxt in zip(records, [*records[1:], None]):
@@ -336,6 +346,9 @@ def print_table(res: dict) -> None:
         resumed = "-" if f["streams_resumed_s"] is None else f"{f['streams_resumed_s']:.1f}"
         back = "-" if f["capacity_restored_s"] is None else f"{f['capacity_restored_s']:.1f}"
         print(f"{f['kind']:15s} {f['victim']:18s} {len(f['open_streams']):12d} {resumed:>20s} {back:>18s}")
+    for f in res["faults"]:
+        if f["not_restored"]:
+            print(f"  after {f['kind']}, not back at full strength: {f['not_restored'][:300]}")
     for e in res["errors"]:
         print("  error:", e[:160])
 

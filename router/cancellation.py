@@ -28,7 +28,8 @@ class Cancellation:
     def __init__(self, channel: Callable[[str], grpc.aio.Channel]) -> None:
         self._channel = channel
         self._tasks: dict[str, asyncio.Task] = {}  # request -> the task serving its stream
-        self.decoding: dict[str, WorkerRecord] = {}  # request -> its decode worker, call open
+        # request -> (its decode worker, the id that worker knows it by), while the call is open
+        self.decoding: dict[str, tuple[WorkerRecord, str]] = {}
         self._aborted: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # cancelled by ``abort``
 
     def track(self, request_id: str) -> asyncio.Task | None:
@@ -51,8 +52,8 @@ class Cancellation:
         return False
 
     async def abort(self, request_id: str, decode_workers: list[WorkerRecord]) -> bool:
-        w = self.decoding.get(request_id)
-        if w is not None and await self._ask(w, request_id, log=True):
+        entry = self.decoding.get(request_id)
+        if entry is not None and await self._ask(entry[0], entry[1], log=True):
             return True
         task = self._tasks.get(request_id)
         if task is not None and task is not asyncio.current_task():

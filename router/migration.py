@@ -120,6 +120,10 @@ class Resumption:
             rest.seed = self.seed
         return [*self.prompt, *self.tokens], rest
 
+    def attempt_id(self, request_id: str) -> str:
+        """The id workers know the current attempt by: the request's own, then one per move."""
+        return request_id if not self.migrations else f"{request_id}~m{self.migrations}"
+
     def relay(self, msg: pb.GenerateResponse) -> pb.GenerateResponse:
         """Record a message on its way to the caller (usage rewritten to the caller's prompt)."""
         kind = msg.WhichOneof("kind")

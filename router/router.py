@@ -223,8 +223,11 @@ class Router:
     async def _attempt(
         self, request_id, res: Resumption, priority, deadline, clock: RouterClock, lost: frozenset[str]
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """One route -> prefill -> decode pass over the request as ``res`` has it now."""
+        """One route -> prefill -> decode pass over the request as ``res`` has it now. Workers know a
+        resumed request under an id of its own: the last attempt's may still be held somewhere (KV a
+        prefill worker keeps until its release lands, a stalled worker that wakes up)."""
         prompt, proto_params = res.request()
+        key, request_id = request_id, res.attempt_id(request_id)
         exclude: set[str] = set()
         route, hashes = self._route(prompt, lost=lost)
         n = proto_params.n or 1
@@ -258,7 +261,7 @@ class Router:
             self.stats.aggregated_fallbacks += route.prefill is not None or (n == 1 and bool(exclude))
             clock.decoding()
             async for msg in self._relay_decode(
-                route.decode, request_id, prompt, proto_params, priority, None, deadline, lost
+                route.decode, request_id, prompt, proto_params, priority, None, deadline, lost, key
             ):
                 clock.on_message(msg)
                 yield msg
@@ -293,7 +296,7 @@ class Router:
         clock.decoding()
         try:
             async for msg in self._relay_decode(
-                route.decode, request_id, prompt, proto_params, priority, resp.handle, deadline, lost
+                route.decode, request_id, prompt, proto_params, priority, resp.handle, deadline, lost, key
             ):
                 pulled = True
                 clock.on_message(msg)
@@ -340,7 +343,9 @@ class Router:
             load.requests -= 1
             self.routed.settle(routed, computed)
 
-    async def _relay_decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline, lost):
+    async def _relay_decode(
+        self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline, lost, key: str
+    ):
         """Relay Decode from ``w``; a decode worker that is unreachable before it sent anything (it
         died, its record not expired yet) is swapped for the least-loaded other one. A worker lost
         once it started raises ``DecodeLost`` (the request is resumed: ``router.migration``).
@@ -349,7 +354,7 @@ class Router:
         died, and a pull tells the prefill worker to free (and reuse) those blocks, so a second pull
         could read another request's KV. The new worker computes the prompt plus the first token
         itself (seeded samples depend on positions only, so the output is the same), and the held
-        KV is released."""
+        KV is released. ``key``: the caller's request id (what an abort names), ``rid`` the workers'."""
         tried: set[str] = set(lost)
         shifted = False  # the prompt now ends with the first token: usage counts it as generated
         samples = params.n or 1
@@ -357,7 +362,7 @@ class Router:
             started, ended = False, 0
             try:
                 async with aclosing(
-                    self._decode(w, rid, prompt, params, priority, handle, deadline)
+                    self._decode(w, rid, prompt, params, priority, handle, deadline, key)
                 ) as stream:
                     async for msg in stream:
                         started = True
@@ -393,7 +398,7 @@ class Router:
                     prompt, params = continuation(prompt, params, handle)
                     handle, shifted = None, True
 
-    async def _decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline):
+    async def _decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline, key: str):
         self.decisions[("decode", w.worker_id)] += 1
         load = self.inflight.setdefault(w.worker_id, WorkerLoad())
         load.requests += 1
@@ -402,14 +407,14 @@ class Router:
             req.handle.CopyFrom(handle)
         call = pb_grpc.DecodeWorkerStub(self._channel(w.address)).Decode(req, timeout=_remaining(deadline))
         decoding = self.cancellation.decoding
-        decoding[rid] = w
+        entry = decoding[key] = (w, rid)
         try:
             async for msg in self.watch.watch(call, w.worker_id):  # raises DecodeLost on a stall
                 yield msg
         finally:
             load.requests -= 1
-            if decoding.get(rid) is w:
-                del decoding[rid]
+            if decoding.get(key) is entry:
+                del decoding[key]
             call.cancel()  # no-op when finished; aborts the request on the worker otherwise
 
     async def _release(self, w: WorkerRecord, rid: str, epoch: int) -> None:

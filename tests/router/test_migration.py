@@ -75,7 +75,7 @@ class Stack:
         self.view.stop()
 
     def worker_of(self, rid: str) -> DecodeWorker:
-        record = self.router.cancellation.decoding[rid]
+        record, _ = self.router.cancellation.decoding[rid]
         return next(w for w in self.workers if w.worker_id == record.worker_id)
 
     async def all_free(self, workers: list[DecodeWorker] | None = None) -> None:
@@ -156,6 +156,10 @@ def test_lost_decode_worker_mid_stream_resumes_token_identical(redis_server, tin
 
     async def main() -> None:
         async with running(redis_server, tiny_llama, num_decode=3) as stack:
+            seen: list[str] = []  # the request ids the workers' engines were given
+            for w in stack.workers:
+                add = w.core.add_request
+                w.core.add_request = lambda rid, *a, _add=add, **k: (seen.append(rid), _add(rid, *a, **k))[1]
             cases = [("greedy", GREEDY), ("seeded", SEEDED)]
             references = {}
             for name, params in cases:
@@ -173,6 +177,9 @@ def test_lost_decode_worker_mid_stream_resumes_token_identical(redis_server, tin
                 u = s.finished.usage
                 assert (u.prompt_tokens, u.completion_tokens) == (len(PROMPT), params.max_tokens)
                 assert s.finished.finish_reason == "length"
+                # The resumed attempt has an id of its own on the workers (the last one's may still be
+                # held: KV whose release has not landed, a stalled worker that wakes up).
+                assert seen[-2:] == [name, f"{name}~m1"], seen
                 stack.workers.remove(victim)
                 await until(
                     lambda v=victim: v.worker_id not in {w.worker_id for w in stack.view.live_workers()},
