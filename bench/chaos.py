@@ -9,8 +9,9 @@ session, so the only processes it ever signals are that service's own replicas. 
 client streams greedy completions (``ignore_eos``) of a few fixed prompts while an injector works
 through the fault list, one fault at a time:
 
-- ``kill_decode`` / ``kill_prefill``: SIGKILL one replica process of that deployment;
-- ``stop_decode`` / ``stop_prefill``: SIGSTOP one replica for ``--stall-s`` seconds, then SIGCONT;
+- ``kill_decode`` / ``kill_prefill``: SIGKILL the replica of that deployment with the most requests
+  (``pdserve status``), so the fault catches streams;
+- ``stop_decode`` / ``stop_prefill``: SIGSTOP that replica for ``--stall-s`` seconds, then SIGCONT;
 - ``restart_redis``: SIGKILL the redis-server and start it again, empty.
 
 The load runs ``--requests`` requests at least, and on until every fault has struck (mid-stream)
@@ -38,8 +39,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -174,16 +177,49 @@ async def stream_one(session, base, body, outcome: Outcome, reference: str, dead
     outcome.end = time.monotonic()
 
 
-async def inject(kind: str, session_id: int, redis: RedisProcess, stall_s: float, rng) -> str:
+def busiest_replica(base: str, session_id: int, role: str, rng) -> int | None:
+    """The pid of the ``role`` worker with the most requests (``pdserve status`` of the service at
+    ``base``), among this session's replicas: a fault that hits an idle worker tests nothing."""
+    own = replica_pids(session_id, role)
+    out = subprocess.run(
+        [sys.executable, "-m", "cli", "status", "--endpoint", base, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        workers = json.loads(out.stdout.strip().splitlines()[-1])["workers"]
+    except (ValueError, IndexError, KeyError):
+        return rng.choice(own) if own else None
+
+    def load(w: dict) -> int:
+        st = w.get("stats", {})
+        return st.get("numRunning", 0) + st.get("numWaiting", 0) + st.get("numHeldRequests", 0)
+
+    ranked = sorted((w for w in workers if w["role"] == role and w["pid"] in own), key=load, reverse=True)
+    return ranked[0]["pid"] if ranked else (rng.choice(own) if own else None)
+
+
+async def inject(
+    kind: str,
+    base: str,
+    session_id: int,
+    redis: RedisProcess,
+    stall_s: float,
+    rng,
+    strike: Callable[[], None],
+) -> str:
+    """Inflict ``kind``; ``strike()`` is called at the moment it lands (the victim chosen)."""
     if kind == "restart_redis":
+        strike()
         redis.kill()
         await asyncio.to_thread(redis.start)
         return "redis"
     action, role = kind.split("_")
-    pids = replica_pids(session_id, role)
-    if not pids:
+    victim = await asyncio.to_thread(busiest_replica, base, session_id, role, rng)
+    if victim is None:
         return "none"
-    victim = rng.choice(pids)
+    strike()
     if action == "kill":
         os.kill(victim, signal.SIGKILL)
     else:
@@ -271,8 +307,12 @@ async def run_chaos(
                     await wait_full_strength(http, base, session_id, expect, 180)
                     while not any(outcomes[i].token_times for i in open_now):
                         await asyncio.sleep(0.05)  # strike mid-stream
-                    rec = Fault(kind, "", time.monotonic(), sorted(open_now))
-                    rec.victim = await inject(kind, session_id, redis, stall_s, rng)
+                    rec = Fault(kind, "", time.monotonic(), [])
+
+                    def strike(rec: Fault = rec) -> None:
+                        rec.at, rec.open_streams = time.monotonic(), sorted(open_now)
+
+                    rec.victim = await inject(kind, base, session_id, redis, stall_s, rng, strike)
                     bar.write(f"  fault: {kind} ({rec.victim})")
                     records.append(rec)
                     restored, rec.not_restored = await wait_full_strength(http, base, session_id, expect, 180)
