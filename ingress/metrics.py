@@ -209,7 +209,9 @@ class _ClusterCollector:
                 value=c.migrations,
             )
             yield CounterMetricFamily(
-                "pdserve_router_stalls", "Decode streams given up on by the stall watch", value=c.stalls
+                "pdserve_router_stalls",
+                "Decode streams and prefill calls given up on by the stall watch",
+                value=c.stalls,
             )
             yield CounterMetricFamily(
                 "pdserve_router_migrations_refused",

@@ -40,6 +40,7 @@ class ClusterView:
         self.redis_url = redis_url
         self.grace_s = grace_s
         self._missing_since: dict[str, float] = {}
+        self._beats: dict[str, tuple[int, float]] = {}  # worker -> (its last beat, when it rose)
         self.poll_s = poll_s
         self.block_ms = block_ms
         self.index = PrefixIndex()
@@ -74,6 +75,15 @@ class ClusterView:
 
     def live_workers(self, role: str | None = None) -> list[WorkerRecord]:
         return [w for w in list(self.workers.values()) if role is None or w.role == role]
+
+    def silent_for(self, worker_id: str) -> float:
+        """Seconds ``worker_id`` has shown no sign of life: its heartbeats stopped rising (a stopped
+        or cut-off process) or its engine thread stopped reporting its load (a hung engine). 0 while
+        Redis is out of reach or the worker unknown: then nobody can be judged."""
+        rec, seen = self.workers.get(worker_id), self._beats.get(worker_id)
+        if self.degraded or rec is None or seen is None:
+            return 0.0
+        return max(time.monotonic() - seen[1], rec.load_age_ms / 1000)
 
     # The thread -------------------------------------------------------------------------------
 
@@ -155,14 +165,19 @@ class ClusterView:
             since = self._missing_since.setdefault(wid, now)
             if wid not in departed and now - since < self.grace_s:
                 live[wid] = self.workers[wid]  # not gone yet: Redis may have restarted empty
+                self._beats[wid] = (self.workers[wid].beat, now)  # unknown, not silent
                 continue
             logger.info(
                 "worker %s left (%s)", wid, "deregistered" if wid in departed else "its registration is gone"
             )
             del self._missing_since[wid]
+            self._beats.pop(wid, None)
             with self.index.lock:
                 self.index.drop(wid)
         for wid, rec in live.items():
+            seen = self._beats.get(wid)
+            if seen is None or seen[0] != rec.beat:
+                self._beats[wid] = (rec.beat, now)
             known = self.index.epoch_of(wid)
             if known is not None and rec.epoch > known:
                 self._resync(wid)  # restarted: its old incarnation's blocks are gone

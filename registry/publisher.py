@@ -39,6 +39,7 @@ class RegistryPublisher:
         self._want_snapshot.set()  # the first registration carries the current cache
         self._load: dict[str, int] = {}
         self._next_load = 0.0
+        self._load_at = time.monotonic()  # when the engine thread last reported its load
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -83,7 +84,8 @@ class RegistryPublisher:
     def offer_load(self, **load: int) -> None:
         """The worker's load fields of its record (sent with the next heartbeat)."""
         self._load = dict(load)
-        self._next_load = time.monotonic() + self.heartbeat_s / 2
+        self._load_at = time.monotonic()
+        self._next_load = self._load_at + self.heartbeat_s / 2
 
     # Publisher thread -------------------------------------------------------------------------
 
@@ -113,7 +115,8 @@ class RegistryPublisher:
                         self.published += 1
                 if not awaiting_snapshot and time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_s
-                    if not reg.heartbeat(**self._load):
+                    age_ms = int((time.monotonic() - self._load_at) * 1000)
+                    if not reg.heartbeat(**self._load, beat=self.record.beat + 1, load_age_ms=age_ms):
                         logger.warning(
                             "the registry lost this worker (Redis restarted empty?): registering again"
                         )

@@ -98,6 +98,8 @@ class WorkerRecord:
     num_waiting: int = 0
     num_free_blocks: int = 0
     queued_prompt_tokens: int = 0
+    beat: int = 0  # heartbeats so far: a reader sees the worker alive while it rises
+    load_age_ms: int = 0  # how old the engine's last load report was at the heartbeat (a hung engine)
 
     def to_fields(self) -> dict[str, str | int]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -113,6 +115,8 @@ class WorkerRecord:
             "num_waiting",
             "num_free_blocks",
             "queued_prompt_tokens",
+            "beat",
+            "load_age_ms",
         )
         return cls(**{k: (int(v) if k in ints else v) for k, v in d.items() if k in cls.__slots__})
 

@@ -42,6 +42,7 @@ from router.migration import (
     continuation,
 )
 from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
+from router.prefill_watch import PrefillStalled, watched
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,8 @@ class Router:
     ) -> tuple[Route, PromptHashes]:
         """The policy's route and the prompt's block hashes (what the chosen worker will cache);
         ``exclude``: prefill workers that failed this request, ``lost``: decode workers that did."""
-        prefills = [w for w in self.view.live_workers("prefill") if w.worker_id not in exclude]
+        out = exclude | self.suspects.keys()
+        prefills = [w for w in self.view.live_workers("prefill") if w.worker_id not in out]
         decodes = self.decode_candidates(lost)
         if not decodes:
             raise NoWorkersError(
@@ -246,11 +248,15 @@ class Router:
                     self.stats.delivered_hit_tokens += resp.handle.num_cached_tokens
                     clock.prefilled(resp)
                     break
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() not in _RETRYABLE or _expired(deadline):
+                except (grpc.aio.AioRpcError, PrefillStalled) as exc:
+                    stalled = isinstance(exc, PrefillStalled)
+                    if (not stalled and exc.code() not in _RETRYABLE) or _expired(deadline):
                         raise
+                    if stalled:  # its KV, if it ever wakes up, is left to its lease
+                        self.stats.stalls += 1
+                        self.suspect(exc.worker_id)
                     logger.warning(
-                        "prefill on %s failed (%s); retrying elsewhere", route.prefill.worker_id, exc.code()
+                        "prefill on %s failed (%s); retrying elsewhere", route.prefill.worker_id, exc
                     )
                     self.stats.prefill_retries += attempt == 0
                     exclude.add(route.prefill.worker_id)
@@ -303,7 +309,7 @@ class Router:
                 yield msg
         finally:
             if not pulled:  # the decode side never got going: do not leave the KV to its lease
-                self._in_background(self._release(route.prefill, request_id, resp.handle.epoch))
+                self._in_background(self._release_at(route.prefill.address, request_id, resp.handle.epoch))
 
     def _prefill_locally(self, prompt: list[int], route: Route) -> bool:
         """Whether the decode worker should prefill this prompt itself: the part it has not cached is
@@ -331,11 +337,11 @@ class Router:
         routed = self.routed.add(w.worker_id, hashes.all())
         computed = False
         try:
-            stub = pb_grpc.PrefillWorkerStub(self._channel(w.address))
-            resp = await stub.Prefill(
+            call = pb_grpc.PrefillWorkerStub(self._channel(w.address)).Prefill(
                 pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority),
                 timeout=_remaining(deadline),
             )
+            resp = await watched(call, w.worker_id, self.view.silent_for, self.watch.deadline_s(w.worker_id))
             computed = True
             return resp
         finally:
@@ -417,9 +423,6 @@ class Router:
                 del decoding[key]
             call.cancel()  # no-op when finished; aborts the request on the worker otherwise
 
-    async def _release(self, w: WorkerRecord, rid: str, epoch: int) -> None:
-        await self._release_at(w.address, rid, epoch)
-
     async def _release_at(self, address: str, rid: str, epoch: int) -> None:
         try:
             await pb_grpc.PrefillWorkerStub(self._channel(address)).Release(
@@ -434,8 +437,7 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a request wherever it is; its stream ends with finish reason ``abort``
-        (``router.cancellation``)."""
+        """Abort a request wherever it is (its stream ends with ``abort``: ``router.cancellation``)."""
         return await self.cancellation.abort(request_id, self.view.live_workers("decode"))
 
 

@@ -3,7 +3,8 @@ real NIXL between processes, a real Redis), the router in this process. A decode
 mid-stream, then another SIGSTOPped mid-stream: each stream just goes on on another decode worker,
 token for token what the unfaulted run gives (greedy = HF; seeded sampling = its unfaulted run), the
 stopped one is given up on by the stall watch while it is still stopped, and once it runs again it
-frees what it held, like every other surviving worker."""
+frees what it held, like every other surviving worker. Then the prefill worker is SIGSTOPped: its
+call is given up on by the prefill stall watch and the request runs aggregated, token-identical."""
 
 from __future__ import annotations
 
@@ -62,6 +63,17 @@ def test_killed_and_stopped_decode_workers_lose_no_token(workers, redis_server, 
         assert stopped[0] in cs.suspect_workers and cs.migrations == 2
         procs[stopped.pop()].proc.send_signal(signal.SIGCONT)  # back: it aborts the moved request
         await cluster.all_free()  # every surviving worker, the stopped one too, has all blocks free
+        # The prefill worker stopped: its Prefill call gets no answer and its heartbeats stop; the
+        # router gives up on it after the stall deadline and, with no other prefill worker, the
+        # request runs aggregated on a decode worker, token-identical.
+        procs["p0"] = cluster.prefills[0]
+        stop("p0")
+        assert await cluster.generate("after-prefill-stall", PROMPT, GREEDY) == hf_greedy(
+            tiny_llama, PROMPT, GREEDY.max_tokens
+        )
+        assert cluster.router.stats.stalls == 2 and "p0" in cluster.router.suspects
+        procs[stopped.pop()].proc.send_signal(signal.SIGCONT)
+        await cluster.all_free()
 
     async def run() -> None:
         await cluster.start()

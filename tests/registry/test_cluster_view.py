@@ -193,3 +193,27 @@ def test_a_registry_that_lost_its_data_gets_the_worker_back(redis_server, views,
     assert client.smembers(snapshot_key("p0")) == {H[0], H[1]}
     converges(view, "p0", {H[0], H[1]})
     assert "p0" in view.workers
+
+
+def test_a_worker_falls_silent_when_its_heartbeats_or_its_engines_reports_stop(views, publishers):
+    """``silent_for`` (what the router's prefill stall watch reads): small while the worker heartbeats
+    and its engine reports its load; rising once the engine stops reporting (a hung engine thread,
+    heartbeats still going) and once the heartbeats stop (a stopped process)."""
+    view = views()
+    hung, stopped = publishers("p0"), publishers("p1")
+
+    def alive(pub: RegistryPublisher) -> bool:
+        pub.offer_load(num_running=1)  # what a live engine thread does between its steps
+        return view.silent_for(pub.record.worker_id) < 0.3
+
+    for pub in (hung, stopped):
+        wait_until(lambda pub=pub: view.workers.get(pub.record.worker_id) is not None, "the view lists it")
+        beat = view.workers[pub.record.worker_id].beat
+        wait_until(
+            lambda pub=pub, b=beat: alive(pub) and view.workers[pub.record.worker_id].beat > b + 2, "beats"
+        )
+    # p0's engine stops reporting, its heartbeats go on; p1's engine keeps reporting meanwhile
+    wait_until(lambda: alive(stopped) and view.silent_for("p0") > 0.5, "p0's engine reports have stopped")
+    stopped.stop(deregister=False)  # the process stops: its record stays until its TTL
+    wait_until(lambda: view.silent_for("p1") > 0.5, "p1's heartbeats have stopped")
+    assert "p1" in view.workers and view.workers["p1"].load_age_ms < 500  # silent by its beats alone

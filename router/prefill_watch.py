@@ -1,0 +1,44 @@
+"""The prefill call's stall watch.
+
+A Prefill RPC is unary: nothing comes back until the prompt is done, so, unlike a decode stream, it
+cannot carry keepalives. The registry can: every worker heartbeats about once a second, with how
+long ago its engine thread last reported its load. While a prefill call is open the router looks
+at the worker through its cluster view; when the worker has shown no sign of life for longer than
+the stall deadline (its heartbeats stopped rising: a stopped or cut-off process; or its engine
+stopped reporting: a hung engine thread), the call is cancelled and ``PrefillStalled`` raised, and
+the router retries the prefill elsewhere and keeps the worker out of routing for a while. A worker
+that is merely busy (a long prompt, a queue) keeps heartbeating and reporting between its steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from proto import pdserve_pb2 as pb
+
+
+class PrefillStalled(Exception):
+    def __init__(self, worker_id: str, silent_s: float) -> None:
+        super().__init__(f"prefill worker {worker_id} stalled: no sign of life for {silent_s:.1f}s")
+        self.worker_id = worker_id
+
+
+async def watched(
+    call, worker_id: str, silent_for: Callable[[str], float], limit_s: float, poll_s: float = 0.25
+) -> pb.PrefillResponse:
+    """The response of ``call`` (a gRPC unary call), unless ``silent_for(worker_id)`` passes
+    ``limit_s`` first: then the call is cancelled and ``PrefillStalled`` raised."""
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            silent = silent_for(worker_id)
+            if silent > limit_s:
+                raise PrefillStalled(worker_id, silent)
+    finally:
+        if not task.done():
+            call.cancel()
+            task.cancel()
