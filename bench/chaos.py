@@ -2,7 +2,8 @@
 
     python -m bench.chaos [--requests 160] [--concurrency 8] [--prefill 2] [--decode 2]
                           [--faults kill_decode,stop_decode,kill_prefill,stop_prefill,restart_redis]
-                          [--stall-s 20] [--quick] [--json PATH]
+                          [--stall-s 20] [--cancel-rate 0.2] [--num-blocks N] [--soak-s S]
+                          [--quick] [--json PATH]
 
 One ``pdserve serve`` (disaggregated, a real ``redis-server``) started by this script in its own
 session, so the only processes it ever signals are that service's own replicas. A closed-loop
@@ -19,7 +20,8 @@ and the service is back at full strength after it.
 
 Every request ends as one of: identical (its text equals the engine alone's), wrong (completed with
 other text), error (an OpenAI-style error with a message, in the HTTP status or in the stream),
-unclear error (an error without one) or hung (still open after ``--deadline-s``). Per fault: how
+unclear error (an error without one), hung (still open after ``--deadline-s``) or cancelled (its
+client gave up mid-stream: ``--cancel-rate``). Per fault: how
 long the streams that were open when it struck went without a token (the client-visible stall:
 the longest gap between tokens of any such stream, from the fault until the next one), and how long until the
 service was back at full strength (every worker registered again, all replica processes alive).
@@ -30,32 +32,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
-import os
 import random
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.chaos_faults import FAULTS, RedisProcess, inject, registered_workers, wait_full_strength
+
 RESULTS = Path(__file__).parent / "results"
-FAULTS = ("kill_decode", "stop_decode", "kill_prefill", "stop_prefill", "restart_redis")
-DEPLOYMENT = {"decode": "Decode", "prefill": "Prefill"}
 
 
 @dataclass
 class Outcome:
     index: int
     prompt: int
-    kind: str = "hung"  # identical | wrong | error | unclear_error | hung
+    kind: str = "hung"  # identical | wrong | error | unclear_error | hung | cancelled
     detail: str = ""
     start: float = 0.0
     end: float = 0.0
@@ -73,76 +67,12 @@ class Fault:
     not_restored: str = ""  # the last state seen, when full strength did not come back in time
 
 
-class RedisProcess:
-    """A real redis-server on a free local port, no persistence: a restart comes back empty."""
+async def stream_one(
+    session, base, body, outcome: Outcome, reference: str, deadline_s: float, cancel_after: int | None = None
+) -> None:
+    """Stream one completion into ``outcome``; ``cancel_after``: close the connection after that many
+    chunks, as a client that gives up does."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            raise SystemExit("redis-server is not installed (apt-get install -y redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.dir, self.proc = workdir, None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.start()
-
-    def start(self) -> None:
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen(
-            [self.binary, *args, "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
-def replica_pids(session: int, role: str) -> list[int]:
-    """Live replica processes of ``role`` among the processes of one session (one service)."""
-    out = subprocess.run(["ps", "-eo", "pid,sid,stat,args"], capture_output=True, text=True).stdout
-    title = f"ray::ServeReplica:pdserve:{DEPLOYMENT[role]}"
-    pids = []
-    for line in out.splitlines()[1:]:
-        pid, sid, stat, args = line.split(None, 3)
-        if int(sid) == session and args.startswith(title) and not stat.startswith("Z"):
-            pids.append(int(pid))
-    return sorted(pids)
-
-
-async def registered_workers(session, base: str) -> dict[str, dict[str, float]]:
-    """worker id -> {role, free, total, running, waiting} from the service's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    names = {
-        "pdserve_kv_blocks_free": "free",
-        "pdserve_kv_blocks": "total",
-        "pdserve_requests_running": "running",
-        "pdserve_requests_waiting": "waiting",
-    }
-    async with session.get(base + "/metrics") as resp:
-        text = await resp.text()
-    out: dict[str, dict] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in names and s.labels.get("role") in ("prefill", "decode"):
-                w = out.setdefault(s.labels["worker"], {"role": s.labels["role"]})
-                w[names[s.name]] = s.value
-    return out
-
-
-async def stream_one(session, base, body, outcome: Outcome, reference: str, deadline_s: float) -> None:
     async def run() -> None:
         parts: list[str] = []
         async with session.post(base + "/v1/completions", json=body) as resp:
@@ -163,6 +93,9 @@ async def stream_one(session, base, body, outcome: Outcome, reference: str, dead
                     return
                 outcome.token_times.append(time.monotonic())
                 parts.append(event["choices"][0]["text"])
+                if cancel_after is not None and len(parts) >= cancel_after:
+                    outcome.kind = "cancelled"  # leaving the block closes the connection
+                    return
         outcome.kind = "identical" if "".join(parts) == reference else "wrong"
 
     import aiohttp
@@ -175,80 +108,6 @@ async def stream_one(session, base, body, outcome: Outcome, reference: str, dead
     except aiohttp.ClientError as exc:  # the connection itself failed: an answer, but not a clear one
         outcome.kind, outcome.detail = "unclear_error", f"{type(exc).__name__}: {exc}"
     outcome.end = time.monotonic()
-
-
-def busiest_replica(base: str, session_id: int, role: str, rng) -> int | None:
-    """The pid of the ``role`` worker with the most requests (``pdserve status`` of the service at
-    ``base``), among this session's replicas: a fault that hits an idle worker tests nothing."""
-    own = replica_pids(session_id, role)
-    out = subprocess.run(
-        [sys.executable, "-m", "cli", "status", "--endpoint", base, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    try:
-        workers = json.loads(out.stdout.strip().splitlines()[-1])["workers"]
-    except (ValueError, IndexError, KeyError):
-        return rng.choice(own) if own else None
-
-    def load(w: dict) -> int:
-        st = w.get("stats", {})
-        return st.get("numRunning", 0) + st.get("numWaiting", 0) + st.get("numHeldRequests", 0)
-
-    ranked = sorted((w for w in workers if w["role"] == role and w["pid"] in own), key=load, reverse=True)
-    return ranked[0]["pid"] if ranked else (rng.choice(own) if own else None)
-
-
-async def inject(
-    kind: str,
-    base: str,
-    session_id: int,
-    redis: RedisProcess,
-    stall_s: float,
-    rng,
-    strike: Callable[[], None],
-) -> str:
-    """Inflict ``kind``; ``strike()`` is called at the moment it lands (the victim chosen)."""
-    if kind == "restart_redis":
-        strike()
-        redis.kill()
-        await asyncio.to_thread(redis.start)
-        return "redis"
-    action, role = kind.split("_")
-    victim = await asyncio.to_thread(busiest_replica, base, session_id, role, rng)
-    if victim is None:
-        return "none"
-    strike()
-    if action == "kill":
-        os.kill(victim, signal.SIGKILL)
-    else:
-        os.kill(victim, signal.SIGSTOP)
-        await asyncio.sleep(stall_s)  # the stall's length is the fault itself, not a guess
-        with contextlib.suppress(ProcessLookupError):  # Serve may have replaced it meanwhile
-            os.kill(victim, signal.SIGCONT)
-    return f"{role} pid {victim}"
-
-
-async def wait_full_strength(
-    http, base, session_id: int, expect: dict[str, int], timeout_s: float
-) -> tuple[bool, str]:
-    """Wait until every expected worker is registered and every replica process alive; (whether it
-    happened in time, the last state seen)."""
-    deadline = time.monotonic() + timeout_s
-    state = ""
-    while time.monotonic() < deadline:
-        try:
-            workers = await registered_workers(http, base)
-        except Exception as exc:  # the ingress itself may be restarting
-            workers, state = {}, f"/metrics failed: {exc}"
-        roles = [w["role"] for w in workers.values()]
-        pids = {r: replica_pids(session_id, r) for r in expect}
-        if all(roles.count(r) == n and len(pids[r]) == n for r, n in expect.items()):
-            return True, ""
-        state = state or f"registered {sorted(workers)}, replica processes {pids}"
-        await asyncio.sleep(0.25)
-    return False, state
 
 
 async def run_chaos(
@@ -267,7 +126,12 @@ async def run_chaos(
     deadline_s: float,
     headers: dict[str, str] | None = None,
     seed: int = 0,
+    cancel_rate: float = 0.0,
+    soak_s: float = 0.0,
 ) -> dict:
+    """Run the load and the faults against the service at ``base`` (session ``session_id``); the
+    summary. ``cancel_rate``: the share of requests their client abandons mid-stream; ``soak_s``:
+    go through the fault list again and again until that long has passed (at least once)."""
     import aiohttp
     from tqdm.auto import tqdm
 
@@ -296,14 +160,19 @@ async def run_chaos(
                     "stream": True,
                 }
                 open_now.add(o.index)
-                await stream_one(http, base, body, o, references[o.prompt], deadline_s)
+                cancel = rng.randint(1, 8) if rng.random() < cancel_rate else None
+                await stream_one(http, base, body, o, references[o.prompt], deadline_s, cancel)
                 open_now.discard(o.index)
                 bar.update(1)
 
         async def injector() -> None:
             # Faults start once streams run; each waits for the service to be whole again first.
+            t_end = time.monotonic() + soak_s
+            cycle = itertools.chain(
+                faults, itertools.takewhile(lambda _: time.monotonic() < t_end, itertools.cycle(faults))
+            )
             try:
-                for kind in faults:
+                for kind in cycle:
                     await wait_full_strength(http, base, session_id, expect, 180)
                     while not any(outcomes[i].token_times for i in open_now):
                         await asyncio.sleep(0.05)  # strike mid-stream
@@ -359,7 +228,7 @@ def _resumed(rec: Fault, outcomes: list[Outcome], until: float) -> float | None:
 
 
 def _summary(outcomes: list[Outcome], records: list[Fault], leaked: int, idle: bool) -> dict:
-    kinds = ("identical", "wrong", "error", "unclear_error", "hung")
+    kinds = ("identical", "wrong", "error", "unclear_error", "hung", "cancelled")
     counts = {k: sum(o.kind == k for o in outcomes) for k in kinds}
     t0 = min((o.start for o in outcomes if o.start), default=0.0)
     return {
@@ -377,7 +246,8 @@ def _summary(outcomes: list[Outcome], records: list[Fault], leaked: int, idle: b
 
 def print_table(res: dict) -> None:
     print(f"\nrequests sent {res['requests']}: identical {res['identical']}, wrong {res['wrong']}, "
-          f"clear error {res['error']}, unclear error {res['unclear_error']}, hung {res['hung']}; "
+          f"clear error {res['error']}, unclear error {res['unclear_error']}, hung {res['hung']}, "
+          f"cancelled by their clients {res['cancelled']}; "
           f"KV blocks leaked {res['blocks_leaked']}")  # fmt: skip
     print(
         f"{'fault':15s} {'victim':18s} {'open streams':>12s} {'streams resumed (s)':>20s} {'capacity back (s)':>18s}"
@@ -432,6 +302,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--stall-s", type=float, default=20.0)
     p.add_argument("--deadline-s", type=float, default=120.0, help="a request open longer has hung")
+    p.add_argument("--cancel-rate", type=float, default=0.0, help="share of requests abandoned mid-stream")
+    p.add_argument("--soak-s", type=float, default=0.0, help="repeat the fault list this long")
+    p.add_argument("--num-blocks", type=int, help="KV blocks per worker (small: preemption under load)")
     p.add_argument("--quick", action="store_true", help="40 requests, one decode kill and one stall")
     p.add_argument("--json", default=str(RESULTS / "chaos.json"))
     a = p.parse_args()
@@ -454,6 +327,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisProcess(Path(tmp))
         flags = ("--prefill", str(a.prefill), "--decode", str(a.decode), "--redis-url", redis.url)
+        flags += ("--num-blocks", str(a.num_blocks)) if a.num_blocks else ()
         try:
             with serving_process(*flags) as (base, proc):
                 res = asyncio.run(
@@ -461,7 +335,7 @@ def main() -> None:
                         base, proc.pid, redis, prompts, references,
                         requests=a.requests, concurrency=a.concurrency, max_tokens=a.max_tokens,
                         faults=faults, expect={"prefill": a.prefill, "decode": a.decode},
-                        stall_s=a.stall_s, deadline_s=a.deadline_s,
+                        stall_s=a.stall_s, deadline_s=a.deadline_s, cancel_rate=a.cancel_rate, soak_s=a.soak_s,
                     )
                 )  # fmt: skip
         finally:
