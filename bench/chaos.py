@@ -22,9 +22,11 @@ Every request ends as one of: identical (its text equals the engine alone's), wr
 other text), error (an OpenAI-style error with a message, in the HTTP status or in the stream),
 unclear error (an error without one), hung (still open after ``--deadline-s``) or cancelled (its
 client gave up mid-stream: ``--cancel-rate``). Per fault: how
-long the streams that were open when it struck went without a token (the client-visible stall:
-the longest gap between tokens of any such stream, from the fault until the next one), and how long until the
-service was back at full strength (every worker registered again, all replica processes alive).
+long clients went without a token (the client-visible stall: the longest gap between tokens, or
+from a request's start to its first token, of the streams open when it struck or started after,
+until the next fault), and how long until the service was back at full strength (every worker
+registered again, all replica processes alive); and what the router did meanwhile (requests moved
+to another decode worker, stalls it gave up on).
 At the end, once idle, every worker's KV blocks must be free (``blocks_leaked`` counts the rest).
 """
 
@@ -40,7 +42,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.chaos_faults import FAULTS, RedisProcess, inject, registered_workers, wait_full_strength
+from bench.chaos_faults import (
+    FAULTS,
+    RedisProcess,
+    inject,
+    registered_workers,
+    router_counters,
+    wait_full_strength,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -63,8 +72,9 @@ class Fault:
     at: float
     open_streams: list[int]
     capacity_restored_s: float | None = None
-    streams_resumed_s: float | None = None
+    longest_silence_s: float | None = None
     not_restored: str = ""  # the last state seen, when full strength did not come back in time
+    router: dict[str, float] = field(default_factory=dict)  # its counters' rise (moved, stalls, refused)
 
 
 async def stream_one(
@@ -177,6 +187,7 @@ async def run_chaos(
                     while not any(outcomes[i].token_times for i in open_now):
                         await asyncio.sleep(0.05)  # strike mid-stream
                     rec = Fault(kind, "", time.monotonic(), [])
+                    before = await router_counters(http, base)
 
                     def strike(rec: Fault = rec) -> None:
                         rec.at, rec.open_streams = time.monotonic(), sorted(open_now)
@@ -187,6 +198,8 @@ async def run_chaos(
                     restored, rec.not_restored = await wait_full_strength(http, base, session_id, expect, 180)
                     if restored:
                         rec.capacity_restored_s = time.monotonic() - rec.at
+                    after = await router_counters(http, base)
+                    rec.router = {k: after[k] - before[k] for k in before}
             finally:
                 faults_done.set()
 
@@ -196,7 +209,7 @@ async def run_chaos(
         bar.close()
         leaked, idle = await _blocks_after_idle(http, base, timeout_s=60)
     for rec, nxt in zip(records, [*records[1:], None]):
-        rec.streams_resumed_s = _resumed(rec, outcomes, nxt.at if nxt else float("inf"))
+        rec.longest_silence_s = _resumed(rec, outcomes, nxt.at if nxt else float("inf"))
     return _summary(outcomes, records, leaked, idle)
 
 
@@ -213,12 +226,19 @@ async def _blocks_after_idle(http, base, timeout_s: float) -> tuple[int, bool]:
 
 
 def _resumed(rec: Fault, outcomes: list[Outcome], until: float) -> float | None:
-    """The longest silence, from the fault until ``until`` (the next fault), of the streams that
-    were open when it struck: what a client waited for its next token or its end."""
+    """The longest silence a client saw from the fault until ``until`` (the next fault): over the
+    streams open when it struck (from the fault on) and those started meanwhile (from their start:
+    a request routed to a stalled worker waits too), the longest wait for a next token or the end."""
+    open_then = set(rec.open_streams)
     worst = None
-    for i in rec.open_streams:
-        o = outcomes[i]
-        marks = [rec.at, *(t for t in o.token_times if rec.at < t < until)]
+    for o in outcomes:
+        if o.index in open_then:
+            begin = rec.at
+        elif rec.at <= o.start < until:
+            begin = o.start
+        else:
+            continue
+        marks = [begin, *(t for t in o.token_times if begin < t < until)]
         if o.end < until:
             marks.append(o.end)
         gap = max((b - a for a, b in itertools.pairwise(marks)), default=None)
@@ -249,13 +269,21 @@ def print_table(res: dict) -> None:
           f"clear error {res['error']}, unclear error {res['unclear_error']}, hung {res['hung']}, "
           f"cancelled by their clients {res['cancelled']}; "
           f"KV blocks leaked {res['blocks_leaked']}")  # fmt: skip
-    print(
-        f"{'fault':15s} {'victim':18s} {'open streams':>12s} {'streams resumed (s)':>20s} {'capacity back (s)':>18s}"
-    )
+    cols = ("open streams", "moved", "stalls", "longest silence (s)", "capacity back (s)")
+    print(f"{'fault':15s} {'victim':18s} " + " ".join(f"{c:>{max(7, len(c))}s}" for c in cols))
     for f in res["faults"]:
-        resumed = "-" if f["streams_resumed_s"] is None else f"{f['streams_resumed_s']:.1f}"
-        back = "-" if f["capacity_restored_s"] is None else f"{f['capacity_restored_s']:.1f}"
-        print(f"{f['kind']:15s} {f['victim']:18s} {len(f['open_streams']):12d} {resumed:>20s} {back:>18s}")
+        r = f["router"]
+        cells = (
+            len(f["open_streams"]),
+            int(r.get("moved", 0)),
+            int(r.get("stalls", 0)),
+            "-" if f["longest_silence_s"] is None else f"{f['longest_silence_s']:.1f}",
+            "-" if f["capacity_restored_s"] is None else f"{f['capacity_restored_s']:.1f}",
+        )
+        print(
+            f"{f['kind']:15s} {f['victim']:18s} "
+            + " ".join(f"{v!s:>{max(7, len(c))}s}" for c, v in zip(cols, cells))
+        )
     for f in res["faults"]:
         if f["not_restored"]:
             print(f"  after {f['kind']}, not back at full strength: {f['not_restored'][:300]}")
@@ -285,7 +313,11 @@ def plot(res: dict, path: Path) -> None:
         ax.text(at - t0, max(bins) / width, kind, rotation=90, va="top", ha="right", fontsize=7)
     ax.set_xlabel("seconds")
     ax.set_ylabel("streamed tokens/s")
-    ax.set_title(f"chaos: {res['identical']}/{res['requests']} identical, {res['hung']} hung")
+    failed = res["error"] + res["unclear_error"] + res["wrong"]
+    ax.set_title(
+        f"chaos: {res['requests']} requests: {res['identical']} identical, {res['cancelled']} cancelled by "
+        f"their clients, {failed} failed, {res['hung']} hung; {res['blocks_leaked']} KV blocks leaked"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

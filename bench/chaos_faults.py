@@ -90,6 +90,27 @@ async def registered_workers(session, base: str) -> dict[str, dict[str, float]]:
     return out
 
 
+ROUTER_COUNTERS = {
+    "pdserve_router_migrations_total": "moved",
+    "pdserve_router_stalls_total": "stalls",
+    "pdserve_router_migrations_refused_total": "refused",
+}
+
+
+async def router_counters(session, base: str) -> dict[str, float]:
+    """The router's migration counters (``moved``, ``stalls``, ``refused``) from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(base + "/metrics") as resp:
+        text = await resp.text()
+    out = dict.fromkeys(ROUTER_COUNTERS.values(), 0.0)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in ROUTER_COUNTERS:
+                out[ROUTER_COUNTERS[s.name]] = s.value
+    return out
+
+
 def busiest_replica(base: str, session_id: int, role: str, rng) -> int | None:
     """The pid of the ``role`` worker with the most requests (``pdserve status`` of the service at
     ``base``), among this session's replicas: a fault that hits an idle worker tests nothing."""

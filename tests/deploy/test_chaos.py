@@ -63,7 +63,7 @@ def test_faults_under_streaming_load_lose_no_request(serve_model, module_redis_s
         )
         kinds = ("requests", "identical", "cancelled", "wrong", "error", "unclear_error", "hung")
         summary = {k: res[k] for k in kinds}
-        faults = [(f["kind"], f["victim"], f["streams_resumed_s"], f["not_restored"]) for f in res["faults"]]
+        faults = [(f["kind"], f["victim"], f["longest_silence_s"], f["not_restored"]) for f in res["faults"]]
         print("\nchaos:", summary, "faults:", faults, "errors:", res["errors"])
         assert [f["kind"] for f in res["faults"]][: len(FAULTS)] == FAULTS
         assert all(f["open_streams"] for f in res["faults"])  # each struck while streams ran
