@@ -8,6 +8,7 @@ come from the environment (PDSERVE_API_KEY, PDSERVE_REDIS_URL) or from files.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from deploy.pd_autoscaler import PDAutoscalingConfig
 from engine.args import engine_options, option_type
 from ingress.options import IngressOptions
+from router.migration import MigrationOptions
 
 MODES = ("disaggregated", "aggregated")
 
@@ -132,6 +134,9 @@ class DecodeOptions(_WorkerPoolOptions):
     keepalive_s: float = Field(0.5, ge=0)  # Progress messages on a quiet stream (the router's stall watch)
 
 
+_MIGRATION = MigrationOptions()  # its defaults are the config's
+
+
 class RouterOptions(ReplicaOptions):
     policy: Literal["round_robin", "least_load", "cache_aware"] = "cache_aware"
     # Conditional disaggregation: prompts whose part the decode worker has not cached is at most this
@@ -140,11 +145,17 @@ class RouterOptions(ReplicaOptions):
     # Request migration (router/migration.py): moves per request when its decode worker is lost (0:
     # off); the stall deadline (fixed, or max(floor, multiple x the worker's longest recent step));
     # how long a stalled or failed worker gets no new requests.
-    max_migrations: int = Field(3, ge=0)
-    stall_timeout_s: float | None = Field(None, gt=0)
-    stall_floor_s: float = Field(5.0, gt=0)
-    stall_step_multiple: float = Field(20.0, gt=0)
-    suspect_s: float = Field(30.0, ge=0)
+    max_migrations: int = Field(_MIGRATION.max_migrations, ge=0)
+    stall_timeout_s: float | None = Field(_MIGRATION.stall_timeout_s, gt=0)
+    stall_floor_s: float = Field(_MIGRATION.stall_floor_s, gt=0)
+    stall_step_multiple: float = Field(_MIGRATION.stall_step_multiple, gt=0)
+    suspect_s: float = Field(_MIGRATION.suspect_s, ge=0)
+
+    def migration(self) -> MigrationOptions:
+        return MigrationOptions(
+            **self.model_dump(include={f.name for f in dataclasses.fields(MigrationOptions)})
+        )
+
     num_cpus: float = Field(0.1, ge=0)
 
 

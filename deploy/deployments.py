@@ -125,7 +125,6 @@ class DecodeServer(_WorkerReplica):
 class RouterServer:
     async def __init__(self, config: PDServeConfig, workers: list | None = None) -> None:
         from registry.cluster_view import ClusterView
-        from router.migration import MigrationOptions
         from router.router import Router
         from router.service import serve as serve_router
 
@@ -135,15 +134,8 @@ class RouterServer:
         if not await asyncio.to_thread(self.view.wait_synced, 10.0):
             logger.warning("router started before the registry answered; routing once it does")
         r = config.router
-        migration = MigrationOptions(
-            max_migrations=r.max_migrations,
-            stall_timeout_s=r.stall_timeout_s,
-            stall_floor_s=r.stall_floor_s,
-            stall_step_multiple=r.stall_step_multiple,
-            suspect_s=r.suspect_s,
-        )
         self.router = Router(
-            self.view, r.policy, local_prefill_tokens=r.local_prefill_tokens, migration=migration
+            self.view, r.policy, local_prefill_tokens=r.local_prefill_tokens, migration=r.migration()
         )
         self.server, self.address = await serve_router(self.router, _bind_host(config), 0)
 

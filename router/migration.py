@@ -75,6 +75,12 @@ class MigrationOptions:
         if self.stall_floor_s <= 0 or self.stall_step_multiple <= 0 or self.suspect_s < 0:
             raise ValueError("stall_floor_s and stall_step_multiple must be positive, suspect_s >= 0")
 
+    def deadline_s(self, step_s: float) -> float:
+        """The stall deadline of a worker whose longest recent engine step took ``step_s``."""
+        if self.stall_timeout_s is not None:
+            return self.stall_timeout_s
+        return max(self.stall_floor_s, self.stall_step_multiple * step_s)
+
 
 class DecodeLost(Exception):
     """The request's decode worker was lost mid-stream; ``stalled``/``failed``: it is suspect."""
@@ -193,10 +199,7 @@ class ProgressWatch:
         self._interval_s: dict[str, float] = {}  # worker -> its keepalive interval
 
     def deadline_s(self, worker_id: str) -> float:
-        o = self.options
-        if o.stall_timeout_s is not None:
-            return o.stall_timeout_s
-        return max(o.stall_floor_s, o.stall_step_multiple * self._step_s.get(worker_id, 0.0))
+        return self.options.deadline_s(self._step_s.get(worker_id, 0.0))
 
     async def watch(
         self, stream: AsyncIterator[pb.GenerateResponse], worker_id: str

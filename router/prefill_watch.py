@@ -7,7 +7,8 @@ at the worker through its cluster view; when the worker has shown no sign of lif
 the stall deadline (its heartbeats stopped rising: a stopped or cut-off process; or its engine
 stopped reporting: a hung engine thread), the call is cancelled and ``PrefillStalled`` raised, and
 the router retries the prefill elsewhere and keeps the worker out of routing for a while. A worker
-that is merely busy (a long prompt, a queue) keeps heartbeating and reporting between its steps.
+that is merely busy (a long prompt, a queue) keeps heartbeating and reporting between its steps, and
+the deadline scales with its longest recent step (heartbeats carry it), so a slow step is no stall.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import asyncio
 from collections.abc import Callable
 
 from proto import pdserve_pb2 as pb
+from registry.schema import WorkerRecord
+from router.migration import MigrationOptions
 
 
 class PrefillStalled(Exception):
@@ -25,19 +28,25 @@ class PrefillStalled(Exception):
 
 
 async def watched(
-    call, worker_id: str, silent_for: Callable[[str], float], limit_s: float, poll_s: float = 0.25
+    call,
+    worker: WorkerRecord,
+    silent_for: Callable[[str], float],
+    options: MigrationOptions,
+    poll_s: float = 0.25,
 ) -> pb.PrefillResponse:
-    """The response of ``call`` (a gRPC unary call), unless ``silent_for(worker_id)`` passes
-    ``limit_s`` first: then the call is cancelled and ``PrefillStalled`` raised."""
+    """The response of ``call`` (a gRPC unary call to ``worker``), unless ``silent_for(worker id)``
+    passes the worker's stall deadline first: then the call is cancelled and ``PrefillStalled``
+    raised."""
+    limit_s = options.deadline_s(worker.step_ms / 1e3)
     task = asyncio.ensure_future(call)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=poll_s)
             if done:
                 return task.result()
-            silent = silent_for(worker_id)
+            silent = silent_for(worker.worker_id)
             if silent > limit_s:
-                raise PrefillStalled(worker_id, silent)
+                raise PrefillStalled(worker.worker_id, silent)
     finally:
         if not task.done():
             call.cancel()

@@ -341,7 +341,7 @@ class Router:
                 pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority),
                 timeout=_remaining(deadline),
             )
-            resp = await watched(call, w.worker_id, self.view.silent_for, self.watch.deadline_s(w.worker_id))
+            resp = await watched(call, w, self.view.silent_for, self.migration)
             computed = True
             return resp
         finally:

@@ -7,6 +7,8 @@ to the ``RegistryPublisher``'s queue; the publisher's thread does every Redis ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.engine_core import EngineCore
 from registry.publisher import RegistryPublisher
@@ -16,9 +18,12 @@ _KINDS = {BlockStored: STORED, BlockRemoved: REMOVED, AllBlocksCleared: CLEARED}
 
 
 class RegistryLink:
-    def __init__(self, core: EngineCore, publisher: RegistryPublisher) -> None:
+    def __init__(
+        self, core: EngineCore, publisher: RegistryPublisher, recent_step_s: Callable[[], float] = lambda: 0.0
+    ) -> None:
         self.core = core
         self.publisher = publisher
+        self.recent_step_s = recent_step_s  # the engine loop's longest recent step
         self.stopped = False
 
     def tick(self) -> None:
@@ -38,6 +43,7 @@ class RegistryLink:
                 num_waiting=s.num_waiting,
                 num_free_blocks=s.num_free_blocks,
                 queued_prompt_tokens=core.pending_prompt_tokens(),
+                step_ms=int(self.recent_step_s() * 1000),
             )
 
     def stop(self) -> None:

@@ -118,7 +118,7 @@ class WorkerRuntime(ABC):
         record = worker_record(self.worker_id, self.role, address, self.epoch, self.compat.model, self.core)
         publisher = RegistryPublisher(self.config.redis_url, record)
         publisher.start()
-        self.registry = RegistryLink(self.core, publisher)
+        self.registry = RegistryLink(self.core, publisher, lambda: self.loop.recent_step_s)
         self.loop.add_tick(self.registry.tick)
 
     def _on_engine_failure(self, failure: Exception) -> None:

@@ -21,6 +21,7 @@ from ingress.openai_serving import Admission
 from ingress.options import IngressOptions
 from ingress.request_validation import parse_body, validate_chat, validate_completion
 from proto import pdserve_pb2 as pb
+from router.migration import MigrationOptions
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +223,9 @@ def test_config_validation():
     c = PDServeConfig(model="m", prefill={"num_replicas": 2, "resources": {"prefill_gpu": 1}})
     opts = c.prefill.deployment_options()
     assert opts["num_replicas"] == 2 and opts["ray_actor_options"]["resources"] == {"prefill_gpu": 1}
+    routed = PDServeConfig(model="m", router={"max_migrations": 0, "stall_timeout_s": 2.0, "suspect_s": 9})
+    assert routed.router.migration() == MigrationOptions(max_migrations=0, stall_timeout_s=2.0, suspect_s=9.0)
+    assert PDServeConfig(model="m").router.migration() == MigrationOptions()
     auto = PDServeConfig(model="m", decode={"autoscaling": {"min_replicas": 1, "max_replicas": 3}})
     assert "num_replicas" not in auto.decode.deployment_options()
     for bad in (

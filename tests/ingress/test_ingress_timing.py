@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import pytest
+from asgi_client import call
 from prometheus_client.parser import text_string_to_metric_families
 from test_ingress_logic import ScriptedRouter
 
@@ -53,46 +54,6 @@ def _app(info):
     return build_http_app(serving, None, health, render)
 
 
-async def _call(app, path: str, body: dict | None = None, headers: dict | None = None):
-    raw = json.dumps(body).encode() if body is not None else b""
-    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    hdrs += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST" if body is not None else "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": hdrs,
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
-    received = False
-
-    async def receive():
-        nonlocal received
-        if not received:
-            received = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await asyncio.Event().wait()
-
-    out = {"status": 0, "headers": {}, "body": b""}
-
-    async def send(msg):
-        if msg["type"] == "http.response.start":
-            out["status"] = msg["status"]
-            out["headers"] = {k.decode(): v.decode() for k, v in msg["headers"]}
-        elif msg["type"] == "http.response.body":
-            out["body"] += msg.get("body", b"")
-
-    await app(scope, receive, send)
-    return out
-
-
 BODY = {"model": "tiny", "prompt": "a", "max_tokens": 3, "temperature": 0}
 DEBUG = {"x-pdserve-debug": "timing"}
 
@@ -106,16 +67,14 @@ def _check_hops(hops: dict[str, float]) -> None:
 def test_non_streaming_answer_carries_the_timing_header_and_field(info):
     async def run():
         app = _app(info)
-        r = await _call(app, "/v1/completions", BODY, DEBUG)
-        assert r["status"] == 200
-        body = json.loads(r["body"])
-        header = parse_timing(r["headers"]["x-pdserve-timing"])
+        r = await call(app, "/v1/completions", BODY, DEBUG)
+        assert r.status == 200
+        body = json.loads(r.body)
+        header = parse_timing(r.headers["x-pdserve-timing"])
         _check_hops(header)
         assert header == pytest.approx(body["pdserve_timing"], abs=1e-3)
-        plain = await _call(_app(info), "/v1/completions", BODY)
-        assert "x-pdserve-timing" not in plain["headers"] and "pdserve_timing" not in json.loads(
-            plain["body"]
-        )
+        plain = await call(_app(info), "/v1/completions", BODY)
+        assert "x-pdserve-timing" not in plain.headers and "pdserve_timing" not in json.loads(plain.body)
 
     asyncio.run(run())
 
@@ -129,22 +88,22 @@ def _events(raw: bytes) -> list:
 def test_streaming_answer_carries_the_timing_in_its_last_chunk(info):
     async def run():
         app = _app(info)
-        r = await _call(app, "/v1/completions", {**BODY, "stream": True}, DEBUG)
-        events = _events(r["body"])
+        r = await call(app, "/v1/completions", {**BODY, "stream": True}, DEBUG)
+        events = _events(r.body)
         assert "".join(c["text"] for e in events for c in e["choices"])  # the tokens came through
         last = events[-1]
         assert last["choices"] == [] and "usage" not in last
         _check_hops(last["pdserve_timing"])
         assert all("pdserve_timing" not in e for e in events[:-1])
-        r = await _call(
+        r = await call(
             app, "/v1/completions", {**BODY, "stream": True, "stream_options": {"include_usage": True}}, DEBUG
         )
-        last = _events(r["body"])[-1]
+        last = _events(r.body)[-1]
         assert last["usage"]["completion_tokens"] == 3 and "pdserve_timing" in last
-        r = await _call(app, "/v1/completions", {**BODY, "stream": True})
-        assert all("pdserve_timing" not in e for e in _events(r["body"]))
+        r = await call(app, "/v1/completions", {**BODY, "stream": True})
+        assert all("pdserve_timing" not in e for e in _events(r.body))
         # Every request, asked or not, fed the per-hop histogram.
-        text = (await _call(app, "/metrics"))["body"].decode()
+        text = (await call(app, "/metrics")).body.decode()
         counts = {
             s.labels["hop"]: s.value
             for fam in text_string_to_metric_families(text)

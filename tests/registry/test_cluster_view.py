@@ -141,12 +141,12 @@ def test_a_restarted_worker_replaces_its_previous_incarnation(views, publishers)
 def test_heartbeats_carry_the_workers_load_to_the_view(views, publishers):
     view = views()
     pub = publishers("p0")
-    pub.offer_load(num_running=3, num_waiting=2, num_free_blocks=7, queued_prompt_tokens=120)
-    want = (3, 2, 7, 120)
+    pub.offer_load(num_running=3, num_waiting=2, num_free_blocks=7, queued_prompt_tokens=120, step_ms=40)
+    want = (3, 2, 7, 120, 40)
 
     def load() -> tuple[int, ...] | None:
         w = view.workers.get("p0")
-        return w and (w.num_running, w.num_waiting, w.num_free_blocks, w.queued_prompt_tokens)
+        return w and (w.num_running, w.num_waiting, w.num_free_blocks, w.queued_prompt_tokens, w.step_ms)
 
     wait_until(lambda: load() == want, f"the view has p0's load {want} (has {load()})")
 

@@ -166,6 +166,8 @@ def test_lost_decode_worker_mid_stream_resumes_token_identical(redis_server, tin
                 ref = Stream(stack, f"ref-{name}", params)
                 references[name] = (await ref.result(), list(ref.logprobs))
             await stack.all_free()
+            # Each worker's heartbeats carry its engine's recent step (what stall deadlines scale with).
+            await until(lambda: any(w.step_ms > 0 for w in stack.view.live_workers("decode")), "step times")
             for name, params in cases:
                 s = Stream(stack, name, params)
                 await until(lambda s=s: len(s.tokens) >= 4, "a few tokens streamed")

@@ -1,0 +1,48 @@
+"""The prefill call's stall watch alone: a worker silent past its deadline has its call cancelled,
+and the deadline scales with the worker's longest recent step (a slow step is no stall)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proto import pdserve_pb2 as pb
+from registry.schema import WorkerRecord
+from router.migration import MigrationOptions
+from router.prefill_watch import PrefillStalled, watched
+
+OPTIONS = MigrationOptions(stall_floor_s=5.0, stall_step_multiple=20.0)
+
+
+def _worker(step_ms: int) -> WorkerRecord:
+    return WorkerRecord(worker_id="p0", role="prefill", address="-", epoch=1, step_ms=step_ms)
+
+
+def test_a_silent_worker_past_its_deadline_has_its_call_cancelled():
+    async def run() -> None:
+        call = asyncio.get_running_loop().create_future()  # never answers
+        with pytest.raises(PrefillStalled, match="p0"):
+            await watched(call, _worker(0), lambda _: 6.0, OPTIONS, poll_s=0.01)
+        assert call.cancelled()
+
+    asyncio.run(run())
+
+
+def test_a_worker_with_slow_steps_gets_a_longer_deadline_and_its_answer_comes_through():
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        call = loop.create_future()
+        silent = 0.0
+
+        def silent_for(_: str) -> float:  # the silence rises past the floor, not past 20 x 1 s
+            nonlocal silent
+            silent += 1.0
+            if silent >= 12:
+                call.set_result(pb.PrefillResponse())
+            return silent
+
+        resp = await watched(call, _worker(1000), silent_for, OPTIONS, poll_s=0.01)
+        assert isinstance(resp, pb.PrefillResponse) and silent >= 12
+
+    asyncio.run(run())
