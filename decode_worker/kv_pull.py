@@ -253,7 +253,7 @@ class KVPuller:
         if notify:
             self._notify_owner(pull)
         self.stats.recomputed += 1
-        rest = dataclasses.replace(pull.params, seed=kv.seed, max_tokens=pull.params.max_tokens - 1)
+        rest = dataclasses.replace(pull.params.continued(1), seed=kv.seed)
         self.core.add_request(pull.request_id, [*pull.prompt, kv.first_token], rest, priority=pull.priority)
 
     def _notify_owner(self, pull: PendingPull) -> None:

@@ -3,7 +3,8 @@
 Decoding only a short window of recent tokens keeps each step O(1) in the output length; a
 window that ends in an incomplete UTF-8 sequence (U+FFFD) waits for the next token. Stop strings
 are searched in the tail where a new match can start; on a match the text is cut before the stop
-string (or after it with ``include_stop_str_in_output``).
+string (or after it with ``include_stop_str_in_output``). Under ``min_tokens`` a stop string counts
+only if it ends in text produced after the first ``min_tokens`` tokens (vLLM's rule).
 
 ``pieces`` says what each token of the last ``add`` contributed to ``text`` (before a stop-string
 cut), so per-token views (logprob tokens, their offsets) line up with the text exactly.
@@ -28,21 +29,26 @@ class IncrementalDetokenizer:
         # incomplete UTF-8 sequence (its bytes come out with a later token's text).
         self.pieces: list[str | None] = []
         self._incomplete = False
+        self.num_output_tokens = 0
 
     def add(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the matched stop string, if the output now contains one."""
         start = len(self.text)
         self.pieces = []
+        min_tokens = self.params.min_tokens
         for tok in token_ids:
             self.tokens.append(tok)
             piece = self._step()
             self.text += piece
             self.pieces.append(None if self._incomplete else piece)
+            self.num_output_tokens += 1
+            if self.num_output_tokens <= min_tokens:
+                start = len(self.text)  # a stop string must end after this
         if not self._max_stop:
             return None
-        lo = max(0, start - self._max_stop + 1)
         for stop in self.params.stop:
-            idx = self.text.find(stop, lo)
+            # The first match that ends in the new text (under min_tokens, earlier ones don't count).
+            idx = self.text.find(stop, max(0, start - len(stop) + 1))
             if idx != -1:
                 end = idx + len(stop) if self.params.include_stop_str_in_output else idx
                 self.text = self.text[:end]

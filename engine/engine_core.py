@@ -75,6 +75,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.model = load_model(self.model_path, config.dtype, config.device, backend)
         self.spec = self.model.spec
+        self.eos_token_ids = _eos_token_ids(self.model_path)
         logger.info("model loaded in %.2fs", time.perf_counter() - t0)
         limit = self.spec.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
@@ -112,7 +113,9 @@ class EngineCore:
             admission_margin=config.admission_margin,
             itl_target_ms=config.itl_target_ms,
         )
-        self.runner = ModelRunner(self.model, backend, self.layout, kv_cache, cpu_cache, self.device)
+        self.runner = ModelRunner(
+            self.model, backend, self.layout, kv_cache, cpu_cache, self.device, self.eos_token_ids
+        )
         if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
             from engine.cuda_graphs import DecodeGraphRunner
 
@@ -130,7 +133,6 @@ class EngineCore:
             except RuntimeError as exc:  # e.g. an op that cannot be captured: correct, just slower
                 logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
                 self.runner.decode_graphs = None
-        self.eos_token_ids = _eos_token_ids(self.model_path)
         self._rng = random.Random(config.seed)
         self._generation_tokens = 0
 
@@ -154,6 +156,11 @@ class EngineCore:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        _check_vocab(params, vocab)
+        if params.prior_output_tokens >= n:
+            raise ValueError(
+                f"prior_output_tokens ({params.prior_output_tokens}) must be less than the prompt's {n} tokens"
+            )
         total = n + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -361,6 +368,20 @@ class EngineCore:
             prompt_tokens=s.num_prompt_tokens,
             generation_tokens=self._generation_tokens,
         )
+
+
+def _check_vocab(params: SamplingParams, vocab: int) -> None:
+    """Token ids in the params must be this model's (they index the logits)."""
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", params.logit_bias),
+        ("bad_words_token_ids", (t for w in params.bad_words_token_ids for t in w)),
+    ):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+    if params.bad_words and not params.bad_words_token_ids:
+        raise ValueError("bad_words must be tokenized into bad_words_token_ids before they reach the engine")
 
 
 def _eos_token_ids(path: Path) -> frozenset[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from engine.bad_words import bad_words_token_ids
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore, EngineStats
@@ -55,6 +57,7 @@ class LLM:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        plist = [self._resolve_bad_words(p) for p in plist]
         token_lists = [self._tokenize(p) for p in prompts]
         for toks, p in zip(token_lists, plist):
             self.core.validate(toks, p)  # all or nothing: refuse before anything is queued
@@ -96,6 +99,13 @@ class LLM:
                 if not r.finished:
                     self.core.abort_request(rid)
         return list(results.values())
+
+    def _resolve_bad_words(self, p: SamplingParams) -> SamplingParams:
+        if not p.bad_words or p.bad_words_token_ids:
+            return p
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model has none: pass bad_words_token_ids")
+        return dataclasses.replace(p, bad_words_token_ids=bad_words_token_ids(self.tokenizer, p.bad_words))
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -14,6 +14,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.kv_cache import KVLayout
+from engine.logits_processing import LogitsAdjustment, RowHistory
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingBatch, sample_seed
 from engine.sampling_params import SamplingParams
@@ -27,6 +28,8 @@ class _SeqState:
     params: SamplingParams
     seed: int
     sample_index: int
+    output_start: int
+    prompt_len: int
 
 
 class ModelRunner:
@@ -38,8 +41,10 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         cpu_cache: torch.Tensor | None,
         device: torch.device,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids  # banned under min_tokens
         self.backend = backend
         self.layout = layout
         self.kv_cache = kv_cache
@@ -85,7 +90,13 @@ class ModelRunner:
             self.seqs.pop(seq_id, None)
         for new in sched.new_seqs:
             self.seqs[new.seq_id] = _SeqState(
-                list(new.token_ids), list(new.block_ids), new.params, new.seed, new.sample_index
+                list(new.token_ids),
+                list(new.block_ids),
+                new.params,
+                new.seed,
+                new.sample_index,
+                new.output_start,
+                new.prompt_len,
             )
         for run in sched.running_seqs:
             state = self.seqs[run.seq_id]
@@ -147,10 +158,16 @@ class ModelRunner:
         expand: list[int] = []
         temps, top_ks, top_ps, min_ps, seeds, positions = [], [], [], [], [], []
         want_logprobs: list[int | None] = []
+        processed: list[tuple[int, RowHistory]] = []
         for i, (_, seq_id, n) in enumerate(sample_rows):
             state = self.seqs[seq_id]
             p = state.params
             for s in range(n):
+                if p.processes_logits:
+                    history = RowHistory(
+                        p, state.token_ids, state.output_start, state.prompt_len, self.eos_token_ids
+                    )
+                    processed.append((len(expand), history))
                 expand.append(i)
                 temps.append(p.temperature)
                 top_ks.append(p.top_k)
@@ -175,6 +192,7 @@ class ModelRunner:
             any_top_p=any(p < 1 for p in top_ps),
             any_min_p=any(m > 0 for m in min_ps),
             max_logprobs=max(wanted) if wanted else None,
+            adjust=LogitsAdjustment.build(processed, dev) if processed else None,
         )
         result = self.sampler(logits, batch)
         token_list = result.token_ids.tolist()

@@ -72,6 +72,9 @@ class Request:
         self.priority = priority
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.prompt_len = len(prompt_token_ids)
+        # The prompt's last ``prior_output_tokens`` are this request's own earlier output (a resumed
+        # request, a recomputed hand-off): logits processing counts them as output.
+        self.output_start = self.prompt_len - params.prior_output_tokens
         self.token_ids: list[int] = list(prompt_token_ids)
         self.output_logprobs: list[dict[int, float]] = []
         self.status = RequestStatus.WAITING

@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, logprobs.
+"""Token sampling: logits processing, greedy, temperature, top-k, top-p, min-p, logprobs.
 
 Randomness is counter-based: the uniform draw for (seed, position, token) is a hash of the three,
 computed in int64 tensors. Seeded sampling is therefore a pure function of (seed, position) on any
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from engine.logits_processing import LogitsAdjustment
 
 _M32 = 0xFFFFFFFF
 
@@ -57,6 +59,7 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     max_logprobs: int | None  # None: no row wants logprobs
+    adjust: LogitsAdjustment | None = None  # bad words, min_tokens, logit_bias, penalties
 
 
 @dataclass(slots=True)
@@ -70,7 +73,10 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
+        # NOTE: logprobs are the model's own (before processing), as vLLM returns them by default.
         logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+        if batch.adjust is not None:
+            logits = batch.adjust.apply(logits)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             tokens = greedy

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 64
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty / frequency_penalty
 
 
 @dataclass(slots=True)
@@ -18,6 +21,21 @@ class SamplingParams:
     the same request samples the same tokens on any engine. ``logprobs`` = k returns the sampled
     token's logprob and the top-k alternatives (k = 0: the sampled token's only).
     ``n`` parallel samples share the prompt's KV blocks copy-on-write.
+
+    Logits processing, applied in this order before temperature and the filters (as vLLM does):
+    ``bad_words_token_ids`` (each a token sequence: its last token is banned where the output so far
+    ends with the rest), ``min_tokens`` (EOS and ``stop_token_ids`` banned until that many tokens
+    were generated), ``logit_bias`` (token id -> value added to its logit), then
+    ``repetition_penalty`` (on tokens of the prompt or output: positive logits divided, negative
+    multiplied), ``frequency_penalty`` (times each token's count in the output) and
+    ``presence_penalty`` (once for each token present in the output), both subtracted. Greedy
+    decoding takes the argmax of the processed logits; returned logprobs are the model's own.
+    ``bad_words`` are strings for whoever holds the tokenizer (``LLM``, the HTTP ingress) to turn
+    into ``bad_words_token_ids``; the engine itself reads only the ids.
+
+    ``prior_output_tokens``: how many of the prompt's last tokens this request generated earlier (a
+    generation continued from its own output, a request resumed on another worker): penalties and
+    bad words count them as output. ``max_tokens`` and ``min_tokens`` stay budgets of what is left.
     """
 
     n: int = 1
@@ -32,13 +50,27 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
+        self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids or []]
         self._validate()
+        self._validate_processing()
 
     def _validate(self) -> None:
         _check_int("n", self.n)
@@ -70,9 +102,60 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
+    def _validate_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {v}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for tok, bias in self.logit_bias.items():
+            _check_int("logit_bias keys", tok)
+            if tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
+            if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+        _check_int("prior_output_tokens", self.prior_output_tokens)
+        if self.prior_output_tokens < 0:
+            raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must be non-empty strings, got {w!r}")
+        for ids in self.bad_words_token_ids:
+            if not ids:
+                raise ValueError("bad_words_token_ids entries must be non-empty token sequences")
+            for t in ids:
+                _check_int("bad_words_token_ids entries", t)
+                if t < 0:
+                    raise ValueError(f"bad_words_token_ids must be >= 0, got {t}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    def continued(self, tokens: int) -> SamplingParams:
+        """These params for the same request once ``tokens`` of its output joined its prompt."""
+        return dataclasses.replace(
+            self,
+            max_tokens=self.max_tokens - tokens,
+            min_tokens=max(0, self.min_tokens - tokens),
+            prior_output_tokens=self.prior_output_tokens + tokens,
+        )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty reads the sequence's history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before temperature and filters."""
+        return bool(self.penalized or self.logit_bias or self.min_tokens or self.bad_words_token_ids)
 
 
 def _is_real(x: object) -> bool:

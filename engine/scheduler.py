@@ -294,6 +294,8 @@ class Scheduler:
                     req.seed,
                     req.sample_index,
                     num_samples,
+                    req.output_start,
+                    req.prompt_len,
                 )
             )
         elif cow:

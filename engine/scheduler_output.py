@@ -23,6 +23,10 @@ class NewSequenceData:
     sample_index: int
     # Tokens to draw from this sequence's next logits: 1, or n when parallel samples fork here.
     num_samples: int = 1
+    # Where the request's output starts in token_ids (penalties and bad words read it), and where
+    # its prompt ends (min_tokens counts from there; the two differ for a resumed request).
+    output_start: int = 0
+    prompt_len: int = 0
 
 
 @dataclass(slots=True)

@@ -2,9 +2,9 @@
 
 Every error, including unknown routes and unexpected failures, answers with
 ``{"error": {"message", "type", "param", "code"}}``; nothing internal (tracebacks, addresses) leaks.
-``/v1/*`` and the API description (``/docs``, ``/redoc``, ``/openapi.json``) need the API key when one
-is configured; ``/health`` and ``/metrics`` do not (probes and scrapers), and reveal no request
-content.
+``/v1/*``, vLLM's utility routes (``/tokenize``, ``/detokenize``, ``/version``) and the API description
+(``/docs``, ``/redoc``, ``/openapi.json``) need the API key when one is configured; ``/health`` and
+``/metrics`` do not (probes and scrapers), and reveal no request content.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ingress.openai_serving import OpenAIServing
 from ingress.request_timing import DEBUG_HEADER, TIMING_FIELD, TIMING_HEADER, format_timing, wants_timing
+from ingress.utility_routes import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, version
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def build_http_app(
     app = FastAPI(title="pdserve", description="OpenAI-compatible disaggregated prefill/decode serving")
     key = api_key.encode() if api_key else None
     guarded = tuple(p for p in (app.docs_url, app.redoc_url, app.openapi_url) if p)
+    guarded += ("/tokenize", "/detokenize", "/version")
     max_body = serving.options.max_body_bytes
 
     @app.exception_handler(APIError)
@@ -123,6 +125,18 @@ def build_http_app(
     async def models():
         return serving.models()
 
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize_route(request: Request):
+        return JSONResponse(await tokenize(serving, await read_body(request)))
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize_route(request: Request):
+        return JSONResponse(await detokenize(serving, await read_body(request)))
+
+    @app.get("/version")
+    async def version_route():
+        return version()
+
     @app.get("/health")
     async def health_check():
         ok, detail = await health()
@@ -132,5 +146,5 @@ def build_http_app(
     async def prometheus():
         return Response(await metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    _with_components(app, (CompletionRequest, ChatCompletionRequest))
+    _with_components(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
     return app

@@ -24,6 +24,13 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
+        bad_words_token_ids=[list(w.ids) for w in p.bad_words],
+        prior_output_tokens=p.prior_output_tokens,
     )
 
 
@@ -39,7 +46,16 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=s.stop_token_ids,
         ignore_eos=s.ignore_eos,
         include_stop_str_in_output=s.include_stop_str_in_output,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logit_bias=s.logit_bias,
+        min_tokens=s.min_tokens,
+        bad_words=[pb.TokenIds(ids=w) for w in s.bad_words_token_ids],
+        prior_output_tokens=s.prior_output_tokens,
     )
+    if s.bad_words and not s.bad_words_token_ids:
+        raise ValueError("bad_words must be tokenized into bad_words_token_ids before they cross the wire")
     if s.seed is not None:
         msg.seed = s.seed
     if s.logprobs is not None:

@@ -119,9 +119,7 @@ class Resumption:
         """The current attempt's prompt and params."""
         if not self.offset:
             return self.prompt, self.params
-        rest = pb.SamplingParams()
-        rest.CopyFrom(self.params)
-        rest.max_tokens = self.params.max_tokens - self.offset
+        rest = continued(self.params, self.offset)
         if self.seed is not None:
             rest.seed = self.seed
         return [*self.prompt, *self.tokens], rest
@@ -183,11 +181,20 @@ def continuation(prompt: list[int], params: pb.SamplingParams, handle: pb.KVHand
     """The request as a decode worker computes it without the handle: the first token (already
     streamed) joins the prompt, one token less is left, and the prefill's seed keeps positions'
     samples what one engine would draw."""
-    rest = pb.SamplingParams()
-    rest.CopyFrom(params)
-    rest.max_tokens = params.max_tokens - 1
+    rest = continued(params, 1)
     rest.seed = handle.seed
     return [*prompt, handle.first_token], rest
+
+
+def continued(params: pb.SamplingParams, tokens: int) -> pb.SamplingParams:
+    """``params`` once ``tokens`` of the request's output joined its prompt: budgets lowered, and the
+    tokens marked as output for penalties and bad words (as ``SamplingParams.continued``)."""
+    rest = pb.SamplingParams()
+    rest.CopyFrom(params)
+    rest.max_tokens = params.max_tokens - tokens
+    rest.min_tokens = max(0, params.min_tokens - tokens)
+    rest.prior_output_tokens = params.prior_output_tokens + tokens
+    return rest
 
 
 class ProgressWatch:
