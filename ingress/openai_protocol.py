@@ -83,10 +83,13 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     priority: StrictInt = 0
-    # Accepted only at their neutral values, so clients that always send them keep working.
-    presence_penalty: Number = 0
-    frequency_penalty: Number = 0
-    logit_bias: dict[str, Number] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None  # token id (as a string, as OpenAI's) -> bias
+    # vLLM's extra sampling fields.
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
+    bad_words: list[StrictStr] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -19,6 +19,10 @@ MAX_TEMPERATURE = 1000.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: streaming holds back up to this much text
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
+MAX_REPETITION_PENALTY = 1000.0  # stays a finite float32 on the wire
 # NOTE: a positive top_p below every token's probability keeps only the top token, whatever its
 # value; float32 would turn one below ~1e-45 into 0, which the wire reads as "off". Raising such a
 # value to this floor (under 1 / any real vocabulary) keeps its meaning.
@@ -53,11 +57,45 @@ def check_sampling(req, max_n: int) -> None:
     ids = req.stop_token_ids or []
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise APIError(400, f"stop_token_ids takes up to {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_parameter")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+    check_range("presence_penalty", req.presence_penalty, -2, 2)
+    check_range("frequency_penalty", req.frequency_penalty, -2, 2)
+    if req.repetition_penalty is not None and not 0 < req.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise APIError(
+            400,
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {req.repetition_penalty}",
+            param="repetition_penalty",
+        )
+    check_range("min_tokens", req.min_tokens, 0, INT32_MAX)
+    check_logit_bias(req.logit_bias)
+    words = req.bad_words or []
+    if len(words) > MAX_BAD_WORDS or any(not 0 < len(w.strip()) <= MAX_BAD_WORD_CHARS for w in words):
+        raise APIError(
+            400,
+            f"bad_words takes up to {MAX_BAD_WORDS} strings of 1 to {MAX_BAD_WORD_CHARS} characters "
+            "(not only spaces)",
+            param="bad_words",
+        )
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab_size: int | None = None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token id strings -> [-100, 100]) as the engine's {id: bias};
+    ``vocab_size`` bounds the ids once the model is known."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise APIError(400, f"logit_bias takes up to {MAX_LOGIT_BIAS_ENTRIES} tokens", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            where = f"[0, {vocab_size})" if vocab_size is not None else "a token id"
+            raise APIError(400, f"logit_bias key {key!r} must be a token id in {where}", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise APIError(
+                400, f"logit_bias values must be in [-100, 100], got {value} for {key!r}", param="logit_bias"
+            )
+        out[token] = float(value)
+    return out
 
 
 def check_max_tokens(name: str, value: int | None) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from engine.bad_words import bad_words_token_ids
 from engine.sampling_params import SamplingParams
 from ingress.model_info import ModelInfo
 from ingress.openai_protocol import (
@@ -25,6 +26,7 @@ from ingress.openai_protocol import (
 from ingress.options import IngressOptions
 from ingress.request_bounds import (
     TOP_P_FLOOR,
+    check_logit_bias,
     check_max_tokens,
     check_prompt_chars,
     check_range,
@@ -178,6 +180,13 @@ def _finish(req, ids, max_tokens, max_param, logprobs, info, *, chat: bool) -> G
         )
     top_k = req.top_k if req.top_k is not None else 0
     top_p = 1.0 if req.top_p is None else max(req.top_p, TOP_P_FLOOR)
+    min_tokens = req.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise APIError(
+            400, f"min_tokens ({min_tokens}) must not exceed {max_param} ({max_tokens})", param="min_tokens"
+        )
+    bias = check_logit_bias(req.logit_bias, info.vocab_size)
+    bad_words = bad_words_token_ids(info.tokenizer, req.bad_words) if req.bad_words else []
     try:
         params = SamplingParams(
             n=req.n,
@@ -191,6 +200,12 @@ def _finish(req, ids, max_tokens, max_param, logprobs, info, *, chat: bool) -> G
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=bias,
+            min_tokens=min_tokens,
+            bad_words_token_ids=bad_words,
         )
     except ValueError as exc:  # the engine's own bounds, should they ever be narrower than ours
         raise APIError(400, str(exc), param=_param_of(str(exc))) from exc

@@ -59,7 +59,7 @@ ALLOWED = {
     },
 }
 # Torch-free modules of the engine that the light layers may use.
-TORCH_FREE_ENGINE = {"engine.sampling_params", "engine.block_hash", "engine.detokenizer"}
+TORCH_FREE_ENGINE = {"engine.sampling_params", "engine.block_hash", "engine.detokenizer", "engine.bad_words"}
 LIGHT = {"proto", "registry", "router", "ingress"}
 PACKAGES = set(ALLOWED) | {"bench"}
 

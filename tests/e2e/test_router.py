@@ -13,6 +13,7 @@ import grpc
 import pytest
 from pd_client import state
 
+from engine import LLM
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -269,6 +270,53 @@ def test_draining_flag_refuses_new_requests_until_cleared(workers, redis_server,
             set_draining(connect(redis_server.url), False)
             await wait_view(False)
             assert await cluster.generate("after", prompt) == hf_greedy(tiny_llama, prompt, 6)
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def test_sampling_controls_equal_the_engine_alone_disaggregated_and_aggregated(
+    workers, redis_server, tiny_llama
+):
+    """Penalties, logit_bias, min_tokens and bad words reach both workers: the prefill worker samples
+    the first token under them, the decode worker the rest (with the first token counted as output);
+    greedy and seeded outputs equal the engine alone, disaggregated and prefilled on the decode worker."""
+    plist = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=10,
+            presence_penalty=1.5,
+            frequency_penalty=0.5,
+            repetition_penalty=1.3,
+            logit_bias={77: 3.0, 987: -5.0},
+            bad_words_token_ids=[[95, 862], [881]],
+            min_tokens=4,
+        ),
+        SamplingParams(
+            temperature=0.8, seed=11, max_tokens=10, frequency_penalty=2.0, min_tokens=8, logit_bias={2: 50.0}
+        ),
+        SamplingParams(temperature=0, max_tokens=10, presence_penalty=-2.0, bad_words_token_ids=[[987]]),
+    ]
+    prompts = [[5, 9, 9, 17, 3, 3, 3, 40], list(range(100, 130)), [100, 7, 7, 250, 31, 31, 2, 8, 90, 12, 13]]
+    llm = LLM(str(tiny_llama), num_blocks=128, block_size=8)
+    want = [llm.generate(p, s, use_tqdm=False)[0].outputs[0].token_ids for p, s in zip(prompts, plist)]
+    plain = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert any(w[:6] != g for w, g in zip(want, plain))
+    cluster = Cluster(workers, redis_server, num_prefill=1)
+
+    async def run():
+        await cluster.start()
+        try:
+            for mode in ("disaggregated", "aggregated"):
+                cluster.router.local_prefill_tokens = 0 if mode == "disaggregated" else 10**6
+                for i, (p, s) in enumerate(zip(prompts, plist)):
+                    rid = f"{mode}-{i}"
+                    assert await cluster.generate(rid, p, s) == want[i], (mode, i)
+                    if mode == "disaggregated":
+                        assert cluster.routes[rid].prefill_worker == "p0"
+            assert cluster.router.stats.local_prefills == len(prompts)
             await cluster.all_free()
         finally:
             await cluster.stop()

@@ -134,7 +134,7 @@ def test_resumed_request_counts_its_earlier_output(llm):
     """A request moved mid-stream carries its tokens so far in the prompt, its budgets (max_tokens,
     min_tokens) lowered by them; with prior_output_tokens the penalties and bad words still count
     them as output, so the rest equals the uninterrupted run."""
-    kw = dict(presence_penalty=-2.0, frequency_penalty=-1.0, logit_bias={2: 4.0})
+    kw = dict(presence_penalty=-2.0, frequency_penalty=-1.0, logit_bias={2: 100.0})
     params = _greedy(**kw, bad_words_token_ids=[[95, 862], [881]], min_tokens=10)
     whole = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(whole) > 8
@@ -242,3 +242,37 @@ def test_params_bounds(kw, match):
 
 def _as_kwargs(p: SamplingParams) -> dict:
     return {f: getattr(p, f) for f in p.__dataclass_fields__}
+
+
+class _Words:
+    """A tokenizer whose token i is the text WORDS[i] (decode joins them)."""
+
+    WORDS = ("a", "b", "c", " stop", "d")
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.WORDS[i] for i in ids)
+
+
+@pytest.mark.parametrize(
+    "min_tokens, tokens, stops_at",
+    [
+        (0, [0, 3, 1, 3], 2),  # the first " stop" ends it
+        (2, [0, 3, 1, 3], 4),  # the first is inside the first two tokens: only the second counts
+        (2, [0, 1, 3, 2], 3),  # ends in the third token's text
+        (4, [3, 3, 3, 3, 3], 5),
+    ],
+)
+def test_stop_strings_wait_for_min_tokens(min_tokens, tokens, stops_at):
+    from engine.detokenizer import IncrementalDetokenizer
+
+    params = SamplingParams(stop=[" stop"], min_tokens=min_tokens, max_tokens=8)
+    detok = IncrementalDetokenizer(_Words(), [4], params)
+    for i, tok in enumerate(tokens, 1):
+        if detok.add([tok]) is not None:
+            assert i == stops_at
+            break
+    else:
+        raise AssertionError("no stop")
+    # One call with every token finds the same first valid match.
+    whole = IncrementalDetokenizer(_Words(), [4], params)
+    assert whole.add(tokens[:stops_at]) == " stop" and whole.text == detok.text

@@ -59,8 +59,19 @@ SHARED = [
     ("seed", 2**64),
     ("n", 0),
     ("n", LIMITS.max_n + 1),
-    ("presence_penalty", 1),
-    ("frequency_penalty", -2),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -2.01),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", 1e308),
+    ("min_tokens", -1),
+    ("min_tokens", 17),  # over max_tokens (16 for completions; 4 set for chat below)
+    ("logit_bias", {"5": 101}),
+    ("logit_bias", {"-3": 1}),
+    ("logit_bias", {"abc": 1}),
+    ("logit_bias", {"99999999": 1}),  # outside the vocabulary
+    ("logit_bias", {str(i): 1 for i in range(1025)}),
+    ("bad_words", ["  "]),
+    ("bad_words", ["w"] * 65),
     ("stop", ["x" * 1025]),
     ("stop", ["s"] * 17),
     ("stop_token_ids", [-1]),
@@ -74,7 +85,8 @@ SHARED = [
 @pytest.mark.parametrize("field,value", SHARED)
 def test_out_of_range_numbers_name_their_field_on_both_endpoints(info, field, value):
     assert _refusal(lambda: _completion(info, **{field: value})).param == field
-    assert _refusal(lambda: _chat(info, **{field: value})).param == field
+    chat_extra = {"max_tokens": 4} if field != "max_tokens" else {}
+    assert _refusal(lambda: _chat(info, **{field: value, **chat_extra})).param == field
 
 
 @pytest.mark.parametrize(
@@ -115,6 +127,25 @@ def test_non_finite_numbers_are_refused_with_the_field_named(info, field, litera
 )
 def test_json_the_parser_chokes_on_is_a_400(raw):
     assert _refusal(lambda: parse_body(raw, CompletionRequest)).code == "invalid_json"
+
+
+def test_sampling_controls_reach_the_engine_params(info):
+    body = dict(
+        presence_penalty=-2,
+        frequency_penalty=1.5,
+        repetition_penalty=1.2,
+        logit_bias={"5": -100, "7": 3.5},
+        min_tokens=3,
+        bad_words=["the world", " is"],
+    )
+    for g in (_completion(info, prompt="a", **body), _chat(info, max_tokens=8, **body)):
+        p = g.params
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-2, 1.5, 1.2)
+        assert p.logit_bias == {5: -100.0, 7: 3.5} and p.min_tokens == 3
+        # The tokenizer's own encodings of each word (this word-level tokenizer ignores spaces).
+        assert p.bad_words_token_ids == [info.tokenizer.encode("the world"), info.tokenizer.encode("is")]
+    neutral = _completion(info, prompt="a").params
+    assert not neutral.processes_logits
 
 
 def test_bounds_that_are_accepted_survive_the_wire(info):
