@@ -8,6 +8,10 @@ only if it ends in text produced after the first ``min_tokens`` tokens (vLLM's r
 
 ``pieces`` says what each token of the last ``add`` contributed to ``text`` (before a stop-string
 cut), so per-token views (logprob tokens, their offsets) line up with the text exactly.
+
+When the output ends while an incomplete UTF-8 sequence is pending, ``flush`` (at the end of the
+sequence) appends what the tokenizer makes of those bytes (U+FFFD for a partial character), so the
+final text is the tokenizer's decode of every returned token, last bytes included.
 """
 
 from __future__ import annotations
@@ -54,6 +58,20 @@ class IncrementalDetokenizer:
                 self.text = self.text[:end]
                 return stop
         return None
+
+    def flush(self) -> str:
+        """At the end of the output: the pending tokens' text (their bytes as the tokenizer decodes
+        them, even as an incomplete character), appended to ``text`` and returned."""
+        if not self._incomplete:
+            return ""
+        dec = self.tokenizer.decode
+        prefix = dec(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = dec(self.tokens[self.prefix_offset :], skip_special_tokens=True)
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        self._incomplete = False
+        rest = full[len(prefix) :]
+        self.text += rest
+        return rest
 
     def _step(self) -> str:
         dec = self.tokenizer.decode

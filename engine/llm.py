@@ -130,6 +130,9 @@ class LLM:
             stop = detok.add(out.new_token_ids)
             comp.text = detok.text
         if out.finish_reason is not None:
+            if detok is not None and stop is None:
+                detok.flush()  # bytes of a character the output ended inside
+                comp.text = detok.text
             comp.finish_reason = out.finish_reason
             comp.stop_reason = out.stop_reason
         return None if comp.finish_reason is not None else stop

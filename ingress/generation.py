@@ -172,6 +172,7 @@ class Generation:
             self.stamps.workers = fin.timing
         if s.finish_reason is not None:
             return []
+        s.detok.flush()  # bytes of a character the output ended inside
         s.finish_reason = fin.finish_reason
         s.stop_reason = fin.stop_reason or None
         return [self._delta(fin.sample_index, s, [])]

@@ -143,3 +143,31 @@ def test_alternatives_read_as_they_would_in_the_text():
         texts = TokenTexts(tok)
         world = tok.encode(" world", add_special_tokens=False)
         assert texts.alternative(tok.encode("hello", add_special_tokens=False), world[0])[0].startswith(" w")
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _sentencepiece_tokenizer])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_output_ending_inside_a_character_keeps_its_last_bytes(info, make, stream):
+    """Generation that stops (here: max_tokens) between the bytes of one character: the returned
+    text is the tokenizer's decode of every returned token (after the prompt), the partial
+    character included."""
+    import dataclasses
+
+    tok = make()
+    prompt = tok.encode("hello", add_special_tokens=False)
+    ids = tok.encode(" hello \U0001f600", add_special_tokens=False)[:-1]  # the emoji's last byte never comes
+    expected = tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
+    assert expected.endswith("\ufffd")
+    byte_info = dataclasses.replace(info, tokenizer=tok, vocab_size=len(tok))
+    script = [tokens(ids[:2]), tokens(ids[2:]), finished()]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": len(ids), "stream": stream}
+    r = asyncio.run(call(_app(byte_info, script), "/v1/completions", body))
+    if stream:
+        text = "".join(e["choices"][0]["text"] for e in r.events() if e.get("choices"))
+    else:
+        text = r.json()["choices"][0]["text"]
+    assert text == expected
+    # The offline engine's detokenizer agrees.
+    detok = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    detok.add(ids)
+    assert detok.text + detok.flush() == expected == detok.text
