@@ -21,13 +21,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 
+from ingress.completion_batch import plan_completion, serve_plan
 from ingress.generation import ChoiceDelta, Generation
 from ingress.metrics import IngressMetrics
 from ingress.model_info import ModelInfo
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ingress.options import IngressOptions
 from ingress.request_timing import TIMING_FIELD, IngressStamps
-from ingress.request_validation import GenerationRequest, parse_body, validate_chat, validate_completion
+from ingress.request_validation import GenerationRequest, parse_body, validate_chat
 from ingress.token_text import TokenTexts
 from router.client import RouterClient
 
@@ -108,8 +109,11 @@ class OpenAIServing:
         """``arrived``: when the HTTP handler took the request (perf_counter); ``timing``: return
         the request's hop timing with the answer."""
         stamps = IngressStamps(arrived if arrived is not None else time.perf_counter())
-        req = await self._validated(body, CompletionRequest, validate_completion)
-        return await self._serve(req, f"cmpl-{uuid.uuid4().hex}", stamps, timing)
+        plan = await self._validated(body, CompletionRequest, plan_completion)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if plan.single:
+            return await self._serve(plan.parts[0], rid, stamps, timing)
+        return await serve_plan(self._serve, plan, rid, self.info.name, stamps)
 
     async def chat(self, body: bytes, arrived: float | None = None, timing: bool = False):
         stamps = IngressStamps(arrived if arrived is not None else time.perf_counter())

@@ -62,27 +62,23 @@ def parse_body(body: bytes, model_cls: type[CompletionRequest] | type[ChatComple
 
 
 def validate_completion(req: CompletionRequest, info: ModelInfo, limits: IngressOptions) -> GenerationRequest:
+    """One prompt (a string, a token-id list, or a one-element list of either) with ``n`` samples;
+    ``ingress.completion_batch`` splits lists of prompts, ``best_of`` and ``echo`` into such requests."""
     _check_model(req.model, info)
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo", code="unsupported_parameter")
     if req.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+        raise APIError(
+            400,
+            "suffix is not supported (no fill-in-the-middle for this model)",
+            param="suffix",
+            code="unsupported_parameter",
+        )
     check_sampling(req, limits.max_n)
     logprobs = _bounded("logprobs", req.logprobs, limits.max_logprobs)
     check_max_tokens("max_tokens", req.max_tokens)
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError(
-            400, "best_of must equal n (or be omitted)", param="best_of", code="unsupported_parameter"
-        )
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise APIError(
-                400,
-                f"batched prompts are not supported ({len(prompt)} given): send one request per prompt",
-                param="prompt",
-                code="unsupported_parameter",
-            )
+            raise APIError(400, "one prompt expected here", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:

@@ -177,3 +177,105 @@ def continuation(model_dir, prompt: list[int], out: list[int]) -> str:
     tok = AutoTokenizer.from_pretrained(model_dir)
     full = tok.decode(prompt + out, skip_special_tokens=True)
     return full[len(tok.decode(prompt, skip_special_tokens=True)) :]
+
+
+def test_completions_batch_echo_best_of_and_sampling_controls_equal_the_engine_alone(stack, tiny_llama):
+    """Over real processes (disaggregated for n = 1, aggregated for n > 1): a list of prompts with
+    choices indexed prompt * n + sample, echo, best_of picking the highest mean logprob, sampling
+    controls, the utility endpoints; every worker's blocks free afterwards."""
+    from engine import LLM, SamplingParams
+
+    base, p, d = stack
+    model = str(tiny_llama)
+    llm = LLM(model, num_blocks=128, block_size=8)
+    prompts = [list(range(5, 25)), [100, 7, 7, 250, 31, 31, 2, 8, 90, 12, 13]]
+
+    def engine_texts(prompt, **kw) -> list[tuple[str, float]]:
+        out = llm.generate(
+            prompt, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0, **kw), use_tqdm=False
+        )
+        return [
+            (
+                continuation(tiny_llama, prompt, c.token_ids),
+                sum(next(iter(lp.values())) for lp in c.logprobs) / 8,
+            )
+            for c in out[0].outputs
+        ]
+
+    # Several prompts, n = 2 seeded: choice i * 2 + j is sample j of prompt i.
+    req = {"model": model, "prompt": prompts, "max_tokens": 8, "n": 2, "seed": 3, "ignore_eos": True}
+    code, body = _post(base, "/v1/completions", req)
+    assert code == 200, body
+    want = [t for pr in prompts for t, _ in engine_texts(pr, n=2, seed=3, temperature=1.0)]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == want
+    assert (
+        body["usage"]["prompt_tokens"] == sum(map(len, prompts)) and body["usage"]["completion_tokens"] == 32
+    )
+    # The same streamed: every choice's chunks join to its text; one usage chunk for the request.
+    events = _stream(
+        base, "/v1/completions", {**req, "stream": True, "stream_options": {"include_usage": True}}, {}
+    )
+    texts = {}
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(4)] == want
+    assert [e["usage"]["completion_tokens"] for e in events if e.get("usage")] == [32]
+
+    # echo: the prompt's text first (a token-id prompt decoded).
+    code, body = _post(
+        base, "/v1/completions", {**req, "prompt": prompts[1], "n": 1, "echo": True, "temperature": 0}
+    )
+    greedy = engine_texts(prompts[1], temperature=0)[0][0]
+    prompt_text = llm.tokenizer.decode(prompts[1])
+    assert body["choices"][0]["text"] == prompt_text + greedy
+
+    # best_of = 4: the sample with the highest mean token logprob; usage counts all four. The seed is
+    # one whose best sample is not the first, so returning the first would fail.
+    for seed in range(3, 40):
+        samples = engine_texts(prompts[0], n=4, seed=seed, temperature=1.5)
+        best = max(range(4), key=lambda j: samples[j][1])
+        if best != 0:
+            break
+    code, body = _post(
+        base,
+        "/v1/completions",
+        {**req, "prompt": prompts[0], "n": 1, "best_of": 4, "seed": seed, "temperature": 1.5},
+    )
+    assert code == 200, body
+    assert [c["text"] for c in body["choices"]] == [samples[best][0]]
+    assert body["choices"][0]["logprobs"] is None and body["usage"]["completion_tokens"] == 32
+
+    # Sampling controls through prefill and decode processes equal the engine alone.
+    controls = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, min_tokens=4)
+    code, body = _post(
+        base,
+        "/v1/completions",
+        {**req, "prompt": prompts[1], "n": 1, "temperature": 0, "logit_bias": {"77": 3.0}, **controls},
+    )
+    assert (
+        body["choices"][0]["text"]
+        == engine_texts(prompts[1], temperature=0, logit_bias={77: 3.0}, **controls)[0][0]
+    )
+
+    # The utility endpoints answer from the ingress's tokenizer.
+    code, body = _post(
+        base, "/tokenize", {"model": model, "prompt": prompt_text, "add_special_tokens": False}
+    )
+    assert code == 200 and body["tokens"] == llm.tokenizer.encode(prompt_text, add_special_tokens=False)
+    code, body = _post(base, "/detokenize", {"model": model, "tokens": prompts[1]})
+    assert code == 200 and body["prompt"] == prompt_text
+
+    async def all_free():
+        deadline = time.monotonic() + 15
+        while True:
+            states = [await state(w.address, w.role) for w in (p, d)]
+            if all(
+                s.stats.num_free_blocks == s.stats.num_blocks and s.stats.num_running == 0 for s in states
+            ):
+                return
+            assert time.monotonic() < deadline, [s.stats for s in states]
+            await asyncio.sleep(0.1)
+
+    asyncio.run(all_free())

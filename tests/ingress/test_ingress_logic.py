@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from deploy.config import PDServeConfig
+from ingress.completion_batch import plan_completion
 from ingress.generation import Generation
 from ingress.metrics import IngressMetrics
 from ingress.model_info import load_model_info
@@ -34,6 +35,10 @@ LIMITS = IngressOptions()
 
 def _completion(info, **body):
     return validate_completion(CompletionRequest.model_validate({"model": "tiny", **body}), info, LIMITS)
+
+
+def _plan(info, **body):
+    return plan_completion(CompletionRequest.model_validate({"model": "tiny", **body}), info, LIMITS)
 
 
 def test_completion_defaults_and_token_prompts(info):
@@ -68,15 +73,20 @@ def test_chat_fills_the_context_by_default_and_maps_logprobs(info):
         ({"prompt": "a", "stop": ["s"] * 17}, 400, "stop"),
         ({"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
         ({"prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
-        ({"prompt": "a", "echo": True}, 400, "echo"),
-        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": "a", "echo": True, "logprobs": 1}, 400, "echo"),
+        ({"prompt": "a", "suffix": "x"}, 400, "suffix"),
+        ({"prompt": ["a"] * 65}, 400, "prompt"),
+        ({"prompt": ["a", ""]}, 400, "prompt"),  # every prompt is validated
+        ({"prompt": "a", "n": 3, "best_of": 2}, 400, "best_of"),
+        ({"prompt": "a", "best_of": 17}, 400, "best_of"),
+        ({"prompt": "a", "best_of": 2, "stream": True}, 400, "best_of"),
         ({"prompt": "a", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
         ({"prompt": [1] * 600}, 400, "prompt"),  # the prompt alone fills the context
     ],
 )
 def test_completion_refusals(info, body, status, param):
     with pytest.raises(APIError) as exc:
-        _completion(info, **body)
+        _plan(info, **body)
     assert exc.value.status == status and exc.value.param == param
 
 

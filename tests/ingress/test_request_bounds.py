@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import pytest
 
+from ingress.completion_batch import plan_completion
 from ingress.model_info import load_model_info
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ingress.options import IngressOptions
 from ingress.request_bounds import PROMPT_CHARS_PER_TOKEN, SEED_MAX, TOP_P_FLOOR
-from ingress.request_validation import parse_body, validate_chat, validate_completion
+from ingress.request_validation import parse_body, validate_chat
 from proto.convert import params_from_proto, params_to_proto
 
 LIMITS = IngressOptions()
@@ -34,7 +35,8 @@ def _refusal(fn) -> APIError:
 
 def _completion(info, raw: bytes | None = None, limits=LIMITS, **body):
     raw = raw or json.dumps({"model": "tiny", "prompt": "the world", **body}).encode()
-    return validate_completion(parse_body(raw, CompletionRequest), info, limits)
+    plan = plan_completion(parse_body(raw, CompletionRequest), info, limits)
+    return plan.parts[0]
 
 
 def _chat(info, limits=LIMITS, **body):
