@@ -17,6 +17,7 @@ _EXPORTS = {
     "EngineCore": "engine.engine_core",
     "EngineStats": "engine.engine_core",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutput": "engine.sampling_params",
 }
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "EngineStats",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
 ]
 
 if TYPE_CHECKING:
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from engine.engine_core import EngineCore, EngineStats
     from engine.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import SamplingParams, StructuredOutput
 
 
 def __getattr__(name: str):

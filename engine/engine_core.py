@@ -28,6 +28,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SequenceOutput
+from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,10 @@ class EngineCore:
         self.runner = ModelRunner(
             self.model, backend, self.layout, kv_cache, cpu_cache, self.device, self.eos_token_ids
         )
+        self.structured = StructuredOutputs(
+            config.tokenizer or self.model_path, self.spec.vocab_size, self.eos_token_ids
+        )
+        self.runner.structured = self.structured
         if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
             from engine.cuda_graphs import DecodeGraphRunner
 
@@ -157,6 +162,8 @@ class EngineCore:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         _check_vocab(params, vocab)
+        if params.structured is not None:
+            self.structured.compile(params.structured)  # a bad schema is refused here, once
         if params.prior_output_tokens >= n:
             raise ValueError(
                 f"prior_output_tokens ({params.prior_output_tokens}) must be less than the prompt's {n} tokens"

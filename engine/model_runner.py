@@ -19,6 +19,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingBatch, sample_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.structured_output import GrammarState, StructuredOutputs
 
 
 @dataclass(slots=True)
@@ -30,6 +31,7 @@ class _SeqState:
     sample_index: int
     output_start: int
     prompt_len: int
+    grammar: GrammarState | None = None
 
 
 class ModelRunner:
@@ -45,6 +47,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids  # banned under min_tokens
+        self.structured: StructuredOutputs | None = None  # set by the engine
         self.backend = backend
         self.layout = layout
         self.kv_cache = kv_cache
@@ -62,6 +65,7 @@ class ModelRunner:
             return RunnerOutput()
         order = self._batch_order(sched)
         input_ids, positions, meta, sample_rows = self._prepare(sched, order)
+        masks = self._grammar_masks(sample_rows)  # filled on a helper thread during the forward pass
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
@@ -70,7 +74,7 @@ class ModelRunner:
             return RunnerOutput()
         rows = [r for r, _, _ in sample_rows]
         logits = self.model.compute_logits(hidden[rows])
-        return self._sample(logits, sample_rows)
+        return self._sample(logits, sample_rows, masks)
 
     def _batch_order(self, sched: SchedulerOutput) -> list[str]:
         """Decodes first, longest context first (the attention backend groups them by length)."""
@@ -98,6 +102,10 @@ class ModelRunner:
                 new.output_start,
                 new.prompt_len,
             )
+            spec = new.params.structured
+            if spec is not None:
+                state = self.seqs[new.seq_id]
+                state.grammar = self.structured.matcher(spec, state.token_ids[state.output_start :])
         for run in sched.running_seqs:
             state = self.seqs[run.seq_id]
             if run.block_ids is not None:
@@ -154,7 +162,21 @@ class ModelRunner:
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         return input_ids, pos_t.to(self.device), meta, sample_rows
 
-    def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[int, str, int]]) -> RunnerOutput:
+    def _grammar_masks(self, sample_rows: list[tuple[int, str, int]]):
+        """A future of the step's token bitmask (one row per sample), or None without grammars."""
+        rows: list[tuple[int, GrammarState]] = []
+        k = 0
+        for _, seq_id, n in sample_rows:
+            grammar = self.seqs[seq_id].grammar
+            for _ in range(n):
+                if grammar is not None and grammar.constraining:
+                    rows.append((k, grammar))
+                k += 1
+        return self.structured.fill_async(rows, k) if rows else None
+
+    def _sample(
+        self, logits: torch.Tensor, sample_rows: list[tuple[int, str, int]], masks=None
+    ) -> RunnerOutput:
         expand: list[int] = []
         temps, top_ks, top_ps, min_ps, seeds, positions = [], [], [], [], [], []
         want_logprobs: list[int | None] = []
@@ -193,6 +215,7 @@ class ModelRunner:
             any_min_p=any(m > 0 for m in min_ps),
             max_logprobs=max(wanted) if wanted else None,
             adjust=LogitsAdjustment.build(processed, dev) if processed else None,
+            token_bitmask=masks.result().to(dev) if masks is not None else None,
         )
         result = self.sampler(logits, batch)
         token_list = result.token_ids.tolist()
@@ -201,7 +224,10 @@ class ModelRunner:
         for _, seq_id, n in sample_rows:
             toks = token_list[row : row + n]
             out.sampled[seq_id] = toks
-            self.seqs[seq_id].token_ids.append(toks[0])
+            state = self.seqs[seq_id]
+            state.token_ids.append(toks[0])
+            if state.grammar is not None:
+                state.grammar.accept(toks[0])  # forked samples rebuild theirs from their tokens
             if result.sampled_logprobs is not None and want_logprobs[row] is not None:
                 out.logprobs[seq_id] = [
                     self._logprob_dict(result, row + s, want_logprobs[row]) for s in range(n)

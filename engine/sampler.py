@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.logits_processing import LogitsAdjustment
+from engine.structured_output import apply_bitmask
 
 _M32 = 0xFFFFFFFF
 
@@ -60,6 +61,7 @@ class SamplingBatch:
     any_min_p: bool
     max_logprobs: int | None  # None: no row wants logprobs
     adjust: LogitsAdjustment | None = None  # bad words, min_tokens, logit_bias, penalties
+    token_bitmask: torch.Tensor | None = None  # [N, words] int32: structured outputs' allowed tokens
 
 
 @dataclass(slots=True)
@@ -77,6 +79,8 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         if batch.adjust is not None:
             logits = batch.adjust.apply(logits)
+        if batch.token_bitmask is not None:
+            logits = apply_bitmask(logits, batch.token_bitmask)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             tokens = greedy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -10,6 +11,38 @@ MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty / frequency_penalty
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What the output must be: ``json_schema`` (``value``: the schema as JSON text), ``json_object``
+    (any JSON object), ``regex``, ``choice`` (``value``: a JSON list of the allowed strings) or
+    ``grammar`` (EBNF, xgrammar's dialect)."""
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if not isinstance(self.value, str):
+            raise ValueError("structured output value must be a string")
+        if self.kind in ("json_schema", "choice"):
+            try:
+                parsed = json.loads(self.value)
+            except ValueError as exc:
+                raise ValueError(f"structured output {self.kind} is not valid JSON: {exc}") from exc
+            if self.kind == "json_schema" and not isinstance(parsed, dict):
+                raise ValueError("a JSON schema must be a JSON object")
+            if self.kind == "choice" and not (
+                isinstance(parsed, list) and parsed and all(isinstance(c, str) and c for c in parsed)
+            ):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+        elif self.kind in ("regex", "grammar") and not self.value:
+            raise ValueError(f"structured output {self.kind} must not be empty")
 
 
 @dataclass(slots=True)
@@ -32,6 +65,9 @@ class SamplingParams:
     decoding takes the argmax of the processed logits; returned logprobs are the model's own.
     ``bad_words`` are strings for whoever holds the tokenizer (``LLM``, the HTTP ingress) to turn
     into ``bad_words_token_ids``; the engine itself reads only the ids.
+
+    ``structured``: a grammar the output must follow (``StructuredOutput``); the request then ends on
+    EOS once the output is complete, so ``ignore_eos`` cannot be set with it.
 
     ``prior_output_tokens``: how many of the prompt's last tokens this request generated earlier (a
     generation continued from its own output, a request resumed on another worker): penalties and
@@ -58,6 +94,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     prior_output_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,6 +163,13 @@ class SamplingParams:
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():
                 raise ValueError(f"bad_words must be non-empty strings, got {w!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError("structured must be a StructuredOutput")
+            if self.ignore_eos:
+                raise ValueError(
+                    "structured output ends on EOS once complete: ignore_eos cannot be set with it"
+                )
         for ids in self.bad_words_token_ids:
             if not ids:
                 raise ValueError("bad_words_token_ids entries must be non-empty token sequences")

@@ -1,0 +1,137 @@
+"""Structured outputs: a grammar per request (JSON schema, any JSON, regex, a choice list, EBNF) that
+only lets the sampler pick tokens keeping the output a valid prefix of the language, with xgrammar.
+
+Lifecycle of a request's grammar: compiled once per distinct spec (cached) when the request is
+validated, so a bad schema is refused before the request is queued -> a matcher per sequence, created
+when the runner first sees the sequence and fed every token of its output so far (a resumed or
+recomputed request, a decode worker continuing a prefill worker's first token: the matcher is
+rebuilt from the tokens, nothing else crosses the wire) -> each step, the next-token bitmask is
+filled on a helper thread while the model's forward pass runs (xgrammar releases the GIL), applied
+to the logits before sampling, and the sampled token is accepted -> once the language is complete
+only EOS is allowed, so the request ends on EOS.
+
+JSON is generated compact (no free whitespace between tokens): a model cannot fill its output with
+whitespace it was never asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from engine.sampling_params import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputs:
+    """The engine's grammar compiler and the per-sequence matchers it hands out."""
+
+    def __init__(self, tokenizer_path: str | Path, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer_path = str(tokenizer_path)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._compiler = None
+        self._lock = threading.Lock()  # compiles come from gRPC threads and the engine thread
+        self._cache: dict[StructuredOutput, object] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def compile(self, spec: StructuredOutput):
+        """The compiled grammar (cached); ValueError saying why for a spec it cannot compile."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                return hit
+            compiler = self._get_compiler()
+            try:
+                compiled = _compile(compiler, spec)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise ValueError(f"cannot compile the {spec.kind} for structured output: {exc}") from exc
+            self._cache[spec] = compiled
+            return compiled
+
+    def matcher(self, spec: StructuredOutput, output: list[int]) -> GrammarState:
+        """A matcher for ``spec`` that has accepted ``output`` (the sequence's tokens so far)."""
+        import xgrammar as xgr
+
+        state = GrammarState(xgr.GrammarMatcher(self.compile(spec)))
+        for tok in output:
+            state.accept(tok)
+        return state
+
+    def fill_async(self, rows: list[tuple[int, GrammarState]], num_rows: int) -> Future:
+        """Starts filling a [num_rows, words] int32 bitmask (all ones where no grammar) on the helper
+        thread; the caller overlaps it with the forward pass and waits on the future."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._pool.submit(self._fill, rows, num_rows)
+
+    def _fill(self, rows: list[tuple[int, GrammarState]], num_rows: int) -> torch.Tensor:
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)  # all ones
+        for i, state in rows:
+            state.matcher.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(self.eos_token_ids) or None
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
+
+
+class GrammarState:
+    """One sequence's position in its grammar."""
+
+    __slots__ = ("failed", "matcher")
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+        self.failed = False
+
+    @property
+    def constraining(self) -> bool:
+        """Whether the next token is still masked (not once EOS was accepted, or after a failure)."""
+        return not self.failed and not self.matcher.is_terminated()
+
+    def accept(self, token: int) -> None:
+        # NOTE: the mask makes a refused token impossible; should one still come (a bug), say so once
+        # and stop constraining rather than fail the engine step.
+        if not self.failed and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            self.failed = True
+            logger.error("grammar refused sampled token %d; the output is no longer constrained", token)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits with every token the [N, words] int32 bitmask does not allow set to -inf."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def _compile(compiler, spec: StructuredOutput):
+    if spec.kind == "json_schema":
+        return compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+    if spec.kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.value)
+    if spec.kind == "choice":
+        choices = json.loads(spec.value)
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
+    if spec.kind == "grammar":
+        return compiler.compile_grammar(spec.value)
+    raise ValueError(f"unknown structured output kind {spec.kind!r}")

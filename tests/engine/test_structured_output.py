@@ -1,0 +1,160 @@
+"""Structured outputs in the engine: every output parses and validates (JSON schema, any JSON object,
+regex, choice, EBNF), greedy tokens equal a plain reference loop (HF logits masked by the grammar),
+and grammars survive mixed batches, n > 1, chunked prefill, preemption and a resumed request."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from engine import LLM, SamplingParams, StructuredOutput
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "pet": {"enum": ["cat", "dog", "fish"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pet", "tags"],
+    "additionalProperties": False,
+}
+PROMPTS = [[5, 9, 9, 17, 3, 3, 3, 40], [100, 7, 7, 250, 31, 31, 8, 90, 12, 13], list(range(50, 80))]
+
+
+def json_schema(schema=SCHEMA) -> StructuredOutput:
+    return StructuredOutput("json_schema", json.dumps(schema))
+
+
+@pytest.fixture(scope="module")
+def llm(byte_level_model):
+    return LLM(str(byte_level_model), num_blocks=256, block_size=8)
+
+
+def _texts(outs) -> list[str]:
+    return [c.text for o in outs for c in o.outputs]
+
+
+def test_json_schema_outputs_validate_greedy_and_sampled(llm):
+    for params in (
+        SamplingParams(temperature=0, max_tokens=120, structured=json_schema()),
+        SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=120, structured=json_schema()),
+    ):
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        for o in outs:
+            for c in o.outputs:
+                assert c.finish_reason == "stop", c.text
+                jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_json_object_regex_choice_and_grammar(llm):
+    tok = llm.tokenizer
+    # A random model rarely closes a string or an object: favour the closing tokens (the grammar still
+    # decides where each may go).
+    closers = {**_ids(tok, ['"'], 40.0), **_ids(tok, ["}"], 20.0)}
+    obj = SamplingParams(
+        temperature=0, max_tokens=200, structured=StructuredOutput("json_object"), logit_bias=closers
+    )
+    for text in _texts(llm.generate(PROMPTS, obj, use_tqdm=False)):
+        assert isinstance(json.loads(text), dict)
+    regex = SamplingParams(
+        temperature=0.8, seed=1, max_tokens=40, structured=StructuredOutput("regex", r"[0-9]{3}-[a-z]{2,4}")
+    )
+    for text in _texts(llm.generate(PROMPTS, regex, use_tqdm=False)):
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text), text
+    choices = ["yes", "no", "maybe later"]
+    choice = SamplingParams(
+        temperature=1.0,
+        seed=2,
+        n=4,
+        max_tokens=20,
+        structured=StructuredOutput("choice", json.dumps(choices)),
+    )
+    assert set(_texts(llm.generate(PROMPTS, choice, use_tqdm=False))) <= set(choices)
+    ebnf = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9]'
+    grammar = SamplingParams(
+        temperature=0,
+        max_tokens=40,
+        structured=StructuredOutput("grammar", ebnf),
+        logit_bias=_ids(tok, [")"], 3.0),
+    )
+    for text in _texts(llm.generate(PROMPTS, grammar, use_tqdm=False)):
+        assert re.fullmatch(r"\([1-9](\+[1-9])*\)", text), text
+
+
+def test_greedy_equals_a_reference_loop(llm, byte_level_model):
+    """HF's logits, the grammar's mask from a fresh matcher, argmax: token for token."""
+    import transformers
+    import xgrammar as xgr
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(byte_level_model, dtype=torch.float32).eval()
+    info = xgr.TokenizerInfo.from_huggingface(
+        llm.tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[2]
+    )
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    params = SamplingParams(temperature=0, max_tokens=120, structured=json_schema())
+    for prompt in PROMPTS:
+        got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        matcher, out = xgr.GrammarMatcher(compiled), []
+        with torch.no_grad():
+            while len(out) < 120:
+                logits = model(torch.tensor([prompt + out])).logits[0, -1:].float()
+                mask = xgr.allocate_token_bitmask(1, model.config.vocab_size)
+                matcher.fill_next_token_bitmask(mask)
+                xgr.apply_token_bitmask_inplace(logits, mask)
+                tok = int(logits.argmax())
+                out.append(tok)
+                if tok == 2:
+                    break
+                assert matcher.accept_token(tok)
+        assert got == out
+
+
+def test_mixed_batch_chunked_prefill_preemption_and_resume(byte_level_model, hf_greedy):
+    # 8-token chunks, a pool small enough to preempt by recompute mid-decode.
+    llm = LLM(str(byte_level_model), num_blocks=28, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    structured = SamplingParams(temperature=0, max_tokens=60, structured=json_schema())
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = PROMPTS + [PROMPTS[0][:5]]
+    outs = llm.generate(prompts, [structured, plain, structured, plain], use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    for i in (0, 2):
+        jsonschema.validate(json.loads(outs[i].outputs[0].text), SCHEMA)
+    for i in (1, 3):
+        assert outs[i].outputs[0].token_ids == hf_greedy(byte_level_model, prompts[i], 20)
+    alone = LLM(str(byte_level_model), num_blocks=256, block_size=8)
+    for i in (0, 2):
+        assert (
+            outs[i].outputs[0].token_ids
+            == alone.generate(prompts[i], structured, use_tqdm=False)[0].outputs[0].token_ids
+        )
+    # A request resumed after k tokens (carried in its prompt) continues the same document.
+    whole = outs[0].outputs[0].token_ids
+    k = 7
+    rest = (
+        alone.generate(prompts[0] + whole[:k], structured.continued(k), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+    assert rest == whole[k:]
+
+
+def test_a_bad_spec_is_refused_before_queueing(llm):
+    with pytest.raises(ValueError, match="JSON"):
+        StructuredOutput("json_schema", "{not json")
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutput("choice", "[]")
+    with pytest.raises(ValueError, match="cannot compile"):
+        llm.core.validate([1, 2], SamplingParams(structured=StructuredOutput("regex", "([a-z")))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(structured=StructuredOutput("json_object"), ignore_eos=True)
+    assert not llm.core.has_unfinished()
+
+
+def _ids(tok, pieces: list[str], bias: float) -> dict[int, float]:
+    return {t: bias for t in tok.convert_tokens_to_ids(pieces) if t is not None and t != tok.unk_token_id}
