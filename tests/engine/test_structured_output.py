@@ -120,7 +120,7 @@ def test_mixed_batch_chunked_prefill_preemption_and_resume(byte_level_model, hf_
     llm = LLM(str(byte_level_model), num_blocks=28, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
     structured = SamplingParams(temperature=0, max_tokens=60, structured=json_schema())
     plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    prompts = PROMPTS + [PROMPTS[0][:5]]
+    prompts = [*PROMPTS, PROMPTS[0][:5]]
     outs = llm.generate(prompts, [structured, plain, structured, plain], use_tqdm=False)
     assert llm.stats().num_preemptions > 0
     for i in (0, 2):
