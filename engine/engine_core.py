@@ -331,6 +331,10 @@ class EngineCore:
                 outs.extend(self._finish_group(g, RequestStatus.FINISHED_ERROR, f"engine error: {exc}"))
             return outs
         outs = self.scheduler.update(sched, result)
+        for seq_id, error in result.errors.items():
+            req = self.scheduler.requests.get(seq_id)
+            if req is not None:
+                outs.extend(self._finish_group(req.group_id, RequestStatus.FINISHED_ERROR, error))
         if self.scheduler.batching is not None:  # the fair policy sizes later steps from this one's time
             self.scheduler.batching.observe(sched.total_num_scheduled_tokens, time.perf_counter() - t0)
         self._generation_tokens += sum(len(o.new_token_ids) for o in outs)

@@ -226,8 +226,9 @@ class ModelRunner:
             out.sampled[seq_id] = toks
             state = self.seqs[seq_id]
             state.token_ids.append(toks[0])
-            if state.grammar is not None:
-                state.grammar.accept(toks[0])  # forked samples rebuild theirs from their tokens
+            # Forked samples rebuild their grammar state from their tokens.
+            if state.grammar is not None and not state.grammar.accept(toks[0]):
+                out.errors[seq_id] = "structured output: the grammar allows none of the model's tokens here"
             if result.sampled_logprobs is not None and want_logprobs[row] is not None:
                 out.logprobs[seq_id] = [
                     self._logprob_dict(result, row + s, want_logprobs[row]) for s in range(n)

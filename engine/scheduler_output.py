@@ -62,6 +62,8 @@ class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     # seq_id -> per sample: {token_id: logprob}, the sampled token first.
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # seq_id -> why its request must end with an error (a grammar no token of the model can follow).
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -106,12 +106,12 @@ class GrammarState:
         """Whether the next token is still masked (not once EOS was accepted, or after a failure)."""
         return not self.failed and not self.matcher.is_terminated()
 
-    def accept(self, token: int) -> None:
-        # NOTE: the mask makes a refused token impossible; should one still come (a bug), say so once
-        # and stop constraining rather than fail the engine step.
+    def accept(self, token: int) -> bool:
+        """False when the grammar refuses the token: only when it allowed none of the model's tokens
+        (a tokenizer that cannot write the language); the request then ends with an error."""
         if not self.failed and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
             self.failed = True
-            logger.error("grammar refused sampled token %d; the output is no longer constrained", token)
+        return not self.failed
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,12 @@ class _SamplingFields(_Request):
     repetition_penalty: Number | None = None
     min_tokens: StrictInt | None = None
     bad_words: list[StrictStr] | None = None
+    # Structured output: OpenAI's response_format, or one of vLLM's guided_* fields.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -126,7 +132,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None

@@ -33,6 +33,7 @@ from ingress.request_bounds import (
     check_sampling,
     prompt_chars_limit,
 )
+from ingress.structured_request import structured_output
 
 
 @dataclass(slots=True)
@@ -105,13 +106,6 @@ def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOp
     _check_model(req.model, info)
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise APIError(
-            400,
-            "only response_format type 'text' is supported",
-            param="response_format",
-            code="unsupported_parameter",
-        )
     check_sampling(req, limits.max_n)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise APIError(400, "give max_completion_tokens or max_tokens, not both", param="max_tokens")
@@ -183,6 +177,7 @@ def _finish(req, ids, max_tokens, max_param, logprobs, info, *, chat: bool) -> G
         )
     bias = check_logit_bias(req.logit_bias, info.vocab_size)
     bad_words = bad_words_token_ids(info.tokenizer, req.bad_words) if req.bad_words else []
+    structured = structured_output(req)
     try:
         params = SamplingParams(
             n=req.n,
@@ -202,6 +197,7 @@ def _finish(req, ids, max_tokens, max_param, logprobs, info, *, chat: bool) -> G
             logit_bias=bias,
             min_tokens=min_tokens,
             bad_words_token_ids=bad_words,
+            structured=structured,
         )
     except ValueError as exc:  # the engine's own bounds, should they ever be narrower than ours
         raise APIError(400, str(exc), param=_param_of(str(exc))) from exc

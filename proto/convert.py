@@ -5,7 +5,7 @@ NOTE: imports only ``engine.sampling_params`` (torch-free), so the router may us
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from proto import pdserve_pb2 as pb
 
 
@@ -31,6 +31,9 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         min_tokens=p.min_tokens,
         bad_words_token_ids=[list(w.ids) for w in p.bad_words],
         prior_output_tokens=p.prior_output_tokens,
+        structured=StructuredOutput(p.structured.kind, p.structured.value)
+        if p.HasField("structured")
+        else None,
     )
 
 
@@ -56,6 +59,9 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
     )
     if s.bad_words and not s.bad_words_token_ids:
         raise ValueError("bad_words must be tokenized into bad_words_token_ids before they cross the wire")
+    if s.structured is not None:
+        msg.structured.kind = s.structured.kind
+        msg.structured.value = s.structured.value
     if s.seed is not None:
         msg.seed = s.seed
     if s.logprobs is not None:

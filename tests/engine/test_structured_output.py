@@ -158,3 +158,16 @@ def test_a_bad_spec_is_refused_before_queueing(llm):
 
 def _ids(tok, pieces: list[str], bias: float) -> dict[int, float]:
     return {t: bias for t in tok.convert_tokens_to_ids(pieces) if t is not None and t != tok.unk_token_id}
+
+
+def test_a_grammar_the_tokenizer_cannot_write_ends_with_an_error(tiny_llama):
+    """The word-level tiny tokenizer has no "{": the grammar allows no token, and the request ends
+    with finish_reason "error" instead of returning text that does not follow it."""
+    llm = LLM(str(tiny_llama), num_blocks=64, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=8, structured=StructuredOutput("json_object"))
+    out = llm.generate(
+        [PROMPTS[0], PROMPTS[1]], [params, SamplingParams(temperature=0, max_tokens=8)], use_tqdm=False
+    )
+    assert out[0].outputs[0].finish_reason == "error"
+    assert out[1].outputs[0].finish_reason == "length" and len(out[1].outputs[0].token_ids) == 8
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
