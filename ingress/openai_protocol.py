@@ -116,6 +116,17 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool's answer: the call it answers
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                msg[key] = value
+        return msg
 
     def text(self) -> str:
         if self.content is None:

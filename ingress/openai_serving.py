@@ -30,6 +30,7 @@ from ingress.options import IngressOptions
 from ingress.request_timing import TIMING_FIELD, IngressStamps
 from ingress.request_validation import GenerationRequest, parse_body, validate_chat
 from ingress.token_text import TokenTexts
+from ingress.tool_calls import ToolStream, parse_tool_calls
 from router.client import RouterClient
 
 logger = logging.getLogger(__name__)
@@ -191,8 +192,9 @@ class OpenAIServing:
                 head = _sse(_chunk(rid, obj, created, self.info.name, []))[: -len(b"[]}\n\n")]
                 batch: list[ChoiceDelta] | None = first
                 gen.stamps.first_out = time.perf_counter()
+                tools = {i: ToolStream(req.tools) for i in range(req.params.n)} if req.tools else None
                 while batch is not None:
-                    choices = [self._stream_choice(req, d) for d in batch]
+                    choices = [self._stream_choice(req, d, tools) for d in batch]
                     yield head + _dumps(choices) + b"}\n\n"
                     batch = await anext(events, None)
             if req.include_usage or timing:  # OpenAI's usage chunk: no choices
@@ -214,15 +216,25 @@ class OpenAIServing:
             await slot.__aexit__(None, None, None)
         yield b"data: [DONE]\n\n"
 
-    def _stream_choice(self, req: GenerationRequest, d: ChoiceDelta) -> dict:
+    def _stream_choice(self, req: GenerationRequest, d: ChoiceDelta, tools=None) -> dict:
+        reason = d.finish_reason
         if req.chat:
-            c = _chat_delta(d.index, d.text)
+            text, calls = d.text, []
+            if tools is not None:  # content as it comes, calls once the choice ended
+                text = tools[d.index].feed(d.text)
+                if reason is not None:
+                    rest, calls = tools[d.index].finish()
+                    text += rest
+            c = _chat_delta(d.index, text)
+            if calls:
+                c["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                reason = "tool_calls"
             c["logprobs"] = {"content": _chat_logprobs(d.logprobs)} if req.logprobs is not None else None
         else:
             c = {"index": d.index, "text": d.text}
             c["logprobs"] = _completion_logprobs(d.logprobs) if req.logprobs is not None else None
-        c["finish_reason"] = d.finish_reason
-        if d.finish_reason is not None:
+        c["finish_reason"] = reason
+        if reason is not None:
             c["stop_reason"] = d.stop_reason
         return c
 
@@ -232,6 +244,11 @@ class OpenAIServing:
             reason, stop = gen.finish(i)
             if req.chat:
                 c = {"index": i, "message": {"role": "assistant", "content": gen.text(i)}}
+                if req.tools is not None:
+                    content, calls = parse_tool_calls(req.tools, gen.text(i))
+                    if calls:
+                        c["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                        reason = "tool_calls"
                 c["logprobs"] = {"content": _chat_logprobs(logprobs[i])} if req.logprobs is not None else None
             else:
                 c = {"index": i, "text": gen.text(i)}

@@ -34,6 +34,7 @@ from ingress.request_bounds import (
     prompt_chars_limit,
 )
 from ingress.structured_request import structured_output
+from ingress.tool_calls import ToolPlan, plan_tools
 
 
 @dataclass(slots=True)
@@ -47,6 +48,7 @@ class GenerationRequest:
     chat: bool
     priority: int
     logprobs: int | None  # alternatives per token; None: no logprobs in the response
+    tools: ToolPlan | None = None  # chat with tools: how to read calls from the answer
 
 
 def parse_body(body: bytes, model_cls: type[CompletionRequest] | type[ChatCompletionRequest]):
@@ -104,8 +106,7 @@ def validate_completion(req: CompletionRequest, info: ModelInfo, limits: Ingress
 
 def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOptions) -> GenerationRequest:
     _check_model(req.model, info)
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
+    tools, tool_plan, tool_grammar = plan_tools(req)
     check_sampling(req, limits.max_n)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise APIError(400, "give max_completion_tokens or max_tokens, not both", param="max_tokens")
@@ -119,12 +120,12 @@ def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOp
         raise APIError(
             400, f"model {info.name} has no chat template: use /v1/completions", code="no_chat_template"
         )
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [m.for_template() for m in req.messages]
     limit = prompt_chars_limit(limits.max_prompt_chars, info.max_model_len)
     check_prompt_chars(sum(len(m["content"]) for m in messages), limit, info.max_model_len, "messages")
     try:
         text = tok.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
+            messages, tools=tools, add_generation_prompt=req.add_generation_prompt, tokenize=False
         )
     except Exception as exc:  # a template's own error (e.g. roles must alternate) is the client's
         raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
@@ -134,10 +135,14 @@ def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOp
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (top or 0) if req.logprobs else None
-    return _finish(req, ids, max_tokens, param, logprobs, info, chat=True)
+    g = _finish(req, ids, max_tokens, param, logprobs, info, chat=True, grammar=tool_grammar)
+    g.tools = tool_plan
+    return g
 
 
-def _finish(req, ids, max_tokens, max_param, logprobs, info, *, chat: bool) -> GenerationRequest:
+def _finish(
+    req, ids, max_tokens, max_param, logprobs, info, *, chat: bool, grammar=None
+) -> GenerationRequest:
     """The context check and the engine's parameters; the fields' own ranges are checked already."""
     prompt_param = "messages" if chat else "prompt"
     room = info.max_model_len - len(ids)
@@ -178,6 +183,16 @@ def _finish(req, ids, max_tokens, max_param, logprobs, info, *, chat: bool) -> G
     bias = check_logit_bias(req.logit_bias, info.vocab_size)
     bad_words = bad_words_token_ids(info.tokenizer, req.bad_words) if req.bad_words else []
     structured = structured_output(req)
+    if grammar is not None:  # tool_choice "required" or a named function
+        if structured is not None:
+            raise APIError(
+                400, "tool_choice cannot be combined with a structured output", param="tool_choice"
+            )
+        if req.ignore_eos:
+            raise APIError(
+                400, "tool_choice with calls ends on EOS: ignore_eos cannot be set", param="ignore_eos"
+            )
+        structured = grammar
     try:
         params = SamplingParams(
             n=req.n,

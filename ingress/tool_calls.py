@@ -1,0 +1,154 @@
+"""Tool calling in chat: ``tools`` and ``tool_choice`` in, ``message.tool_calls`` out.
+
+The chat template receives the tools (as Hugging Face templates take them), and how the answer is
+read depends on ``tool_choice``:
+- ``"auto"`` (the default with tools): the model decides. Its text is read for calls written as
+  Hermes-style blocks, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen 2.5,
+  Hermes and other templates write them so); text before the first block is the message content.
+  A stream sends content as it comes and holds back only what may be the start of a block.
+- ``"required"``: the output is constrained by structured output to a JSON array of one or more
+  ``{"name": <a tool>, "parameters": <its arguments>}`` (at most one with ``parallel_tool_calls:
+  false``), so every call names a declared tool and its arguments follow its schema.
+- a named function: the output is constrained to that function's arguments schema and is its one
+  call.
+- ``"none"``: no call is read, and the tools stay out of the prompt.
+A choice that made calls finishes with ``finish_reason: "tool_calls"``. Streaming sends each call
+as one delta (index, id, name and the whole arguments) once it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from engine.sampling_params import StructuredOutput
+from ingress.openai_protocol import APIError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    mode: str  # auto | required | named
+    function: str | None = None  # the named function
+
+
+def plan_tools(req) -> tuple[list[dict] | None, ToolPlan | None, StructuredOutput | None]:
+    """(tools for the chat template, how to read the answer, the grammar that enforces it)."""
+    tools, choice = req.tools, req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None, None, None
+    schemas = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tool.get("type") != "function" or not isinstance(name, str) or not name:
+            raise APIError(
+                400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools"
+            )
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        schemas[name] = params
+    if choice is None or choice == "auto":
+        return tools, ToolPlan("auto"), None
+    if choice == "none":
+        return None, None, None
+    if choice == "required":
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, schema in schemas.items()
+        ]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if req.parallel_tool_calls is False:
+            array["maxItems"] = 1
+        return tools, ToolPlan("required"), StructuredOutput("json_schema", json.dumps(array))
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if name is None:
+        raise APIError(
+            400,
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            param="tool_choice",
+        )
+    if name not in schemas:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return tools, ToolPlan("named", name), StructuredOutput("json_schema", json.dumps(schemas[name]))
+
+
+def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
+    """(message content, tool calls) read from a choice's whole text."""
+    if plan.mode == "named":
+        return None, [_call(plan.function, text)]
+    if plan.mode == "required":
+        try:
+            calls = json.loads(text)
+        except ValueError:  # cut by max_tokens: nothing callable
+            return text, []
+        return None, [_call(c["name"], json.dumps(c["parameters"])) for c in calls]
+    head, sep, _ = text.partition(OPEN)
+    if not sep:
+        return text, []
+    calls = []
+    rest = text[len(head) :]
+    while rest.startswith(OPEN):
+        body, sep, rest = rest[len(OPEN) :].partition(CLOSE)
+        try:
+            call = json.loads(body)
+            calls.append(_call(call["name"], json.dumps(call.get("arguments", {}))))
+        except (ValueError, KeyError, TypeError):
+            return text, []  # not a well-formed call: the text stands as content
+        rest = rest.lstrip()
+    return (head.strip() or None) if calls else text, calls
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+@dataclass(slots=True)
+class ToolStream:
+    """One streamed choice: the content that may go out now; the calls once the choice ends."""
+
+    plan: ToolPlan
+    text: str = ""
+    sent: int = 0  # characters of text sent as content
+    calls_seen: bool = field(default=False)
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.plan.mode != "auto" or self.calls_seen:
+            return ""
+        start = self.text.find(OPEN, self.sent)
+        if start != -1:
+            self.calls_seen = True
+            out, self.sent = self.text[self.sent : start], start
+            return out
+        # Hold back a tail that may be the start of the marker.
+        end = len(self.text)
+        for k in range(min(len(OPEN) - 1, end - self.sent), 0, -1):
+            if OPEN.startswith(self.text[end - k :]):
+                end -= k
+                break
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content not sent yet, calls) at the end of the choice."""
+        _, calls = parse_tool_calls(self.plan, self.text)
+        if not calls:
+            rest, self.sent = self.text[self.sent :], len(self.text)
+            return rest, []
+        return "", calls
