@@ -261,3 +261,43 @@ def create_tiny_model(
         "wrote a random %s (%d parameters) to %s", arch, sum(p.numel() for p in model.parameters()), path
     )
     return path
+
+
+BYTE_LEVEL_CORPUS = [
+    '{"name": "Ada", "age": 36, "pet": "cat", "tags": [true, false]}',
+    '{"location": "Paris", "unit": "celsius"} [1, 2, 3] {"a": {"b": null}}',
+    "the quick brown fox jumps over the lazy dog; the world is wide. 0123456789",
+]
+
+
+def build_byte_level_tokenizer(vocab_size: int = 600, corpus: list[str] | None = None):
+    """A byte-level BPE (GPT-2 style: every string is expressible, so JSON, regexes and tool calls
+    can be generated) trained on ``corpus``; ids 0-2 are pad, BOS and EOS as in ``make_config``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<pad>", "<s>", "</s>"],
+    )
+    tok.train_from_iterator((corpus or BYTE_LEVEL_CORPUS) * 40, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def create_byte_level_model(path: str | Path, **kw) -> Path:
+    """``create_tiny_model`` with a byte-level BPE tokenizer instead of the word-level one."""
+    path = create_tiny_model(path, **kw)
+    for f in path.glob("*token*"):
+        f.unlink()
+    build_byte_level_tokenizer().save_pretrained(path)
+    return path

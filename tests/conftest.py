@@ -163,41 +163,12 @@ def pytest_addoption(parser):
 
 
 @pytest.fixture(scope="session")
-def byte_level_model(tmp_path_factory, tiny_model_factory) -> Path:
-    """The tiny random Llama with a byte-level BPE tokenizer (every string is expressible: JSON,
-    regexes, tool calls), trained here on a small text of JSON and prose; ids 0-2 are pad, BOS, EOS
-    as in the model's config."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+def byte_level_model(tmp_path_factory) -> Path:
+    """The tiny random Llama (as ``tiny_llama``) with a byte-level BPE tokenizer: every string is
+    expressible (JSON, regexes, tool calls); ids 0-2 are pad, BOS, EOS as in the model's config."""
+    from engine.tiny_model import create_byte_level_model
 
-    from engine.tiny_model import CHAT_TEMPLATE
-
-    src = tiny_model_factory("llama")
-    path = tmp_path_factory.mktemp("tiny-byte-level")
-    for f in src.iterdir():
-        if f.name.endswith((".json", ".safetensors")) and "token" not in f.name:
-            shutil.copy(f, path / f.name)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<pad>", "<s>", "</s>"],
+    path = create_byte_level_model(
+        tmp_path_factory.mktemp("tiny-byte-level"), weight_scale=WEIGHT_SCALE, randomize_all=True
     )
-    corpus = [
-        '{"name": "Ada", "age": 36, "pet": "cat", "tags": [true, false]}',
-        '{"location": "Paris", "unit": "celsius"} [1, 2, 3] {"a": {"b": null}}',
-        "the quick brown fox jumps over the lazy dog; the world is wide. 0123456789",
-    ] * 40
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
-    )
-    assert fast.eos_token_id == 2
-    fast.save_pretrained(path)
     return path
