@@ -9,6 +9,7 @@ resumes the request elsewhere). A quiet stream carries ``Progress`` messages. A 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -51,7 +52,9 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             kv = pulled_kv_from_handle(request.handle) if request.HasField("handle") else None
             if kv is not None and kv.num_tokens != len(prompt):
                 raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}")
-            self.worker.core.validate(prompt, params)  # static checks only: safe off the engine thread
+            if params.structured is not None:  # a grammar compiles off the loop and the engine thread
+                await asyncio.to_thread(self.worker.core.structured.compile, params.structured)
+            self.worker.core.validate(prompt, params)  # static checks only (the grammar is cached now)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.worker.loop.failure is not None:

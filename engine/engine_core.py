@@ -114,13 +114,19 @@ class EngineCore:
             admission_margin=config.admission_margin,
             itl_target_ms=config.itl_target_ms,
         )
-        self.runner = ModelRunner(
-            self.model, backend, self.layout, kv_cache, cpu_cache, self.device, self.eos_token_ids
-        )
         self.structured = StructuredOutputs(
             config.tokenizer or self.model_path, self.spec.vocab_size, self.eos_token_ids
         )
-        self.runner.structured = self.structured
+        self.runner = ModelRunner(
+            self.model,
+            backend,
+            self.layout,
+            kv_cache,
+            cpu_cache,
+            self.device,
+            self.eos_token_ids,
+            self.structured,
+        )
         if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
             from engine.cuda_graphs import DecodeGraphRunner
 
@@ -330,6 +336,8 @@ class EngineCore:
             for g in groups:
                 outs.extend(self._finish_group(g, RequestStatus.FINISHED_ERROR, f"engine error: {exc}"))
             return outs
+        for seq_id in result.errors:  # its sample is not kept, nor handed off (prefill role)
+            result.sampled.pop(seq_id, None)
         outs = self.scheduler.update(sched, result)
         for seq_id, error in result.errors.items():
             req = self.scheduler.requests.get(seq_id)

@@ -44,10 +44,12 @@ class ModelRunner:
         cpu_cache: torch.Tensor | None,
         device: torch.device,
         eos_token_ids: frozenset[int] = frozenset(),
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids  # banned under min_tokens
-        self.structured: StructuredOutputs | None = None  # set by the engine
+        self.structured = structured  # grammars of structured-output requests
+        self._grammar_errors: dict[str, str] = {}  # found while rebuilding a grammar's state
         self.backend = backend
         self.layout = layout
         self.kv_cache = kv_cache
@@ -106,6 +108,10 @@ class ModelRunner:
             if spec is not None:
                 state = self.seqs[new.seq_id]
                 state.grammar = self.structured.matcher(spec, state.token_ids[state.output_start :])
+                if state.grammar.failed:  # its output so far (e.g. a peer's first token) breaks the grammar
+                    self._grammar_errors[new.seq_id] = (
+                        "structured output: the output so far does not follow the grammar"
+                    )
         for run in sched.running_seqs:
             state = self.seqs[run.seq_id]
             if run.block_ids is not None:
@@ -219,7 +225,8 @@ class ModelRunner:
         )
         result = self.sampler(logits, batch)
         token_list = result.token_ids.tolist()
-        out = RunnerOutput()
+        out = RunnerOutput(errors=self._grammar_errors)
+        self._grammar_errors = {}
         row = 0
         for _, seq_id, n in sample_rows:
             toks = token_list[row : row + n]

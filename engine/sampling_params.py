@@ -170,6 +170,10 @@ class SamplingParams:
                 raise ValueError(
                     "structured output ends on EOS once complete: ignore_eos cannot be set with it"
                 )
+            if self.min_tokens:
+                raise ValueError(
+                    "min_tokens cannot be set with structured output: the grammar decides the length"
+                )
         for ids in self.bad_words_token_ids:
             if not ids:
                 raise ValueError("bad_words_token_ids entries must be non-empty token sequences")

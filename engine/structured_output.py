@@ -28,6 +28,8 @@ from engine.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
+MAX_CACHED_GRAMMARS = 256
+
 
 class StructuredOutputs:
     """The engine's grammar compiler and the per-sequence matchers it hands out."""
@@ -43,15 +45,17 @@ class StructuredOutputs:
 
     def compile(self, spec: StructuredOutput):
         """The compiled grammar (cached); ValueError saying why for a spec it cannot compile."""
+        hit = self._cache.get(spec)  # NOTE: no lock on a hit: the engine thread never waits on a compile
+        if hit is not None:
+            return hit
         with self._lock:
-            hit = self._cache.get(spec)
-            if hit is not None:
-                return hit
             compiler = self._get_compiler()
             try:
                 compiled = _compile(compiler, spec)
             except (RuntimeError, ValueError, TypeError) as exc:
                 raise ValueError(f"cannot compile the {spec.kind} for structured output: {exc}") from exc
+            while len(self._cache) >= MAX_CACHED_GRAMMARS:  # bounded: specs can be made up per request
+                self._cache.pop(next(iter(self._cache)))
             self._cache[spec] = compiled
             return compiled
 
@@ -131,7 +135,9 @@ def _compile(compiler, spec: StructuredOutput):
         return compiler.compile_regex(spec.value)
     if spec.kind == "choice":
         choices = json.loads(spec.value)
-        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
+        return compiler.compile_grammar(
+            "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        )
     if spec.kind == "grammar":
         return compiler.compile_grammar(spec.value)
     raise ValueError(f"unknown structured output kind {spec.kind!r}")

@@ -6,7 +6,8 @@ samples per prompt (the engine computes the prompt once and forks the samples fr
 blocks copy-on-write) and returns the n with the highest mean token logprob, OpenAI's "best"; such a
 request cannot stream (OpenAI's rule). ``echo`` puts each prompt's text before its choices' text (a
 stream sends it as each choice's first chunk). ``usage`` adds up every generation, best_of's extra
-samples included. Each prompt is a request of its own to the router and takes its own admission slot.
+samples included. Each prompt is a request of its own to the router; the whole request takes one
+admission slot, and a client that leaves (or one prompt that fails) ends every prompt's generation.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from ingress.generation import Generation
 from ingress.model_info import ModelInfo
-from ingress.openai_protocol import APIError, CompletionRequest
+from ingress.openai_protocol import APIError, CompletionRequest, status_of
 from ingress.options import IngressOptions
 from ingress.request_bounds import check_range
 from ingress.request_timing import IngressStamps
@@ -80,21 +82,105 @@ def _prompts(prompt) -> list:
     return [prompt]
 
 
-Serve = Callable[[GenerationRequest, str, IngressStamps, bool], Awaitable]
-
-
-async def serve_plan(serve: Serve, plan: CompletionPlan, rid: str, model: str, stamps: IngressStamps):
-    """The joined answer: a dict, or an async iterator of SSE lines when streaming."""
-    ids = [f"{rid}-{i}" for i in range(len(plan.parts))]
-    async with asyncio.TaskGroup() as tg:  # the first failure cancels the other prompts
-        tasks = [
-            tg.create_task(serve(part, pid, IngressStamps(stamps.arrived), False))
-            for part, pid in zip(plan.parts, ids)
+async def serve_plan(serving, plan: CompletionPlan, rid: str, stamps: IngressStamps):
+    """The joined answer: a dict, or an async iterator of SSE lines when streaming. ``serving``: the
+    ``OpenAIServing`` (its admission, router, metrics and response shapes). The request takes
+    one admission slot; its prompts' generations run together. As with one prompt, a stream starts
+    only once every prompt produced its first output (or the request failed with its own status)."""
+    slot = serving.admission.slot()
+    try:
+        await slot.__aenter__()
+    except APIError:
+        serving.metrics.count("rejected")
+        raise
+    gens = [
+        Generation(
+            f"{rid}-{i}",
+            part,
+            serving.info.tokenizer,
+            serving.metrics,
+            serving.texts,
+            stamps=IngressStamps(stamps.arrived),
+        )
+        for i, part in enumerate(plan.parts)
+    ]
+    merged = _Merged([g.events(serving.router, serving.options.request_timeout_s) for g in gens])
+    try:
+        first = await merged.first_of_each()
+        if plan.stream:
+            return _joined_stream(serving, plan, gens, merged, first, slot, rid)
+        logprobs = [{j: [] for j in range(plan.best_of)} for _ in gens]
+        for i, deltas in first:
+            _collect(logprobs[i], deltas)
+        while (item := await merged.next()) is not None:
+            _collect(logprobs[item[0]], item[1])
+        answers = [
+            serving._full_response(g.request_id, part, g, lp)
+            for g, part, lp in zip(gens, plan.parts, logprobs)
         ]
-    answers = [t.result() for t in tasks]
-    if plan.stream:
-        return _joined_stream(plan, answers, rid, model)
-    return _joined(plan, answers, rid, model)
+        serving.metrics.count("success")
+        await _release(merged, slot)
+        return _joined(plan, answers, rid, serving.info.name)
+    except BaseException as exc:
+        serving.metrics.count(status_of(exc))
+        await _release(merged, slot)
+        raise
+
+
+def _collect(choices: dict[int, list], deltas: list) -> None:
+    for d in deltas:
+        choices[d.index].extend(d.logprobs)
+
+
+async def _release(merged: _Merged, slot) -> None:
+    await merged.close()
+    await slot.__aexit__(None, None, None)
+
+
+class _Merged:
+    """Several generations' event streams read as one: (prompt index, deltas) in arrival order; a
+    prompt's failure is raised to the reader; ``close`` stops and closes them all."""
+
+    def __init__(self, streams: list[AsyncIterator]) -> None:
+        self.streams = streams
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.open = len(streams)
+        self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, i: int, stream: AsyncIterator) -> None:
+        try:
+            async for deltas in stream:
+                await self.queue.put((i, deltas, None))
+            await self.queue.put((i, None, None))
+        except Exception as exc:
+            await self.queue.put((i, None, exc))
+
+    async def next(self) -> tuple[int, list] | None:
+        while self.open:
+            i, deltas, exc = await self.queue.get()
+            if exc is not None:
+                raise exc
+            if deltas is None:
+                self.open -= 1
+                continue
+            return i, deltas
+        return None
+
+    async def first_of_each(self) -> list[tuple[int, list]]:
+        """Everything read until each prompt produced something (or ended)."""
+        got: list[tuple[int, list]] = []
+        seen: set[int] = set()
+        while len(seen) < len(self.streams) and (item := await self.next()) is not None:
+            got.append(item)
+            seen.add(item[0])
+        return got
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for s in self.streams:
+            await s.aclose()
 
 
 def _joined(plan: CompletionPlan, answers: list[dict], rid: str, model: str) -> dict:
@@ -126,19 +212,9 @@ def _mean_logprob(choice: dict) -> float:
     return sum(lps) / len(lps) if lps else float("-inf")
 
 
-async def _joined_stream(plan: CompletionPlan, streams: list[AsyncIterator[bytes]], rid: str, model: str):
-    queue: asyncio.Queue[tuple[int, bytes | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[bytes]) -> None:
-        try:
-            async for line in stream:
-                await queue.put((i, line))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    usage, created, open_streams = _Usage(), int(time.time()), len(streams)
-    head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+async def _joined_stream(serving, plan, gens, merged: _Merged, first, slot, rid: str):
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.info.name}
+    status = "error"
     try:
         if plan.echo is not None:
             for i, text in enumerate(plan.echo):
@@ -147,32 +223,31 @@ async def _joined_stream(plan: CompletionPlan, streams: list[AsyncIterator[bytes
                     for j in range(plan.n)
                 ]
                 yield _sse({**head, "choices": echoed})
-        while open_streams:
-            i, line = await queue.get()
-            if line is None:
-                open_streams -= 1
-                continue
-            if line == _DONE:
-                continue
-            obj = json.loads(line[len(b"data: ") :])
-            if "error" in obj:
-                yield line
-                continue
-            if not obj["choices"]:  # a prompt's usage chunk: one for the request, at the end
-                usage.add(obj.get("usage") or {})
-                continue
-            obj["id"] = rid
-            for c in obj["choices"]:
+        pending = list(first)
+        while True:
+            item = pending.pop(0) if pending else await merged.next()
+            if item is None:
+                break
+            i, deltas = item
+            choices = [serving._stream_choice(plan.parts[i], d) for d in deltas]
+            for c in choices:
                 c["index"] += i * plan.n
-            yield _sse(obj)
+            yield _sse({**head, "choices": choices})
         if plan.include_usage:
+            usage = _Usage()
+            for g in gens:
+                usage.add(g.usage.to_dict())
             yield _sse({**head, "choices": [], "usage": usage.to_dict()})
-        yield _DONE
+        status = "success"
+    except APIError as exc:
+        yield _sse(exc.body())
+    except BaseException as exc:
+        status = status_of(exc)
+        raise
     finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            await s.aclose()
+        serving.metrics.count(status)
+        await _release(merged, slot)
+    yield _DONE
 
 
 class _Usage:

@@ -8,6 +8,7 @@ vocabulary) are checked by ``ingress.request_validation`` after parsing.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -146,6 +147,15 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+
+
+def status_of(exc: BaseException) -> str:
+    """How a request that raised ``exc`` is counted in the requests metric."""
+    if isinstance(exc, APIError):
+        return "client_error" if exc.status < 500 and exc.status != 429 else "error"
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "cancelled"
+    return "error"
 
 
 def error_from_validation(exc) -> APIError:

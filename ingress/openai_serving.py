@@ -25,7 +25,7 @@ from ingress.completion_batch import plan_completion, serve_plan
 from ingress.generation import ChoiceDelta, Generation
 from ingress.metrics import IngressMetrics
 from ingress.model_info import ModelInfo
-from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, status_of
 from ingress.options import IngressOptions
 from ingress.request_timing import TIMING_FIELD, IngressStamps
 from ingress.request_validation import GenerationRequest, parse_body, validate_chat
@@ -114,7 +114,7 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if plan.single:
             return await self._serve(plan.parts[0], rid, stamps, timing)
-        return await serve_plan(self._serve, plan, rid, self.info.name, stamps)
+        return await serve_plan(self, plan, rid, stamps)
 
     async def chat(self, body: bytes, arrived: float | None = None, timing: bool = False):
         stamps = IngressStamps(arrived if arrived is not None else time.perf_counter())
@@ -162,7 +162,7 @@ class OpenAIServing:
                     answer[TIMING_FIELD] = stamps.hops()
                 return answer
             except BaseException as exc:
-                self.metrics.count(_status_of(exc))
+                self.metrics.count(status_of(exc))
                 raise
             finally:
                 await events.aclose()
@@ -174,7 +174,7 @@ class OpenAIServing:
         except BaseException as exc:
             await events.aclose()
             await slot.__aexit__(None, None, None)
-            self.metrics.count(_status_of(exc))
+            self.metrics.count(status_of(exc))
             raise
         return self._sse(rid, req, gen, first, events, slot, timing)
 
@@ -209,7 +209,7 @@ class OpenAIServing:
             logger.warning("%s failed mid-stream: %s", rid, exc.message)
             yield _sse(exc.body())
         except BaseException as exc:
-            status = _status_of(exc)
+            status = status_of(exc)
             raise
         finally:
             self.metrics.count(status)
@@ -223,7 +223,7 @@ class OpenAIServing:
             if tools is not None:  # content as it comes, calls once the choice ended
                 text = tools[d.index].feed(d.text)
                 if reason is not None:
-                    rest, calls = tools[d.index].finish()
+                    rest, calls = tools[d.index].finish(reason)
                     text += rest
             c = _chat_delta(d.index, text)
             if calls:
@@ -244,7 +244,7 @@ class OpenAIServing:
             reason, stop = gen.finish(i)
             if req.chat:
                 c = {"index": i, "message": {"role": "assistant", "content": gen.text(i)}}
-                if req.tools is not None:
+                if req.tools is not None and reason == "stop":  # a call cut by max_tokens is text
                     content, calls = parse_tool_calls(req.tools, gen.text(i))
                     if calls:
                         c["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
@@ -263,14 +263,6 @@ class OpenAIServing:
             "choices": choices,
             "usage": gen.usage.to_dict(),
         }
-
-
-def _status_of(exc: BaseException) -> str:
-    if isinstance(exc, APIError):
-        return "client_error" if exc.status < 500 and exc.status != 429 else "error"
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        return "cancelled"
-    return "error"
 
 
 def _dumps(obj) -> bytes:

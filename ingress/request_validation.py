@@ -183,6 +183,10 @@ def _finish(
     bias = check_logit_bias(req.logit_bias, info.vocab_size)
     bad_words = bad_words_token_ids(info.tokenizer, req.bad_words) if req.bad_words else []
     structured = structured_output(req)
+    if (structured is not None or grammar is not None) and min_tokens:
+        raise APIError(
+            400, "min_tokens cannot be set with structured output or a required tool call", param="min_tokens"
+        )
     if grammar is not None:  # tool_choice "required" or a named function
         if structured is not None:
             raise APIError(

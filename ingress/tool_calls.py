@@ -32,6 +32,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class ToolPlan:
     mode: str  # auto | required | named
     function: str | None = None  # the named function
+    parallel: bool = True  # auto: keep every call (False: the first only)
 
 
 def plan_tools(req) -> tuple[list[dict] | None, ToolPlan | None, StructuredOutput | None]:
@@ -54,20 +55,23 @@ def plan_tools(req) -> tuple[list[dict] | None, ToolPlan | None, StructuredOutpu
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
         schemas[name] = params
     if choice is None or choice == "auto":
-        return tools, ToolPlan("auto"), None
+        return tools, ToolPlan("auto", parallel=req.parallel_tool_calls is not False), None
     if choice == "none":
         return None, None, None
     if choice == "required":
+        defs: dict = {}
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "parameters": schema},
+                "properties": {"name": {"const": name}, "parameters": _hoist_defs(schema, f"{k}_", defs)},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for name, schema in schemas.items()
+            for k, (name, schema) in enumerate(schemas.items())
         ]
         array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if defs:
+            array["$defs"] = defs
         if req.parallel_tool_calls is False:
             array["maxItems"] = 1
         return tools, ToolPlan("required"), StructuredOutput("json_schema", json.dumps(array))
@@ -84,8 +88,29 @@ def plan_tools(req) -> tuple[list[dict] | None, ToolPlan | None, StructuredOutpu
     return tools, ToolPlan("named", name), StructuredOutput("json_schema", json.dumps(schemas[name]))
 
 
+def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
+    """``schema`` nested in a bigger one: its ``$defs`` move to the root (names prefixed, so tools'
+    definitions cannot clash) and its ``#/$defs/...`` references follow them."""
+    own = schema.get("$defs")
+    if not isinstance(own, dict):
+        return schema
+    for name, sub in own.items():
+        defs[prefix + name] = sub
+    text = json.dumps({k: v for k, v in schema.items() if k != "$defs"})
+    for name in own:
+        text = text.replace(f'"#/$defs/{name}"', json.dumps(f"#/$defs/{prefix}{name}"))
+    for name in own:  # references between the definitions themselves
+        defs[prefix + name] = json.loads(
+            json.dumps(defs[prefix + name]).replace(
+                f'"#/$defs/{name}"', json.dumps(f"#/$defs/{prefix}{name}")
+            )
+        )
+    return json.loads(text)
+
+
 def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
-    """(message content, tool calls) read from a choice's whole text."""
+    """(message content, tool calls) read from a choice's whole text (a choice that ended on EOS or
+    a stop condition; one cut by max_tokens is returned as text)."""
     if plan.mode == "named":
         return None, [_call(plan.function, text)]
     if plan.mode == "required":
@@ -107,7 +132,8 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]
         except (ValueError, KeyError, TypeError):
             return text, []  # not a well-formed call: the text stands as content
         rest = rest.lstrip()
-    return (head.strip() or None) if calls else text, calls
+    content = " ".join(part for part in (head.strip(), rest.strip()) if part) or None
+    return content, calls if plan.parallel else calls[:1]
 
 
 def _call(name: str, arguments: str) -> dict:
@@ -145,9 +171,10 @@ class ToolStream:
         out, self.sent = self.text[self.sent : end], end
         return out
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """(content not sent yet, calls) at the end of the choice."""
-        _, calls = parse_tool_calls(self.plan, self.text)
+    def finish(self, finish_reason: str) -> tuple[str, list[dict]]:
+        """(content not sent yet, calls) at the end of the choice; a choice cut short (``length``,
+        ``abort``) makes no calls: its text is content."""
+        _, calls = parse_tool_calls(self.plan, self.text) if finish_reason == "stop" else (None, [])
         if not calls:
             rest, self.sent = self.text[self.sent :], len(self.text)
             return rest, []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
@@ -40,6 +40,9 @@ class TokenizeRequest(_Request):
         default=None, description="default: true for a prompt, false for messages (the template has them)"
     )
     return_token_strs: StrictBool = Field(default=False, description="also return each token's string")
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, description="chat form only: tools as /v1/chat/completions passes them to the template"
+    )
 
 
 class DetokenizeRequest(_Request):
@@ -80,13 +83,11 @@ def _tokenize(body: bytes, info: ModelInfo, limits: IngressOptions) -> dict:
     if req.messages is None:
         if req.prompt is None:
             raise APIError(400, "missing required field 'prompt'", param="prompt", code="missing_field")
-        if req.add_generation_prompt is not None:
-            raise APIError(
-                400,
-                "add_generation_prompt applies to messages only",
-                param="add_generation_prompt",
-                code="unsupported_parameter",
-            )
+        for name in ("add_generation_prompt", "tools"):
+            if getattr(req, name) is not None:
+                raise APIError(
+                    400, f"{name} applies to messages only", param=name, code="unsupported_parameter"
+                )
         check_prompt_chars(len(req.prompt), limit, info.max_model_len, "prompt")
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(tok.encode(req.prompt, add_special_tokens=special))
@@ -106,11 +107,13 @@ def _render_chat(req: TokenizeRequest, info: ModelInfo, limit: int) -> str:
     tok = info.tokenizer
     if getattr(tok, "chat_template", None) is None:
         raise APIError(400, f"model {info.name} has no chat template: send a prompt", code="no_chat_template")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages or []]
+    messages = [m.for_template() for m in req.messages or []]
     check_prompt_chars(sum(len(m["content"]) for m in messages), limit, info.max_model_len, "messages")
     generation = True if req.add_generation_prompt is None else req.add_generation_prompt
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+        return tok.apply_chat_template(
+            messages, tools=req.tools or None, add_generation_prompt=generation, tokenize=False
+        )
     except Exception as exc:  # a template's own error (e.g. roles must alternate) is the client's
         raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
 

@@ -76,6 +76,8 @@ class PrefillWorker(WorkerRuntime):
         self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0
     ) -> PrefillResult:
         """Raises ValueError for a request the engine can never serve; RuntimeError on engine error."""
+        if params.structured is not None:  # compiled here, not on the engine thread (cached after)
+            await asyncio.to_thread(self.core.structured.compile, params.structured)
         stream = self.loop.open_stream(request_id)
         clock = self.clocks.arrive(request_id)
 

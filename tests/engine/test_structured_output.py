@@ -171,3 +171,30 @@ def test_a_grammar_the_tokenizer_cannot_write_ends_with_an_error(tiny_llama):
     assert out[0].outputs[0].finish_reason == "error"
     assert out[1].outputs[0].finish_reason == "length" and len(out[1].outputs[0].token_ids) == 8
     assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
+def test_output_carried_in_the_prompt_that_breaks_the_grammar_ends_with_an_error(llm):
+    """A resumed request whose carried output does not follow its grammar (it cannot happen when the
+    grammar produced it) is failed, not continued unconstrained."""
+    bad = llm.tokenizer.encode("not json", add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=30, structured=json_schema()).continued(len(bad))
+    out = llm.generate(PROMPTS[0] + bad, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error"
+
+
+def test_choices_outside_ascii(llm):
+    choices = ["é", "日本", "😀 ok"]
+    params = SamplingParams(
+        temperature=1.0,
+        seed=9,
+        n=6,
+        max_tokens=20,
+        structured=StructuredOutput("choice", json.dumps(choices)),
+    )
+    texts = _texts(llm.generate(PROMPTS, params, use_tqdm=False))
+    assert set(texts) <= set(choices) and len(set(texts)) > 1
+
+
+def test_min_tokens_is_refused_with_a_grammar():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=3, structured=StructuredOutput("json_object"))

@@ -111,10 +111,10 @@ def test_stream_holds_back_only_a_possible_marker():
         for piece in ["Hello <", "to", "ol_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>"]
     ]
     assert "".join(sent) == "Hello " and sent[0] == "Hello "
-    rest, calls = s.finish()
+    rest, calls = s.finish("stop")
     assert rest == "" and calls[0]["function"]["name"] == "get_time"
     plain = ToolStream(ToolPlan("auto"))
-    assert plain.feed("a < b <t") == "a < b " and plain.finish() == ("<t", [])
+    assert plain.feed("a < b <t") == "a < b " and plain.finish("stop") == ("<t", [])
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +199,31 @@ def test_named_and_required_calls_generated_under_their_grammar_follow_the_schem
                     if t["function"]["name"] == fn["name"]
                 )
                 jsonschema.validate(json.loads(fn["arguments"]), schema)
+
+
+def test_calls_cut_by_max_tokens_are_text_and_auto_respects_parallel_false(info):
+    answer = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call> done'
+    ids = info.tokenizer.encode(answer, add_special_tokens=False)
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "time?"}], "tools": [TIME]}
+    for reason, parallel, want_calls in (("length", True, 0), ("stop", True, 2), ("stop", False, 1)):
+        router = RecordingRouter([tokens(ids), finished(reason)])
+        r = asyncio.run(
+            call(_app(info, router), "/v1/chat/completions", {**base, "parallel_tool_calls": parallel})
+        )
+        choice = r.json()["choices"][0]
+        assert len(choice["message"].get("tool_calls") or []) == want_calls
+        assert choice["finish_reason"] == ("tool_calls" if want_calls else reason)
+        if want_calls:
+            assert choice["message"]["content"] == "done"  # the text after the calls stays
+
+
+def test_required_tool_choice_refuses_min_tokens(info):
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [TIME],
+        "tool_choice": "required",
+        "min_tokens": 2,
+    }
+    r = asyncio.run(call(_app(info, RecordingRouter([])), "/v1/chat/completions", body))
+    assert r.status == 400 and r.json()["error"]["param"] == "min_tokens"

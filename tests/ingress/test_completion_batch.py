@@ -1,0 +1,104 @@
+"""A completions request with several prompts: one admission slot for the whole request (so a
+request with more prompts than slots cannot deadlock), a prompt's failure answered with its own
+status, and a client that leaves mid-stream ending every prompt's generation and freeing the slot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from asgi_client import call, finished, tokens
+
+from ingress.http_app import build_http_app
+from ingress.metrics import IngressMetrics
+from ingress.model_info import load_model_info
+from ingress.openai_protocol import APIError
+from ingress.openai_serving import OpenAIServing
+from ingress.options import IngressOptions
+
+
+@pytest.fixture(scope="module")
+def info(tiny_llama):
+    return load_model_info(str(tiny_llama), "tiny", None, tiny=True)
+
+
+class ScriptedRouter:
+    """Each Generate: the prompt's own script (by its first token id); counts open streams."""
+
+    def __init__(self, scripts: dict[int, list]) -> None:
+        self.scripts = scripts
+        self.open = 0
+        self.started = 0
+
+    async def generate(self, rid, prompt, params, priority, timeout_s):
+        self.open += 1
+        self.started += 1
+        try:
+            for m in self.scripts[prompt[0]]:
+                if m == "hang":
+                    await asyncio.Event().wait()
+                if isinstance(m, Exception):
+                    raise m
+                yield m
+        finally:
+            self.open -= 1
+
+
+def _serving(info, router, **opts):
+    serving = OpenAIServing(info, IngressOptions(**opts), router, IngressMetrics("tiny"))
+
+    async def health():
+        return True, {}
+
+    async def render():
+        return b""
+
+    return serving, build_http_app(serving, None, health, render)
+
+
+def test_more_prompts_than_admission_slots_stream_to_the_end(info):
+    scripts = {p: [tokens([p]), tokens([p + 1]), finished()] for p in range(10, 15)}
+    router = ScriptedRouter(scripts)
+    serving, app = _serving(info, router, max_concurrent_requests=2)
+    body = {"model": "tiny", "prompt": [[p] for p in scripts], "max_tokens": 2, "stream": True}
+    r = asyncio.run(asyncio.wait_for(call(app, "/v1/completions", body), 30))
+    assert r.status == 200 and r.body.endswith(b"data: [DONE]\n\n")
+    indices = {c["index"] for e in r.events() for c in e.get("choices", [])}
+    assert indices == {0, 1, 2, 3, 4}
+    assert serving.admission.running == 0 and router.open == 0
+
+
+def test_a_failing_prompt_answers_with_its_status_and_closes_the_others(info):
+    router = ScriptedRouter(
+        {10: [tokens([10]), "hang"], 11: [APIError(400, "bad regex", code="invalid_request")]}
+    )
+    serving, app = _serving(info, router)
+    for stream in (False, True):
+        body = {"model": "tiny", "prompt": [[10], [11]], "max_tokens": 4, "stream": stream}
+        r = asyncio.run(asyncio.wait_for(call(app, "/v1/completions", body), 30))
+        assert r.status == 400 and r.json()["error"]["message"] == "bad regex"
+        assert serving.admission.running == 0 and router.open == 0
+
+
+def test_a_client_leaving_mid_stream_ends_every_prompt(info):
+    router = ScriptedRouter({p: [tokens([p]), "hang"] for p in (10, 11, 12)})
+    serving, app = _serving(info, router)
+
+    async def main():
+        body = {"model": "tiny", "prompt": [[10], [11], [12]], "max_tokens": 4, "stream": True, "echo": True}
+        from asgi_client import Response
+
+        out = Response()
+        task = asyncio.create_task(call(app, "/v1/completions", body, out=out))
+        await out.wait_for(lambda r: len(r.events()) >= 6)  # 3 echo chunks + a token of each prompt
+        assert router.open == 3 and serving.admission.running == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):  # the cancelled generators' cleanup runs on the loop
+            if router.open == 0 and serving.admission.running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert router.open == 0 and serving.admission.running == 0
+
+    asyncio.run(main())
