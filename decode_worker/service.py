@@ -19,7 +19,13 @@ from decode_worker.worker import DecodeWorker, Progress, WorkerUnavailableError
 from engine.engine_loop import EngineLoopFailed
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from proto.convert import logprobs_from_proto, logprobs_to_proto, params_from_proto, stop_reason_text
+from proto.convert import (
+    logprobs_from_proto,
+    logprobs_to_proto,
+    params_from_proto,
+    prompt_logprobs_to_proto,
+    stop_reason_text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +89,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                             sample_index=out.sample_index,
                             token_ids=out.new_token_ids,
                             logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs or []],
+                            prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs),
                         )
                     )
                 if out.finish_reason is not None:

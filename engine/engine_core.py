@@ -8,6 +8,7 @@ context or beyond the whole KV pool) is refused at once with a ``ValueError``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -250,6 +251,8 @@ class EngineCore:
         self.validate(prompt_token_ids, params)
         if params.n != 1:
             raise ValueError("disaggregated decode serves n = 1 only; run n > 1 requests aggregated")
+        if params.prompt_logprobs is not None:  # the peer that computed the prompt sent them
+            params = dataclasses.replace(params, prompt_logprobs=None)
         if not 0 <= first_token < self.spec.vocab_size:
             raise ValueError(
                 f"first token {first_token} is outside the vocabulary [0, {self.spec.vocab_size})"

@@ -65,8 +65,9 @@ class KVCacheManager:
         """Longest run of the prompt's full blocks already in the cache.
 
         NOTE: at least the prompt's last token is always recomputed: its logits give the first token.
+        A request that wants its prompt's logprobs computes every position (no hit).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or req.params.prompt_logprobs is not None:
             return PrefixHit([], 0)
         req.update_block_hashes(self.block_size, self.salt)
         max_blocks = (req.prompt_len - 1) // self.block_size

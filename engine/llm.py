@@ -121,6 +121,8 @@ class LLM:
         result: RequestOutput, out: SequenceOutput, detok: IncrementalDetokenizer | None
     ) -> str | None:
         comp = result.outputs[out.sample_index]
+        if out.prompt_logprobs is not None:
+            result.prompt_logprobs = out.prompt_logprobs
         comp.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and comp.logprobs is not None:
             comp.logprobs.extend(out.new_logprobs)

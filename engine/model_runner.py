@@ -16,6 +16,7 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.kv_cache import KVLayout
 from engine.logits_processing import LogitsAdjustment, RowHistory
 from engine.models.llama import LlamaForCausalLM
+from engine.prompt_logprobs import prompt_logprobs
 from engine.sampler import Sampler, SamplingBatch, sample_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -72,11 +73,14 @@ class ModelRunner:
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        prompt_lp = prompt_logprobs(self.model, hidden, self.seqs, sched, order)
         if not sample_rows:
-            return RunnerOutput()
+            return RunnerOutput(prompt_logprobs=prompt_lp)
         rows = [r for r, _, _ in sample_rows]
         logits = self.model.compute_logits(hidden[rows])
-        return self._sample(logits, sample_rows, masks)
+        out = self._sample(logits, sample_rows, masks)
+        out.prompt_logprobs = prompt_lp
+        return out
 
     def _batch_order(self, sched: SchedulerOutput) -> list[str]:
         """Decodes first, longest context first (the attention backend groups them by length)."""

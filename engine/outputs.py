@@ -22,6 +22,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt token, {token: logprob, alternatives...}; the
+    # first is None.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

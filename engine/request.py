@@ -77,6 +77,11 @@ class Request:
         self.output_start = self.prompt_len - params.prior_output_tokens
         self.token_ids: list[int] = list(prompt_token_ids)
         self.output_logprobs: list[dict[int, float]] = []
+        # prompt_logprobs: position i + 1's token given the ones before it; filled chunk by chunk (a
+        # recompute after preemption writes the same values again), sent with the first output.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * (self.prompt_len - 1) if params.prompt_logprobs is not None else None
+        )
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.num_computed_tokens = 0
@@ -140,6 +145,16 @@ class Request:
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def record_prompt_logprobs(self, start: int, entries: list[dict[int, float]]) -> None:
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs[start : start + len(entries)] = entries
+
+    def first_output_prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        """The prompt's logprobs (the first token's None), on the request's first output only."""
+        if self.prompt_logprobs is None or self.sample_index != 0 or self.num_output_tokens != 1:
+            return None
+        return [None, *self.prompt_logprobs]
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions after a token was appended (stop strings live elsewhere)."""

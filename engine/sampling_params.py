@@ -66,6 +66,10 @@ class SamplingParams:
     ``bad_words`` are strings for whoever holds the tokenizer (``LLM``, the HTTP ingress) to turn
     into ``bad_words_token_ids``; the engine itself reads only the ids.
 
+    ``prompt_logprobs`` = k: the logprob of every prompt token after the first (given the ones
+    before it) and the top-k alternatives at each position; the prompt is then computed in full (no
+    prefix-cache hit), and the values come with the request's first output.
+
     ``structured``: a grammar the output must follow (``StructuredOutput``); the request then ends on
     EOS once the output is complete, so ``ignore_eos`` cannot be set with it.
 
@@ -95,6 +99,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     prior_output_tokens: int = 0
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -134,6 +139,12 @@ class SamplingParams:
             _check_int("stop_token_ids entries", t)
             if t < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+                )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -193,6 +204,7 @@ class SamplingParams:
             max_tokens=self.max_tokens - tokens,
             min_tokens=max(0, self.min_tokens - tokens),
             prior_output_tokens=self.prior_output_tokens + tokens,
+            prompt_logprobs=None,  # sent with the first output already
         )
 
     @property

@@ -371,6 +371,9 @@ class Scheduler:
         requests = self.requests
         running = RequestStatus.RUNNING
         all_logprobs = result.logprobs
+        for seq_id, (start, entries) in result.prompt_logprobs.items():
+            if seq_id in requests:
+                requests[seq_id].record_prompt_logprobs(start, entries)
         for seq_id, tokens in result.sampled.items():
             req = requests.get(seq_id)
             if req is None or req.status != running:
@@ -387,15 +390,10 @@ class Scheduler:
         req.append_token(token, logprobs)
         status = req.check_stop(self.max_model_len)
         out = SequenceOutput(
-            req.group_id,
-            req.sample_index,
-            [token],
-            None if logprobs is None else [logprobs],
-            None,
-            None,
-            req.prompt_len,
-            req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
-        )
+            req.group_id, req.sample_index, [token], None if logprobs is None else [logprobs],
+            num_prompt_tokens=req.prompt_len, num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=req.first_output_prompt_logprobs(),
+        )  # fmt: skip
         if req.prefill_only and status is None:
             out.held_block_ids = self._hold(req)
             out.seed = req.seed

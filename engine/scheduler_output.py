@@ -64,6 +64,8 @@ class RunnerOutput:
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     # seq_id -> why its request must end with an error (a grammar no token of the model can follow).
     errors: dict[str, str] = field(default_factory=dict)
+    # seq_id -> (first prompt position, logprobs of the tokens after it): prompt_logprobs, per chunk.
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -82,6 +84,9 @@ class SequenceOutput:
     # Prefill role: the blocks now held for a peer (their KV covers the prompt) and the seed used.
     held_block_ids: list[int] | None = None
     seed: int | None = None
+    # With the first output of a request that asked for prompt_logprobs: one per prompt token, the
+    # first None (nothing precedes it).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -5,7 +5,8 @@ Choice ``i * n + j`` is sample j of prompt i, as OpenAI indexes them. ``best_of`
 samples per prompt (the engine computes the prompt once and forks the samples from it, sharing its KV
 blocks copy-on-write) and returns the n with the highest mean token logprob, OpenAI's "best"; such a
 request cannot stream (OpenAI's rule). ``echo`` puts each prompt's text before its choices' text (a
-stream sends it as each choice's first chunk). ``usage`` adds up every generation, best_of's extra
+stream sends it as each choice's first chunk); with ``logprobs`` the prompt's tokens also lead the
+choice's logprobs lists, OpenAI's way (not streamed). ``usage`` adds up every generation, best_of's extra
 samples included. Each prompt is a request of its own to the router; the whole request takes one
 admission slot, and a client that leaves (or one prompt that fails) ends every prompt's generation.
 """
@@ -23,9 +24,11 @@ from ingress.generation import Generation
 from ingress.model_info import ModelInfo
 from ingress.openai_protocol import APIError, CompletionRequest, status_of
 from ingress.options import IngressOptions
+from ingress.prompt_logprobs import echoed_logprobs
 from ingress.request_bounds import check_range
 from ingress.request_timing import IngressStamps
 from ingress.request_validation import GenerationRequest, validate_completion
+from ingress.token_text import TokenTexts
 
 MAX_PROMPTS = 64
 _DONE = b"data: [DONE]\n\n"
@@ -58,10 +61,11 @@ def plan_completion(req: CompletionRequest, info: ModelInfo, limits: IngressOpti
         raise APIError(400, f"best_of ({best_of}) must be >= n ({req.n})", param="best_of")
     if req.stream and best_of > req.n:
         raise APIError(400, "best_of > n cannot stream: the best are known only at the end", param="best_of")
-    if req.echo and req.logprobs is not None:
+    echo_logprobs = req.echo and req.logprobs is not None
+    if echo_logprobs and req.stream:
         raise APIError(
             400,
-            "echo with logprobs needs the prompt's logprobs, which pdserve does not compute",
+            "echo with logprobs is answered without streaming (the prompt's logprobs lead the lists)",
             param="echo",
             code="unsupported_parameter",
         )
@@ -71,6 +75,9 @@ def plan_completion(req: CompletionRequest, info: ModelInfo, limits: IngressOpti
         if best_of > req.n and part.logprobs is None:  # rank by the sampled tokens' logprobs
             part.params = dataclasses.replace(part.params, logprobs=0)
             part.logprobs = 0
+        if echo_logprobs:  # the workers compute the prompt's logprobs too
+            k = max(req.logprobs, part.prompt_logprobs or 0)
+            part.params = dataclasses.replace(part.params, prompt_logprobs=k)
         parts.append(part)
     echo = [p if isinstance(p, str) else info.tokenizer.decode(p) for p in prompts] if req.echo else None
     return CompletionPlan(parts, req.n, best_of, echo, req.logprobs, req.stream, parts[0].include_usage)
@@ -118,13 +125,39 @@ async def serve_plan(serving, plan: CompletionPlan, rid: str, stamps: IngressSta
             serving._full_response(g.request_id, part, g, lp)
             for g, part, lp in zip(gens, plan.parts, logprobs)
         ]
+        leads = None
+        if plan.echo is not None and plan.logprobs is not None:
+            texts = serving.texts or TokenTexts(serving.info.tokenizer)
+            leads = [
+                _PromptLead(g.prompt_logprobs or [], part.prompt_ids, plan.logprobs, texts)
+                for g, part in zip(gens, plan.parts)
+            ]
         serving.metrics.count("success")
         await _release(merged, slot)
-        return _joined(plan, answers, rid, serving.info.name)
+        return _joined(plan, answers, rid, serving.info.name, leads)
     except BaseException as exc:
         serving.metrics.count(status_of(exc))
         await _release(merged, slot)
         raise
+
+
+class _PromptLead:
+    """echo with logprobs: the prompt's tokens lead a choice's logprobs lists (as OpenAI answers) and
+    its decoded text leads the text, so ``text_offset`` indexes the whole text."""
+
+    def __init__(self, entries, prompt: list[int], k: int, texts: TokenTexts) -> None:
+        self.lists, self.chars = echoed_logprobs(entries, prompt, k, texts)
+        self.text = texts.tokenizer.decode(prompt, skip_special_tokens=True)[: self.chars]
+
+    def apply(self, choice: dict) -> None:
+        lp, lead = choice["logprobs"], self.lists
+        choice["text"] = self.text + choice["text"]
+        choice["logprobs"] = {
+            "tokens": lead["tokens"] + lp["tokens"],
+            "token_logprobs": lead["token_logprobs"] + lp["token_logprobs"],
+            "top_logprobs": lead["top_logprobs"] + lp["top_logprobs"],
+            "text_offset": lead["text_offset"] + [o + self.chars for o in lp["text_offset"]],
+        }
 
 
 def _collect(choices: dict[int, list], deltas: list) -> None:
@@ -183,7 +216,7 @@ class _Merged:
             await s.aclose()
 
 
-def _joined(plan: CompletionPlan, answers: list[dict], rid: str, model: str) -> dict:
+def _joined(plan: CompletionPlan, answers: list[dict], rid: str, model: str, leads=None) -> dict:
     choices, usage = [], _Usage()
     for i, answer in enumerate(answers):
         cs = answer["choices"]
@@ -191,7 +224,9 @@ def _joined(plan: CompletionPlan, answers: list[dict], rid: str, model: str) -> 
             cs = sorted(cs, key=_mean_logprob, reverse=True)[: plan.n]
         for j, c in enumerate(cs):
             c["index"] = i * plan.n + j
-            if plan.echo is not None:
+            if leads is not None:
+                leads[i].apply(c)
+            elif plan.echo is not None:
                 c["text"] = plan.echo[i] + c["text"]
             if plan.logprobs is None:
                 c["logprobs"] = None

@@ -21,6 +21,7 @@ from ingress.openai_protocol import APIError
 from ingress.request_timing import IngressStamps
 from ingress.request_validation import GenerationRequest
 from ingress.token_text import TokenLogprob, TokenTexts
+from proto.convert import logprobs_from_proto
 from router.client import RouterClient
 
 _GRPC_STATUS = {
@@ -40,6 +41,7 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     stop_reason: str | None = None
+    prompt_logprobs: list | None = None  # with the request's first tokens, when asked
 
 
 @dataclass(slots=True)
@@ -83,6 +85,7 @@ class Generation:
     usage: Usage | None = None
     hold: int = 0  # characters held back while streaming: a stop string may still complete there
     stamps: IngressStamps | None = None  # hop timing; arrival defaults to this object's creation
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # position 0: None
 
     def __post_init__(self) -> None:
         now = time.perf_counter()  # the request is parsed and valid
@@ -163,7 +166,11 @@ class Generation:
         if stop is not None:
             s.finish_reason, s.stop_reason = "stop", stop
         logprobs = self._logprobs(s, ids, chunk.logprobs) if self.req.logprobs is not None else []
-        return [self._delta(chunk.sample_index, s, logprobs)]
+        delta = self._delta(chunk.sample_index, s, logprobs)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = [None, *(logprobs_from_proto(e) or {} for e in chunk.prompt_logprobs)]
+            delta.prompt_logprobs = self.prompt_logprobs
+        return [delta]
 
     def _on_finished(self, fin) -> list[ChoiceDelta]:
         s = self.samples[fin.sample_index]

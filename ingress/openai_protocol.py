@@ -105,6 +105,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     best_of: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: per prompt token, its logprob and the top-k
     suffix: StrictStr | None = None
 
 

@@ -27,6 +27,7 @@ from ingress.metrics import IngressMetrics
 from ingress.model_info import ModelInfo
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, status_of
 from ingress.options import IngressOptions
+from ingress.prompt_logprobs import vllm_prompt_logprobs
 from ingress.request_timing import TIMING_FIELD, IngressStamps
 from ingress.request_validation import GenerationRequest, parse_body, validate_chat
 from ingress.token_text import TokenTexts
@@ -233,6 +234,10 @@ class OpenAIServing:
         else:
             c = {"index": d.index, "text": d.text}
             c["logprobs"] = _completion_logprobs(d.logprobs) if req.logprobs is not None else None
+            if d.prompt_logprobs is not None and req.prompt_logprobs is not None:
+                c["prompt_logprobs"] = vllm_prompt_logprobs(
+                    d.prompt_logprobs, req.prompt_ids, req.prompt_logprobs, self.info.tokenizer
+                )
         c["finish_reason"] = reason
         if reason is not None:
             c["stop_reason"] = d.stop_reason
@@ -253,6 +258,10 @@ class OpenAIServing:
             else:
                 c = {"index": i, "text": gen.text(i)}
                 c["logprobs"] = _completion_logprobs(logprobs[i]) if req.logprobs is not None else None
+                if req.prompt_logprobs is not None:
+                    c["prompt_logprobs"] = vllm_prompt_logprobs(
+                        gen.prompt_logprobs or [], req.prompt_ids, req.prompt_logprobs, self.info.tokenizer
+                    )
             c.update(finish_reason=reason, stop_reason=stop)
             choices.append(c)
         return {

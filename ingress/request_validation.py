@@ -9,6 +9,7 @@ serving layer runs large bodies through them off the event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ class GenerationRequest:
     priority: int
     logprobs: int | None  # alternatives per token; None: no logprobs in the response
     tools: ToolPlan | None = None  # chat with tools: how to read calls from the answer
+    prompt_logprobs: int | None = None  # completions: return the prompt's logprobs (top-k)
 
 
 def parse_body(body: bytes, model_cls: type[CompletionRequest] | type[ChatCompletionRequest]):
@@ -101,7 +103,11 @@ def validate_completion(req: CompletionRequest, info: ModelInfo, limits: Ingress
             param="prompt",
             code="invalid_token_id",
         )
-    return _finish(req, ids, req.max_tokens, "max_tokens", logprobs, info, chat=False)
+    g = _finish(req, ids, req.max_tokens, "max_tokens", logprobs, info, chat=False)
+    g.prompt_logprobs = _bounded("prompt_logprobs", req.prompt_logprobs, limits.max_logprobs)
+    if g.prompt_logprobs is not None:
+        g.params = dataclasses.replace(g.params, prompt_logprobs=g.prompt_logprobs)
+    return g
 
 
 def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOptions) -> GenerationRequest:

@@ -9,7 +9,7 @@ import grpc
 from prefill_worker.worker import PrefillWorker
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from proto.convert import logprobs_to_proto, params_from_proto, stop_reason_text
+from proto.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto, stop_reason_text
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         timing = pb.HopTiming(
             prefill_queue_ms=result.queue_s * 1e3, prefill_compute_ms=result.compute_s * 1e3
         )
-        resp = pb.PrefillResponse(handle=handle, timing=timing)
+        resp = pb.PrefillResponse(
+            handle=handle, timing=timing, prompt_logprobs=prompt_logprobs_to_proto(result.prompt_logprobs)
+        )
         if result.finish_reason is not None:
             resp.finished.CopyFrom(
                 pb.Finished(

@@ -45,6 +45,7 @@ class PrefillResult:
     stop_reason: str | int | None = None
     queue_s: float = 0.0  # arrival -> start of the step that finished the prompt
     compute_s: float = 0.0  # that step
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -112,6 +113,7 @@ class PrefillWorker(WorkerRuntime):
             stop_reason=out.stop_reason,
             queue_s=clock.queue_s,
             compute_s=clock.first_step_s,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     async def release(self, request_id: str) -> bool:

@@ -31,6 +31,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         min_tokens=p.min_tokens,
         bad_words_token_ids=[list(w.ids) for w in p.bad_words],
         prior_output_tokens=p.prior_output_tokens,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         structured=StructuredOutput(p.structured.kind, p.structured.value)
         if p.HasField("structured")
         else None,
@@ -59,6 +60,8 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
     )
     if s.bad_words and not s.bad_words_token_ids:
         raise ValueError("bad_words must be tokenized into bad_words_token_ids before they cross the wire")
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     if s.structured is not None:
         msg.structured.kind = s.structured.kind
         msg.structured.value = s.structured.value
@@ -77,6 +80,11 @@ def logprobs_to_proto(entries: dict[int, float] | None) -> pb.TokenLogprobs:
 
 def logprobs_from_proto(msg: pb.TokenLogprobs) -> dict[int, float] | None:
     return {e.token_id: e.logprob for e in msg.entries} or None
+
+
+def prompt_logprobs_to_proto(entries: list[dict[int, float] | None] | None) -> list[pb.TokenLogprobs]:
+    """Positions 1.. of a prompt's logprobs (position 0 has none)."""
+    return [logprobs_to_proto(e) for e in (entries or [])[1:]]
 
 
 def stop_reason_text(reason: str | int | None) -> str:

@@ -194,6 +194,7 @@ def continued(params: pb.SamplingParams, tokens: int) -> pb.SamplingParams:
     rest.max_tokens = params.max_tokens - tokens
     rest.min_tokens = max(0, params.min_tokens - tokens)
     rest.prior_output_tokens = params.prior_output_tokens + tokens
+    rest.ClearField("prompt_logprobs")  # sent with the first token already
     return rest
 
 

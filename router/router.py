@@ -276,7 +276,11 @@ class Router:
         if res.seed is None:  # the seed the prefill worker drew: a resumed request keeps it
             res.seed = resp.handle.seed
         yield pb.GenerateResponse(
-            tokens=pb.TokenChunk(token_ids=[resp.handle.first_token], logprobs=[resp.handle.first_logprobs])
+            tokens=pb.TokenChunk(
+                token_ids=[resp.handle.first_token],
+                logprobs=[resp.handle.first_logprobs],
+                prompt_logprobs=resp.prompt_logprobs,
+            )
         )
         yield pb.GenerateResponse(
             route=pb.RouteInfo(
@@ -286,14 +290,8 @@ class Router:
                 delivered_hit_tokens=resp.handle.num_cached_tokens,
             )
         )
-        logger.debug(
-            "%s: P=%s D=%s predicted hit %d, delivered %d",
-            request_id,
-            route.prefill.worker_id,
-            route.decode.worker_id,
-            route.predicted_hit_tokens,
-            resp.handle.num_cached_tokens,
-        )
+        logger.debug("%s: P=%s D=%s predicted hit %d, delivered %d", request_id, route.prefill.worker_id,
+                     route.decode.worker_id, route.predicted_hit_tokens, resp.handle.num_cached_tokens)  # fmt: skip
         if resp.HasField("finished"):
             clock.stamp(resp.finished.timing)
             yield pb.GenerateResponse(finished=resp.finished)

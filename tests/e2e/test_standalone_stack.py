@@ -259,6 +259,38 @@ def test_completions_batch_echo_best_of_and_sampling_controls_equal_the_engine_a
         == engine_texts(prompts[1], temperature=0, logit_bias={77: 3.0}, **controls)[0][0]
     )
 
+    # prompt_logprobs (vLLM's field): computed by the prefill worker (n = 1) or, aggregated, by the
+    # decode worker (n = 2), equal to the engine alone's.
+    ref = llm.generate(
+        prompts[0], SamplingParams(max_tokens=2, prompt_logprobs=2, temperature=0), use_tqdm=False
+    )
+    ref_plp = ref[0].prompt_logprobs
+    for n in (1, 2):
+        code, body = _post(
+            base,
+            "/v1/completions",
+            {**req, "prompt": prompts[0], "n": n, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2},
+        )
+        assert code == 200, body
+        for c in body["choices"]:
+            plp = c["prompt_logprobs"]
+            assert plp[0] is None and len(plp) == len(prompts[0])
+            for pos in range(1, len(plp)):
+                got = {int(t): v["logprob"] for t, v in plp[pos].items()}
+                assert set(got) == set(ref_plp[pos]) and next(iter(got)) == prompts[0][pos]
+                assert all(abs(got[t] - ref_plp[pos][t]) < 1e-4 for t in got)
+    # echo with logprobs: the prompt's tokens lead the lists (the first without a logprob).
+    code, body = _post(
+        base,
+        "/v1/completions",
+        {**req, "prompt": prompts[1], "n": 1, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1},
+    )
+    assert code == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(prompts[1]) + 3 and lp["token_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == body["choices"][0]["text"]
+    assert all(body["choices"][0]["text"][o:].startswith(t) for t, o in zip(lp["tokens"], lp["text_offset"]))
+
     # The utility endpoints answer from the ingress's tokenizer.
     code, body = _post(
         base, "/tokenize", {"model": model, "prompt": prompt_text, "add_special_tokens": False}

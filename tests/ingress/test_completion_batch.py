@@ -102,3 +102,30 @@ def test_a_client_leaving_mid_stream_ends_every_prompt(info):
         assert router.open == 0 and serving.admission.running == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_reach_the_answer(info, stream):
+    """The workers' prompt logprobs (positions 1..) come back in vLLM's shape, the first None; in a
+    stream with the first chunk."""
+    from proto import pdserve_pb2 as pb
+
+    first = tokens([7])
+    first.tokens.prompt_logprobs.extend(
+        [
+            pb.TokenLogprobs(
+                entries=[
+                    pb.TokenLogprob(token_id=11, logprob=-1.5),
+                    pb.TokenLogprob(token_id=3, logprob=-0.5),
+                ]
+            )
+        ]
+    )
+    router = ScriptedRouter({10: [first, tokens([8]), finished()]})
+    _, app = _serving(info, router)
+    body = {"model": "tiny", "prompt": [10, 11], "max_tokens": 2, "prompt_logprobs": 1, "stream": stream}
+    r = asyncio.run(call(app, "/v1/completions", body))
+    choice = r.events()[0]["choices"][0] if stream else r.json()["choices"][0]
+    plp = choice["prompt_logprobs"]
+    assert plp[0] is None and set(plp[1]) == {"11", "3"} and plp[1]["11"]["logprob"] == -1.5
+    assert plp[1]["3"]["decoded_token"] == info.tokenizer.decode([3])

@@ -73,7 +73,8 @@ def test_chat_fills_the_context_by_default_and_maps_logprobs(info):
         ({"prompt": "a", "stop": ["s"] * 17}, 400, "stop"),
         ({"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
         ({"prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
-        ({"prompt": "a", "echo": True, "logprobs": 1}, 400, "echo"),
+        ({"prompt": "a", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
+        ({"prompt": "a", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
         ({"prompt": "a", "suffix": "x"}, 400, "suffix"),
         ({"prompt": ["a"] * 65}, 400, "prompt"),
         ({"prompt": ["a", ""]}, 400, "prompt"),  # every prompt is validated
