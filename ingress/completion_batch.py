@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ingress.generation import Generation
+from ingress.generation import Generation, Usage
 from ingress.model_info import ModelInfo
 from ingress.openai_protocol import APIError, CompletionRequest, status_of
 from ingress.options import IngressOptions
@@ -217,7 +217,7 @@ class _Merged:
 
 
 def _joined(plan: CompletionPlan, answers: list[dict], rid: str, model: str, leads=None) -> dict:
-    choices, usage = [], _Usage()
+    choices, usage = [], Usage(0)
     for i, answer in enumerate(answers):
         cs = answer["choices"]
         if plan.best_of > plan.n:
@@ -231,7 +231,7 @@ def _joined(plan: CompletionPlan, answers: list[dict], rid: str, model: str, lea
             if plan.logprobs is None:
                 c["logprobs"] = None
             choices.append(c)
-        usage.add(answer["usage"])
+        _add_usage(usage, answer["usage"])
     return {
         "id": rid,
         "object": "text_completion",
@@ -269,9 +269,9 @@ async def _joined_stream(serving, plan, gens, merged: _Merged, first, slot, rid:
                 c["index"] += i * plan.n
             yield _sse({**head, "choices": choices})
         if plan.include_usage:
-            usage = _Usage()
+            usage = Usage(0)
             for g in gens:
-                usage.add(g.usage.to_dict())
+                _add_usage(usage, g.usage.to_dict())
             yield _sse({**head, "choices": [], "usage": usage.to_dict()})
         status = "success"
     except APIError as exc:
@@ -285,22 +285,10 @@ async def _joined_stream(serving, plan, gens, merged: _Merged, first, slot, rid:
     yield _DONE
 
 
-class _Usage:
-    def __init__(self) -> None:
-        self.prompt = self.completion = self.cached = 0
-
-    def add(self, u: dict) -> None:
-        self.prompt += u.get("prompt_tokens", 0)
-        self.completion += u.get("completion_tokens", 0)
-        self.cached += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-
-    def to_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt,
-            "completion_tokens": self.completion,
-            "total_tokens": self.prompt + self.completion,
-            "prompt_tokens_details": {"cached_tokens": self.cached},
-        }
+def _add_usage(total: Usage, u: dict) -> None:
+    total.prompt_tokens += u.get("prompt_tokens", 0)
+    total.completion_tokens += u.get("completion_tokens", 0)
+    total.cached_tokens += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def _sse(obj: dict) -> bytes:

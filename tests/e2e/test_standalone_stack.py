@@ -156,18 +156,18 @@ def test_openai_http_without_ray_equals_hf(stack, tiny_llama, hf_greedy):
     code, body = _post(base, "/v1/completions", {"model": str(tiny_llama), "prompt": "x", "temperature": -1})
     assert code == 400 and body["error"]["param"] == "temperature"
 
-    async def all_free():
-        deadline = time.monotonic() + 15
-        while True:
-            states = [await state(w.address, w.role) for w in (p, d)]
-            if all(
-                s.stats.num_free_blocks == s.stats.num_blocks and s.stats.num_running == 0 for s in states
-            ):
-                return
-            assert time.monotonic() < deadline, [s.stats for s in states]
-            await asyncio.sleep(0.1)
+    asyncio.run(all_free(p, d))
 
-    asyncio.run(all_free())
+
+async def all_free(*workers) -> None:
+    """Until every worker runs nothing and has all its blocks free (15 s at most)."""
+    deadline = time.monotonic() + 15
+    while True:
+        states = [await state(w.address, w.role) for w in workers]
+        if all(s.stats.num_free_blocks == s.stats.num_blocks and s.stats.num_running == 0 for s in states):
+            return
+        assert time.monotonic() < deadline, [s.stats for s in states]
+        await asyncio.sleep(0.1)
 
 
 def continuation(model_dir, prompt: list[int], out: list[int]) -> str:
@@ -299,15 +299,4 @@ def test_completions_batch_echo_best_of_and_sampling_controls_equal_the_engine_a
     code, body = _post(base, "/detokenize", {"model": model, "tokens": prompts[1]})
     assert code == 200 and body["prompt"] == prompt_text
 
-    async def all_free():
-        deadline = time.monotonic() + 15
-        while True:
-            states = [await state(w.address, w.role) for w in (p, d)]
-            if all(
-                s.stats.num_free_blocks == s.stats.num_blocks and s.stats.num_running == 0 for s in states
-            ):
-                return
-            assert time.monotonic() < deadline, [s.stats for s in states]
-            await asyncio.sleep(0.1)
-
-    asyncio.run(all_free())
+    asyncio.run(all_free(p, d))
