@@ -2,7 +2,8 @@
 
 ``generate``: the offline engine. ``serve``: the OpenAI-compatible service on Ray Serve (``--demo``:
 a few requests through it, then exit). ``status`` and ``scale``: a running service. ``bench``:
-load-test any OpenAI-compatible server. ``manifests``: render the KubeRay manifests.
+load-test any OpenAI-compatible server. ``manifests``: render the KubeRay manifests. ``train-tiny``: a
+small trained model and draft (for what random weights cannot show).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import argparse
 import logging
 import sys
 
-from cli import bench, generate, manifests, scale, serve, status
+from cli import bench, generate, manifests, scale, serve, status, train_tiny
 
-COMMANDS = (generate, serve, status, scale, bench, manifests)
+COMMANDS = (generate, serve, status, scale, bench, manifests, train_tiny)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,6 +25,7 @@ from cli.ray_cluster import cluster_identity
 from cli.ready_banner import ready_banner
 from cli.service_record import claim_name, new_record, remove_record, write_record
 from cli.tiny_model import ensure_tiny_model
+from cli.train_tiny import trained_target
 from deploy.config import PDServeConfig
 from engine.args import add_engine_args, engine_kwargs_from_args
 from settings import environment
@@ -32,6 +33,7 @@ from settings import environment
 logger = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "pdserve-tiny-random"
+TRAINED_MODEL_NAME = "pdserve-tiny-python"
 
 
 def add_parser(sub) -> None:
@@ -170,8 +172,14 @@ def run(args: argparse.Namespace) -> int:
     if args.config:
         config = config_from_file(args.config, args)
     else:
-        tiny = args.model is None
-        config = config_from_args(args, args.model or str(ensure_tiny_model()), tiny)
+        trained = trained_target() if args.model is None and args.demo else None
+        if trained is not None:  # the demo's text reads as Python once pdserve train-tiny ran
+            print(f"demo model: {TRAINED_MODEL_NAME}, trained by pdserve train-tiny ({trained})", flush=True)
+            args.served_model_name = args.served_model_name or TRAINED_MODEL_NAME
+            config = config_from_args(args, str(trained), False)
+        else:
+            tiny = args.model is None
+            config = config_from_args(args, args.model or str(ensure_tiny_model()), tiny)
     args.name = claim_name(args.name or f"{config.app_name}-{config.ingress.port}")
     if args.api_key:
         environment.export_secret(environment.API_KEY, args.api_key)  # the local Ray cluster inherits it
