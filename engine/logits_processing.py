@@ -34,6 +34,15 @@ class RowHistory:
     output_start: int
     prompt_len: int  # >= output_start: the tokens carried in the prompt are output, not budget
     eos_token_ids: frozenset[int]
+    # The prompt's distinct tokens on the device (repetition_penalty): the runner keeps them per
+    # sequence, so a long prompt is not gathered again every step.
+    prompt_tokens: torch.Tensor | None = None
+
+    def distinct_prompt_tokens(self, device: torch.device) -> torch.Tensor:
+        if self.prompt_tokens is None:
+            ids = sorted(set(self.token_ids[: self.output_start]))
+            self.prompt_tokens = torch.tensor(ids, dtype=torch.int64, device=device)
+        return self.prompt_tokens
 
     @property
     def output(self) -> list[int]:
@@ -89,8 +98,7 @@ class LogitsAdjustment:
         pres: list[float] = []
         out_r: list[int] = []
         out_c: list[int] = []
-        prompt_r: list[int] = []
-        prompt_c: list[int] = []
+        prompts: list[tuple[int, torch.Tensor]] = []  # (penalty row, its prompt's distinct tokens)
         for i, row in rows:
             p = row.params
             for t in banned_tokens(row):
@@ -110,9 +118,7 @@ class LogitsAdjustment:
                 out_r.extend([k] * len(out))
                 out_c.extend(out)
                 if p.repetition_penalty != 1:
-                    prompt = row.token_ids[: row.output_start]
-                    prompt_r.extend([k] * len(prompt))
-                    prompt_c.extend(prompt)
+                    prompts.append((k, row.distinct_prompt_tokens(device)))
         if not (ban_r or bias_r or pen_rows):
             return None
 
@@ -134,8 +140,8 @@ class LogitsAdjustment:
             floats(pres),
             ints(out_r),
             ints(out_c),
-            ints(prompt_r),
-            ints(prompt_c),
+            torch.cat([torch.full_like(t, k) for k, t in prompts]) if prompts else ints([]),
+            torch.cat([t for _, t in prompts]) if prompts else ints([]),
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

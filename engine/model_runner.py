@@ -33,6 +33,7 @@ class _SeqState:
     output_start: int
     prompt_len: int
     grammar: GrammarState | None = None
+    prompt_tokens: torch.Tensor | None = None  # distinct prompt tokens (repetition_penalty), on device
 
 
 class ModelRunner:
@@ -191,15 +192,22 @@ class ModelRunner:
         temps, top_ks, top_ps, min_ps, seeds, positions = [], [], [], [], [], []
         want_logprobs: list[int | None] = []
         processed: list[tuple[int, RowHistory]] = []
+        holders: list[tuple[_SeqState, RowHistory]] = []
         for i, (_, seq_id, n) in enumerate(sample_rows):
             state = self.seqs[seq_id]
             p = state.params
             for s in range(n):
                 if p.processes_logits:
                     history = RowHistory(
-                        p, state.token_ids, state.output_start, state.prompt_len, self.eos_token_ids
+                        p,
+                        state.token_ids,
+                        state.output_start,
+                        state.prompt_len,
+                        self.eos_token_ids,
+                        state.prompt_tokens,
                     )
                     processed.append((len(expand), history))
+                    holders.append((state, history))
                 expand.append(i)
                 temps.append(p.temperature)
                 top_ks.append(p.top_k)
@@ -227,6 +235,8 @@ class ModelRunner:
             adjust=LogitsAdjustment.build(processed, dev) if processed else None,
             token_bitmask=masks.result().to(dev) if masks is not None else None,
         )
+        for state, history in holders:  # a prompt's distinct tokens are gathered once per sequence
+            state.prompt_tokens = history.prompt_tokens
         result = self.sampler(logits, batch)
         token_list = result.token_ids.tolist()
         out = RunnerOutput(errors=self._grammar_errors)
