@@ -129,6 +129,8 @@ def prefix(quick: bool) -> dict:
 
 
 def overhead(quick: bool) -> dict:
+    import torch
+
     from cli.tiny_model import ensure_tiny_model
     from engine import LLM, SamplingParams
 
@@ -150,6 +152,13 @@ def overhead(quick: bool) -> dict:
     llm.generate(prompts, params)
     engine_rps = len(prompts) / (time.perf_counter() - t0)
     engine_closed_rps = engine_closed_loop(llm.core, prompts, params, concurrency=32)
+    # The engine alone as a replica runs it: one torch thread (Ray gives a 0.5-CPU replica
+    # OMP_NUM_THREADS=1), the other core left to nothing. Apart, this isolates the serving path's own
+    # overhead from the second core the engine-alone baseline gets.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine_one_thread_rps = engine_closed_loop(llm.core, prompts, params, concurrency=32)
+    torch.set_num_threads(threads)
     del llm
     runs = {}
     for name, flags in (
@@ -173,9 +182,23 @@ def overhead(quick: bool) -> dict:
         f"{name}_over_engine_closed_loop": run["request_throughput"] / engine_closed_rps
         for name, run in runs.items()
     }
+    closed.update(
+        {
+            f"{name}_over_engine_one_thread": run["request_throughput"] / engine_one_thread_rps
+            for name, run in runs.items()
+        }
+    )
+    for name, run in runs.items():
+        print(
+            f"{name}: {run['request_throughput']:.1f} req/s = {closed[f'{name}_over_engine_closed_loop']:.2f}x the "
+            f"engine alone at 32 in flight ({engine_closed_rps:.1f}), "
+            f"{closed[f'{name}_over_engine_one_thread']:.2f}x with one torch thread ({engine_one_thread_rps:.1f})",
+            flush=True,
+        )
     return {
         "engine_alone_requests_per_s": engine_rps,
         "engine_alone_closed_loop_requests_per_s": engine_closed_rps,
+        "engine_alone_closed_loop_one_thread_requests_per_s": engine_one_thread_rps,
         **closed,
         "runs": runs,
         "http_over_engine_aggregated": runs["aggregated_http"]["request_throughput"] / engine_rps,
