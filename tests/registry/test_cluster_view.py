@@ -192,7 +192,8 @@ def test_a_registry_that_lost_its_data_gets_the_worker_back(redis_server, views,
     wait_until(lambda: "p0" in read_workers(client), "Redis lists p0 again")
     assert client.smembers(snapshot_key("p0")) == {H[0], H[1]}
     converges(view, "p0", {H[0], H[1]})
-    assert "p0" in view.workers
+    # The index and the worker list are refreshed by different polls: wait for the list too.
+    wait_until(lambda: "p0" in view.workers, "the view lists p0 again")
 
 
 def test_a_worker_falls_silent_when_its_heartbeats_or_its_engines_reports_stop(views, publishers):
