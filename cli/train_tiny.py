@@ -67,23 +67,6 @@ def split(files: list[Path], every: int) -> tuple[list[Path], list[Path]]:
     return [p for p in files if not held(p)], [p for p in files if held(p)]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<pad>", "<s>", "</s>"],
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-
-
 def encode(tokenizer, texts: list[str]):
     import torch
 
@@ -163,6 +146,8 @@ def train_tiny(
     """Train (or reuse) the pair; returns the metrics (paths, validation loss and perplexity)."""
     import torch
 
+    from engine.tiny_model import build_byte_level_tokenizer
+
     out = Path(out or CACHE / recipe.key())
     done = out / "metrics.json"
     if done.exists() and not force:
@@ -172,10 +157,9 @@ def train_tiny(
     train_files, val_files = split(corpus_files(corpus), recipe.val_every)
     if not train_files or not val_files:
         raise ValueError(f"too few source files under {corpus} to train and validate")
-    read = lambda files: [p.read_text(encoding="utf-8", errors="replace") for p in files]  # noqa: E731
-    train_texts, val_texts = read(train_files), read(val_files)
+    train_texts, val_texts = _read(train_files), _read(val_files)
     t0 = time.perf_counter()
-    tokenizer = train_tokenizer(train_texts, recipe.vocab_size)
+    tokenizer = build_byte_level_tokenizer(recipe.vocab_size, train_texts, chat_template=None)
     data, val = encode(tokenizer, train_texts), encode(tokenizer, val_texts)
     metrics: dict = {
         "recipe": dataclasses.asdict(recipe),
@@ -205,6 +189,10 @@ def train_tiny(
     metrics["seconds"] = time.perf_counter() - t0
     done.write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def _read(files: list[Path]) -> list[str]:
+    return [p.read_text(encoding="utf-8", errors="replace") for p in files]
 
 
 def trained_target() -> Path | None:

@@ -52,6 +52,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids  # banned under min_tokens
         self.structured = structured  # grammars of structured-output requests
         self._grammar_errors: dict[str, str] = {}  # found while rebuilding a grammar's state
+        # The sequences that need the per-step extras: a step without any skips them entirely.
+        self._grammar_seqs: set[str] = set()
+        self._prompt_lp_seqs: set[str] = set()
         self.backend = backend
         self.layout = layout
         self.kv_cache = kv_cache
@@ -69,12 +72,14 @@ class ModelRunner:
             return RunnerOutput()
         order = self._batch_order(sched)
         input_ids, positions, meta, sample_rows = self._prepare(sched, order)
-        masks = self._grammar_masks(sample_rows)  # filled on a helper thread during the forward pass
+        masks = self._grammar_masks(sample_rows) if self._grammar_seqs else None  # filled during the forward
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        prompt_lp = prompt_logprobs(self.model, hidden, self.seqs, sched, order)
+        prompt_lp = {}
+        if self._prompt_lp_seqs and not self._prompt_lp_seqs.isdisjoint(sched.num_scheduled_tokens):
+            prompt_lp = prompt_logprobs(self.model, hidden, self.seqs, sched, order)
         if not sample_rows:
             return RunnerOutput(prompt_logprobs=prompt_lp)
         rows = [r for r, _, _ in sample_rows]
@@ -99,6 +104,8 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+            self._grammar_seqs.discard(seq_id)
+            self._prompt_lp_seqs.discard(seq_id)
         for new in sched.new_seqs:
             self.seqs[new.seq_id] = _SeqState(
                 list(new.token_ids),
@@ -109,8 +116,11 @@ class ModelRunner:
                 new.output_start,
                 new.prompt_len,
             )
+            if new.params.prompt_logprobs is not None:
+                self._prompt_lp_seqs.add(new.seq_id)
             spec = new.params.structured
             if spec is not None:
+                self._grammar_seqs.add(new.seq_id)
                 state = self.seqs[new.seq_id]
                 state.grammar = self.structured.matcher(spec, state.token_ids[state.output_start :])
                 if state.grammar.failed:  # its output so far (e.g. a peer's first token) breaks the grammar

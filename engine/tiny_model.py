@@ -270,9 +270,12 @@ BYTE_LEVEL_CORPUS = [
 ]
 
 
-def build_byte_level_tokenizer(vocab_size: int = 600, corpus: list[str] | None = None):
+def build_byte_level_tokenizer(
+    vocab_size: int = 600, corpus: list[str] | None = None, chat_template: str | None = CHAT_TEMPLATE
+):
     """A byte-level BPE (GPT-2 style: every string is expressible, so JSON, regexes and tool calls
-    can be generated) trained on ``corpus``; ids 0-2 are pad, BOS and EOS as in ``make_config``."""
+    can be generated) trained on ``corpus`` (default: a little JSON and prose, repeated); ids 0-2
+    are pad, BOS and EOS as in ``make_config``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -283,14 +286,15 @@ def build_byte_level_tokenizer(vocab_size: int = 600, corpus: list[str] | None =
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=["<pad>", "<s>", "</s>"],
+        show_progress=False,
     )
-    tok.train_from_iterator((corpus or BYTE_LEVEL_CORPUS) * 40, trainer)
+    tok.train_from_iterator(corpus if corpus is not None else BYTE_LEVEL_CORPUS * 40, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
 
 

@@ -94,12 +94,7 @@ async def serve_plan(serving, plan: CompletionPlan, rid: str, stamps: IngressSta
     ``OpenAIServing`` (its admission, router, metrics and response shapes). The request takes
     one admission slot; its prompts' generations run together. As with one prompt, a stream starts
     only once every prompt produced its first output (or the request failed with its own status)."""
-    slot = serving.admission.slot()
-    try:
-        await slot.__aenter__()
-    except APIError:
-        serving.metrics.count("rejected")
-        raise
+    slot = await serving.admit()
     gens = [
         Generation(
             f"{rid}-{i}",

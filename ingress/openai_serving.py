@@ -138,17 +138,23 @@ class OpenAIServing:
 
     # Generation --------------------------------------------------------------------------------
 
-    async def _serve(self, req: GenerationRequest, rid: str, stamps: IngressStamps, timing: bool):
-        """A dict (non-streaming) or an async iterator of SSE lines (streaming); APIError on failure.
-        With ``timing`` the answer carries the hop timing (``TIMING_FIELD``: in the dict, or in the
-        stream's last chunk)."""
-        gen = Generation(rid, req, self.info.tokenizer, self.metrics, self.texts, stamps=stamps)
+    async def admit(self):
+        """An entered admission slot (the caller exits it once the request is over), or APIError 429
+        (counted as rejected) when the queue is full."""
         slot = self.admission.slot()
         try:
             await slot.__aenter__()
         except APIError:
             self.metrics.count("rejected")
             raise
+        return slot
+
+    async def _serve(self, req: GenerationRequest, rid: str, stamps: IngressStamps, timing: bool):
+        """A dict (non-streaming) or an async iterator of SSE lines (streaming); APIError on failure.
+        With ``timing`` the answer carries the hop timing (``TIMING_FIELD``: in the dict, or in the
+        stream's last chunk)."""
+        gen = Generation(rid, req, self.info.tokenizer, self.metrics, self.texts, stamps=stamps)
+        slot = await self.admit()
         stamps.admitted = time.perf_counter()
         events = gen.events(self.router, self.options.request_timeout_s)
         if not req.stream:
