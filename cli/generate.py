@@ -64,4 +64,10 @@ def run(args: argparse.Namespace) -> int:
         f"\n{len(outputs)} requests, {generated} tokens in {elapsed:.2f}s: {generated / elapsed:.1f} tokens/s "
         f"(prefix-cache hit rate {stats.prefix_cache_hit_rate:.0%}, preemptions {stats.num_preemptions})"
     )
+    if stats.spec_num_drafts:
+        per_pos = ", ".join(f"{n / stats.spec_num_drafts:.0%}" for n in stats.spec_accepted_per_position)
+        print(
+            f"speculative decoding: acceptance {stats.spec_acceptance_rate:.0%}, mean accepted length "
+            f"{stats.spec_mean_accepted_length:.2f} tokens/step, accepted per position: {per_pos}"
+        )
     return 0

@@ -119,9 +119,32 @@ def format_status(cluster, states) -> str:
             )
         )
     out = f"{head}\n{_table(rows)}"
+    spec = format_speculation(states)
+    if spec:
+        out += "\n\n" + spec
     if cluster.hop_timing:
         out += "\n\n" + format_hops(cluster.hop_timing)
     return out
+
+
+def format_speculation(states) -> str:
+    """Per speculating worker: acceptance rate, mean accepted length, acceptance per draft position."""
+    rows = [("WORKER", "DRAFTS", "ACCEPTED", "MEAN LENGTH", "PER POSITION")]
+    for w in sorted(states, key=lambda w: w.worker_id):
+        s = w.stats
+        if not s.spec_num_drafts:
+            continue
+        per_pos = " ".join(f"{n / s.spec_num_drafts:.0%}" for n in s.spec_accepted_per_position)
+        rows.append(
+            (
+                w.worker_id,
+                str(s.spec_num_drafts),
+                f"{s.spec_accepted_tokens}/{s.spec_draft_tokens} ({s.spec_accepted_tokens / max(s.spec_draft_tokens, 1):.0%})",
+                f"{1 + s.spec_accepted_tokens / s.spec_num_drafts:.2f}",
+                per_pos,
+            )
+        )
+    return f"speculative decoding:\n{_table(rows)}" if len(rows) > 1 else ""
 
 
 def format_hops(hops) -> str:

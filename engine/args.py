@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 from engine.config import EngineConfig
 
-_TYPES = {"int": int, "float": float, "str": str}
+_TYPES = {"int": int, "float": float, "str": str, "dict": dict}
 
 
 def engine_options() -> list[dataclasses.Field]:
@@ -57,11 +58,21 @@ def add_engine_args(
         g.add_argument(
             *names,
             dest=f.name,
-            type=typ,
+            type=_json_object if typ is dict else typ,
             default=f.default,
             choices=f.metadata.get("choices"),
             help=help_text + default_note,
         )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

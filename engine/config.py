@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.spec_config import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -95,6 +97,12 @@ class EngineConfig:
     )
     cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA + Triton backend only)")
     cuda_graph_max_batch: int = option(256, "largest decode batch captured in a CUDA graph")
+    speculative_config: dict | None = option(
+        None,
+        'speculative decoding, as JSON: {"method": "draft_model", "model": PATH} | {"method": "ngram", '
+        '"prompt_lookup_max": 4} | {"method": "early_exit", "num_layers": 2}, each with '
+        '"num_speculative_tokens": k',
+    )
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -125,10 +133,15 @@ class EngineConfig:
             raise ValueError(f"admission_margin must be a fraction in [0, 1), got {self.admission_margin}")
         if not self.model:
             raise ValueError("model is required (a checkpoint directory or Hugging Face id)")
+        self.speculative  # noqa: B018 (a bad speculative_config is refused here, with the others)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
 
 def _positive(name: str, value: int) -> None:

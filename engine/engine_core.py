@@ -29,6 +29,8 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SequenceOutput
+from engine.spec_decode import attach_cache, build_speculator, draft_block_bytes
+from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -42,28 +44,6 @@ class TransferPlan:
     local_block_ids: list[int]
     first_block_index: int
     num_cached_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_blocks: int
-    num_free_blocks: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_swap_outs: int
-    prompt_tokens: int
-    generation_tokens: int
-    num_held: int = 0
-    num_transferring: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class EngineCore:
@@ -84,7 +64,17 @@ class EngineCore:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {limit}")
         self.max_model_len = config.max_model_len or limit
         self.layout = KVLayout.from_spec(self.spec, config.block_size, config.dtype)
-        num_blocks = config.num_blocks or self._blocks_from_budget()
+        spec_cfg = config.speculative
+        self.speculator, draft = None, None
+        if spec_cfg is not None:
+            self.speculator, draft = build_speculator(
+                spec_cfg, self.model, self.model_path, config.tokenizer, self.max_model_len,
+                lambda path: load_model(path, config.dtype, config.device, backend),
+            )  # fmt: skip
+            logger.info("speculative decoding: %s", spec_cfg.describe())
+        num_blocks = config.num_blocks or self._blocks_from_budget(
+            draft_block_bytes(draft, config.block_size, config.dtype)
+        )
         num_cpu_blocks = int(config.swap_space * (1 << 30)) // self.layout.block_bytes
         # One block more than the pool hands out: the pad block that padded rows of a CUDA-graph
         # decode batch write to (engine/cuda_graphs.py). The pool, NIXL and everything else see
@@ -114,6 +104,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             admission_margin=config.admission_margin,
             itl_target_ms=config.itl_target_ms,
+            num_spec_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
         )
         self.structured = StructuredOutputs(
             config.tokenizer or self.model_path, self.spec.vocab_size, self.eos_token_ids
@@ -128,6 +119,9 @@ class EngineCore:
             self.eos_token_ids,
             self.structured,
         )
+        if self.speculator is not None:
+            attach_cache(self.speculator, self.model, draft, kv_cache, self.layout, num_blocks, backend)
+            self.runner.speculator = self.speculator
         if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
             from engine.cuda_graphs import DecodeGraphRunner
 
@@ -148,12 +142,14 @@ class EngineCore:
         self._rng = random.Random(config.seed)
         self._generation_tokens = 0
 
-    def _blocks_from_budget(self) -> int:
+    def _blocks_from_budget(self, draft_block_bytes: int) -> int:
+        """Blocks that fit the KV budget; a draft model's cache has a block per target block."""
         if self.device.type == "cuda":
-            return num_blocks_for_budget(
-                self.layout, gpu_kv_budget(self.device, self.config.gpu_memory_utilization)
-            )
-        return num_blocks_for_budget(self.layout, self.config.kv_cache_memory_bytes)
+            budget = gpu_kv_budget(self.device, self.config.gpu_memory_utilization)
+        else:
+            budget = self.config.kv_cache_memory_bytes
+        share = self.layout.block_bytes / (self.layout.block_bytes + draft_block_bytes)
+        return num_blocks_for_budget(self.layout, int(budget * share))
 
     # Requests ---------------------------------------------------------------------------------
 
@@ -389,6 +385,18 @@ class EngineCore:
             num_transferring=len(s.transferring),
             prompt_tokens=s.num_prompt_tokens,
             generation_tokens=self._generation_tokens,
+            **self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        st = self.speculator.stats
+        return dict(
+            spec_num_drafts=st.num_drafts,
+            spec_draft_tokens=st.num_draft_tokens,
+            spec_accepted_tokens=st.num_accepted_tokens,
+            spec_accepted_per_position=tuple(st.accepted_per_position),
         )
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend
+from engine.batch import build_batch
 from engine.kv_cache import KVLayout
 from engine.logits_processing import LogitsAdjustment, RowHistory
 from engine.models.llama import LlamaForCausalLM
@@ -63,6 +64,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.seqs: dict[str, _SeqState] = {}
         self.decode_graphs = None  # engine.cuda_graphs.DecodeGraphRunner, set on CUDA
+        self.speculator = None  # engine.spec_decode.Speculator, set when the engine speculates
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -70,8 +72,10 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return RunnerOutput()
-        order = self._batch_order(sched)
-        input_ids, positions, meta, sample_rows = self._prepare(sched, order)
+        # Drafts first: the verifying forward below takes each speculating sequence's drafts as input.
+        drafts = self.speculator.propose(self, sched) if sched.num_spec_tokens else {}
+        order = self._batch_order(sched, drafts)
+        input_ids, positions, meta, sample_rows, spec_rows = self._prepare(sched, order, drafts)
         masks = self._grammar_masks(sample_rows) if self._grammar_seqs else None  # filled during the forward
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
@@ -79,19 +83,22 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
         prompt_lp = {}
         if self._prompt_lp_seqs and not self._prompt_lp_seqs.isdisjoint(sched.num_scheduled_tokens):
-            prompt_lp = prompt_logprobs(self.model, hidden, self.seqs, sched, order)
-        if not sample_rows:
-            return RunnerOutput(prompt_logprobs=prompt_lp)
-        rows = [r for r, _, _ in sample_rows]
-        logits = self.model.compute_logits(hidden[rows])
-        out = self._sample(logits, sample_rows, masks)
+            prompt_lp = prompt_logprobs(self.model, hidden, self.seqs, sched, order, meta.query_start_loc)
+        if sample_rows:
+            rows = [r for r, _, _ in sample_rows]
+            out = self._sample(self.model.compute_logits(hidden[rows]), sample_rows, masks)
+        else:
+            out = RunnerOutput()
         out.prompt_logprobs = prompt_lp
+        if spec_rows:
+            self.speculator.verify(self, hidden, spec_rows, out)
         return out
 
-    def _batch_order(self, sched: SchedulerOutput) -> list[str]:
-        """Decodes first, longest context first (the attention backend groups them by length)."""
+    def _batch_order(self, sched: SchedulerOutput, drafts: dict[str, list[int]]) -> list[str]:
+        """Decodes first, longest context first (the attention backend groups them by length); a
+        sequence that speculates this step runs as a short prefill chunk."""
         n = sched.num_scheduled_tokens
-        return sorted(n, key=lambda s: (n[s] != 1, -len(self.seqs[s].token_ids)))
+        return sorted(n, key=lambda s: (n[s] != 1 or bool(drafts.get(s)), -len(self.seqs[s].token_ids)))
 
     def _apply_block_ops(self, sched: SchedulerOutput) -> None:
         for src, dst in sched.blocks_to_swap_out:
@@ -100,10 +107,14 @@ class ModelRunner:
             self.kv_cache[dst].copy_(self.cpu_cache[src])
         for src, dst in sched.blocks_to_copy:
             self.kv_cache[dst].copy_(self.kv_cache[src])
+        if sched.blocks_to_copy and self.speculator is not None:
+            self.speculator.copy_blocks(sched.blocks_to_copy)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+            if self.speculator is not None:
+                self.speculator.drop(seq_id)
             self._grammar_seqs.discard(seq_id)
             self._prompt_lp_seqs.discard(seq_id)
         for new in sched.new_seqs:
@@ -134,54 +145,31 @@ class ModelRunner:
             else:
                 state.block_ids.extend(run.new_block_ids)
 
-    def _prepare(self, sched: SchedulerOutput, order: list[str]):
-        bs = self.layout.block_size
+    def _prepare(self, sched: SchedulerOutput, order: list[str], drafts: dict[str, list[int]]):
+        """The step's flat batch; a speculating sequence's span is its last token and its drafts."""
         computed = {d.seq_id: d.num_computed_tokens for d in sched.new_seqs}
         computed.update({d.seq_id: d.num_computed_tokens for d in sched.running_seqs})
         samples = {d.seq_id: d.num_samples for d in sched.new_seqs}
         samples.update({d.seq_id: d.num_samples for d in sched.running_seqs})
-        tokens: list[int] = []
-        pos: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
+        spans = []
         sample_rows: list[tuple[int, str, int]] = []
-        num_decodes = 0
+        spec_rows: list[tuple[int, str, list[int]]] = []
+        row = 0
         for seq_id in order:
             state = self.seqs[seq_id]
-            n = sched.num_scheduled_tokens[seq_id]
             start = computed[seq_id]
-            end = start + n
-            tokens.extend(state.token_ids[start:end])
-            pos.extend(range(start, end))
-            seq_lens.append(end)
-            qsl.append(qsl[-1] + n)
-            if n == 1:
-                num_decodes += 1
-            if end == len(state.token_ids):
-                sample_rows.append((qsl[-1] - 1, seq_id, samples[seq_id]))
-        max_blocks = max(-(-s // bs) for s in seq_lens)
-        tables = torch.zeros((len(order), max_blocks), dtype=torch.int64)
-        for i, seq_id in enumerate(order):
-            ids = self.seqs[seq_id].block_ids[: -(-seq_lens[i] // bs)]
-            tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        pos_t = torch.tensor(pos, dtype=torch.int64)
-        q_seq = torch.repeat_interleave(
-            torch.arange(len(order)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1])
-        )
-        slot_blocks = tables[q_seq, pos_t // bs]
-        meta = AttentionMetadata(
-            num_decodes=num_decodes,
-            slot_blocks=slot_blocks.to(self.device),
-            slot_offsets=(pos_t % bs).to(self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
-            seq_lens_list=seq_lens,
-            query_start_loc=qsl,
-            block_tables=tables.to(self.device),
-            block_size=bs,
-        )
-        self.backend.prepare(meta)
-        input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        return input_ids, pos_t.to(self.device), meta, sample_rows
+            draft = drafts.get(seq_id)
+            if draft:
+                toks = [state.token_ids[start], *draft]
+                spec_rows.append((row, seq_id, draft))
+            else:
+                toks = state.token_ids[start : start + sched.num_scheduled_tokens[seq_id]]
+                if start + len(toks) == len(state.token_ids):
+                    sample_rows.append((row + len(toks) - 1, seq_id, samples[seq_id]))
+            spans.append((toks, start, state.block_ids))
+            row += len(toks)
+        input_ids, positions, meta = build_batch(spans, self.layout.block_size, self.device, self.backend)
+        return input_ids, positions, meta, sample_rows, spec_rows
 
     def _grammar_masks(self, sample_rows: list[tuple[int, str, int]]):
         """A future of the step's token bitmask (one row per sample), or None without grammars."""

@@ -11,22 +11,23 @@ from __future__ import annotations
 import torch
 
 
-def prompt_logprobs(model, hidden: torch.Tensor, seqs: dict, sched, order: list[str]) -> dict:
-    """seq_id -> (first position, [{prompt token: logprob, top-k alternatives...}, ...])."""
+def prompt_logprobs(
+    model, hidden: torch.Tensor, seqs: dict, sched, order: list[str], query_start_loc: list[int]
+) -> dict:
+    """seq_id -> (first position, [{prompt token: logprob, top-k alternatives...}, ...]); sequence
+    ``order[i]``'s rows of ``hidden`` start at ``query_start_loc[i]``."""
     computed = {d.seq_id: d.num_computed_tokens for d in sched.new_seqs}
     computed.update({d.seq_id: d.num_computed_tokens for d in sched.running_seqs})
     rows: list[int] = []
     spans: list[tuple[str, int, int, int]] = []  # (seq, first position, first row in ``rows``, count)
-    row = 0
-    for seq_id in order:
-        n = sched.num_scheduled_tokens[seq_id]
+    for i, seq_id in enumerate(order):
+        row, n = query_start_loc[i], query_start_loc[i + 1] - query_start_loc[i]
         state = seqs[seq_id]
         start = computed[seq_id]
         end = min(start + n, state.prompt_len - 1)
         if state.params.prompt_logprobs is not None and end > start:
             spans.append((seq_id, start, len(rows), end - start))
             rows.extend(range(row, row + end - start))
-        row += n
     if not spans:
         return {}
     logprobs = torch.log_softmax(model.compute_logits(hidden[rows]).float(), dim=-1)

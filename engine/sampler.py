@@ -96,19 +96,38 @@ class Sampler:
         return SamplerOutput(tokens, sampled, top_ids, top_lp)
 
     def _random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        temp = torch.where(batch.temperature > 0, batch.temperature, 1.0)
-        logits = logits / temp[:, None]
-        if batch.any_top_k:
-            logits = _apply_top_k(logits, batch.top_k)
-        if batch.any_top_p:
-            logits = _apply_top_p(logits, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if batch.any_min_p:
-            keep = probs >= batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(keep, probs, 0.0)
-        # Exponential race (Gumbel-max): argmax p / E with E ~ Exp(1) samples from p.
-        u = uniform_noise(batch.seeds, batch.positions, logits.shape[-1])
-        return (probs / -torch.log(u)).argmax(dim=-1)
+        return exponential_race(filtered_probs(logits, batch), batch.seeds, batch.positions)
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[N, V] the distribution a random row samples from: temperature, top-k, top-p, then min-p
+    (min-p leaves it unnormalized; samplers here only need it up to a factor per row)."""
+    temp = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    logits = logits / temp[:, None]
+    if batch.any_top_k:
+        logits = _apply_top_k(logits, batch.top_k)
+    if batch.any_top_p:
+        logits = _apply_top_p(logits, batch.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if batch.any_min_p:
+        keep = probs >= batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(keep, probs, 0.0)
+    return probs
+
+
+def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A token from each row of ``probs`` (unnormalized is fine): argmax p / E with E ~ Exp(1), the
+    exponential race (Gumbel-max), its noise a function of (seed, position)."""
+    u = uniform_noise(seeds, positions, probs.shape[-1])
+    return (probs / -torch.log(u)).argmax(dim=-1)
+
+
+def uniform_scalar(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[N] float64 uniforms in (0, 1), one per (seed, position), independent of ``uniform_noise``'s
+    (speculative decoding's acceptance draws)."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    row = _fmix32(_fmix32(lo ^ _fmix32(hi + 0x51ED270B)) ^ _fmix32((positions & _M32) + 0x2545F491))
+    return (row.to(torch.float64) + 0.5) / 4294967296.0
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,9 @@ class SamplingParams:
     ``prior_output_tokens``: how many of the prompt's last tokens this request generated earlier (a
     generation continued from its own output, a request resumed on another worker): penalties and
     bad words count them as output. ``max_tokens`` and ``min_tokens`` stay budgets of what is left.
+
+    ``speculative`` = False: decode this request one token per step even when the engine speculates
+    (requests with logits processing or a grammar never speculate).
     """
 
     n: int = 1
@@ -100,6 +103,7 @@ class SamplingParams:
     prior_output_tokens: int = 0
     structured: StructuredOutput | None = None
     prompt_logprobs: int | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -32,15 +32,12 @@ from engine.scheduler_output import (
     SchedulerOutput,
     SequenceOutput,
 )
+from engine.scheduler_transfer import TransferQueue
 
 logger = logging.getLogger(__name__)
 
 
-class NoKVRoomError(RuntimeError):
-    """The KV pool cannot hold a transferred prompt right now (it may later)."""
-
-
-class Scheduler:
+class Scheduler(TransferQueue):
     def __init__(
         self,
         kv: KVCacheManager,
@@ -51,12 +48,14 @@ class Scheduler:
         policy: str = "fifo",
         admission_margin: float = 0.01,
         itl_target_ms: float = 100.0,
+        num_spec_tokens: int = 0,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.policy = policy
+        self.num_spec_tokens = num_spec_tokens  # k drafts per speculating decode; 0: off
         # The fair policy's step sizing; the engine reports each step's duration to it.
         self.batching = (
             FairBatching(max_num_batched_tokens, itl_target_ms / 1e3) if policy == "fair" else None
@@ -100,46 +99,6 @@ class Scheduler:
         req.status = status
         self._release(req)
         return req
-
-    # Disaggregation ---------------------------------------------------------------------------
-
-    def add_transferring(self, req: Request, num_prompt_tokens: int) -> tuple[list[int], int]:
-        """Allocate blocks for a prompt whose KV will be pulled from a peer.
-
-        Returns (fresh local block ids to fill, index of the first of them in the sequence's block
-        table); blocks before it are local prefix-cache hits. Raises ``NoKVRoomError`` when the pool
-        cannot hold the prompt now (the caller may fall back to recompute or retry).
-        """
-        hit = self.kv.find_prefix_hit(req)
-        needed = self.kv.blocks_needed(num_prompt_tokens) - len(hit.block_ids)
-        reclaimed = sum(1 for b in hit.block_ids if self.kv.pool.is_free(b))
-        if needed > self.kv.num_free_blocks - reclaimed:
-            raise NoKVRoomError(f"no room for {needed} KV blocks ({self.kv.num_free_blocks} free)")
-        fresh = self.kv.allocate_for_transfer(req, hit, num_prompt_tokens)
-        req.num_cached_tokens = hit.num_tokens
-        self.num_prompt_tokens += req.prompt_len
-        self.kv.record_prefix_query(req, hit.num_tokens)
-        req.status = RequestStatus.TRANSFERRING
-        self.requests[req.request_id] = req
-        self.groups.setdefault(req.group_id, []).append(req.request_id)
-        self.transferring[req.request_id] = req
-        return fresh, len(hit.block_ids)
-
-    def complete_transfer(self, seq_id: str, num_prompt_tokens: int) -> None:
-        """The pulled KV is in place: the sequence joins the batch, its next input the first token."""
-        req = self.transferring.pop(seq_id)
-        req.num_computed_tokens = num_prompt_tokens
-        self.kv.commit_transfer(req)
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-
-    def fail_transfer(self, seq_id: str) -> None:
-        """The pull failed: drop its blocks and recompute the prompt (and first token) locally."""
-        req = self.transferring.pop(seq_id)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
 
     def sequences_of(self, group_id: str) -> list[str]:
         return list(self.groups.get(group_id, ()))
@@ -201,6 +160,8 @@ class Scheduler:
                 continue  # preempted earlier in this step
             num_new = min(len(req.token_ids) - req.num_computed_tokens, budget[0])
             seq_id = req.request_id
+            if num_new == 1 and self.num_spec_tokens and self._speculate(req, out, scheduled, budget):
+                continue
             if (
                 num_new == 1
                 and not req.pending_forks
@@ -221,6 +182,27 @@ class Scheduler:
                     break
             else:
                 self._emit(req, num_new, out, scheduled, budget)
+
+    def _speculate(
+        self, req: Request, out: SchedulerOutput, scheduled: dict[str, int], budget: list[int]
+    ) -> bool:
+        """Schedule a decode with ``1 + k`` slots for its last token and k drafts, k bounded by the
+        budget and by what is left to generate; False when it decodes one token (opted out, logits
+        processing or a grammar, no room)."""
+        p = req.params
+        if not p.speculative or p.structured is not None or p.processes_logits or req.pending_forks:
+            return False
+        k = min(
+            self.num_spec_tokens,
+            budget[0] - 1,
+            p.max_tokens - req.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        if k <= 0 or req.prefill_only or not self.kv.can_allocate(req, 1 + k, None, 0):
+            return False
+        self._emit(req, 1 + k, out, scheduled, budget)
+        out.num_spec_tokens[req.request_id] = k
+        return True
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]) -> None:
         while self.swapped and budget[0] > 0 and len(self.running) < self.max_num_seqs:
@@ -374,23 +356,36 @@ class Scheduler:
         for seq_id, (start, entries) in result.prompt_logprobs.items():
             if seq_id in requests:
                 requests[seq_id].record_prompt_logprobs(start, entries)
+        spec = sched.num_spec_tokens
         for seq_id, tokens in result.sampled.items():
             req = requests.get(seq_id)
             if req is None or req.status != running:
                 continue
             logprobs = all_logprobs.get(seq_id) if all_logprobs else None
+            if seq_id in spec:  # its tokens in order; the rejected drafts' positions are rolled back
+                req.num_computed_tokens -= spec[seq_id] + 1 - len(tokens)
+                outputs.append(self._append(req, tokens, logprobs))
+                continue
             if req.pending_forks:
                 for i, tok in enumerate(tokens[1:], start=1):
                     outputs.append(self._fork(req, i, tok, logprobs[i] if logprobs else None))
                 req.pending_forks = 0
-            outputs.append(self._append(req, tokens[0], logprobs[0] if logprobs else None))
+            outputs.append(self._append(req, tokens[:1], logprobs[:1] if logprobs else None))
         return outputs
 
-    def _append(self, req: Request, token: int, logprobs: dict[int, float] | None) -> SequenceOutput:
-        req.append_token(token, logprobs)
-        status = req.check_stop(self.max_model_len)
+    def _append(
+        self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
+    ) -> SequenceOutput:
+        """Append a step's tokens (several after speculation) up to the first that ends the request."""
+        status = None
+        for i, token in enumerate(tokens):
+            req.append_token(token, logprobs[i] if logprobs else None)
+            status = req.check_stop(self.max_model_len)
+            if status is not None:
+                tokens = tokens[: i + 1]
+                break
         out = SequenceOutput(
-            req.group_id, req.sample_index, [token], None if logprobs is None else [logprobs],
+            req.group_id, req.sample_index, list(tokens), logprobs[: len(tokens)] if logprobs else None,
             num_prompt_tokens=req.prompt_len, num_cached_tokens=max(req.num_cached_tokens, 0),
             prompt_logprobs=req.first_output_prompt_logprobs(),
         )  # fmt: skip
@@ -418,7 +413,7 @@ class Scheduler:
         self.requests[child.request_id] = child
         self.groups[parent.group_id].append(child.request_id)
         self.running.append(child)
-        return self._append(child, token, logprobs)
+        return self._append(child, [token], None if logprobs is None else [logprobs])
 
     def _release(self, req: Request, hold: bool = False) -> list[int]:
         held = self.kv.hold(req) if hold else []

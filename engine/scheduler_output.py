@@ -49,6 +49,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Speculating decodes: seq_id -> k. Scheduled for 1 + k tokens (the last one and k drafts the
+    # runner proposes); 1 to k + 1 come back in ``RunnerOutput.sampled``.
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -57,10 +60,11 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    # seq_id -> sampled tokens (1, or n for a sequence that forks) for sequences whose scheduled
-    # tokens reached the end of their known tokens; partial prefill chunks sample nothing.
+    # seq_id -> sampled tokens (1, or n for a sequence that forks; for a speculating one, its new
+    # tokens in order) for sequences whose scheduled tokens reached the end of their known tokens;
+    # partial prefill chunks sample nothing.
     sampled: dict[str, list[int]] = field(default_factory=dict)
-    # seq_id -> per sample: {token_id: logprob}, the sampled token first.
+    # seq_id -> per sample (per token for a speculating sequence): {token_id: logprob}, sampled first.
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     # seq_id -> why its request must end with an error (a grammar no token of the model can follow).
     errors: dict[str, str] = field(default_factory=dict)

@@ -148,6 +148,28 @@ class _ClusterCollector:
         hits = CounterMetricFamily(
             "pdserve_prefix_cache_hits", "Prompt tokens found in the engine's prefix cache", labels=labels
         )
+        spec_drafts = CounterMetricFamily(
+            "pdserve_spec_decode_drafts", "Speculative proposals (one sequence, one step)", labels=labels
+        )
+        spec_tokens = CounterMetricFamily(
+            "pdserve_spec_decode_draft_tokens", "Drafted tokens verified by the target", labels=labels
+        )
+        spec_accepted = CounterMetricFamily(
+            "pdserve_spec_decode_accepted_tokens", "Drafted tokens the target accepted", labels=labels
+        )
+        spec_rate = GaugeMetricFamily(
+            "pdserve_spec_decode_acceptance_ratio", "Accepted / drafted tokens since start", labels=labels
+        )
+        spec_len = GaugeMetricFamily(
+            "pdserve_spec_decode_mean_accepted_length",
+            "Tokens a speculating step emits per sequence on average (accepted drafts + 1)",
+            labels=labels,
+        )
+        spec_pos = CounterMetricFamily(
+            "pdserve_spec_decode_accepted_per_position",
+            "Drafts whose token at this position was accepted",
+            labels=[*labels, "position"],
+        )
         tbytes = CounterMetricFamily(
             "pdserve_kv_transfer_bytes", "KV bytes pulled from prefill workers", labels=["worker"]
         )
@@ -175,6 +197,14 @@ class _ClusterCollector:
             preempt.add_metric(ids, s.num_preemptions)
             queries.add_metric(ids, s.prefix_cache_queries)
             hits.add_metric(ids, s.prefix_cache_hits)
+            if s.spec_num_drafts:
+                spec_drafts.add_metric(ids, s.spec_num_drafts)
+                spec_tokens.add_metric(ids, s.spec_draft_tokens)
+                spec_accepted.add_metric(ids, s.spec_accepted_tokens)
+                spec_rate.add_metric(ids, s.spec_accepted_tokens / max(s.spec_draft_tokens, 1))
+                spec_len.add_metric(ids, 1 + s.spec_accepted_tokens / s.spec_num_drafts)
+                for i, n in enumerate(s.spec_accepted_per_position):
+                    spec_pos.add_metric([*ids, str(i)], n)
             if w.role == "decode":
                 t = w.transfer_stats
                 tbytes.add_metric([w.worker_id], t.bytes)
@@ -185,6 +215,7 @@ class _ClusterCollector:
                     buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
                 tsec.add_metric([w.worker_id], buckets, t.seconds_sum)
         yield from (running, waiting, kv, free, total, hit, preempt, queries, hits, tbytes, tfail, tsec)
+        yield from (spec_drafts, spec_tokens, spec_accepted, spec_rate, spec_len, spec_pos)
         if self.cluster is not None:
             c = self.cluster
             r = GaugeMetricFamily(

@@ -91,6 +91,7 @@ class _SamplingFields(_Request):
     repetition_penalty: Number | None = None
     min_tokens: StrictInt | None = None
     bad_words: list[StrictStr] | None = None
+    speculative: StrictBool = True  # pdserve's: false decodes one token per step on a speculating engine
     # Structured output: OpenAI's response_format, or one of vLLM's guided_* fields.
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | StrictStr | None = None

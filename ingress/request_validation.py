@@ -223,6 +223,7 @@ def _finish(
             min_tokens=min_tokens,
             bad_words_token_ids=bad_words,
             structured=structured,
+            speculative=req.speculative,
         )
     except ValueError as exc:  # the engine's own bounds, should they ever be narrower than ours
         raise APIError(400, str(exc), param=_param_of(str(exc))) from exc

@@ -70,6 +70,10 @@ def stats_to_proto(s: EngineStats) -> pb.EngineStats:
         generation_tokens=s.generation_tokens,
         num_held_requests=s.num_held,
         num_transferring=s.num_transferring,
+        spec_num_drafts=s.spec_num_drafts,
+        spec_draft_tokens=s.spec_draft_tokens,
+        spec_accepted_tokens=s.spec_accepted_tokens,
+        spec_accepted_per_position=s.spec_accepted_per_position,
     )
 
 

@@ -125,11 +125,15 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_cache, meta: AttentionMetadata, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """Hidden states after all layers, or after the first ``num_layers`` (an early-exit draft)."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary.lookup(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos_sin, kv_cache, meta)
+        layers = self.model.layers
+        for i in range(len(layers) if num_layers is None else num_layers):
+            x = layers[i](x, cos_sin, kv_cache, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
