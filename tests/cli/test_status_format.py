@@ -73,3 +73,20 @@ def test_status_prints_migrations_and_suspect_workers():
     head = format_status(cluster, []).splitlines()[0]
     assert "migrations 3 (stalls 1, refused 2)" in head and "suspect: decode-b" in head
     assert "suspect" not in format_status(pb.ClusterState(policy="cache_aware"), []).splitlines()[0]
+
+
+def test_status_prints_speculation_per_worker_that_speculates():
+    spec = pb.EngineStats(
+        num_blocks=8, spec_num_drafts=10, spec_draft_tokens=30, spec_accepted_tokens=12,
+        spec_accepted_per_position=[7, 4, 1],
+    )  # fmt: skip
+    workers = [
+        pb.WorkerState(role="decode", worker_id="d0", stats=spec),
+        pb.WorkerState(role="prefill", worker_id="p0", stats=pb.EngineStats(num_blocks=8)),
+    ]
+    lines = format_status(pb.ClusterState(policy="cache_aware"), workers).splitlines()
+    at = lines.index("speculative decoding:")
+    assert lines[at + 2].split() == ["d0", "10", "12/30", "(40%)", "2.20", "70%", "40%", "10%"]
+    assert len(lines) == at + 3  # the prefill worker does not speculate: no row
+    plain = [pb.WorkerState(role="decode", worker_id="d0", stats=pb.EngineStats(num_blocks=8))]
+    assert "speculative" not in format_status(pb.ClusterState(policy="cache_aware"), plain)

@@ -24,7 +24,13 @@ def exported_names() -> set[str]:
         pb.WorkerState(
             worker_id="d",
             role="decode",
-            stats=pb.EngineStats(num_blocks=8),
+            stats=pb.EngineStats(
+                num_blocks=8,
+                spec_num_drafts=4,
+                spec_draft_tokens=8,
+                spec_accepted_tokens=5,
+                spec_accepted_per_position=[3, 2],
+            ),
             transfer_stats=pb.KVTransferStats(bucket_bounds=[0.1], bucket_counts=[1, 0]),
         ),
     ]

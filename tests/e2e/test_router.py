@@ -35,6 +35,7 @@ class Cluster:
         num_prefill: int,
         policy: str = "cache_aware",
         num_decode: int = 1,
+        decode_flags: tuple[str, ...] = (),
         **spawn_kw,
     ) -> None:
         url = redis_server.url
@@ -43,7 +44,7 @@ class Cluster:
             for i in range(num_prefill)
         ]
         self.decodes = [
-            workers("decode", "--redis-url", url, "--worker-id", f"d{i}", **spawn_kw)
+            workers("decode", "--redis-url", url, "--worker-id", f"d{i}", *decode_flags, **spawn_kw)
             for i in range(num_decode)
         ]
         self.decode = self.decodes[0]
@@ -370,6 +371,49 @@ def test_structured_output_equals_the_engine_alone_disaggregated_and_aggregated(
             with pytest.raises(grpc.aio.AioRpcError) as exc:
                 await cluster.generate("bad", prompts[0], bad)
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "compile" in exc.value.details()
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("method", ["draft_model", "early_exit"])
+def test_speculating_decode_worker_equals_the_engine_alone(
+    workers, redis_server, tiny_llama, tiny_model_factory, method
+):
+    """The decode worker speculates on a prompt whose KV it pulled: the draft model recomputes the
+    prompt into its own cache, early exit reads the pulled KV of the target's first layer. Greedy
+    output equals the engine without speculation, seeded sampling equals the engine alone with the
+    same speculation, disaggregated and aggregated; the acceptance counters reach GetState."""
+    import json
+
+    draft = tiny_model_factory("llama", num_hidden_layers=1, seed=7)
+    spec = {
+        "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+        "early_exit": {"method": "early_exit", "num_layers": 1, "num_speculative_tokens": 3},
+    }[method]
+    prompts = [[5, 9, 9, 17, 3, 3, 3, 40] * 3, list(range(100, 130)), [100, 7, 7, 250, 31]]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    plain = LLM(str(tiny_llama), num_blocks=128, block_size=8)
+    alone = LLM(str(tiny_llama), num_blocks=128, block_size=8, speculative_config=spec)
+    want = [plain.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert [alone.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts] == want
+    want_seeded = [alone.generate(p, seeded, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    cluster = Cluster(workers, redis_server, 1, decode_flags=("--speculative-config", json.dumps(spec)))
+
+    async def run():
+        await cluster.start()
+        try:
+            for mode in ("disaggregated", "aggregated"):
+                cluster.router.local_prefill_tokens = 0 if mode == "disaggregated" else 10**6
+                for i, p in enumerate(prompts):
+                    assert await cluster.generate(f"{mode}-{i}", p, greedy) == want[i], (mode, i)
+                    assert await cluster.generate(f"{mode}-s{i}", p, seeded) == want_seeded[i], (mode, i)
+            stats = (await state(cluster.decode.address, "decode")).stats
+            assert stats.spec_num_drafts > 0 and stats.spec_draft_tokens >= stats.spec_accepted_tokens
+            assert len(stats.spec_accepted_per_position) == 3
             await cluster.all_free()
         finally:
             await cluster.stop()

@@ -50,6 +50,16 @@ def test_completion_defaults_and_token_prompts(info):
     assert g.params.stop == ["x"] and g.logprobs == 2
 
 
+def test_speculation_opt_out_crosses_the_wire(info):
+    from proto.convert import params_from_proto, params_to_proto
+
+    assert _completion(info, prompt="a").params.speculative is True
+    off = _completion(info, prompt="a", speculative=False).params
+    assert off.speculative is False
+    assert params_from_proto(params_to_proto(off)).speculative is False
+    assert params_from_proto(params_to_proto(_completion(info, prompt="a").params)).speculative is True
+
+
 def test_chat_fills_the_context_by_default_and_maps_logprobs(info):
     req = ChatCompletionRequest.model_validate(
         {
@@ -204,6 +214,10 @@ def test_metrics_render_worker_and_transfer_series():
         num_preemptions=3,
         prefix_cache_queries=96,
         prefix_cache_hits=32,
+        spec_num_drafts=10,
+        spec_draft_tokens=30,
+        spec_accepted_tokens=12,
+        spec_accepted_per_position=[7, 4, 1],
     )
     transfer = pb.KVTransferStats(
         bytes=4096, completed=2, seconds_sum=0.03, bucket_bounds=[0.01, 0.1], bucket_counts=[1, 1, 0]
@@ -221,6 +235,12 @@ def test_metrics_render_worker_and_transfer_series():
     assert samples[("pdserve_preemptions_total", (("role", "decode"), ("worker", "decode-a")))] == 3
     assert samples[("pdserve_prefix_cache_queries_total", (("role", "decode"), ("worker", "decode-a")))] == 96
     assert samples[("pdserve_prefix_cache_hits_total", (("role", "decode"), ("worker", "decode-a")))] == 32
+    ids = (("role", "decode"), ("worker", "decode-a"))
+    assert samples[("pdserve_spec_decode_drafts_total", ids)] == 10
+    assert samples[("pdserve_spec_decode_accepted_tokens_total", ids)] == 12
+    assert samples[("pdserve_spec_decode_acceptance_ratio", ids)] == 0.4
+    assert samples[("pdserve_spec_decode_mean_accepted_length", ids)] == 2.2
+    assert samples[("pdserve_spec_decode_accepted_per_position_total", (("position", "1"), *ids))] == 4
     assert samples[("pdserve_kv_transfer_bytes_total", (("worker", "decode-a"),))] == 4096
     assert samples[("pdserve_kv_transfer_seconds_bucket", (("le", "0.1"), ("worker", "decode-a")))] == 2
     assert samples[("pdserve_kv_transfer_seconds_count", (("worker", "decode-a"),))] == 2
