@@ -227,6 +227,9 @@ class PDServeConfig(_Strict):
     def engine_for(self, role: Literal["prefill", "decode"]) -> EngineOptions:
         """The engine options of a worker pool: the shared section with the pool's overrides."""
         overrides = getattr(self, role).engine
+        if role == "prefill" and self.engine.speculative_config is not None:
+            # A prefill worker stops after the first token: it never speculates, so it loads no draft.
+            overrides = {**overrides, "speculative_config": None}
         if not overrides:
             return self.engine
         shared = sorted(_SHARED_ENGINE_OPTIONS & overrides.keys())

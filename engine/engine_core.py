@@ -105,6 +105,7 @@ class EngineCore:
             admission_margin=config.admission_margin,
             itl_target_ms=config.itl_target_ms,
             num_spec_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
+            spec_max_batch=spec_cfg.disable_by_batch_size if spec_cfg else None,
         )
         self.structured = StructuredOutputs(
             config.tokenizer or self.model_path, self.spec.vocab_size, self.eos_token_ids

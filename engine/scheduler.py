@@ -49,6 +49,7 @@ class Scheduler(TransferQueue):
         admission_margin: float = 0.01,
         itl_target_ms: float = 100.0,
         num_spec_tokens: int = 0,
+        spec_max_batch: int | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -56,6 +57,7 @@ class Scheduler(TransferQueue):
         self.max_model_len = max_model_len
         self.policy = policy
         self.num_spec_tokens = num_spec_tokens  # k drafts per speculating decode; 0: off
+        self.spec_max_batch = spec_max_batch or 1 << 62  # no speculation with this many running
         # The fair policy's step sizing; the engine reports each step's duration to it.
         self.batching = (
             FairBatching(max_num_batched_tokens, itl_target_ms / 1e3) if policy == "fair" else None
@@ -191,6 +193,8 @@ class Scheduler(TransferQueue):
         processing or a grammar, no room)."""
         p = req.params
         if not p.speculative or p.structured is not None or p.processes_logits or req.pending_forks:
+            return False
+        if len(self.running) >= self.spec_max_batch:
             return False
         k = min(
             self.num_spec_tokens,

@@ -20,7 +20,15 @@ from typing import Any
 
 SPEC_METHODS = ("draft_model", "ngram", "early_exit")
 MAX_SPECULATIVE_TOKENS = 16
-_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "num_layers"}
+_KEYS = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "num_layers",
+    "disable_by_batch_size",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +39,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram
     prompt_lookup_min: int = 1
     num_layers: int = 1  # early_exit
+    # Speculate only while fewer requests than this run (vLLM's speculative_disable_by_batch_size):
+    # a large batch is compute-bound already, and verifying k + 1 positions costs more than it saves.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -60,12 +71,15 @@ class SpeculativeConfig:
         _int_in("prompt_lookup_min", lookup_min, 1, lookup_max)
         num_layers = value.get("num_layers", 1)
         _int_in("num_layers", num_layers, 1, 1 << 10)
+        disable = value.get("disable_by_batch_size")
+        if disable is not None:
+            _int_in("disable_by_batch_size", disable, 1, 1 << 20)
         model = value.get("model")
         if method == "draft_model" and not (isinstance(model, str) and model):
             raise ValueError('speculative_config method "draft_model" needs "model": the draft\'s path or id')
         if method != "draft_model" and model is not None:
             raise ValueError(f'speculative_config "model" is only for method "draft_model", not {method!r}')
-        return cls(method, k, model, lookup_max, lookup_min, num_layers)
+        return cls(method, k, model, lookup_max, lookup_min, num_layers, disable)
 
     def describe(self) -> str:
         extra = {
@@ -73,7 +87,8 @@ class SpeculativeConfig:
             "ngram": f"lookup={self.prompt_lookup_min}..{self.prompt_lookup_max}",
             "early_exit": f"num_layers={self.num_layers}",
         }[self.method]
-        return f"{self.method} (k={self.num_speculative_tokens}, {extra})"
+        off = f", off at batch >= {self.disable_by_batch_size}" if self.disable_by_batch_size else ""
+        return f"{self.method} (k={self.num_speculative_tokens}, {extra}{off})"
 
 
 def _int_in(name: str, x: object, lo: int, hi: int) -> None:

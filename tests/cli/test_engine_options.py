@@ -106,3 +106,18 @@ def test_kuberay_values_carry_engine_options_through_the_same_declaration():
     raw["engine"]["cuda_graph"] = False  # a typo of an option name is refused, not ignored
     with pytest.raises(ValueError, match="cuda_graph"):
         serve_config(ClusterValues.model_validate(raw))
+
+
+def test_speculative_config_flag_reaches_decode_workers_only():
+    from cli.serve import config_from_args
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 5}'
+    args = _subparser("serve").parse_args(["--speculative-config", spec])
+    config = config_from_args(args, "some/model", tiny=False)
+    decode = config.engine_for("decode").engine_config(config.model)
+    assert decode.speculative.method == "ngram" and decode.speculative.num_speculative_tokens == 5
+    assert config.engine_for("prefill").engine_config(config.model).speculative is None
+    with pytest.raises(SystemExit):  # not JSON: argparse refuses it with the reason
+        _subparser("serve").parse_args(["--speculative-config", "{ngram"])
+    with pytest.raises(ValueError, match="method must be one of"):
+        PDServeConfig(model="m", engine={"speculative_config": {"method": "lookahead"}})

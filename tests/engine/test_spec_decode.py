@@ -214,3 +214,23 @@ def test_a_draft_with_another_tokenizer_is_refused(target, tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="different tokenizer"):
         _llm(target, {"method": "draft_model", "model": str(other)})
+
+
+def test_speculation_pauses_while_the_batch_is_large(target):
+    """disable_by_batch_size=2: no drafts while two requests run; the long one speculates alone."""
+    spec = {
+        "method": "draft_model",
+        "model": str(target),
+        "num_speculative_tokens": 2,
+        "disable_by_batch_size": 2,
+    }
+    prompts = _prompts(9, [8, 12])
+    llm = _llm(target, spec)
+    even = llm.generate(prompts, _greedy(max_new=12), use_tqdm=False)
+    assert llm.stats().spec_num_drafts == 0
+    long_tail = [_greedy(max_new=4), _greedy(max_new=20)]
+    outs = llm.generate(prompts, long_tail, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_acceptance_rate == 1.0
+    assert outs[1].outputs[0].token_ids[:12] == even[1].outputs[0].token_ids
+    _assert_all_free(llm)
