@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         hf = next(r for r in res if r["name"] == "HF generate")["tokens_per_s"]
         for r in res:
             print(
-                f"{r['name']:<28}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / hf:>15.2f}x{r['identical']:>13.0%}"
+                f"{r['name']:<36}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / hf:>15.2f}x{r['identical']:>13.0%}"
             )
         out["workload"] = res
     args.output.parent.mkdir(parents=True, exist_ok=True)
