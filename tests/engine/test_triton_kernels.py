@@ -164,17 +164,28 @@ def _runner_meta(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [None, 16])
 def test_backend_matches_torch_backend_on_mixed_batch(window: int | None, dtype: torch.dtype) -> None:
-    block_size, qpk, head_dim = 8, 4, 64
     # (computed, scheduled): decodes first, longest first (as the runner orders them), then a chunk of a
     # long prompt and a prompt whose first two blocks are a prefix-cache hit on that prompt's blocks.
-    seqs = [(69, 1), (32, 1), (8, 1), (0, 1), (37, 20), (16, 11)]
+    _compare_backends([(69, 1), (32, 1), (8, 1), (0, 1), (37, 20), (16, 11)], window, dtype, share=(4, 5))
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_backend_matches_torch_backend_on_speculative_verification(window: int | None) -> None:
+    """Speculative decoding's verify step: decodes, then each speculating sequence's last token and
+    its k drafts as a short chunk over a long paged prefix (crossing a block boundary, or not)."""
+    _compare_backends([(40, 1), (9, 1), (69, 5), (30, 3), (21, 5), (7, 2)], window, torch.float32)
+
+
+def _compare_backends(seqs, window: int | None, dtype: torch.dtype, share: tuple[int, int] | None = None):
+    block_size, qpk, head_dim = 8, 4, 64
     gen = torch.Generator().manual_seed(3)
     free = torch.randperm(64, generator=gen).tolist()
     block_ids = []
     for c, n in seqs:
         nb = -(-(c + n) // block_size)
         block_ids.append([free.pop() for _ in range(nb)])
-    block_ids[5][:2] = block_ids[4][:2]
+    if share is not None:
+        block_ids[share[1]][:2] = block_ids[share[0]][:2]
     kv = torch.randn((64, 2, 2, block_size, KV_HEADS, head_dim), generator=gen).to(dtype)
     triton_kv, torch_kv = kv.clone().to(DEVICE), kv.clone()
 
