@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from engine.scheduler_transfer import NoKVRoomError
 from engine.scheduler_output import SequenceOutput
+from engine.scheduler_transfer import NoKVRoomError
 from kv_transfer import KVTransferBackend, TransferHandle, TransferState
 from kv_transfer.stats import TransferStats
 

@@ -34,29 +34,34 @@ class IncrementalDetokenizer:
         self.pieces: list[str | None] = []
         self._incomplete = False
         self.num_output_tokens = 0
+        self.kept = 0  # tokens of the last add() that count (fewer when a stop string matched)
 
     def add(self, token_ids: list[int]) -> str | None:
-        """Append tokens; returns the matched stop string, if the output now contains one."""
-        start = len(self.text)
+        """Append tokens; returns the matched stop string, if the output now contains one.
+
+        Stop strings are checked after each token, as if the tokens came one per step: on a match
+        the tokens after the one that completed it are dropped (``kept`` says how many of
+        ``token_ids`` count; a speculating engine emits several tokens a step)."""
         self.pieces = []
+        self.kept = len(token_ids)
         min_tokens = self.params.min_tokens
-        for tok in token_ids:
+        for i, tok in enumerate(token_ids):
+            start = len(self.text)  # a stop string must end after this
             self.tokens.append(tok)
             piece = self._step()
             self.text += piece
             self.pieces.append(None if self._incomplete else piece)
             self.num_output_tokens += 1
-            if self.num_output_tokens <= min_tokens:
-                start = len(self.text)  # a stop string must end after this
-        if not self._max_stop:
-            return None
-        for stop in self.params.stop:
-            # The first match that ends in the new text (under min_tokens, earlier ones don't count).
-            idx = self.text.find(stop, max(0, start - len(stop) + 1))
-            if idx != -1:
-                end = idx + len(stop) if self.params.include_stop_str_in_output else idx
-                self.text = self.text[:end]
-                return stop
+            if not self._max_stop or not piece or self.num_output_tokens <= min_tokens:
+                continue
+            for stop in self.params.stop:
+                # The first match that ends in this token's text.
+                idx = self.text.find(stop, max(0, start - len(stop) + 1))
+                if idx != -1:
+                    end = idx + len(stop) if self.params.include_stop_str_in_output else idx
+                    self.text = self.text[:end]
+                    self.kept = i + 1
+                    return stop
         return None
 
     def flush(self) -> str:

@@ -123,14 +123,16 @@ class LLM:
         comp = result.outputs[out.sample_index]
         if out.prompt_logprobs is not None:
             result.prompt_logprobs = out.prompt_logprobs
-        comp.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs and comp.logprobs is not None:
-            comp.logprobs.extend(out.new_logprobs)
-        result.num_cached_tokens = out.num_cached_tokens
+        new = out.new_token_ids
         stop = None
-        if detok is not None and out.new_token_ids:
-            stop = detok.add(out.new_token_ids)
+        if detok is not None and new:
+            stop = detok.add(new)
             comp.text = detok.text
+            new = new[: detok.kept]  # a stop string ended the output inside a speculated run
+        comp.token_ids.extend(new)
+        if out.new_logprobs and comp.logprobs is not None:
+            comp.logprobs.extend(out.new_logprobs[: len(new)])
+        result.num_cached_tokens = out.num_cached_tokens
         if out.finish_reason is not None:
             if detok is not None and stop is None:
                 detok.flush()  # bytes of a character the output ended inside

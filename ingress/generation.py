@@ -160,11 +160,12 @@ class Generation:
             self.metrics.observe_token_gap(now - self.last_token_at, n)
         self.last_token_at = now
         ids = list(chunk.token_ids)
-        s.tokens += n
-        self.usage.completion_tokens += n
         stop = s.detok.add(ids)
-        if stop is not None:
+        if stop is not None:  # the tokens after the one that completed it never happened
             s.finish_reason, s.stop_reason = "stop", stop
+            ids = ids[: s.detok.kept]
+        s.tokens += len(ids)
+        self.usage.completion_tokens += len(ids)
         logprobs = self._logprobs(s, ids, chunk.logprobs) if self.req.logprobs is not None else []
         delta = self._delta(chunk.sample_index, s, logprobs)
         if chunk.prompt_logprobs:

@@ -234,3 +234,22 @@ def test_speculation_pauses_while_the_batch_is_large(target):
     assert stats.spec_num_drafts > 0 and stats.spec_acceptance_rate == 1.0
     assert outs[1].outputs[0].token_ids[:12] == even[1].outputs[0].token_ids
     _assert_all_free(llm)
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_output_where_it_would_have(target):
+    """Fully accepted runs of 5 tokens: a stop string completed by the run's third token drops the
+    two after it, as if the tokens had come one per step."""
+    plain = _llm(target, None)
+    llm = _llm(target, _configs(target, None)["draft_is_target"])
+    prompt = _prompts(10, [12])[0]
+    ref = plain.generate([prompt], _greedy(max_new=40), use_tqdm=False)[0].outputs[0]
+    words = [plain.tokenizer.decode([t]).strip() for t in ref.token_ids]
+    word = next(w for i, w in enumerate(words) if i >= 5 and w not in words[:i])
+    params = _greedy(max_new=40, stop=[word], logprobs=1)
+    want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert want.stop_reason == word and len(want.token_ids) < 40
+    assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason)
+    assert len(got.logprobs) == len(got.token_ids)
+    assert llm.stats().spec_accepted_tokens > 0
+    _assert_all_free(llm)

@@ -169,3 +169,28 @@ def test_prompt_and_generation_token_counters_move_once_per_request(info):
         assert after == {"pdserve_prompt_tokens_total": 2 * prompt_len, "pdserve_generation_tokens_total": 6}
 
     asyncio.run(run())
+
+
+def test_a_stop_string_inside_a_multi_token_chunk_drops_the_tokens_after_it(info):
+    """A speculating worker sends several tokens at once: when the second of four completes a stop
+    string, the answer's text and usage end there, as if they had come one by one."""
+    ids = info.tokenizer.encode("the world is wide")
+    assert len(ids) == 4
+    stop_word = info.tokenizer.decode([ids[1]]).strip()
+
+    async def run():
+        router = FedRouter([tokens([ids[0]]), tokens([*ids[1:], ids[0]]), finished()])
+        app = _app(info, router)
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 8, "stop": [stop_word]}
+        resp = await call(app, "/v1/completions", body)
+        assert resp.status == 200
+        out = resp.json()
+        (choice,) = out["choices"]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop_word
+        assert (
+            stop_word not in choice["text"]
+            and choice["text"].strip() == info.tokenizer.decode([ids[0]]).strip()
+        )
+        assert out["usage"]["completion_tokens"] == 2
+
+    asyncio.run(run())
