@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
 SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority", "fair")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _DTYPE_ALIASES = {
     "float32": "float32",
@@ -67,6 +68,12 @@ class EngineConfig:
     model: str = option("", "checkpoint directory or Hugging Face id")
     tokenizer: str | None = option(None, "tokenizer directory or id (default: the model's)")
     dtype: str | torch.dtype = option("float32", "weights and KV cache dtype", DTYPE_NAMES)
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: auto (the model's dtype), int8 or fp8 (e4m3), with a scale per block, layer "
+        "and KV head",
+        KV_CACHE_DTYPES,
+    )
     device: str = option("cpu", "engine device (cpu, cuda, cuda:N)")
     seed: int = option(0, "engine seed (seeded sampling reproduces across runs)")
     max_model_len: int | None = option(None, "context length (default: the model's)")
@@ -134,6 +141,8 @@ class EngineConfig:
         if not self.model:
             raise ValueError("model is required (a checkpoint directory or Hugging Face id)")
         self.speculative  # noqa: B018 (a bad speculative_config is refused here, with the others)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"

@@ -23,6 +23,7 @@ from engine.block_pool import KVEvent
 from engine.config import EngineConfig
 from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_quant import first_blocks, storage_dtype
 from engine.model_runner import ModelRunner
 from engine.models import load_model, resolve_model_path
 from engine.request import Request, RequestStatus
@@ -63,7 +64,9 @@ class EngineCore:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {limit}")
         self.max_model_len = config.max_model_len or limit
-        self.layout = KVLayout.from_spec(self.spec, config.block_size, config.dtype)
+        self.layout = KVLayout.from_spec(
+            self.spec, config.block_size, config.dtype, storage_dtype(config.kv_cache_dtype)
+        )
         spec_cfg = config.speculative
         self.speculator, draft = None, None
         if spec_cfg is not None:
@@ -80,7 +83,7 @@ class EngineCore:
         # decode batch write to (engine/cuda_graphs.py). The pool, NIXL and everything else see
         # only the first num_blocks.
         kv_cache_with_pad = self.layout.allocate(num_blocks + 1, self.device)
-        kv_cache = kv_cache_with_pad[:num_blocks]
+        kv_cache = first_blocks(kv_cache_with_pad, num_blocks)
         cpu_cache = self.layout.allocate(num_cpu_blocks, "cpu") if num_cpu_blocks else None
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB), %d CPU swap blocks",
@@ -94,7 +97,7 @@ class EngineCore:
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
-            salt=config.cache_salt,
+            salt=self.prefix_salt,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -142,6 +145,13 @@ class EngineCore:
                 self.runner.decode_graphs = None
         self._rng = random.Random(config.seed)
         self._generation_tokens = 0
+
+    @property
+    def prefix_salt(self) -> str:
+        """The prefix-cache hashes' namespace: ``cache_salt``, and the KV dtype when quantized (a
+        block of int8 KV is no hit for a float32 request, on this engine or in the router's index)."""
+        kv = self.config.kv_cache_dtype
+        return self.config.cache_salt if kv == "auto" else f"{self.config.cache_salt}|kv={kv}"
 
     def _blocks_from_budget(self, draft_block_bytes: int) -> int:
         """Blocks that fit the KV budget; a draft model's cache has a block per target block."""

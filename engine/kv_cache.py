@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_quant import SCALE_BYTES, QuantizedKVCache
 from engine.models.llama import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -23,11 +24,18 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's (activations, and a full-precision cache)
+    kv_dtype: torch.dtype | None = None  # quantized storage (int8, float8_e4m3fn), scales beside
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec, block_size: int, dtype: torch.dtype) -> KVLayout:
-        return cls(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim, dtype)
+    def from_spec(
+        cls, spec: ModelSpec, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> KVLayout:
+        return cls(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim, dtype, kv_dtype)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -35,14 +43,19 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
+        """One block's bytes: its K/V, and for a quantized cache its scales."""
         n = 1
         for d in self.block_shape:
             n *= d
+        if self.kv_dtype is not None:
+            return n + self.num_layers * 2 * self.num_kv_heads * SCALE_BYTES
         return n * torch.empty((), dtype=self.dtype).element_size()
 
-    def allocate(self, num_blocks: int, device: str | torch.device, pin: bool = False) -> torch.Tensor:
-        t = torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
-        return t.pin_memory() if pin else t
+    def allocate(self, num_blocks: int, device: str | torch.device):
+        """A tensor ``[num_blocks, *block_shape]``, or for a quantized cache a ``QuantizedKVCache``."""
+        if self.kv_dtype is not None:
+            return QuantizedKVCache.allocate(num_blocks, self.block_shape, self.kv_dtype, device)
+        return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
 
 
 def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:

@@ -15,6 +15,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.batch import build_batch
 from engine.kv_cache import KVLayout
+from engine.kv_quant import block_rows
 from engine.logits_processing import LogitsAdjustment, RowHistory
 from engine.models.llama import LlamaForCausalLM
 from engine.prompt_logprobs import prompt_logprobs
@@ -43,8 +44,8 @@ class ModelRunner:
         model: LlamaForCausalLM,
         backend: AttentionBackend,
         layout: KVLayout,
-        kv_cache: torch.Tensor,
-        cpu_cache: torch.Tensor | None,
+        kv_cache,  # a tensor, or a QuantizedKVCache
+        cpu_cache,
         device: torch.device,
         eos_token_ids: frozenset[int] = frozenset(),
         structured: StructuredOutputs | None = None,
@@ -100,13 +101,21 @@ class ModelRunner:
         n = sched.num_scheduled_tokens
         return sorted(n, key=lambda s: (n[s] != 1 or bool(drafts.get(s)), -len(self.seqs[s].token_ids)))
 
+    @property
+    def kv_blocks(self) -> torch.Tensor:
+        """Row ``b`` is block ``b``'s whole region (with its scales, when quantized): what a swap,
+        a copy-on-write or a transfer moves."""
+        return block_rows(self.kv_cache)
+
     def _apply_block_ops(self, sched: SchedulerOutput) -> None:
+        kv = self.kv_blocks
+        cpu = block_rows(self.cpu_cache) if self.cpu_cache is not None else None
         for src, dst in sched.blocks_to_swap_out:
-            self.cpu_cache[dst].copy_(self.kv_cache[src])
+            cpu[dst].copy_(kv[src])
         for src, dst in sched.blocks_to_swap_in:
-            self.kv_cache[dst].copy_(self.cpu_cache[src])
+            kv[dst].copy_(cpu[src])
         for src, dst in sched.blocks_to_copy:
-            self.kv_cache[dst].copy_(self.kv_cache[src])
+            kv[dst].copy_(kv[src])
         if sched.blocks_to_copy and self.speculator is not None:
             self.speculator.copy_blocks(sched.blocks_to_copy)
 

@@ -52,7 +52,7 @@ class KVCompat:
         """The compatibility record of an engine's ``KVLayout`` (``dtype`` as ``"float32"``...)."""
         return cls(
             model=model_name,
-            dtype=dtype_name(layout.dtype),
+            dtype=dtype_name(layout.storage_dtype),  # a quantized cache's blocks hold int8 / e4m3
             block_size=layout.block_size,
             layout=LAYOUT_BLOCK_MAJOR_V1,
             num_layers=layout.num_layers,

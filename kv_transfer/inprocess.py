@@ -53,7 +53,7 @@ class InProcessFabric:
 
     def transfer_factory(self, core: EngineCore, agent_name: str, compat: KVCompat) -> InProcessBackend:
         """A ``worker.runtime.TransferFactory``: a backend on this fabric over the engine's KV tensor."""
-        return InProcessBackend(self, agent_name, core.runner.kv_cache, compat)
+        return InProcessBackend(self, agent_name, core.runner.kv_blocks, compat)
 
     def fail_next_reads(self, count: int = 1) -> None:
         """The next ``count`` reads started fail with a transport error (their blocks reusable at once)."""

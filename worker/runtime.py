@@ -48,7 +48,7 @@ def nixl_transfer(core: EngineCore, agent_name: str, compat: KVCompat) -> KVTran
     the engine loop ticks every few ms and drives progress (a progress thread spins a whole core)."""
     from kv_transfer.nixl_backend import NixlBackend
 
-    return NixlBackend(agent_name, core.runner.kv_cache, compat, progress_thread=False)
+    return NixlBackend(agent_name, core.runner.kv_blocks, compat, progress_thread=False)
 
 
 class WorkerRuntime(ABC):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata, DecodeGroup
+from engine.kv_quant import QuantizedKVCache, gather, store
 
 GROUP_RATIO = 0.75
 
@@ -45,10 +46,16 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        k_cache = kv_cache[:, layer, 0]
-        v_cache = kv_cache[:, layer, 1]
-        k_cache[meta.slot_blocks, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+        if isinstance(kv_cache, QuantizedKVCache):
+            store(kv_cache, layer, 0, k, meta.slot_blocks, meta.slot_offsets)
+            store(kv_cache, layer, 1, v, meta.slot_blocks, meta.slot_offsets)
+            k_cache = _Dequantized(kv_cache, layer, 0, q.dtype)
+            v_cache = _Dequantized(kv_cache, layer, 1, q.dtype)
+        else:
+            k_cache = kv_cache[:, layer, 0]
+            v_cache = kv_cache[:, layer, 1]
+            k_cache[meta.slot_blocks, meta.slot_offsets] = k
+            v_cache[meta.slot_blocks, meta.slot_offsets] = v
         out = torch.empty_like(q)
         for g in meta.decode_groups or ():
             out[g.start : g.end] = self._decode(
@@ -99,3 +106,16 @@ class TorchAttentionBackend:
                 mask &= kpos > qpos - sliding_window
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale)
         return out.transpose(0, 1)
+
+
+class _Dequantized:
+    """One layer's K or V of a quantized cache, dequantized block by block as they are gathered
+    (the only access the attention paths above make: ``index_select(0, block_ids)`` and the shape)."""
+
+    def __init__(self, cache: QuantizedKVCache, layer: int, kv: int, dtype: torch.dtype) -> None:
+        self.cache, self.layer, self.kv, self.dtype = cache, layer, kv, dtype
+        self.shape = cache.data.shape[:1] + cache.data.shape[3:]  # [blocks, bs, kvh, hd]
+
+    def index_select(self, dim: int, block_ids: torch.Tensor) -> torch.Tensor:
+        assert dim == 0
+        return gather(self.cache, self.layer, self.kv, block_ids, self.dtype)
