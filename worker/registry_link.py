@@ -75,5 +75,5 @@ def worker_record(
         model=model,
         block_size=core.layout.block_size,
         num_blocks=core.kv.num_blocks,
-        cache_salt=core.config.cache_salt,
+        cache_salt=core.prefix_salt,
     )

@@ -110,5 +110,5 @@ def worker_state_to_proto(
         model=worker.compat.model,
         max_model_len=core.max_model_len,
         vocab_size=core.spec.vocab_size,
-        cache_salt=core.config.cache_salt,
+        cache_salt=core.prefix_salt,
     )

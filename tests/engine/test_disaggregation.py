@@ -33,8 +33,8 @@ def _disaggregated(
         d.fail_transfer(rid)
     else:
         for i, local in enumerate(plan.local_block_ids):
-            d.runner.kv_cache[local].copy_(
-                p.runner.kv_cache[first.held_block_ids[plan.first_block_index + i]]
+            d.runner.kv_blocks[local].copy_(
+                p.runner.kv_blocks[first.held_block_ids[plan.first_block_index + i]]
             )
         d.complete_transfer(rid)
     assert p.release_held(rid)
