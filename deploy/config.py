@@ -113,7 +113,9 @@ class ReplicaOptions(_Strict):
 
 # Options both pools must share: the KV blocks a prefill worker ships are laid out by them, and the
 # ingress checks prompts against the one context length.
-_SHARED_ENGINE_OPTIONS = frozenset({"tokenizer", "dtype", "max_model_len", "block_size", "cache_salt"})
+_SHARED_ENGINE_OPTIONS = frozenset(
+    {"tokenizer", "dtype", "kv_cache_dtype", "max_model_len", "block_size", "cache_salt"}
+)
 
 
 class _WorkerPoolOptions(ReplicaOptions):

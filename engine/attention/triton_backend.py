@@ -19,6 +19,7 @@ import torch
 from engine.attention.backend import AttentionMetadata
 from engine.attention.triton_kernels import paged_decode_attention, store_kv
 from engine.attention.triton_prefill import paged_prefill_attention
+from engine.kv_quant import QuantizedKVCache, store
 
 
 @dataclass(slots=True)
@@ -66,22 +67,28 @@ class TritonAttentionBackend:
         if self._plan is None or self._plan.meta is not meta:
             self.prepare(meta)
         plan = self._plan
-        k_cache = kv_cache[:, layer, 0]
-        v_cache = kv_cache[:, layer, 1]
-        store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+        if isinstance(kv_cache, QuantizedKVCache):  # quantized on write in torch, dequantized in-kernel
+            store(kv_cache, layer, 0, k, meta.slot_blocks, meta.slot_offsets)
+            store(kv_cache, layer, 1, v, meta.slot_blocks, meta.slot_offsets)
+            k_cache, v_cache = kv_cache.data[:, layer, 0], kv_cache.data[:, layer, 1]
+            scales = {"k_scales": kv_cache.scales[:, layer, 0], "v_scales": kv_cache.scales[:, layer, 1]}
+        else:
+            k_cache, v_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+            store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+            scales = {}
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                 max_seq_len=plan.max_decode_len, scale=scale, sliding_window=sliding_window,
-                out=out[:nd], partition_size=self.decode_partition_size,
+                out=out[:nd], partition_size=self.decode_partition_size, **scales,
             )  # fmt: skip
         if plan.max_prefill_query_len:
             first = meta.query_start_loc[nd]
             paged_prefill_attention(
                 q[first:], k_cache, v_cache, meta.block_tables[nd:], plan.prefill_query_start,
                 meta.seq_lens[nd:], max_query_len=plan.max_prefill_query_len, scale=scale,
-                sliding_window=sliding_window, out=out[first:],
+                sliding_window=sliding_window, out=out[first:], **scales,
             )  # fmt: skip
         return out

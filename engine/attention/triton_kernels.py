@@ -48,11 +48,17 @@ def is_interpreted() -> bool:
     return not isinstance(_store_kv_kernel, JITFunction)
 
 
-def _check_attention_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> int:
+def _check_attention_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales=None, v_scales=None) -> int:
     """Shared invariants of the attention launchers; returns query heads per KV head."""
     assert q.dim() == 3 and k_cache.dim() == 4, "q is [tokens, heads, dim], caches are [blocks, bs, kvh, dim]"
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
-    assert q.dtype == k_cache.dtype == v_cache.dtype
+    if k_scales is None:
+        assert q.dtype == k_cache.dtype == v_cache.dtype
+    else:  # a quantized cache: a float32 scale per block and KV head, dequantized in the kernel
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+        assert v_scales is not None and k_scales.dtype == v_scales.dtype == torch.float32
+        assert k_scales.shape == v_scales.shape == k_cache.shape[:1] + k_cache.shape[2:3]
+        assert k_scales.stride() == v_scales.stride()
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {q.dtype}"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "head dim must be contiguous"
     assert q.shape[2] == k_cache.shape[3], "q and cache head dims differ"
@@ -63,6 +69,22 @@ def _check_attention_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> int:
 
 def _upcast_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and is_interpreted()
+
+
+def _scale_args(k_scales: Tensor | None, v_scales: Tensor | None, q: Tensor) -> tuple:
+    """(k scale ptr, v scale ptr, block stride, head stride); q stands in when not quantized."""
+    if k_scales is None:
+        return q, q, 0, 0
+    return k_scales, v_scales, k_scales.stride(0), k_scales.stride(1)
+
+
+@triton.jit
+def _dequant(x, scale_ptr, block, kvh, stride_sb, stride_sh, mask, dtype, QUANT: tl.constexpr):
+    """Tile rows of a quantized cache times their block's scale for this KV head, in ``dtype``."""
+    if QUANT:
+        s = tl.load(scale_ptr + block * stride_sb + kvh * stride_sh, mask=mask, other=0.0)
+        x = (x.to(tl.float32) * s[:, None]).to(dtype)
+    return x
 
 
 # --- store_kv ---------------------------------------------------------------------------------------
@@ -127,10 +149,10 @@ def store_kv_ref(
 @triton.jit
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale, num_heads, num_partitions,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_tb,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_heads, num_partitions,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_tb, stride_sb, stride_sh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
@@ -164,6 +186,7 @@ def _decode_partition_kernel(
         slot = block * stride_cb + (pos % PAGE_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = _dequant(k, k_scale_ptr, block, kvh, stride_sb, stride_sh, valid, q.dtype, QUANT)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every tile holds a visible key (lo is the window's tile), so m_new is finite.
@@ -172,6 +195,7 @@ def _decode_partition_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = _dequant(v, v_scale_ptr, block, kvh, stride_sb, stride_sh, valid, q.dtype, QUANT)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
@@ -228,8 +252,10 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     out: Tensor | None = None,
     partition_size: int = 512,
+    k_scales: Tensor | None = None,  # [num_blocks, num_kv_heads] float32: a quantized cache's scales
+    v_scales: Tensor | None = None,
 ) -> Tensor:
-    qpk = _check_attention_inputs(q, k_cache, v_cache)
+    qpk = _check_attention_inputs(q, k_cache, v_cache, k_scales, v_scales)
     batch, num_heads, head_dim = q.shape
     assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.stride(1) == 1
     assert block_tables.dtype == seq_lens.dtype == torch.int64 and seq_lens.shape == (batch,)
@@ -250,13 +276,14 @@ def paged_decode_attention(
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((*part_m.shape, block_d), dtype=torch.float32, device=q.device)
     window = sliding_window or 0
+    scales = _scale_args(k_scales, v_scales, q)
     _decode_partition_kernel[(batch, k_cache.shape[2], num_partitions)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_m, part_l, part_acc,
-        scale * LOG2E, num_heads, num_partitions,
+        *scales[:2], scale * LOG2E, num_heads, num_partitions,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *scales[2:],
         QUERIES_PER_KV=qpk, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], WINDOW=window,
-        PARTITION_SIZE=partition_size, SPLIT=split, UPCAST=_upcast_dot(q.dtype),
+        PARTITION_SIZE=partition_size, SPLIT=split, UPCAST=_upcast_dot(q.dtype), QUANT=k_scales is not None,
         BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_D=block_d, TILE_N=DECODE_TILE,
     )  # fmt: skip
     if split:

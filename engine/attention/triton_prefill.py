@@ -20,7 +20,9 @@ from engine.attention.triton_kernels import (
     _attention_ref,
     _check_attention_inputs,
     _context_ref,
+    _dequant,
     _dot,
+    _scale_args,
     _upcast_dot,
 )
 
@@ -33,10 +35,11 @@ PREFILL_TILE = 32
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, out_ptr, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_tb,
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_tb, stride_sb, stride_sh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
 ):  # fmt: skip
     q_block = tl.program_id(0)
@@ -72,6 +75,7 @@ def _prefill_kernel(
         slot = block * stride_cb + (pos % PAGE_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = in_ctx[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = _dequant(k, k_scale_ptr, block, kvh, stride_sb, stride_sh, in_ctx, q.dtype, QUANT)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale
         visible = in_ctx[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
@@ -84,6 +88,7 @@ def _prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = _dequant(v, v_scale_ptr, block, kvh, stride_sb, stride_sh, in_ctx, q.dtype, QUANT)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
@@ -103,8 +108,10 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: Tensor | None = None,
+    k_scales: Tensor | None = None,  # [num_blocks, num_kv_heads] float32: a quantized cache's scales
+    v_scales: Tensor | None = None,
 ) -> Tensor:
-    qpk = _check_attention_inputs(q, k_cache, v_cache)
+    qpk = _check_attention_inputs(q, k_cache, v_cache, k_scales, v_scales)
     batch = seq_lens.shape[0]
     assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.stride(1) == 1
     assert query_start_loc.shape == (batch + 1,) and query_start_loc.is_contiguous()
@@ -118,12 +125,13 @@ def paged_prefill_attention(
     block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(qpk))
     block_q = block_m // qpk
     grid = (triton.cdiv(max_query_len, block_q), batch, k_cache.shape[2])
+    scales = _scale_args(k_scales, v_scales, q)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, *scales[:2], scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *scales[2:],
         QUERIES_PER_KV=qpk, HEAD_DIM=q.shape[2], PAGE_SIZE=k_cache.shape[1], WINDOW=sliding_window or 0,
-        UPCAST=_upcast_dot(q.dtype), BLOCK_M=block_m, BLOCK_Q=block_q,
+        UPCAST=_upcast_dot(q.dtype), QUANT=k_scales is not None, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_D=triton.next_power_of_2(q.shape[2]), TILE_N=PREFILL_TILE,
     )  # fmt: skip
     return out

@@ -25,6 +25,7 @@ from engine.attention import triton_prefill as tp
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
+from engine.kv_quant import QuantizedKVCache, store
 
 INTERPRETED = tk.is_interpreted()
 assert triton.knobs.runtime.interpret == INTERPRETED, "triton_kernels was defined before the env was set"
@@ -176,7 +177,24 @@ def test_backend_matches_torch_backend_on_speculative_verification(window: int |
     _compare_backends([(40, 1), (9, 1), (69, 5), (30, 3), (21, 5), (7, 2)], window, torch.float32)
 
 
-def _compare_backends(seqs, window: int | None, dtype: torch.dtype, share: tuple[int, int] | None = None):
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backend_matches_torch_backend_on_a_quantized_cache(
+    kv_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    """int8 / e4m3 blocks with a scale per block and KV head: the kernels dequantize them as the torch
+    backend does (decodes, a chunk over a cached prefix, short verify chunks)."""
+    seqs = [(69, 1), (32, 1), (0, 1), (37, 20), (16, 11), (30, 3)]
+    _compare_backends(seqs, None, dtype, share=(3, 4), kv_dtype=kv_dtype)
+
+
+def _compare_backends(
+    seqs,
+    window: int | None,
+    dtype: torch.dtype,
+    share: tuple[int, int] | None = None,
+    kv_dtype: torch.dtype | None = None,
+):
     block_size, qpk, head_dim = 8, 4, 64
     gen = torch.Generator().manual_seed(3)
     free = torch.randperm(64, generator=gen).tolist()
@@ -187,7 +205,16 @@ def _compare_backends(seqs, window: int | None, dtype: torch.dtype, share: tuple
     if share is not None:
         block_ids[share[1]][:2] = block_ids[share[0]][:2]
     kv = torch.randn((64, 2, 2, block_size, KV_HEADS, head_dim), generator=gen).to(dtype)
-    triton_kv, torch_kv = kv.clone().to(DEVICE), kv.clone()
+    if kv_dtype is None:
+        triton_kv, torch_kv = kv.clone().to(DEVICE), kv.clone()
+    else:  # the context quantized as written, one block at a time; NaN nowhere (scales are real)
+        torch_kv = QuantizedKVCache.allocate(64, tuple(kv.shape[1:]), kv_dtype, "cpu")
+        for layer in range(2):
+            for side in range(2):
+                x = kv[:, layer, side].flatten(0, 1).float()
+                blocks = torch.arange(64).repeat_interleave(block_size)
+                store(torch_kv, layer, side, x, blocks, torch.arange(block_size).repeat(64))
+        triton_kv = QuantizedKVCache.from_raw(torch_kv.raw.clone().to(DEVICE), tuple(kv.shape[1:]), kv_dtype)
 
     triton_backend = TritonAttentionBackend(decode_partition_size=32)  # the 70-token decode splits in 3
     torch_backend = TorchAttentionBackend()
@@ -208,7 +235,10 @@ def _compare_backends(seqs, window: int | None, dtype: torch.dtype, share: tuple
         ref = torch_backend.forward(layer, q, k, v, torch_kv, torch_meta, scale, window)
         assert out.shape == ref.shape == q.shape
         _close(out, ref)
-    assert torch.equal(triton_kv.cpu(), torch_kv)
+    if kv_dtype is None:
+        assert torch.equal(triton_kv.cpu(), torch_kv)
+    else:
+        assert torch.equal(triton_kv.raw.cpu(), torch_kv.raw)
 
 
 @pytest.mark.gpu
