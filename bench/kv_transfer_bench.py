@@ -15,7 +15,10 @@ Reported: median GB/s over ``--repeats`` reads after one warm-up (the first read
 NIXL/copy ratio, the ``start_read`` call time, and the time from ``start_read`` to the owner
 seeing the notification (both processes read the same CLOCK_MONOTONIC).
 
-    python -m bench.kv_transfer_bench [--repeats 10] [--json out.json]
+Each KV dtype runs in turn (``--kv-dtypes``; default float32, bfloat16, int8, fp8: the quantized ones
+move raw block rows, K/V plus their scales), and a last table gives bytes per token and the read.
+
+    python -m bench.kv_transfer_bench [--repeats 10] [--json out.json] [--kv-dtypes float32 int8]
 """
 
 from __future__ import annotations
@@ -36,9 +39,8 @@ import torch
 
 from kv_transfer import KVCompat, RemoteKVInfo, merge_block_runs
 
-COMPAT = KVCompat(
-    model="bench-llama-32m", dtype="float32", block_size=16, num_layers=8, num_kv_heads=4, head_dim=64
-)
+LAYOUT = dict(model="bench-llama-32m", block_size=16, num_layers=8, num_kv_heads=4, head_dim=64)
+KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")  # int8 / fp8: quantized blocks with their scales
 POOL_BLOCKS = 256
 REQUEST_BLOCKS = 128  # 2048 tokens
 PATTERNS = {
@@ -51,17 +53,32 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def make_pool(seed: int) -> torch.Tensor:
-    shape = (POOL_BLOCKS, COMPAT.num_layers, 2, COMPAT.block_size, COMPAT.num_kv_heads, COMPAT.head_dim)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+def compat(kv_dtype: str) -> KVCompat:
+    return KVCompat(dtype={"fp8": "float8_e4m3fn"}.get(kv_dtype, kv_dtype), **LAYOUT)
 
 
-def owner_main(conn: Connection, env: dict[str, str], progress_thread: bool) -> None:
+def make_pool(seed: int, kv_dtype: str) -> torch.Tensor:
+    """The pool's block rows as an engine holds them (a quantized cache: raw rows, data + scales)."""
+    from engine.kv_cache import KVLayout
+    from engine.kv_quant import storage_dtype
+
+    gen = torch.Generator().manual_seed(seed)
+    quant = storage_dtype(kv_dtype) if kv_dtype in ("int8", "fp8") else None
+    dtype = torch.float32 if quant else getattr(torch, kv_dtype)
+    c = compat(kv_dtype)
+    layout = KVLayout(c.num_layers, c.block_size, c.num_kv_heads, c.head_dim, dtype, quant)
+    if quant is None:
+        return torch.randn((POOL_BLOCKS, *layout.block_shape), generator=gen).to(dtype)
+    return torch.randint(0, 256, (POOL_BLOCKS, layout.block_bytes), generator=gen, dtype=torch.uint8)
+
+
+def owner_main(conn: Connection, env: dict[str, str], progress_thread: bool, kv_dtype: str) -> None:
     """The prefill side: publish the pool, then report when each expected notification arrives."""
     os.environ.update(env)
     from kv_transfer import NixlBackend
 
-    with NixlBackend("bench-owner", make_pool(seed=0), COMPAT, progress_thread=progress_thread) as backend:
+    pool = make_pool(0, kv_dtype)
+    with NixlBackend("bench-owner", pool, compat(kv_dtype), progress_thread=progress_thread) as backend:
         info = backend.local_info()
         conn.send((info.agent_name, info.agent_metadata, info.base_addr, info.block_bytes, info.num_blocks))
         while (msg := conn.recv()) is not None:
@@ -111,9 +128,9 @@ def bench_nixl(
     }
 
 
-def bench_copy(remote: list[int], local: list[int], repeats: int) -> dict:
+def bench_copy(remote: list[int], local: list[int], repeats: int, kv_dtype: str) -> dict:
     """The same blocks between two tensors of this process: per merged run, and gather + scatter."""
-    src = make_pool(seed=0)
+    src = make_pool(0, kv_dtype)
     dst, staging = torch.zeros_like(src), torch.empty_like(src[: len(local)])
     runs = merge_block_runs(remote, local)
     ridx, lidx = torch.tensor(remote), torch.tensor(local)
@@ -147,35 +164,64 @@ def main(argv: list[str] | None = None) -> None:
         help="agents without NIXL's UCX progress thread (it spins a core); progress only in poll calls",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES, help="KV cache dtypes to read"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     env = {"UCX_NET_DEVICES": args.ucx_net_devices}
     os.environ.update(env)
+    runs = {kv: run_one(kv, args, env) for kv in args.kv_dtypes}
+    print(
+        f"\none {REQUEST_BLOCKS * LAYOUT['block_size']}-token request's KV by dtype (scattered pattern, NIXL READ):"
+    )
+    print(f"{'kv dtype':<10}{'bytes/token':>12}{'MiB':>8}{'read ms':>9}{'GB/s':>7}{'bytes vs float32':>18}")
+    ref = runs.get("float32")
+    for kv, r in runs.items():
+        read_ms = statistics.median(r["results"]["scattered"]["read_ms"])
+        fewer = f"{ref['bytes_per_token'] / r['bytes_per_token']:.2f}x fewer" if ref else ""
+        print(
+            f"{kv:<10}{r['bytes_per_token']:>12.0f}{r['request_mib']:>8.2f}{read_ms:>9.2f}"
+            f"{r['results']['scattered']['gbps']:>7.2f}{fewer:>18}"
+        )
+    if args.json is not None:
+        payload = {
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+            "repeats": args.repeats,
+            "progress_thread": not args.no_progress_thread,
+            "runs": runs,
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
+def run_one(kv_dtype: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
     from kv_transfer import NixlBackend
 
+    log(f"KV dtype {kv_dtype}")
     # the in-process copies run first, before any NIXL agent (and its progress thread) exists
     copies = {}
     for pattern, (remote, local) in PATTERNS.items():
         log(f"{pattern}: in-process copy")
-        copies[pattern] = bench_copy(remote, local, args.repeats)
+        copies[pattern] = bench_copy(remote, local, args.repeats, kv_dtype)
     progress = not args.no_progress_thread
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    owner = ctx.Process(target=owner_main, args=(child_conn, env, progress), daemon=True)
+    owner = ctx.Process(target=owner_main, args=(child_conn, env, progress, kv_dtype), daemon=True)
     owner.start()
     results = {}
+    c = compat(kv_dtype)
     try:
         name, metadata, base, block_bytes, num_blocks = conn.recv()
-        info = RemoteKVInfo(name, metadata, base, block_bytes, num_blocks, COMPAT)
-        reader_kv = torch.zeros_like(make_pool(seed=1))
-        with NixlBackend("bench-reader", reader_kv, COMPAT, progress_thread=progress) as backend:
+        info = RemoteKVInfo(name, metadata, base, block_bytes, num_blocks, c)
+        reader_kv = torch.zeros_like(make_pool(1, kv_dtype))
+        with NixlBackend("bench-reader", reader_kv, c, progress_thread=progress) as backend:
             backend.add_peer(info)
             for pattern, (remote, local) in PATTERNS.items():
                 log(
                     f"{pattern}: NIXL, {len(local)} blocks in {len(merge_block_runs(remote, local))} descriptors"
                 )
                 nixl = bench_nixl(backend, conn, remote, local, args.repeats, pattern)
-                if not torch.equal(reader_kv[local], make_pool(seed=0)[remote]):
+                if not torch.equal(reader_kv[local], make_pool(0, kv_dtype)[remote]):
                     raise RuntimeError(f"{pattern}: the blocks read differ from the owner's")
                 copy = copies[pattern]
                 results[pattern] = {
@@ -190,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
             owner.kill()
     mib = REQUEST_BLOCKS * block_bytes / 2**20
     print(
-        f"KV read of {REQUEST_BLOCKS} blocks x {block_bytes // 1024} KiB = {mib:.0f} MiB, median of {args.repeats}"
+        f"{kv_dtype}: KV read of {REQUEST_BLOCKS} blocks x {block_bytes / 1024:.1f} KiB = {mib:.2f} MiB, "
+        f"median of {args.repeats}"
     )
     for pattern, r in results.items():
         print(
@@ -200,15 +247,12 @@ def main(argv: list[str] | None = None) -> None:
             f"start_read call {r['start_read_call_ms']:.3f} ms | start->owner notified "
             f"{r['start_to_owner_notified_ms']:.2f} ms | first read {r['first_read_ms']:.1f} ms"
         )
-    if args.json is not None:
-        payload = {
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-            "layout": {**COMPAT.to_dict(), "block_bytes": block_bytes, "request_blocks": REQUEST_BLOCKS},
-            "repeats": args.repeats,
-            "progress_thread": progress,
-            "results": results,
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
+    return {
+        "layout": {**c.to_dict(), "block_bytes": block_bytes, "request_blocks": REQUEST_BLOCKS},
+        "bytes_per_token": block_bytes / c.block_size,
+        "request_mib": mib,
+        "results": results,
+    }
 
 
 if __name__ == "__main__":

@@ -83,6 +83,31 @@ def dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+QUANTIZED_DTYPES = ("int8", "float8_e4m3fn")  # blocks of a quantized cache, scales beside the data
+_SCALE_BYTES = 4
+
+
+def quantized_block_bytes(c: KVCompat) -> int:
+    """A quantized block's bytes: one per K/V element, then a float32 scale per layer, K/V and head."""
+    return c.num_layers * 2 * c.num_kv_heads * (c.block_size * c.head_dim + _SCALE_BYTES)
+
+
+def check_kv_tensor(shape: tuple[int, ...], dtype: str, c: KVCompat) -> None:
+    """Raise ``ValueError`` unless a transfer backend's tensor holds ``c``'s blocks, one per row:
+    ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]`` of ``c.dtype``, or for a quantized
+    cache its raw rows, uint8 ``[num_blocks, quantized_block_bytes]``."""
+    if c.dtype in QUANTIZED_DTYPES:
+        expected: tuple[int, ...] = (quantized_block_bytes(c),)
+        ok = len(shape) == 2 and tuple(shape[1:]) == expected and dtype == "uint8"
+        want = f"[num_blocks, {expected[0]}] uint8 (the raw rows of a {c.dtype} cache)"
+    else:
+        expected = (c.num_layers, 2, c.block_size, c.num_kv_heads, c.head_dim)
+        ok = len(shape) == 6 and tuple(shape[1:]) == expected and dtype == c.dtype
+        want = f"[num_blocks, *{expected}] {c.dtype}"
+    if not ok:
+        raise ValueError(f"KV tensor {tuple(shape)} {dtype} does not match its KVCompat: expected {want}")
+
+
 def check_compatible(local: KVCompat, remote: KVCompat, peer: str = "") -> None:
     """Raise ``KVIncompatibleError`` naming every mismatched field (local value first)."""
     diffs = local.mismatches(remote)

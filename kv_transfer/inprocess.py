@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_transfer.base import RemoteKVInfo, TransferHandle, TransferState, new_read
-from kv_transfer.compat import KVCompat, KVIncompatibleError, check_compatible, dtype_name
+from kv_transfer.compat import KVCompat, KVIncompatibleError, check_compatible, check_kv_tensor, dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -88,12 +88,7 @@ class InProcessBackend:
     """``KVTransferBackend`` over one engine's block-major KV tensor ``[num_blocks, ...]``."""
 
     def __init__(self, fabric: InProcessFabric, agent_name: str, kv: torch.Tensor, compat: KVCompat) -> None:
-        expected = (compat.num_layers, 2, compat.block_size, compat.num_kv_heads, compat.head_dim)
-        if kv.dim() != 6 or tuple(kv.shape[1:]) != expected or dtype_name(kv.dtype) != compat.dtype:
-            raise ValueError(
-                f"KV tensor {tuple(kv.shape)} {dtype_name(kv.dtype)} does not match its KVCompat: "
-                f"expected [num_blocks, *{expected}] {compat.dtype}"
-            )
+        check_kv_tensor(tuple(kv.shape), dtype_name(kv.dtype), compat)
         self.fabric = fabric
         self.agent_name = agent_name
         self.compat = compat

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kv_transfer.base import RemoteKVInfo, TransferHandle, TransferState, merge_block_runs, new_read
-from kv_transfer.compat import KVCompat, dtype_name
+from kv_transfer.compat import KVCompat, check_kv_tensor, dtype_name
 from kv_transfer.nixl_inflight import InflightReads, describe
 from kv_transfer.nixl_peers import NixlPeers
 
@@ -59,12 +59,7 @@ class NixlBackend:
         progress_thread: bool = True,
         num_threads: int = 0,
     ) -> None:
-        expected = (compat.num_layers, 2, compat.block_size, compat.num_kv_heads, compat.head_dim)
-        if kv.dim() != 6 or tuple(kv.shape[1:]) != expected or dtype_name(kv.dtype) != compat.dtype:
-            raise ValueError(
-                f"KV tensor {tuple(kv.shape)} {dtype_name(kv.dtype)} does not match its KVCompat: "
-                f"expected [num_blocks, *{expected}] {compat.dtype}"
-            )
+        check_kv_tensor(tuple(kv.shape), dtype_name(kv.dtype), compat)
         if not kv.is_contiguous():
             raise ValueError("the KV tensor must be contiguous (block-major, one region per block)")
         api, bindings = _import_nixl()

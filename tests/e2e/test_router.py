@@ -36,15 +36,28 @@ class Cluster:
         policy: str = "cache_aware",
         num_decode: int = 1,
         decode_flags: tuple[str, ...] = (),
+        kv_flags: tuple[str, ...] = (),
         **spawn_kw,
     ) -> None:
         url = redis_server.url
         self.prefills = [
-            workers("prefill", "--redis-url", url, "--worker-id", f"p{i}", "--lease-seconds", "5", **spawn_kw)
+            workers(
+                "prefill",
+                "--redis-url",
+                url,
+                "--worker-id",
+                f"p{i}",
+                "--lease-seconds",
+                "5",
+                *kv_flags,
+                **spawn_kw,
+            )
             for i in range(num_prefill)
         ]
         self.decodes = [
-            workers("decode", "--redis-url", url, "--worker-id", f"d{i}", *decode_flags, **spawn_kw)
+            workers(
+                "decode", "--redis-url", url, "--worker-id", f"d{i}", *kv_flags, *decode_flags, **spawn_kw
+            )
             for i in range(num_decode)
         ]
         self.decode = self.decodes[0]
