@@ -29,7 +29,7 @@ from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from engine.scheduler_transfer import NoKVRoomError
-from kv_transfer import KVTransferBackend, TransferHandle, TransferState
+from kv_transfer import KVTransferBackend, TransferHandle, TransferState, merge_block_runs
 from kv_transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -216,6 +216,7 @@ class KVPuller:
         pull.started = time.monotonic()
         self._pulls[rid] = pull
         self.stats.bytes += len(remote) * self.core.layout.block_bytes
+        self.stats.descriptors += len(merge_block_runs(remote, plan.local_block_ids))
         return True
 
     def _wait_for_room(self, pull: PendingPull) -> None:

@@ -176,6 +176,16 @@ class _ClusterCollector:
         tfail = CounterMetricFamily(
             "pdserve_kv_transfer_failures", "KV pulls that failed or timed out", labels=["worker"]
         )
+        tdesc = CounterMetricFamily(
+            "pdserve_kv_transfer_descriptors",
+            "KV READ descriptors posted (runs of blocks)",
+            labels=["worker"],
+        )
+        texpired = CounterMetricFamily(
+            "pdserve_kv_lease_expirations",
+            "Held prompts a prefill worker freed at lease expiry, never read",
+            labels=["worker"],
+        )
         tsec = HistogramMetricFamily(
             "pdserve_kv_transfer_seconds",
             "KV pull latency (READ start to all blocks landed)",
@@ -205,8 +215,11 @@ class _ClusterCollector:
                 spec_len.add_metric(ids, 1 + s.spec_accepted_tokens / s.spec_num_drafts)
                 for i, n in enumerate(s.spec_accepted_per_position):
                     spec_pos.add_metric([*ids, str(i)], n)
+            if w.role == "prefill" and w.HasField("transfer_stats"):
+                texpired.add_metric([w.worker_id], w.transfer_stats.expired_leases)
             if w.role == "decode":
                 t = w.transfer_stats
+                tdesc.add_metric([w.worker_id], t.descriptors)
                 tbytes.add_metric([w.worker_id], t.bytes)
                 tfail.add_metric([w.worker_id], t.failures)
                 buckets, acc = [], 0
@@ -215,7 +228,7 @@ class _ClusterCollector:
                     buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
                 tsec.add_metric([w.worker_id], buckets, t.seconds_sum)
         yield from (running, waiting, kv, free, total, hit, preempt, queries, hits, tbytes, tfail, tsec)
-        yield from (spec_drafts, spec_tokens, spec_accepted, spec_rate, spec_len, spec_pos)
+        yield from (spec_drafts, spec_tokens, spec_accepted, spec_rate, spec_len, spec_pos, tdesc, texpired)
         if self.cluster is not None:
             c = self.cluster
             r = GaugeMetricFamily(

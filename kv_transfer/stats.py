@@ -21,6 +21,8 @@ class TransferStats:
     failures: int = 0
     recomputed: int = 0
     waited: int = 0  # pulls that had to wait for free blocks before starting
+    descriptors: int = 0  # READ descriptors posted: one per run of contiguous blocks on both sides
+    expired_leases: int = 0  # prefill side: held prompts freed at lease expiry (no reader came)
     seconds_sum: float = 0.0
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1))
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
+from kv_transfer.stats import TransferStats
 from worker.config import WorkerConfig
 from worker.runtime import TransferFactory, WorkerRuntime
 
@@ -66,6 +67,11 @@ class PrefillWorker(WorkerRuntime):
         self.loop.add_tick(self._tick)
         self.leases: dict[str, _Lease] = {}  # engine thread only
         self.released = {"notification": 0, "release": 0, "expiry": 0, "abandoned": 0}
+        self._transfer = TransferStats()  # the prefill side's share: leases that expired unread
+
+    def transfer_stats(self) -> TransferStats:
+        """Engine thread only: leases that expired before a decode worker read the blocks."""
+        return self._transfer
 
     async def busy(self) -> int:
         stats, leases = await self.loop.run(lambda: (self.core.stats(), len(self.leases)))
@@ -151,3 +157,4 @@ class PrefillWorker(WorkerRuntime):
             for rid in [r for r, lease in self.leases.items() if lease.expiry <= now]:
                 logger.warning("lease of %s expired: freeing its blocks", rid)
                 self._release(rid, "expiry")
+                self._transfer.expired_leases += 1

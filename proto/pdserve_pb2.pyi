@@ -362,7 +362,7 @@ class EngineStats(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., num_transferring: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
-    __slots__ = ("bytes", "completed", "failures", "recomputed", "seconds_sum", "bucket_bounds", "bucket_counts", "waited")
+    __slots__ = ("bytes", "completed", "failures", "recomputed", "seconds_sum", "bucket_bounds", "bucket_counts", "waited", "descriptors", "expired_leases")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +371,8 @@ class KVTransferStats(_message.Message):
     BUCKET_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNTS_FIELD_NUMBER: _ClassVar[int]
     WAITED_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     completed: int
     failures: int
@@ -379,7 +381,9 @@ class KVTransferStats(_message.Message):
     bucket_bounds: _containers.RepeatedScalarFieldContainer[float]
     bucket_counts: _containers.RepeatedScalarFieldContainer[int]
     waited: int
-    def __init__(self, bytes: _Optional[int] = ..., completed: _Optional[int] = ..., failures: _Optional[int] = ..., recomputed: _Optional[int] = ..., seconds_sum: _Optional[float] = ..., bucket_bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., waited: _Optional[int] = ...) -> None: ...
+    descriptors: int
+    expired_leases: int
+    def __init__(self, bytes: _Optional[int] = ..., completed: _Optional[int] = ..., failures: _Optional[int] = ..., recomputed: _Optional[int] = ..., seconds_sum: _Optional[float] = ..., bucket_bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., waited: _Optional[int] = ..., descriptors: _Optional[int] = ..., expired_leases: _Optional[int] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()

@@ -86,6 +86,8 @@ def transfer_stats_to_proto(t: TransferStats) -> pb.KVTransferStats:
         failures=t.failures,
         recomputed=t.recomputed,
         waited=t.waited,
+        descriptors=t.descriptors,
+        expired_leases=t.expired_leases,
         seconds_sum=t.seconds_sum,
         bucket_bounds=TRANSFER_SECONDS_BUCKETS,
         bucket_counts=t.bucket_counts,

@@ -258,6 +258,7 @@ def test_pull_without_room_waits_then_proceeds_fifo(make_pair, engine_alone):
         assert pair.d.transfer.started == ["a", "b", "c"]
         stats = await pair.d.transfer_snapshot()
         assert stats.completed == 3 and stats.recomputed == stats.failures == 0
+        assert stats.descriptors >= 3  # at least one run of blocks per pull
         await pair.wait_all_free()
 
     asyncio.run(run())

@@ -220,9 +220,19 @@ def test_metrics_render_worker_and_transfer_series():
         spec_accepted_per_position=[7, 4, 1],
     )
     transfer = pb.KVTransferStats(
-        bytes=4096, completed=2, seconds_sum=0.03, bucket_bounds=[0.01, 0.1], bucket_counts=[1, 1, 0]
+        descriptors=3,
+        bytes=4096,
+        completed=2,
+        seconds_sum=0.03,
+        bucket_bounds=[0.01, 0.1],
+        bucket_counts=[1, 1, 0],
     )
-    workers = [pb.WorkerState(worker_id="decode-a", role="decode", stats=stats, transfer_stats=transfer)]
+    workers = [
+        pb.WorkerState(worker_id="decode-a", role="decode", stats=stats, transfer_stats=transfer),
+        pb.WorkerState(
+            worker_id="prefill-a", role="prefill", transfer_stats=pb.KVTransferStats(expired_leases=2)
+        ),
+    ]
     cluster = pb.ClusterState(requests_routed=5, migrations=2, stalls=1, migrations_refused=1)
     text = m.render(cluster, workers, ("ing-1", 1, 0)).decode()
     samples = {
@@ -242,6 +252,8 @@ def test_metrics_render_worker_and_transfer_series():
     assert samples[("pdserve_spec_decode_mean_accepted_length", ids)] == 2.2
     assert samples[("pdserve_spec_decode_accepted_per_position_total", (("position", "1"), *ids))] == 4
     assert samples[("pdserve_kv_transfer_bytes_total", (("worker", "decode-a"),))] == 4096
+    assert samples[("pdserve_kv_transfer_descriptors_total", (("worker", "decode-a"),))] == 3
+    assert samples[("pdserve_kv_lease_expirations_total", (("worker", "prefill-a"),))] == 2
     assert samples[("pdserve_kv_transfer_seconds_bucket", (("le", "0.1"), ("worker", "decode-a")))] == 2
     assert samples[("pdserve_kv_transfer_seconds_count", (("worker", "decode-a"),))] == 2
     assert samples[("pdserve_requests_total", (("model_name", "tiny"), ("status", "success")))] == 1

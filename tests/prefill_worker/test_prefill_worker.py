@@ -171,6 +171,7 @@ def test_lease_expiry_frees_the_blocks(make_worker):
         assert len(res.block_ids) == 3
         await wait_until(lambda: all_free(worker), "the lease to expire")
         assert worker.released["expiry"] == 1 and await worker.busy() == 0
+        assert (await worker.get_state()).transfer_stats.expired_leases == 1  # /metrics reads this
 
     asyncio.run(run())
 
