@@ -126,7 +126,12 @@ class EngineCore:
         if self.speculator is not None:
             attach_cache(self.speculator, self.model, draft, kv_cache, self.layout, num_blocks, backend)
             self.runner.speculator = self.speculator
-        if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
+        graphs = config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton"
+        if graphs and self.layout.kv_dtype is not None:
+            # The quantizing store groups a step's writes by block (torch.unique): not capturable.
+            logger.info("kv_cache_dtype=%s: decode steps run eagerly (no CUDA graphs)", config.kv_cache_dtype)
+            graphs = False
+        if graphs:
             from engine.cuda_graphs import DecodeGraphRunner
 
             t0 = time.perf_counter()

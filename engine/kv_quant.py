@@ -74,30 +74,50 @@ def block_rows(kv_cache) -> torch.Tensor:
     return kv_cache.raw if isinstance(kv_cache, QuantizedKVCache) else kv_cache
 
 
-def store(
-    cache: QuantizedKVCache, layer: int, kv: int, x: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
-) -> None:
+class SlotWrites(NamedTuple):
+    """Where a step's new tokens go, grouped by block: the same for every layer, K and V."""
+
+    blocks: torch.Tensor  # [T] the block of each token
+    offsets: torch.Tensor  # [T] its offset in the block
+    touched: torch.Tensor  # [U] the distinct blocks written
+    inverse: torch.Tensor  # [T] each token's index in ``touched``
+    restart: torch.Tensor  # [U] bool: the block is written from offset 0 (a new owner)
+
+    @classmethod
+    def of(cls, blocks: torch.Tensor, offsets: torch.Tensor) -> SlotWrites:
+        touched, inverse = torch.unique(blocks, return_inverse=True)
+        restart = torch.zeros(touched.shape[0], dtype=torch.bool, device=blocks.device).scatter_reduce(
+            0, inverse, offsets == 0, "amax"
+        )
+        return cls(blocks, offsets, touched, inverse, restart)
+
+
+def store(cache: QuantizedKVCache, layer: int, kv: int, x: torch.Tensor, writes: SlotWrites) -> None:
     """Quantize ``x`` ([T, kv_heads, head_dim], float) into ``layer``'s K (kv = 0) or V (1) slots."""
     data = cache.data[:, layer, kv]  # [N, bs, kvh, hd]
     scales = cache.scales[:, layer, kv]  # [N, kvh]
     qmax = _QMAX[data.dtype]
     kvh = x.shape[1]
-    touched, inverse = torch.unique(blocks, return_inverse=True)
+    touched, inverse = writes.touched, writes.inverse
     amax = x.abs().amax(dim=-1).float()  # [T, kvh]
     step_max = torch.zeros((touched.shape[0], kvh), device=x.device).scatter_reduce(
         0, inverse[:, None].expand(-1, kvh), amax, "amax"
     )
-    restart = torch.zeros(touched.shape[0], dtype=torch.bool, device=x.device).scatter_reduce(
-        0, inverse, offsets == 0, "amax"
-    )
-    old = torch.where(restart[:, None], 0.0, scales[touched])
+    old = torch.where(writes.restart[:, None], 0.0, scales[touched])
     new = torch.maximum(old, step_max / qmax).clamp(min=torch.finfo(torch.float32).tiny)
     # Earlier tokens of a block whose scale grew: requantized to the new scale (ratio 1 elsewhere).
     ratio = torch.where(old > 0, old / new, 1.0)
     kept = data[touched].float() * ratio[:, None, :, None]
     data[touched] = _cast(kept, data.dtype, qmax)
     scales[touched] = new
-    data[blocks, offsets] = _cast(x.float() / new[inverse][:, :, None], data.dtype, qmax)
+    data[writes.blocks, writes.offsets] = _cast(x.float() / new[inverse][:, :, None], data.dtype, qmax)
+
+
+def step_writes(meta) -> SlotWrites:
+    """The step's ``SlotWrites``, computed by the first layer that stores and kept on ``meta``."""
+    if meta.quant_writes is None:
+        meta.quant_writes = SlotWrites.of(meta.slot_blocks, meta.slot_offsets)
+    return meta.quant_writes
 
 
 def gather(

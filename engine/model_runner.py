@@ -196,7 +196,7 @@ class ModelRunner:
         self, logits: torch.Tensor, sample_rows: list[tuple[int, str, int]], masks=None
     ) -> RunnerOutput:
         expand: list[int] = []
-        temps, top_ks, top_ps, min_ps, seeds, positions = [], [], [], [], [], []
+        rows: list[tuple[SamplingParams, int, int]] = []
         want_logprobs: list[int | None] = []
         processed: list[tuple[int, RowHistory]] = []
         holders: list[tuple[_SeqState, RowHistory]] = []
@@ -216,28 +216,15 @@ class ModelRunner:
                     processed.append((len(expand), history))
                     holders.append((state, history))
                 expand.append(i)
-                temps.append(p.temperature)
-                top_ks.append(p.top_k)
-                top_ps.append(p.top_p)
-                min_ps.append(p.min_p)
-                seeds.append(sample_seed(state.seed, state.sample_index + s))
-                positions.append(len(state.token_ids))
+                rows.append((p, sample_seed(state.seed, state.sample_index + s), len(state.token_ids)))
                 want_logprobs.append(p.logprobs)
         if len(expand) != len(sample_rows):
             logits = logits[torch.tensor(expand, device=logits.device)]
         wanted = [k for k in want_logprobs if k is not None]
         dev = logits.device
-        batch = SamplingBatch(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_k=torch.tensor(top_ks, dtype=torch.int64, device=dev),
-            top_p=torch.tensor(top_ps, dtype=torch.float32, device=dev),
-            min_p=torch.tensor(min_ps, dtype=torch.float32, device=dev),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            all_greedy=all(t == 0 or k == 1 for t, k in zip(temps, top_ks)),
-            any_top_k=any(k > 0 for k in top_ks),
-            any_top_p=any(p < 1 for p in top_ps),
-            any_min_p=any(m > 0 for m in min_ps),
+        batch = SamplingBatch.for_rows(
+            rows,
+            dev,
             max_logprobs=max(wanted) if wanted else None,
             adjust=LogitsAdjustment.build(processed, dev) if processed else None,
             token_bitmask=masks.result().to(dev) if masks is not None else None,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.logits_processing import LogitsAdjustment
+from engine.sampling_params import SamplingParams
 from engine.structured_output import apply_bitmask
 
 _M32 = 0xFFFFFFFF
@@ -62,6 +63,30 @@ class SamplingBatch:
     max_logprobs: int | None  # None: no row wants logprobs
     adjust: LogitsAdjustment | None = None  # bad words, min_tokens, logit_bias, penalties
     token_bitmask: torch.Tensor | None = None  # [N, words] int32: structured outputs' allowed tokens
+
+    @classmethod
+    def for_rows(
+        cls, rows: list[tuple[SamplingParams, int, int]], device: torch.device, **extra
+    ) -> SamplingBatch:
+        """One row per (params, seed, position of the token sampled); ``extra``: ``max_logprobs``,
+        ``adjust``, ``token_bitmask``."""
+        ps = [p for p, _, _ in rows]
+        temps, top_ks = [p.temperature for p in ps], [p.top_k for p in ps]
+        top_ps, min_ps = [p.top_p for p in ps], [p.min_p for p in ps]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            seeds=torch.tensor([s for _, s, _ in rows], dtype=torch.int64, device=device),
+            positions=torch.tensor([t for _, _, t in rows], dtype=torch.int64, device=device),
+            all_greedy=all(t == 0 or k == 1 for t, k in zip(temps, top_ks)),
+            any_top_k=any(k > 0 for k in top_ks),
+            any_top_p=any(p < 1 for p in top_ps),
+            any_min_p=any(m > 0 for m in min_ps),
+            max_logprobs=extra.pop("max_logprobs", None),
+            **extra,
+        )
 
 
 @dataclass(slots=True)

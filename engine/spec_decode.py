@@ -182,7 +182,7 @@ class Speculator:
         go into ``out`` and its runner state."""
         rows: list[int] = []
         draft_ids: list[int] = []
-        temps, top_ks, top_ps, min_ps, seeds, positions = [], [], [], [], [], []
+        batch_rows: list[tuple[object, int, int]] = []
         for first, seq_id, draft in spec_rows:
             state = runner.seqs[seq_id]
             p = state.params
@@ -190,27 +190,10 @@ class Speculator:
             for i in range(len(draft) + 1):
                 rows.append(first + i)
                 draft_ids.append(draft[i] if i < len(draft) else -1)
-                temps.append(p.temperature)
-                top_ks.append(p.top_k)
-                top_ps.append(p.top_p)
-                min_ps.append(p.min_p)
-                seeds.append(seed)
-                positions.append(len(state.token_ids) + i)
+                batch_rows.append((p, seed, len(state.token_ids) + i))
         logits = runner.model.compute_logits(hidden[rows])
         dev = logits.device
-        batch = SamplingBatch(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_k=torch.tensor(top_ks, dtype=torch.int64, device=dev),
-            top_p=torch.tensor(top_ps, dtype=torch.float32, device=dev),
-            min_p=torch.tensor(min_ps, dtype=torch.float32, device=dev),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            all_greedy=all(t == 0 or k == 1 for t, k in zip(temps, top_ks)),
-            any_top_k=any(k > 0 for k in top_ks),
-            any_top_p=any(p < 1 for p in top_ps),
-            any_min_p=any(m > 0 for m in min_ps),
-            max_logprobs=None,
-        )
+        batch = SamplingBatch.for_rows(batch_rows, dev)
         verified = rejection_sample(logits, batch, torch.tensor(draft_ids, dtype=torch.int64, device=dev))
         emitted = verified.emitted.tolist()
         accepted = verified.accepted.tolist()

@@ -26,6 +26,9 @@ from ingress.utility_routes import DetokenizeRequest, TokenizeRequest, detokeniz
 logger = logging.getLogger(__name__)
 
 
+# A body declared over the limit is read and dropped before the 413 when it is at most this many times
+# the limit (a larger one is refused at once: reading it would cost more than a reset connection).
+DRAIN_LIMIT_FACTOR = 16
 _REF = "#/components/schemas/{model}"
 
 
@@ -91,6 +94,11 @@ def build_http_app(
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body:
+            if int(declared) <= DRAIN_LIMIT_FACTOR * max_body:
+                # Read and drop it first: a 413 sent while the client still writes makes the server
+                # close with unread bytes, and the client sees a connection reset, not the error.
+                async for _ in request.stream():
+                    pass
             raise APIError(413, f"request body over {max_body} bytes", code="request_too_large")
         chunks, size = [], 0
         async for chunk in request.stream():

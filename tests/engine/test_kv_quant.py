@@ -10,7 +10,7 @@ from test_disaggregation import BLOCK, _disaggregated
 
 from engine import LLM, EngineConfig, EngineCore, SamplingParams
 from engine.kv_cache import KVLayout
-from engine.kv_quant import QuantizedKVCache, gather, store
+from engine.kv_quant import QuantizedKVCache, SlotWrites, gather, store
 from kv_transfer.compat import KVCompat, KVIncompatibleError, check_compatible
 
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -30,7 +30,7 @@ def test_tokens_written_one_by_one_with_growing_magnitude_dequantize_within_a_st
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randn((1, 2, 8), generator=gen) * (1 + 3 * i) for i in range(4)]  # each larger
     for i, x in enumerate(tokens):
-        store(cache, 1, 0, x, torch.tensor([3]), torch.tensor([i]))
+        store(cache, 1, 0, x, SlotWrites.of(torch.tensor([3]), torch.tensor([i])))
     got = gather(cache, 1, 0, torch.tensor([3]), torch.float32)[0]  # [bs, kvh, hd]
     want = torch.cat(tokens)
     amax = want.abs().amax(dim=(0, 2))  # per head
@@ -43,9 +43,11 @@ def test_tokens_written_one_by_one_with_growing_magnitude_dequantize_within_a_st
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_reused_block_drops_its_previous_owners_scale(dtype):
     cache = _cache(dtype)
-    store(cache, 0, 1, torch.full((4, 2, 8), 1000.0), torch.tensor([2] * 4), torch.arange(4))
+    store(cache, 0, 1, torch.full((4, 2, 8), 1000.0), SlotWrites.of(torch.tensor([2] * 4), torch.arange(4)))
     small = torch.randn((2, 2, 8), generator=torch.Generator().manual_seed(1)) * 0.01
-    store(cache, 0, 1, small, torch.tensor([2, 2]), torch.arange(2))  # offset 0: the block restarts
+    store(
+        cache, 0, 1, small, SlotWrites.of(torch.tensor([2, 2]), torch.arange(2))
+    )  # offset 0: the block restarts
     got = gather(cache, 0, 1, torch.tensor([2]), torch.float32)[0, :2]
     assert (got - small).abs().max() < TOLERANCE[dtype] * small.abs().max()
 
@@ -67,7 +69,7 @@ def test_a_block_row_is_its_data_and_scales(tiny_llama):
     assert (
         cache.raw.shape == (3, layout.block_bytes) and layout.block_bytes == 2 * 2 * 4 * 2 * 8 + 2 * 2 * 2 * 4
     )
-    store(cache, 0, 0, torch.randn(4, 2, 8), torch.tensor([0] * 4), torch.arange(4))
+    store(cache, 0, 0, torch.randn(4, 2, 8), SlotWrites.of(torch.tensor([0] * 4), torch.arange(4)))
     cache.raw[1].copy_(cache.raw[0])
     assert torch.equal(cache.scales[1], cache.scales[0]) and torch.equal(cache.data[1], cache.data[0])
 
@@ -121,9 +123,12 @@ def test_disaggregated_int8_equals_the_int8_engine_alone(tiny_llama):
             EngineConfig(model=str(tiny_llama), block_size=BLOCK, num_blocks=64, kv_cache_dtype="int8")
         )
 
-    tokens, _ = _disaggregated(engine(), engine(), "r", prompt, params)
+    p, d = engine(), engine()
+    tokens, _ = _disaggregated(p, d, "r", prompt, params)
     alone = LLM(str(tiny_llama), block_size=BLOCK, num_blocks=64, kv_cache_dtype="int8")
     assert tokens == alone.generate([prompt], params, use_tqdm=False)[0].token_ids
+    for e in (p, d, alone.core):
+        assert e.stats().num_free_blocks == 64 and e.stats().num_held == 0
 
 
 def test_different_kv_dtypes_are_incompatible_and_hash_apart(tiny_llama):

@@ -115,6 +115,8 @@ def test_engine_samples_keep_the_distribution_of_non_speculative_decoding(tiny_m
     b = [o.outputs[0].token_ids for o in spec.generate([prompt] * n, params, use_tqdm=False)]
     stats = spec.stats()
     assert 0.1 < stats.spec_acceptance_rate < 0.9, stats  # both outcomes occur
+    for llm in (plain, spec):
+        assert llm.stats().num_free_blocks == llm.stats().num_blocks
     for pos in (1, 2, 3):
         ca, cb = Counter(t[pos] for t in a), Counter(t[pos] for t in b)
         stat, df = 0.0, -1

@@ -86,6 +86,7 @@ def test_a_draft_equal_to_the_target_is_always_accepted(target):
     assert stats.spec_mean_accepted_length == 5.0
     assert stats.spec_accepted_per_position == (8, 8, 8, 8)
     assert stats.generation_tokens == 2 * 21
+    _assert_all_free(llm)
 
 
 def test_a_random_draft_is_mostly_rejected_and_output_is_unchanged(target, draft, hf_greedy):
@@ -97,6 +98,7 @@ def test_a_random_draft_is_mostly_rejected_and_output_is_unchanged(target, draft
     stats = llm.stats()
     assert stats.spec_acceptance_rate < 0.5  # a different random model: its guesses are mostly wrong
     assert stats.spec_num_drafts >= MAX_NEW // 5
+    _assert_all_free(llm)
 
 
 @pytest.mark.parametrize("method", ["ngram", "early_exit", "draft_model"])
@@ -133,6 +135,7 @@ def test_rejected_drafts_never_reach_the_prefix_cache(target, draft, hf_greedy):
     assert out.num_cached_tokens >= 32  # the first request's blocks, speculated over, were hit
     assert out.outputs[0].token_ids == hf_greedy(target, follow, 8)
     assert llm.stats().spec_acceptance_rate < 1.0  # there were rejections to roll back
+    _assert_all_free(llm)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -171,6 +174,7 @@ def test_per_request_opt_out_and_logits_processing_decode_one_token_per_step(tar
     assert llm.stats().spec_num_drafts == 0
     llm.generate([prompt], _greedy(), use_tqdm=False)
     assert llm.stats().spec_num_drafts > 0
+    _assert_all_free(llm)
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
