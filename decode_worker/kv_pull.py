@@ -7,9 +7,15 @@ A pull's states:
       │                    └──> recompute locally       └──> recompute locally | fail the request
       └──room──> READING                 abort in READING ──> ABORTING ──read settled──> (freed)
 
+    begin_early ──> STREAMING ──finish_early──> READING        (abort: ABORTING, as above)
+
 ``start`` allocates the prompt's blocks (reusing local prefix-cache hits) and starts the READ; with
 no room right now the pull waits, FIFO, while the prefill worker's lease lasts, then recomputes
-locally. ``tick`` polls the reads. A request never decodes from blocks it did not fully receive,
+locally. ``tick`` polls the reads. A *streamed* pull starts while the prefill worker still computes
+the prompt (``begin_early``): its blocks are allocated at once and each batch of newly computed
+blocks is read as it is announced (``extend``); the complete handle (first token, last blocks) comes
+later (``finish_early``), and only the blocks not read yet are left for the hand-off. Its reads carry
+no notification: the owner is told once, after the last of them landed, that it may free the prompt. A request never decodes from blocks it did not fully receive,
 and its blocks are freed only once the read has settled: NIXL cannot abort a READ in flight, so the
 blocks of a failed read that may still land stay *quarantined* until the backend says they are
 reusable. A pull that fails under the ``fail`` policy leaves a ``KVTransferError`` for the stream.
@@ -25,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.core_transfer import TransferPlan
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
@@ -46,6 +53,7 @@ FAILURE_POLICIES = tuple(p.value for p in FailurePolicy)
 class PullState(enum.Enum):
     WAITING_FOR_ROOM = "waiting_for_room"
     READING = "reading"
+    STREAMING = "streaming"  # reading blocks as the peer computes them; the complete handle not in yet
     ABORTING = "aborting"  # the request is gone; the read must settle before its blocks are freed
 
 
@@ -85,9 +93,11 @@ class PendingPull:
     kv: PulledKV
     policy: FailurePolicy
     state: PullState = PullState.WAITING_FOR_ROOM
-    handle: TransferHandle | None = None
-    started: float = 0.0  # time.monotonic() when the READ started
+    handles: list[TransferHandle] = dataclasses.field(default_factory=list)
+    started: float = 0.0  # time.monotonic() when the READ started (streamed: the complete handle came)
     give_up_at: float = math.inf  # time.monotonic(): waiting for room ends, recompute locally
+    plan: TransferPlan | None = None  # streamed pulls: where the peer's blocks go
+    requested: int = 0  # streamed pulls: blocks of the sequence asked for so far (hits included)
 
 
 class KVPuller:
@@ -108,7 +118,7 @@ class KVPuller:
         self.timeout_s = timeout_s
         self.stats = TransferStats()
         self._pulls: dict[str, PendingPull] = {}  # insertion order: waiters are served FIFO
-        self._quarantine: dict[str, TransferHandle] = {}  # held-block key -> unsettled read
+        self._quarantine: dict[str, list[TransferHandle]] = {}  # held-block key -> unsettled reads
         self._errors: dict[str, KVTransferError] = {}
 
     def __len__(self) -> int:
@@ -168,20 +178,83 @@ class KVPuller:
         for rid, pull in list(self._pulls.items()):
             if pull.state is PullState.WAITING_FOR_ROOM:
                 continue
-            state = self.transfer.poll(pull.handle)
-            if state is TransferState.IN_PROGRESS:
-                continue
+            states = [self.transfer.poll(h) for h in pull.handles]
+            if pull.state is PullState.STREAMING or TransferState.IN_PROGRESS in states:
+                continue  # a streamed pull waits for its complete handle; every read must settle
             del self._pulls[rid]
-            if state is TransferState.DONE:
+            if all(s is TransferState.DONE for s in states):
                 self._finish_read(pull)
             else:
                 self._fail_read(pull)
-        for key, handle in list(self._quarantine.items()):
-            self.transfer.poll(handle)
-            if handle.local_blocks_reusable:
-                self.transfer.release(handle)
+        for key, handles in list(self._quarantine.items()):
+            for h in handles:
+                self.transfer.poll(h)
+            if all(h.local_blocks_reusable for h in handles):
+                for h in handles:
+                    self.transfer.release(h)
                 self.core.release_held(key)
                 del self._quarantine[key]
+
+    # Streamed pulls -----------------------------------------------------------------------------
+
+    def begin_early(self, pull: PendingPull) -> bool:
+        """Allocate a streamed pull's blocks while the peer still computes the prompt; False when
+        there is no room now (the pull then starts as an ordinary one once its handle is complete)."""
+        try:
+            pull.plan = self.core.add_transferred_request(
+                pull.request_id, pull.prompt, None, pull.params, seed=0, priority=pull.priority
+            )
+        except NoKVRoomError:
+            return False
+        pull.state = PullState.STREAMING
+        self._pulls[pull.request_id] = pull
+        return True
+
+    def extend(self, request_id: str, block_ids: list[int]) -> None:
+        """Read the blocks the peer finished since the last call (``block_ids``: all of the
+        request's blocks computed so far, in sequence order)."""
+        pull = self._pulls.get(request_id)
+        if pull is None or pull.state is not PullState.STREAMING:
+            return
+        if any(h.state is TransferState.FAILED for h in pull.handles):
+            return  # the rest waits for the complete handle, which settles the failure
+        self._read_from(pull, block_ids)
+
+    def finish_early(self, request_id: str, kv: PulledKV) -> bool | None:
+        """The complete handle of a streamed pull: read what is left. None when the request has no
+        streamed pull (start it as an ordinary one); False when the first token ended the request."""
+        pull = self._pulls.get(request_id)
+        if pull is None or pull.state is not PullState.STREAMING:
+            return None
+        if kv.agent_name != pull.kv.agent_name:
+            raise ValueError(
+                f"{request_id}: its KV was streamed from {pull.kv.agent_name}, not {kv.agent_name}"
+            )
+        pull.kv = kv
+        pull.started = time.monotonic()
+        if not self.core.set_first_token(request_id, kv.first_token, kv.first_logprobs, kv.seed):
+            pull.state = PullState.ABORTING  # freed once its reads settled; the owner holds nothing
+            return False
+        pull.state = PullState.READING
+        if not any(h.state is TransferState.FAILED for h in pull.handles):
+            self._read_from(pull, kv.block_ids)
+        return True
+
+    def _read_from(self, pull: PendingPull, block_ids: list[int]) -> None:
+        """Start a READ of ``block_ids[pull.requested:]`` into the pull's blocks (no notification)."""
+        plan, first = pull.plan, pull.requested
+        pull.requested = max(first, len(block_ids))
+        skip = max(0, plan.first_block_index - first)  # local prefix-cache hits are not read
+        remote = block_ids[first + skip :]
+        local = plan.local_block_ids[first + skip - plan.first_block_index :][: len(remote)]
+        remote = remote[: len(local)]
+        if not remote:
+            return
+        pull.handles.append(self.transfer.start_read(pull.kv.agent_name, remote, local, b"", self.timeout_s))
+        self.stats.bytes += len(remote) * self.core.layout.block_bytes
+        self.stats.descriptors += len(merge_block_runs(remote, local))
+        if pull.state is PullState.STREAMING:
+            self.stats.streamed_bytes += len(remote) * self.core.layout.block_bytes
 
     # Internals --------------------------------------------------------------------------------
 
@@ -209,9 +282,11 @@ class KVPuller:
             self._notify_owner(pull)
             self.core.complete_transfer(rid)
             return True
-        pull.handle = self.transfer.start_read(
-            kv.agent_name, remote, plan.local_block_ids, rid.encode(), self.timeout_s
-        )
+        pull.handles = [
+            self.transfer.start_read(
+                kv.agent_name, remote, plan.local_block_ids, rid.encode(), self.timeout_s
+            )
+        ]
         pull.state = PullState.READING
         pull.started = time.monotonic()
         self._pulls[rid] = pull
@@ -267,10 +342,14 @@ class KVPuller:
 
     def _finish_read(self, pull: PendingPull) -> None:
         rid = pull.request_id
-        self.transfer.release(pull.handle)
+        for h in pull.handles:
+            self.transfer.release(h)
+        if pull.plan is not None:  # a streamed pull's reads carry no notification: tell the owner now
+            self._notify_owner(pull)
         if pull.state is PullState.ABORTING:
             self.publish(self.core.abort_request(rid))
             return
+        self.stats.streamed += pull.plan is not None
         seconds = time.monotonic() - pull.started
         self.stats.record_done(seconds)
         self.core.complete_transfer(rid)
@@ -278,13 +357,14 @@ class KVPuller:
             self.on_landed(rid, seconds)
 
     def _fail_read(self, pull: PendingPull) -> None:
-        rid, handle = pull.request_id, pull.handle
+        rid, handles = pull.request_id, pull.handles
         # NOTE: NIXL cannot abort a READ in flight: until the backend says the local blocks are
         # reusable, they stay allocated (quarantined) and the request goes on without them.
-        if not handle.local_blocks_reusable:
-            self._quarantine[self.core.quarantine_blocks(rid)] = handle
+        if not all(h.local_blocks_reusable for h in handles):
+            self._quarantine[self.core.quarantine_blocks(rid)] = handles
         else:
-            self.transfer.release(handle)
+            for h in handles:
+                self.transfer.release(h)
         # The owner would otherwise hold the blocks until its lease ends. Safe even if the read may
         # still land: its deadline has passed, and what lands goes to quarantined blocks.
         self._notify_owner(pull)

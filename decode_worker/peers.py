@@ -3,6 +3,8 @@ the registry lists."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
 from kv_transfer import RemoteKVInfo
@@ -17,6 +19,32 @@ async def fetch_prefill_peer(address: str, timeout_s: float = 10.0) -> RemoteKVI
     async with grpc.aio.insecure_channel(address) as channel:
         state = await pb_grpc.PrefillWorkerStub(channel).GetState(pb.GetStateRequest(), timeout=timeout_s)
     return transfer_info_from_proto(state.transfer)
+
+
+class KVWatch:
+    """Follows prompts being prefilled, over one cached channel per prefill worker."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def __call__(self, address: str, request_id: str) -> AsyncIterator[tuple[str, str, list[int]]]:
+        """(agent name, compat hash, the prompt's block ids computed so far) from the prefill worker
+        at ``address``, once per step that finished blocks of it; ends when the prompt is done or gone."""
+        channel = self._channels.get(address) or self._channels.setdefault(
+            address, grpc.aio.insecure_channel(address)
+        )
+        call = pb_grpc.PrefillWorkerStub(channel).WatchKV(pb.WatchKVRequest(request_id=request_id))
+        try:
+            async for progress in call:
+                h = progress.handle
+                yield h.agent_name, h.compat_hash, list(h.block_ids)
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
 
 
 def registered_prefill_addresses(redis_url: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""gRPC face of the decode worker (asyncio): Decode (server stream), Abort, GetState.
+"""gRPC face of the decode worker (asyncio): Decode (server stream), ProvideKV, Abort, GetState.
 
 Bad requests are refused with INVALID_ARGUMENT before the engine is touched, and every request with
 UNAVAILABLE once the engine loop failed; failures after the stream started arrive in-band as a
@@ -56,6 +56,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 raise ValueError("request_id is required")
             params = params_from_proto(request.params)
             kv = pulled_kv_from_handle(request.handle) if request.HasField("handle") else None
+            if kv is not None and request.kv_source:
+                raise ValueError("a Decode takes either a KV handle or a kv_source, not both")
             if kv is not None and kv.num_tokens != len(prompt):
                 raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}")
             if params.structured is not None:  # a grammar compiles off the loop and the engine thread
@@ -67,11 +69,17 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"{self.worker.worker_id}: {self.worker.loop.failure}"
             )
-        completion = 1 if kv is not None else 0
+        completion = 1 if kv is not None or request.kv_source else 0
         keepalive = self.worker.config.keepalive_s or None
         try:
             async for out in self.worker.decode(
-                rid, prompt, params, priority=request.priority, kv=kv, keepalive_s=keepalive
+                rid,
+                prompt,
+                params,
+                priority=request.priority,
+                kv=kv,
+                keepalive_s=keepalive,
+                kv_source=request.kv_source or None,
             ):
                 if isinstance(out, Progress):
                     yield pb.GenerateResponse(
@@ -127,6 +135,10 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         if clock.kv_transfer_s is not None:
             t.kv_transfer_ms = clock.kv_transfer_s * 1e3
         return t
+
+    async def ProvideKV(self, request: pb.ProvideKVRequest, context) -> pb.ProvideKVResponse:
+        accepted = self.worker.provide_kv(request.request_id, pulled_kv_from_handle(request.handle))
+        return pb.ProvideKVResponse(accepted=accepted)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=await self.worker.abort(request.request_id))

@@ -40,7 +40,7 @@ from decode_worker.kv_pull import (
     PendingPull,
     PulledKV,
 )
-from decode_worker.peers import fetch_prefill_peer, registered_prefill_addresses
+from decode_worker.peers import KVWatch, fetch_prefill_peer, registered_prefill_addresses
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from kv_transfer import RemoteKVInfo
@@ -61,6 +61,8 @@ __all__ = [
 ]
 
 PeerFetcher = Callable[[str], Awaitable[RemoteKVInfo]]
+# (prefill address, request id) -> (agent name, compat hash, block ids computed so far), per step
+KVWatcher = Callable[[str, str], AsyncIterator[tuple[str, str, list[int]]]]
 
 
 @dataclass
@@ -95,6 +97,7 @@ class DecodeWorker(WorkerRuntime):
         config: DecodeWorkerConfig,
         fetch_peer: PeerFetcher | None = fetch_prefill_peer,
         transfer_factory: TransferFactory | None = None,
+        watch_kv: KVWatcher | None = None,
     ) -> None:
         if config.kv_failure_policy not in FAILURE_POLICIES:
             raise ValueError(
@@ -103,6 +106,7 @@ class DecodeWorker(WorkerRuntime):
         super().__init__(config, transfer_factory)
         self.config: DecodeWorkerConfig = config
         self.fetch_peer = fetch_peer  # address -> the prefill worker's RemoteKVInfo (its GetState)
+        self.watch_kv = watch_kv or KVWatch()  # a prompt's blocks as its prefill worker computes them
         self.pulls = KVPuller(
             self.core, self.transfer, self.loop.publish, config.transfer_timeout_s, self.clocks.transferred
         )
@@ -111,6 +115,7 @@ class DecodeWorker(WorkerRuntime):
         self._warmed: set[str] = set()  # prefill addresses already tried
         self._warmer: asyncio.Task | None = None
         self._handed_off: set[str] = set()  # requests ended by hand_off (engine thread writes)
+        self._provided: dict[str, asyncio.Future[PulledKV]] = {}  # streamed pulls awaiting their handle
         self.handing_off = False
 
     def transfer_stats(self) -> TransferStats | None:
@@ -199,9 +204,12 @@ class DecodeWorker(WorkerRuntime):
         kv: PulledKV | None = None,
         policy: str | None = None,
         keepalive_s: float | None = None,
+        kv_source: str | None = None,
     ) -> AsyncIterator[SequenceOutput | Progress]:
-        """Stream the request's outputs (from token 2 on when ``kv`` is given), and a ``Progress``
-        whenever nothing was sent for ``keepalive_s`` (None: never).
+        """Stream the request's outputs (from token 2 on when ``kv`` or ``kv_source`` is given), and a
+        ``Progress`` whenever nothing was sent for ``keepalive_s`` (None: never). ``kv_source``: the
+        prefill worker still computing the prompt; its blocks are read as they are computed, and the
+        complete handle comes through ``provide_kv``.
 
         Raises ValueError for a request the engine can never serve (``IncompatibleKVError`` for a
         peer with another KV layout), ``KVTransferError`` when the pull fails under the ``fail``
@@ -211,7 +219,10 @@ class DecodeWorker(WorkerRuntime):
         policy_ = FailurePolicy(policy or self.config.kv_failure_policy)
         stream = self.loop.open_stream(request_id)
         self.clocks.arrive(request_id)
-        admit = self._admit(request_id, prompt, params, priority, kv, policy_)
+        if kv_source:
+            admit = self._admit_streamed(request_id, prompt, params, priority, kv_source, policy_)
+        else:
+            admit = self._admit(request_id, prompt, params, priority, kv, policy_)
         try:
             if keepalive_s is None:
                 admitted = await admit
@@ -271,6 +282,51 @@ class DecodeWorker(WorkerRuntime):
         reachable = await self._connect_peer(pull)
         return await self.loop.run(lambda: self.pulls.start(pull, reachable=reachable))
 
+    def provide_kv(self, request_id: str, kv: PulledKV) -> bool:
+        """The complete KV handle of a streamed request; False when no such request waits for one."""
+        waiting = self._provided.get(request_id)
+        if waiting is None or waiting.done():
+            return False
+        waiting.set_result(kv)
+        return True
+
+    async def _admit_streamed(
+        self, rid, prompt, params, priority, source: str, policy: FailurePolicy
+    ) -> bool:
+        """A prompt still being prefilled at ``source``: its blocks are read as they are computed
+        (``_follow``) until the complete handle comes (``provide_kv``); then what is left is read. The
+        early reads are an optimisation only: whatever goes wrong with them, the pull starts whole."""
+        provided = self._provided[rid] = asyncio.get_running_loop().create_future()
+        follow = asyncio.ensure_future(self._follow(rid, prompt, params, priority, source, policy))
+        try:
+            kv = await provided
+        finally:
+            del self._provided[rid]
+            follow.cancel()  # its engine-thread calls either ran already or never will
+            await asyncio.gather(follow, return_exceptions=True)
+        if kv.num_tokens != len(prompt):
+            raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}")
+        started = await self.loop.run(lambda: self.pulls.finish_early(rid, kv))
+        if started is not None:
+            return started
+        return await self._admit(rid, prompt, params, priority, kv, policy)
+
+    async def _follow(self, rid, prompt, params, priority, source: str, policy: FailurePolicy) -> None:
+        began = False
+        try:
+            async for agent_name, compat_hash, block_ids in self.watch_kv(source, rid):
+                if not began:
+                    kv = PulledKV(agent_name, source, [], len(prompt), compat_hash, 0, None, 0)
+                    pull = PendingPull(rid, prompt, params, priority, kv, policy)
+                    if not await self._connect_peer(pull):
+                        return
+                    if not await self.loop.run(lambda pull=pull: self.pulls.begin_early(pull)):
+                        return  # no room now: the pull starts whole from the complete handle
+                    began = True
+                self.loop.call(lambda ids=block_ids: self.pulls.extend(rid, ids))
+        except (KVTransferError, ValueError, OSError, grpc.RpcError) as exc:
+            logger.info("no early KV reads for %s from %s: %s", rid, source, exc)
+
     def _check_available(self, request_id: str | None = None) -> None:
         """Raise ``WorkerUnavailableError`` if the engine loop failed, or (for a new request, or one
         ``hand_off`` ended) if this worker is shutting down."""
@@ -303,6 +359,8 @@ class DecodeWorker(WorkerRuntime):
             while self.loop.stream_ids() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.01)
         await super().shutdown(grace_s)
+        if isinstance(self.watch_kv, KVWatch):
+            await self.watch_kv.close()
 
     async def abort(self, request_id: str) -> bool:
         return await self.loop.run(lambda: self._abort(request_id))

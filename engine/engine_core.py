@@ -8,12 +8,10 @@ context or beyond the whole KV pool) is refused at once with a ``ValueError``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.block_pool import KVEvent
 from engine.config import EngineConfig
+from engine.core_transfer import TransferMixin
 from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_quant import first_blocks, storage_dtype
@@ -37,17 +36,7 @@ from engine.structured_output import StructuredOutputs
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class TransferPlan:
-    """Where a pulled prompt's KV goes: ``local_block_ids[i]`` receives the peer's block
-    ``first_block_index + i`` of the request; earlier blocks were local prefix-cache hits."""
-
-    local_block_ids: list[int]
-    first_block_index: int
-    num_cached_tokens: int
-
-
-class EngineCore:
+class EngineCore(TransferMixin):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = resolve_model_path(config.model)
@@ -234,69 +223,6 @@ class EngineCore:
 
     def _seed_for(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._rng.getrandbits(63)
-
-    # Disaggregation ---------------------------------------------------------------------------
-
-    def release_held(self, request_id: str) -> bool:
-        """Prefill role: free a held request's blocks (after the peer's read, or at lease expiry)."""
-        return self.kv.release_held(request_id)
-
-    def add_transferred_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        first_token: int,
-        params: SamplingParams,
-        *,
-        seed: int,
-        first_logprobs: dict[int, float] | None = None,
-        priority: int = 0,
-    ) -> TransferPlan | None:
-        """Decode role: a request whose prompt KV a peer computed and whose first token it sampled.
-
-        Allocates blocks for the prompt (reusing local prefix hits) and parks the request until
-        ``complete_transfer`` (it then decodes from token 2 on) or ``fail_transfer`` (it recomputes
-        locally). Returns None when the first token already ends the request. Raises ValueError for
-        a request this engine can never serve, ``NoKVRoomError`` when the pool has no room right now.
-        """
-        self._check_new_id(request_id)
-        self.validate(prompt_token_ids, params)
-        if params.n != 1:
-            raise ValueError("disaggregated decode serves n = 1 only; run n > 1 requests aggregated")
-        if params.prompt_logprobs is not None:  # the peer that computed the prompt sent them
-            params = dataclasses.replace(params, prompt_logprobs=None)
-        if not 0 <= first_token < self.spec.vocab_size:
-            raise ValueError(
-                f"first token {first_token} is outside the vocabulary [0, {self.spec.vocab_size})"
-            )
-        req = Request(
-            request_id,
-            list(prompt_token_ids),
-            params,
-            seed=seed,
-            eos_token_ids=self.eos_token_ids,
-            priority=priority,
-        )
-        req.append_token(first_token, first_logprobs)
-        if req.check_stop(self.max_model_len) is not None:
-            return None
-        fresh, first_index = self.scheduler.add_transferring(req, len(prompt_token_ids))
-        return TransferPlan(fresh, first_index, max(req.num_cached_tokens, 0))
-
-    def complete_transfer(self, request_id: str) -> None:
-        req = self.scheduler.transferring[request_id]
-        self.scheduler.complete_transfer(request_id, req.prompt_len)
-
-    def quarantine_blocks(self, request_id: str) -> str:
-        """Detach a transferring request's blocks and keep them allocated (a timed-out read that NIXL
-        cannot abort may still write them); returns the key for ``release_held`` once it settled."""
-        key = f"{request_id}#quarantine"
-        self.kv.hold(self.scheduler.transferring[request_id], key)
-        return key
-
-    def fail_transfer(self, request_id: str) -> None:
-        """The pull failed or timed out (and has settled): recompute the prompt locally."""
-        self.scheduler.fail_transfer(request_id)
 
     def abort_request(self, request_id: str) -> list[SequenceOutput]:
         return self._finish_group(request_id, RequestStatus.FINISHED_ABORTED)

@@ -42,6 +42,7 @@ class KVCacheManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.tables: dict[str, list[int]] = {}
         self.held: dict[str, list[int]] = {}
+        self.pinned: dict[str, list[int]] = {}  # request id -> blocks a peer may be reading early
         self.cpu_tables: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0
@@ -144,6 +145,17 @@ class KVCacheManager:
             return False
         self.pool.free(table[::-1])
         return True
+
+    def pin(self, key: str, block_ids: list[int]) -> None:
+        """Take an extra reference on computed blocks a peer reads while their request still runs:
+        preemption, abort or eviction cannot reuse them before ``unpin``."""
+        self.pool.touch(block_ids)
+        self.pinned.setdefault(key, []).extend(block_ids)
+
+    def unpin(self, key: str) -> None:
+        table = self.pinned.pop(key, None)
+        if table:
+            self.pool.free(table[::-1])
 
     def allocate_for_transfer(self, req: Request, hit: PrefixHit, num_tokens: int) -> list[int]:
         """Blocks for ``num_tokens`` of pulled KV: prefix hits reused, the rest fresh. Returns the fresh

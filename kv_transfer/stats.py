@@ -23,6 +23,8 @@ class TransferStats:
     waited: int = 0  # pulls that had to wait for free blocks before starting
     descriptors: int = 0  # READ descriptors posted: one per run of contiguous blocks on both sides
     expired_leases: int = 0  # prefill side: held prompts freed at lease expiry (no reader came)
+    streamed: int = 0  # pulls that began while the peer still computed the prompt
+    streamed_bytes: int = 0  # bytes of those read before the prefill ended (overlapped with it)
     seconds_sum: float = 0.0
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1))
 

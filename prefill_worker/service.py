@@ -1,4 +1,4 @@
-"""gRPC face of the prefill worker (asyncio): Prefill, Release, GetState."""
+"""gRPC face of the prefill worker (asyncio): Prefill, Release, WatchKV, GetState."""
 
 from __future__ import annotations
 
@@ -33,21 +33,14 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         except RuntimeError as exc:
             logger.warning("prefill of %s failed: %s", request.request_id, exc)
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-        handle = pb.KVHandle(
-            request_id=result.request_id,
-            worker_id=self.worker.worker_id,
-            epoch=self.worker.epoch,
-            agent_name=self.worker.transfer_info().agent_name,
-            block_ids=result.block_ids,
-            num_tokens=result.num_tokens,
-            compat_hash=self.worker.compat.hash(),
-            lease_expiry_unix=result.lease_expiry_unix,
-            first_token=result.first_token,
-            first_logprobs=logprobs_to_proto(result.first_logprobs),
-            seed=result.seed,
-            num_cached_tokens=result.num_cached_tokens,
-            address=self.worker.address,
-        )
+        handle = self._handle(result.request_id)
+        handle.block_ids.extend(result.block_ids)
+        handle.num_tokens = result.num_tokens
+        handle.lease_expiry_unix = result.lease_expiry_unix
+        handle.first_token = result.first_token
+        handle.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
+        handle.seed = result.seed
+        handle.num_cached_tokens = result.num_cached_tokens
         timing = pb.HopTiming(
             prefill_queue_ms=result.queue_s * 1e3, prefill_compute_ms=result.compute_s * 1e3
         )
@@ -67,6 +60,27 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 )
             )
         return resp
+
+    def _handle(self, request_id: str) -> pb.KVHandle:
+        """Where this worker's KV of ``request_id`` lives: the request's blocks and token left out."""
+        w = self.worker
+        return pb.KVHandle(
+            request_id=request_id,
+            worker_id=w.worker_id,
+            epoch=w.epoch,
+            agent_name=w.transfer_info().agent_name,
+            compat_hash=w.compat.hash(),
+            address=w.address,
+        )
+
+    async def WatchKV(self, request: pb.WatchKVRequest, context):
+        """The request's handle so far, once per step that finished blocks of its prompt."""
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        handle = self._handle(request.request_id)
+        async for ids in self.worker.watch_kv(request.request_id):
+            handle.block_ids.extend(ids)
+            yield pb.KVProgress(handle=handle)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         if request.epoch and request.epoch != self.worker.epoch:

@@ -6,6 +6,10 @@ and a KV handle goes back to the caller -> the blocks are freed by whichever com
 worker's completion notification (sent by NIXL with its read), an explicit ``release``, or the lease
 expiring. A caller that goes away before the handle is returned aborts the request (or frees its
 blocks if they were already held). Every engine and NIXL call runs on the engine-loop thread.
+
+A decode worker may read a prompt's blocks while it is still being computed (``watch_kv``): after
+each step, the blocks the step finished are pinned (no preemption or abort frees them before the
+request's release) and announced; the held blocks follow once the prompt is done.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
@@ -28,6 +33,7 @@ logger = logging.getLogger(__name__)
 class PrefillWorkerConfig(WorkerConfig):
     worker_id: str = "prefill-0"
     lease_seconds: float = 30.0  # held KV is freed after this long
+    watch_wait_s: float = 10.0  # a WatchKV for a request not seen here by then ends empty
 
 
 @dataclass(slots=True)
@@ -55,6 +61,19 @@ class _Lease:
     expiry_unix: float
 
 
+@dataclass(eq=False, slots=True)
+class _KVWatch:
+    """One reader of a prompt's blocks as they are computed."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # lists of newly computed block ids; None ends the watch
+    deadline: float | None  # time.monotonic() by which the request must show up (None: it did)
+    sent: int = 0  # blocks announced so far (engine thread)
+
+    def push(self, block_ids: list[int] | None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, block_ids)
+
+
 class PrefillWorker(WorkerRuntime):
     role = "prefill"
 
@@ -65,9 +84,11 @@ class PrefillWorker(WorkerRuntime):
         self.config: PrefillWorkerConfig = config
         self.loop.add_output_hook(self._on_output)
         self.loop.add_tick(self._tick)
+        self.loop.add_tick(self._expose)
         self.leases: dict[str, _Lease] = {}  # engine thread only
         self.released = {"notification": 0, "release": 0, "expiry": 0, "abandoned": 0}
         self._transfer = TransferStats()  # the prefill side's share: leases that expired unread
+        self._watches: dict[str, _KVWatch] = {}  # engine thread only
 
     def transfer_stats(self) -> TransferStats:
         """Engine thread only: leases that expired before a decode worker read the blocks."""
@@ -102,6 +123,8 @@ class PrefillWorker(WorkerRuntime):
         finally:
             self.loop.close_stream(request_id)  # also when the engine refused the request
             self.clocks.forget(request_id)
+        if out.held_block_ids is None:  # nothing held: no reader may rely on its exposed blocks
+            self.loop.call(lambda: self.core.unpin(request_id))
         if out.error:
             raise RuntimeError(out.error)
         if out.finish_reason is not None and not out.new_token_ids:
@@ -125,11 +148,65 @@ class PrefillWorker(WorkerRuntime):
     async def release(self, request_id: str) -> bool:
         return await self.loop.run(lambda: self._release(request_id, "release"))
 
+    async def watch_kv(self, request_id: str) -> AsyncIterator[list[int]]:
+        """The ids of the request's prompt blocks as steps finish them (the rest of its held blocks
+        last); ends once the prompt is done or gone, or at once when the request is not seen here
+        within ``watch_wait_s``."""
+        watch = _KVWatch(
+            asyncio.get_running_loop(), asyncio.Queue(), time.monotonic() + self.config.watch_wait_s
+        )
+        await self.loop.run(lambda: self._start_watch(request_id, watch))
+        try:
+            while (ids := await watch.queue.get()) is not None:
+                yield ids
+        finally:
+            self.loop.call(
+                lambda: (
+                    self._watches.pop(request_id, None) if self._watches.get(request_id) is watch else None
+                )
+            )
+
     # Engine thread ----------------------------------------------------------------------------
+
+    def _start_watch(self, request_id: str, watch: _KVWatch) -> None:
+        held = self.core.kv.held.get(request_id) if request_id in self.leases else None
+        if held is not None:  # done already: all of it at once
+            watch.push(list(held))
+            watch.push(None)
+            return
+        old = self._watches.get(request_id)
+        if old is not None:
+            old.push(None)  # one reader per request: the newer one wins
+        self._watches[request_id] = watch
+
+    def _end_watch(self, request_id: str, rest: list[int] | None = None) -> None:
+        watch = self._watches.pop(request_id, None)
+        if watch is not None:
+            if rest is not None and rest[watch.sent :]:
+                watch.push(rest[watch.sent :])
+            watch.push(None)
+
+    def _expose(self) -> None:
+        """After each step: announce (and pin) the watched prompts' newly computed blocks."""
+        now = time.monotonic()
+        for rid, watch in list(self._watches.items()):
+            if watch.deadline is not None:
+                if rid in self.core.scheduler.requests:
+                    watch.deadline = None
+                elif now > watch.deadline:
+                    self._end_watch(rid)
+                    continue
+            ids = self.core.expose_computed(rid, watch.sent)
+            if ids:
+                watch.sent += len(ids)
+                watch.push(ids)
 
     def _on_output(self, out: SequenceOutput) -> None:
         if out.held_block_ids is None:
+            if out.finish_reason is not None:  # ended before its blocks were held: no more to read
+                self._end_watch(out.request_id)
             return
+        self._end_watch(out.request_id, out.held_block_ids)
         now = time.monotonic()
         self.leases[out.request_id] = _Lease(
             now + self.config.lease_seconds, time.time() + self.config.lease_seconds
@@ -139,9 +216,11 @@ class PrefillWorker(WorkerRuntime):
 
     def _abandon(self, request_id: str) -> None:
         self.core.abort_request(request_id)
+        self._end_watch(request_id)
         self._release(request_id, "abandoned")
 
     def _release(self, request_id: str, why: str) -> bool:
+        self.core.unpin(request_id)
         if self.leases.pop(request_id, None) is None:
             return False  # already freed: a late notification or a repeated release is harmless
         self.core.release_held(request_id)

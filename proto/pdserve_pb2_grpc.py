@@ -44,6 +44,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.WatchKV = channel.unary_stream(
+                '/pdserve.v1.PrefillWorker/WatchKV',
+                request_serializer=proto_dot_pdserve__pb2.WatchKVRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.KVProgress.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/GetState',
                 request_serializer=proto_dot_pdserve__pb2.GetStateRequest.SerializeToString,
@@ -61,6 +66,12 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchKV(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,6 +95,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=proto_dot_pdserve__pb2.ReleaseRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'WatchKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKV,
+                    request_deserializer=proto_dot_pdserve__pb2.WatchKVRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.KVProgress.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -156,6 +172,33 @@ class PrefillWorker:
             _registered_method=True)
 
     @staticmethod
+    def WatchKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/WatchKV',
+            proto_dot_pdserve__pb2.WatchKVRequest.SerializeToString,
+            proto_dot_pdserve__pb2.KVProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetState(request,
             target,
             options=(),
@@ -197,6 +240,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.ProvideKV = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/ProvideKV',
+                request_serializer=proto_dot_pdserve__pb2.ProvideKVRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.ProvideKVResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Abort',
                 request_serializer=proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
@@ -213,6 +261,12 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProvideKV(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -237,6 +291,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=proto_dot_pdserve__pb2.DecodeRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'ProvideKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProvideKV,
+                    request_deserializer=proto_dot_pdserve__pb2.ProvideKVRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.ProvideKVResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -276,6 +335,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Decode',
             proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
             proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProvideKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/ProvideKV',
+            proto_dot_pdserve__pb2.ProvideKVRequest.SerializeToString,
+            proto_dot_pdserve__pb2.ProvideKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,15 +31,14 @@ from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord
 from router.affinity import PromptHashes, RoutedPrefixes
 from router.cancellation import Cancellation
+from router.decode_relay import DecodeRelay, _expired, _remaining
 from router.hop_timing import HopWindow, RouterClock
 from router.migration import (
-    MIGRATABLE,
     DecodeLost,
     MigrationOptions,
     MigrationRefused,
     ProgressWatch,
     Resumption,
-    continuation,
 )
 from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
 from router.prefill_watch import PrefillStalled, watched
@@ -65,6 +64,7 @@ class RouterStats:
     prefill_retries: int = 0
     decode_retries: int = 0
     local_prefills: int = 0  # short uncached prompts prefilled on their decode worker
+    kv_streamed: int = 0  # requests whose KV the decode worker read while it was computed
     aggregated_fallbacks: int = 0
     failed: int = 0
     predicted_hit_tokens: int = 0
@@ -75,7 +75,7 @@ class RouterStats:
     migrations_refused: int = 0  # lost streams that could not be resumed (limit, no worker, n > 1)
 
 
-class Router:
+class Router(DecodeRelay):
     def __init__(
         self,
         view: ClusterView,
@@ -83,15 +83,21 @@ class Router:
         prefill_attempts: int = 2,
         local_prefill_tokens: int = 0,
         migration: MigrationOptions | None = None,
+        kv_streaming_tokens: int = 0,
     ) -> None:
         if local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
+        if kv_streaming_tokens < 0:
+            raise ValueError(f"kv_streaming_tokens must be >= 0, got {kv_streaming_tokens}")
         self.view = view
         self.policy: Policy = make_policy(policy)
         self.prefill_attempts = prefill_attempts
         # Conditional disaggregation: a prompt whose part the decode worker has not cached is at most
         # this many tokens is prefilled there (no prefill hop, no KV transfer); 0 always disaggregates.
         self.local_prefill_tokens = local_prefill_tokens
+        # KV streaming: a prompt with at least this many uncached tokens has its KV read by the decode
+        # worker while it is computed (``router.decode_relay``); 0 moves it after the prefill.
+        self.kv_streaming_tokens = kv_streaming_tokens
         self.migration = migration or MigrationOptions()
         self.watch = ProgressWatch(self.migration)
         self.suspects: dict[str, float] = {}  # decode worker -> time.monotonic() until which it is avoided
@@ -230,14 +236,70 @@ class Router:
         prefill worker keeps until its release lands, a stalled worker that wakes up)."""
         prompt, proto_params = res.request()
         key, request_id = request_id, res.attempt_id(request_id)
-        exclude: set[str] = set()
         route, hashes = self._route(prompt, lost=lost)
         n = proto_params.n or 1
-        resp = None
         if route.prefill is not None and n == 1 and self._prefill_locally(prompt, route):
             self.stats.local_prefills += 1
             route = Route(None, route.decode, route.predicted_hit_tokens)
         clock.routed()
+        early = None  # a Decode opened before the prefill: the KV streams to it while computed
+        if (
+            route.prefill is not None
+            and n == 1
+            and self._streams_kv(len(prompt) - route.predicted_hit_tokens)
+        ):
+            early = self._open_decode(
+                route.decode,
+                request_id,
+                prompt,
+                proto_params,
+                priority,
+                None,
+                deadline,
+                key,
+                route.prefill.address,
+            )
+        try:
+            async with aclosing(
+                self._prefill_then_decode(
+                    request_id,
+                    key,
+                    res,
+                    route,
+                    hashes,
+                    prompt,
+                    proto_params,
+                    priority,
+                    deadline,
+                    clock,
+                    lost,
+                    early,
+                )
+            ) as stream:
+                async for msg in stream:
+                    yield msg
+        finally:
+            if early is not None:
+                early.close()  # no-op once relayed to its end
+
+    async def _prefill_then_decode(
+        self,
+        request_id,
+        key,
+        res,
+        route,
+        hashes,
+        prompt,
+        proto_params,
+        priority,
+        deadline,
+        clock,
+        lost,
+        early,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        n = proto_params.n or 1
+        exclude: set[str] = set()
+        resp = None
         if route.prefill is not None and n == 1:
             for attempt in range(self.prefill_attempts):
                 try:
@@ -259,6 +321,8 @@ class Router:
                         "prefill on %s failed (%s); retrying elsewhere", route.prefill.worker_id, exc
                     )
                     self.stats.prefill_retries += attempt == 0
+                    if early is not None:
+                        early.close()  # its KV source is gone: a retry decodes from a whole handle
                     exclude.add(route.prefill.worker_id)
                     route, hashes = self._route(prompt, frozenset(exclude), lost)
                     if route.prefill is None:
@@ -275,6 +339,9 @@ class Router:
         clock.first_token()
         if res.seed is None:  # the seed the prefill worker drew: a resumed request keeps it
             res.seed = resp.handle.seed
+        provided = None  # the complete handle goes to the streaming Decode while the first token is out
+        if early is not None and not early.closed and not resp.HasField("finished"):
+            provided = asyncio.ensure_future(self._provide_kv(early, resp.handle, deadline))
         yield pb.GenerateResponse(
             tokens=pb.TokenChunk(
                 token_ids=[resp.handle.first_token],
@@ -296,11 +363,27 @@ class Router:
             clock.stamp(resp.finished.timing)
             yield pb.GenerateResponse(finished=resp.finished)
             return
+        opened = None
+        if provided is not None:
+            if await provided:
+                opened = early
+                self.stats.kv_streamed += 1
+            else:  # it was not waiting for the handle (any more): decode from the whole handle
+                early.close()
         pulled = False
         clock.decoding()
         try:
             async for msg in self._relay_decode(
-                route.decode, request_id, prompt, proto_params, priority, resp.handle, deadline, lost, key
+                route.decode,
+                request_id,
+                prompt,
+                proto_params,
+                priority,
+                resp.handle,
+                deadline,
+                lost,
+                key,
+                opened,
             ):
                 pulled = True
                 clock.on_message(msg)
@@ -347,88 +430,6 @@ class Router:
             load.requests -= 1
             self.routed.settle(routed, computed)
 
-    async def _relay_decode(
-        self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline, lost, key: str
-    ):
-        """Relay Decode from ``w``; a decode worker that is unreachable before it sent anything (it
-        died, its record not expired yet) is swapped for the least-loaded other one. A worker lost
-        once it started raises ``DecodeLost`` (the request is resumed: ``router.migration``).
-
-        NOTE: a swap never reuses the KV handle. The first worker may have pulled the KV before it
-        died, and a pull tells the prefill worker to free (and reuse) those blocks, so a second pull
-        could read another request's KV. The new worker computes the prompt plus the first token
-        itself (seeded samples depend on positions only, so the output is the same), and the held
-        KV is released. ``key``: the caller's request id (what an abort names), ``rid`` the workers'."""
-        tried: set[str] = set(lost)
-        shifted = False  # the prompt now ends with the first token: usage counts it as generated
-        samples = params.n or 1
-        while True:
-            started, ended = False, 0
-            try:
-                async with aclosing(
-                    self._decode(w, rid, prompt, params, priority, handle, deadline, key)
-                ) as stream:
-                    async for msg in stream:
-                        started = True
-                        kind = msg.WhichOneof("kind")
-                        if kind == "finished":
-                            ended += 1
-                            if shifted and msg.finished.usage.prompt_tokens:
-                                msg.finished.usage.prompt_tokens -= 1
-                                msg.finished.usage.completion_tokens += 1
-                        elif kind == "error":
-                            if msg.error.code == "unavailable":  # it cannot go on: resume elsewhere
-                                raise DecodeLost(w.worker_id, msg.error.message)
-                            ended = samples  # a refusal or failure of this request: passed on as is
-                        yield msg
-                if ended < samples:
-                    raise DecodeLost(w.worker_id, "its stream ended before the request did", suspect=False)
-                return
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                if _expired(deadline) or code not in MIGRATABLE:
-                    raise
-                if started or code != grpc.StatusCode.UNAVAILABLE:
-                    raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
-                tried.add(w.worker_id)
-                others = self.decode_candidates(tried)
-                if not others:
-                    raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
-                logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)
-                self.stats.decode_retries += 1
-                w = min(others, key=lambda d: self.inflight.get(d.worker_id, WorkerLoad()).requests)
-                if handle is not None:
-                    self._in_background(self._release_at(handle.address, rid, handle.epoch))
-                    prompt, params = continuation(prompt, params, handle)
-                    handle, shifted = None, True
-
-    async def _decode(self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline, key: str):
-        self.decisions[("decode", w.worker_id)] += 1
-        load = self.inflight.setdefault(w.worker_id, WorkerLoad())
-        load.requests += 1
-        req = pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority)
-        if handle is not None:
-            req.handle.CopyFrom(handle)
-        call = pb_grpc.DecodeWorkerStub(self._channel(w.address)).Decode(req, timeout=_remaining(deadline))
-        decoding = self.cancellation.decoding
-        entry = decoding[key] = (w, rid)
-        try:
-            async for msg in self.watch.watch(call, w.worker_id):  # raises DecodeLost on a stall
-                yield msg
-        finally:
-            load.requests -= 1
-            if decoding.get(key) is entry:
-                del decoding[key]
-            call.cancel()  # no-op when finished; aborts the request on the worker otherwise
-
-    async def _release_at(self, address: str, rid: str, epoch: int) -> None:
-        try:
-            await pb_grpc.PrefillWorkerStub(self._channel(address)).Release(
-                pb.ReleaseRequest(request_id=rid, epoch=epoch), timeout=5
-            )
-        except grpc.aio.AioRpcError as exc:
-            logger.info("release of %s on %s failed (%s): its lease will free it", rid, address, exc.code())
-
     def _in_background(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -437,11 +438,3 @@ class Router:
     async def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is (its stream ends with ``abort``: ``router.cancellation``)."""
         return await self.cancellation.abort(request_id, self.view.live_workers("decode"))
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.001, deadline - time.monotonic())
-
-
-def _expired(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline

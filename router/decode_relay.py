@@ -1,0 +1,188 @@
+"""The router's Decode calls: a mixin of ``router.router.Router``.
+
+A Decode call is *opened* (the worker's load and the abort registry count it from then on) and then
+*relayed*. Usually both happen once the prefill worker returned the KV handle. With KV streaming
+(``kv_streaming_tokens``), the call is opened before the prefill starts, naming the prefill worker as
+its ``kv_source``: the decode worker reads the prompt's blocks while they are computed, and
+``provide_kv`` hands it the complete handle when the prefill returns, so only the blocks of the last
+step are left to move after the first token. A stream the decode worker never got going on (the
+prefill failed or was retried elsewhere, the first token ended the request) is closed, which aborts
+the request there and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import grpc
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from registry.schema import WorkerRecord
+from router.cancellation import Cancellation
+from router.migration import MIGRATABLE, DecodeLost, ProgressWatch, continuation
+from router.policies import WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class OpenDecode:
+    """A Decode call in flight on ``worker``; ``close`` cancels it (a no-op once it finished) and
+    stops counting it."""
+
+    worker: WorkerRecord
+    call: grpc.aio.UnaryStreamCall
+    _undo: Callable[[], None]
+    closed: bool = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._undo()
+            self.call.cancel()
+
+
+class DecodeRelay:
+    decisions: Counter[tuple[str, str]]
+    inflight: dict[str, WorkerLoad]
+    cancellation: Cancellation
+    watch: ProgressWatch
+    stats: object
+    kv_streaming_tokens: int
+
+    def _channel(self, address: str) -> grpc.aio.Channel: ...
+    def decode_candidates(self, lost=frozenset()) -> list[WorkerRecord]: ...
+    def _in_background(self, coro) -> None: ...
+
+    def _streams_kv(self, num_uncached_tokens: int) -> bool:
+        """Whether the KV of a prompt with this many uncached tokens streams to the decode worker
+        while it is computed (worth a WatchKV stream and a ProvideKV call only for long prefills)."""
+        return 0 < self.kv_streaming_tokens <= num_uncached_tokens
+
+    def _open_decode(
+        self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline, key: str, kv_source: str = ""
+    ) -> OpenDecode:
+        self.decisions[("decode", w.worker_id)] += 1
+        load = self.inflight.setdefault(w.worker_id, WorkerLoad())
+        load.requests += 1
+        req = pb.DecodeRequest(
+            request_id=rid, prompt_token_ids=prompt, params=params, priority=priority, kv_source=kv_source
+        )
+        if handle is not None:
+            req.handle.CopyFrom(handle)
+        call = pb_grpc.DecodeWorkerStub(self._channel(w.address)).Decode(req, timeout=_remaining(deadline))
+        decoding = self.cancellation.decoding
+        entry = decoding[key] = (w, rid)
+
+        def undo() -> None:
+            load.requests -= 1
+            if decoding.get(key) is entry:
+                del decoding[key]
+
+        return OpenDecode(w, call, undo)
+
+    async def _provide_kv(self, opened: OpenDecode, handle: pb.KVHandle, deadline) -> bool:
+        """Hand a streaming Decode its complete KV handle; False when it did not take it."""
+        try:
+            resp = await pb_grpc.DecodeWorkerStub(self._channel(opened.worker.address)).ProvideKV(
+                pb.ProvideKVRequest(request_id=handle.request_id, handle=handle), timeout=_remaining(deadline)
+            )
+            return resp.accepted
+        except grpc.aio.AioRpcError as exc:
+            logger.info("ProvideKV to %s failed (%s)", opened.worker.worker_id, exc.code())
+            return False
+
+    async def _relay_decode(
+        self,
+        w: WorkerRecord,
+        rid,
+        prompt,
+        params,
+        priority,
+        handle,
+        deadline,
+        lost,
+        key: str,
+        opened: OpenDecode | None = None,
+    ):
+        """Relay Decode from ``w`` (``opened``: its call, already open); a decode worker that is
+        unreachable before it sent anything (it died, its record not expired yet) is swapped for the
+        least-loaded other one. A worker lost once it started raises ``DecodeLost`` (the request is
+        resumed: ``router.migration``).
+
+        NOTE: a swap never reuses the KV handle. The first worker may have pulled the KV before it
+        died, and a pull tells the prefill worker to free (and reuse) those blocks, so a second pull
+        could read another request's KV. The new worker computes the prompt plus the first token
+        itself (seeded samples depend on positions only, so the output is the same), and the held
+        KV is released. ``key``: the caller's request id (what an abort names), ``rid`` the workers'."""
+        tried: set[str] = set(lost)
+        shifted = False  # the prompt now ends with the first token: usage counts it as generated
+        samples = params.n or 1
+        while True:
+            started, ended = False, 0
+            call = opened or self._open_decode(w, rid, prompt, params, priority, handle, deadline, key)
+            opened = None
+            try:
+                async with aclosing(self._decode(call)) as stream:
+                    async for msg in stream:
+                        started = True
+                        kind = msg.WhichOneof("kind")
+                        if kind == "finished":
+                            ended += 1
+                            if shifted and msg.finished.usage.prompt_tokens:
+                                msg.finished.usage.prompt_tokens -= 1
+                                msg.finished.usage.completion_tokens += 1
+                        elif kind == "error":
+                            if msg.error.code == "unavailable":  # it cannot go on: resume elsewhere
+                                raise DecodeLost(w.worker_id, msg.error.message)
+                            ended = samples  # a refusal or failure of this request: passed on as is
+                        yield msg
+                if ended < samples:
+                    raise DecodeLost(w.worker_id, "its stream ended before the request did", suspect=False)
+                return
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if _expired(deadline) or code not in MIGRATABLE:
+                    raise
+                if started or code != grpc.StatusCode.UNAVAILABLE:
+                    raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
+                tried.add(w.worker_id)
+                others = self.decode_candidates(tried)
+                if not others:
+                    raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
+                logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)
+                self.stats.decode_retries += 1
+                w = min(others, key=lambda d: self.inflight.get(d.worker_id, WorkerLoad()).requests)
+                if handle is not None:
+                    self._in_background(self._release_at(handle.address, rid, handle.epoch))
+                    prompt, params = continuation(prompt, params, handle)
+                    handle, shifted = None, True
+
+    async def _decode(self, opened: OpenDecode):
+        try:
+            async for msg in self.watch.watch(opened.call, opened.worker.worker_id):  # DecodeLost on a stall
+                yield msg
+        finally:
+            opened.close()  # no-op when finished; aborts the request on the worker otherwise
+
+    async def _release_at(self, address: str, rid: str, epoch: int) -> None:
+        try:
+            await pb_grpc.PrefillWorkerStub(self._channel(address)).Release(
+                pb.ReleaseRequest(request_id=rid, epoch=epoch), timeout=5
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.info("release of %s on %s failed (%s): its lease will free it", rid, address, exc.code())
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.001, deadline - time.monotonic())
+
+
+def _expired(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
