@@ -28,6 +28,7 @@ from cli.tiny_model import ensure_tiny_model
 from cli.train_tiny import trained_target
 from deploy.config import PDServeConfig
 from engine.args import add_engine_args, engine_kwargs_from_args
+from router.decode_relay import KV_STREAMING_TOKENS
 from settings import environment
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,13 @@ def add_parser(sub) -> None:
         default=0,
         help="conditional disaggregation: prefill on the decode worker when the prompt part it has not "
         "cached is at most this many tokens (0: always disaggregate)",
+    )
+    s.add_argument(
+        "--kv-streaming-tokens",
+        type=int,
+        default=KV_STREAMING_TOKENS,
+        help="KV streaming: the decode worker reads a prompt's KV while it is prefilled when at least "
+        "this many of its tokens are uncached (0: the KV moves after the prefill)",
     )
     s.add_argument(
         "--max-migrations",
@@ -142,6 +150,7 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
         router={
             "policy": args.policy,
             "local_prefill_tokens": args.local_prefill_tokens,
+            "kv_streaming_tokens": args.kv_streaming_tokens,
             "max_migrations": args.max_migrations,
             "stall_timeout_s": args.stall_timeout,
         },

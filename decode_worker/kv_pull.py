@@ -210,15 +210,15 @@ class KVPuller:
         self._pulls[pull.request_id] = pull
         return True
 
-    def extend(self, request_id: str, block_ids: list[int]) -> None:
+    def extend(self, request_id: str, block_ids: list[int], complete: bool = False) -> None:
         """Read the blocks the peer finished since the last call (``block_ids``: all of the
-        request's blocks computed so far, in sequence order)."""
+        request's blocks computed so far, in sequence order; ``complete``: the prompt is done)."""
         pull = self._pulls.get(request_id)
         if pull is None or pull.state is not PullState.STREAMING:
             return
         if any(h.state is TransferState.FAILED for h in pull.handles):
             return  # the rest waits for the complete handle, which settles the failure
-        self._read_from(pull, block_ids)
+        self._read_from(pull, block_ids, overlapped=not complete)
 
     def finish_early(self, request_id: str, kv: PulledKV) -> bool | None:
         """The complete handle of a streamed pull: read what is left. None when the request has no
@@ -240,8 +240,9 @@ class KVPuller:
             self._read_from(pull, kv.block_ids)
         return True
 
-    def _read_from(self, pull: PendingPull, block_ids: list[int]) -> None:
-        """Start a READ of ``block_ids[pull.requested:]`` into the pull's blocks (no notification)."""
+    def _read_from(self, pull: PendingPull, block_ids: list[int], overlapped: bool = False) -> None:
+        """Start a READ of ``block_ids[pull.requested:]`` into the pull's blocks (no notification);
+        ``overlapped``: the peer is still computing the prompt."""
         plan, first = pull.plan, pull.requested
         pull.requested = max(first, len(block_ids))
         skip = max(0, plan.first_block_index - first)  # local prefix-cache hits are not read
@@ -253,7 +254,7 @@ class KVPuller:
         pull.handles.append(self.transfer.start_read(pull.kv.agent_name, remote, local, b"", self.timeout_s))
         self.stats.bytes += len(remote) * self.core.layout.block_bytes
         self.stats.descriptors += len(merge_block_runs(remote, local))
-        if pull.state is PullState.STREAMING:
+        if overlapped:
             self.stats.streamed_bytes += len(remote) * self.core.layout.block_bytes
 
     # Internals --------------------------------------------------------------------------------

@@ -27,9 +27,12 @@ class KVWatch:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    async def __call__(self, address: str, request_id: str) -> AsyncIterator[tuple[str, str, list[int]]]:
-        """(agent name, compat hash, the prompt's block ids computed so far) from the prefill worker
-        at ``address``, once per step that finished blocks of it; ends when the prompt is done or gone."""
+    async def __call__(
+        self, address: str, request_id: str
+    ) -> AsyncIterator[tuple[str, str, list[int], bool]]:
+        """(agent name, compat hash, the prompt's block ids computed so far, whether that is all of
+        them) from the prefill worker at ``address``, once per step that finished blocks of it; ends
+        when the prompt is done or gone."""
         channel = self._channels.get(address) or self._channels.setdefault(
             address, grpc.aio.insecure_channel(address)
         )
@@ -37,7 +40,7 @@ class KVWatch:
         try:
             async for progress in call:
                 h = progress.handle
-                yield h.agent_name, h.compat_hash, list(h.block_ids)
+                yield h.agent_name, h.compat_hash, list(h.block_ids), progress.complete
         finally:
             call.cancel()
 

@@ -61,8 +61,8 @@ __all__ = [
 ]
 
 PeerFetcher = Callable[[str], Awaitable[RemoteKVInfo]]
-# (prefill address, request id) -> (agent name, compat hash, block ids computed so far), per step
-KVWatcher = Callable[[str, str], AsyncIterator[tuple[str, str, list[int]]]]
+# (prefill address, request id) -> (agent name, compat hash, block ids computed so far, all of them?)
+KVWatcher = Callable[[str, str], AsyncIterator[tuple[str, str, list[int], bool]]]
 
 
 @dataclass
@@ -314,7 +314,7 @@ class DecodeWorker(WorkerRuntime):
     async def _follow(self, rid, prompt, params, priority, source: str, policy: FailurePolicy) -> None:
         began = False
         try:
-            async for agent_name, compat_hash, block_ids in self.watch_kv(source, rid):
+            async for agent_name, compat_hash, block_ids, complete in self.watch_kv(source, rid):
                 if not began:
                     kv = PulledKV(agent_name, source, [], len(prompt), compat_hash, 0, None, 0)
                     pull = PendingPull(rid, prompt, params, priority, kv, policy)
@@ -323,7 +323,7 @@ class DecodeWorker(WorkerRuntime):
                     if not await self.loop.run(lambda pull=pull: self.pulls.begin_early(pull)):
                         return  # no room now: the pull starts whole from the complete handle
                     began = True
-                self.loop.call(lambda ids=block_ids: self.pulls.extend(rid, ids))
+                self.loop.call(lambda ids=block_ids, done=complete: self.pulls.extend(rid, ids, done))
         except (KVTransferError, ValueError, OSError, grpc.RpcError) as exc:
             logger.info("no early KV reads for %s from %s: %s", rid, source, exc)
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from deploy.pd_autoscaler import PDAutoscalingConfig
 from engine.args import engine_options, option_type
 from ingress.options import IngressOptions
+from router.decode_relay import KV_STREAMING_TOKENS
 from router.migration import MigrationOptions
 
 MODES = ("disaggregated", "aggregated")
@@ -144,6 +145,9 @@ class RouterOptions(ReplicaOptions):
     # Conditional disaggregation: prompts whose part the decode worker has not cached is at most this
     # many tokens are prefilled on the decode worker (0: always disaggregate).
     local_prefill_tokens: int = Field(0, ge=0)
+    # KV streaming: a prompt with at least this many uncached tokens has its KV read by the decode
+    # worker while it is prefilled (0: the KV moves after the prefill).
+    kv_streaming_tokens: int = Field(KV_STREAMING_TOKENS, ge=0)
     # Request migration (router/migration.py): moves per request when its decode worker is lost (0:
     # off); the stall deadline (fixed, or max(floor, multiple x the worker's longest recent step));
     # how long a stalled or failed worker gets no new requests.

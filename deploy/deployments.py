@@ -135,7 +135,11 @@ class RouterServer:
             logger.warning("router started before the registry answered; routing once it does")
         r = config.router
         self.router = Router(
-            self.view, r.policy, local_prefill_tokens=r.local_prefill_tokens, migration=r.migration()
+            self.view,
+            r.policy,
+            local_prefill_tokens=r.local_prefill_tokens,
+            migration=r.migration(),
+            kv_streaming_tokens=r.kv_streaming_tokens,
         )
         self.server, self.address = await serve_router(self.router, _bind_host(config), 0)
 

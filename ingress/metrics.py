@@ -181,6 +181,11 @@ class _ClusterCollector:
             "KV READ descriptors posted (runs of blocks)",
             labels=["worker"],
         )
+        tstreamed = CounterMetricFamily(
+            "pdserve_kv_transfer_streamed_bytes",
+            "KV bytes read while their prompt was still being prefilled (overlapped with it)",
+            labels=["worker"],
+        )
         texpired = CounterMetricFamily(
             "pdserve_kv_lease_expirations",
             "Held prompts a prefill worker freed at lease expiry, never read",
@@ -220,6 +225,7 @@ class _ClusterCollector:
             if w.role == "decode":
                 t = w.transfer_stats
                 tdesc.add_metric([w.worker_id], t.descriptors)
+                tstreamed.add_metric([w.worker_id], t.streamed_bytes)
                 tbytes.add_metric([w.worker_id], t.bytes)
                 tfail.add_metric([w.worker_id], t.failures)
                 buckets, acc = [], 0
@@ -229,6 +235,7 @@ class _ClusterCollector:
                 tsec.add_metric([w.worker_id], buckets, t.seconds_sum)
         yield from (running, waiting, kv, free, total, hit, preempt, queries, hits, tbytes, tfail, tsec)
         yield from (spec_drafts, spec_tokens, spec_accepted, spec_rate, spec_len, spec_pos, tdesc, texpired)
+        yield tstreamed
         if self.cluster is not None:
             c = self.cluster
             r = GaugeMetricFamily(
@@ -246,6 +253,11 @@ class _ClusterCollector:
                 "pdserve_router_local_prefills",
                 "Requests prefilled on their decode worker (uncached prompt part under the threshold)",
                 value=c.local_prefills,
+            )
+            yield CounterMetricFamily(
+                "pdserve_router_kv_streamed",
+                "Requests whose KV their decode worker read while the prompt was prefilled",
+                value=c.kv_streamed,
             )
             yield CounterMetricFamily(
                 "pdserve_router_migrations",

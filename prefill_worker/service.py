@@ -78,9 +78,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         handle = self._handle(request.request_id)
-        async for ids in self.worker.watch_kv(request.request_id):
+        async for ids, complete in self.worker.watch_kv(request.request_id):
             handle.block_ids.extend(ids)
-            yield pb.KVProgress(handle=handle)
+            yield pb.KVProgress(handle=handle, complete=complete)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         if request.epoch and request.epoch != self.worker.epoch:

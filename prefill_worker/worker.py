@@ -66,12 +66,15 @@ class _KVWatch:
     """One reader of a prompt's blocks as they are computed."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # lists of newly computed block ids; None ends the watch
+    queue: asyncio.Queue  # (newly computed block ids, whether the prompt is done); None ends the watch
     deadline: float | None  # time.monotonic() by which the request must show up (None: it did)
     sent: int = 0  # blocks announced so far (engine thread)
 
-    def push(self, block_ids: list[int] | None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, block_ids)
+    def push(self, block_ids: list[int], complete: bool = False) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (block_ids, complete))
+
+    def end(self) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
 
 class PrefillWorker(WorkerRuntime):
@@ -148,17 +151,17 @@ class PrefillWorker(WorkerRuntime):
     async def release(self, request_id: str) -> bool:
         return await self.loop.run(lambda: self._release(request_id, "release"))
 
-    async def watch_kv(self, request_id: str) -> AsyncIterator[list[int]]:
-        """The ids of the request's prompt blocks as steps finish them (the rest of its held blocks
-        last); ends once the prompt is done or gone, or at once when the request is not seen here
-        within ``watch_wait_s``."""
+    async def watch_kv(self, request_id: str) -> AsyncIterator[tuple[list[int], bool]]:
+        """(ids of the request's prompt blocks that steps finished since the last, whether the prompt
+        is done: then they are the rest of its held blocks, and the last); ends once the prompt is
+        done or gone, or at once when the request is not seen here within ``watch_wait_s``."""
         watch = _KVWatch(
             asyncio.get_running_loop(), asyncio.Queue(), time.monotonic() + self.config.watch_wait_s
         )
         await self.loop.run(lambda: self._start_watch(request_id, watch))
         try:
-            while (ids := await watch.queue.get()) is not None:
-                yield ids
+            while (item := await watch.queue.get()) is not None:
+                yield item
         finally:
             self.loop.call(
                 lambda: (
@@ -171,20 +174,20 @@ class PrefillWorker(WorkerRuntime):
     def _start_watch(self, request_id: str, watch: _KVWatch) -> None:
         held = self.core.kv.held.get(request_id) if request_id in self.leases else None
         if held is not None:  # done already: all of it at once
-            watch.push(list(held))
-            watch.push(None)
+            watch.push(list(held), complete=True)
+            watch.end()
             return
         old = self._watches.get(request_id)
         if old is not None:
-            old.push(None)  # one reader per request: the newer one wins
+            old.end()  # one reader per request: the newer one wins
         self._watches[request_id] = watch
 
     def _end_watch(self, request_id: str, rest: list[int] | None = None) -> None:
         watch = self._watches.pop(request_id, None)
         if watch is not None:
-            if rest is not None and rest[watch.sent :]:
-                watch.push(rest[watch.sent :])
-            watch.push(None)
+            if rest is not None:
+                watch.push(rest[watch.sent :], complete=True)
+            watch.end()
 
     def _expose(self) -> None:
         """After each step: announce (and pin) the watched prompts' newly computed blocks."""

@@ -180,10 +180,12 @@ class WatchKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class KVProgress(_message.Message):
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "complete")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
     handle: KVHandle
-    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+    complete: bool
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class ProvideKVRequest(_message.Message):
     __slots__ = ("request_id", "handle")
@@ -390,7 +392,7 @@ class EngineStats(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., num_transferring: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
-    __slots__ = ("bytes", "completed", "failures", "recomputed", "seconds_sum", "bucket_bounds", "bucket_counts", "waited", "descriptors", "expired_leases")
+    __slots__ = ("bytes", "completed", "failures", "recomputed", "seconds_sum", "bucket_bounds", "bucket_counts", "waited", "descriptors", "expired_leases", "streamed", "streamed_bytes")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +403,8 @@ class KVTransferStats(_message.Message):
     WAITED_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     completed: int
     failures: int
@@ -411,7 +415,9 @@ class KVTransferStats(_message.Message):
     waited: int
     descriptors: int
     expired_leases: int
-    def __init__(self, bytes: _Optional[int] = ..., completed: _Optional[int] = ..., failures: _Optional[int] = ..., recomputed: _Optional[int] = ..., seconds_sum: _Optional[float] = ..., bucket_bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., waited: _Optional[int] = ..., descriptors: _Optional[int] = ..., expired_leases: _Optional[int] = ...) -> None: ...
+    streamed: int
+    streamed_bytes: int
+    def __init__(self, bytes: _Optional[int] = ..., completed: _Optional[int] = ..., failures: _Optional[int] = ..., recomputed: _Optional[int] = ..., seconds_sum: _Optional[float] = ..., bucket_bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., waited: _Optional[int] = ..., descriptors: _Optional[int] = ..., expired_leases: _Optional[int] = ..., streamed: _Optional[int] = ..., streamed_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()
@@ -484,7 +490,7 @@ class RoutingCount(_message.Message):
     def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining", "decode_retries", "local_prefills", "hop_timing", "migrations", "stalls", "migrations_refused", "suspect_workers")
+    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining", "decode_retries", "local_prefills", "hop_timing", "migrations", "stalls", "migrations_refused", "suspect_workers", "kv_streamed")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -509,6 +515,7 @@ class ClusterState(_message.Message):
     STALLS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSummary]
     degraded: bool
     policy: str
@@ -533,7 +540,8 @@ class ClusterState(_message.Message):
     stalls: int
     migrations_refused: int
     suspect_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., decode_retries: _Optional[int] = ..., local_prefills: _Optional[int] = ..., hop_timing: _Optional[_Iterable[_Union[HopSummary, _Mapping]]] = ..., migrations: _Optional[int] = ..., stalls: _Optional[int] = ..., migrations_refused: _Optional[int] = ..., suspect_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_streamed: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., decode_retries: _Optional[int] = ..., local_prefills: _Optional[int] = ..., hop_timing: _Optional[_Iterable[_Union[HopSummary, _Mapping]]] = ..., migrations: _Optional[int] = ..., stalls: _Optional[int] = ..., migrations_refused: _Optional[int] = ..., suspect_workers: _Optional[_Iterable[str]] = ..., kv_streamed: _Optional[int] = ...) -> None: ...
 
 class HopSummary(_message.Message):
     __slots__ = ("hop", "count", "mean_ms", "p50_ms", "p90_ms")

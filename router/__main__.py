@@ -12,6 +12,7 @@ import logging
 import signal
 
 from registry.cluster_view import ClusterView
+from router.decode_relay import KV_STREAMING_TOKENS
 from router.migration import MigrationOptions
 from router.policies import POLICIES
 from router.router import Router
@@ -29,7 +30,13 @@ async def _main(args: argparse.Namespace) -> None:
         stall_floor_s=args.stall_floor,
         stall_step_multiple=args.stall_step_multiple,
     )
-    router = Router(view, args.policy, local_prefill_tokens=args.local_prefill_tokens, migration=migration)
+    router = Router(
+        view,
+        args.policy,
+        local_prefill_tokens=args.local_prefill_tokens,
+        migration=migration,
+        kv_streaming_tokens=args.kv_streaming_tokens,
+    )
     server, address = await serve(router, args.host, args.port)
     print(f"LISTENING {address}", flush=True)
     stop = asyncio.Event()
@@ -56,6 +63,13 @@ def main() -> None:
         type=int,
         default=0,
         help="prefill on the decode worker when its uncached prompt part is at most this many tokens (0: never)",
+    )
+    p.add_argument(
+        "--kv-streaming-tokens",
+        type=int,
+        default=KV_STREAMING_TOKENS,
+        help="the decode worker reads a prompt's KV while it is prefilled when at least this many of its "
+        "tokens are uncached (0: the KV moves after the prefill)",
     )
     defaults = MigrationOptions()
     p.add_argument(

@@ -30,6 +30,10 @@ from router.policies import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
+# The default KV streaming threshold (uncached prompt tokens): bench/kv_streaming.py measured the
+# hand-off it saves against the WatchKV and ProvideKV calls it costs.
+KV_STREAMING_TOKENS = 0
+
 
 @dataclass(eq=False, slots=True)
 class OpenDecode:

@@ -103,6 +103,7 @@ class RouterService(pb_grpc.RouterServicer):
             active_requests=r.active,
             decode_retries=s.decode_retries,
             local_prefills=s.local_prefills,
+            kv_streamed=s.kv_streamed,
             draining=view.draining,
             hop_timing=r.hops.summary(),
             migrations=s.migrations,

@@ -88,6 +88,8 @@ def transfer_stats_to_proto(t: TransferStats) -> pb.KVTransferStats:
         waited=t.waited,
         descriptors=t.descriptors,
         expired_leases=t.expired_leases,
+        streamed=t.streamed,
+        streamed_bytes=t.streamed_bytes,
         seconds_sum=t.seconds_sum,
         bucket_bounds=TRANSFER_SECONDS_BUCKETS,
         bucket_counts=t.bucket_counts,

@@ -88,9 +88,9 @@ def pair(tiny_llama):
 
     async def watch(address: str, rid: str):
         so_far: list[int] = []
-        async for ids in p.watch_kv(rid):
+        async for ids, complete in p.watch_kv(rid):
             so_far.extend(ids)
-            yield p.transfer_info().agent_name, p.compat.hash(), list(so_far)
+            yield p.transfer_info().agent_name, p.compat.hash(), list(so_far), complete
             if pair.watch_blocks is not None and len(so_far) >= pair.watch_blocks:
                 return
 
@@ -121,10 +121,12 @@ def test_prefill_worker_announces_blocks_step_by_step(pair):
 
     async def run():
         batches: list[list[int]] = []
+        completes: list[bool] = []
 
         async def follow():
-            async for ids in pair.p.watch_kv("r"):
+            async for ids, complete in pair.p.watch_kv("r"):
                 batches.append(ids)
+                completes.append(complete)
 
         watcher = asyncio.ensure_future(follow())
         await wait_until(lambda: pair.watched("r"), "the watch to be registered")
@@ -135,6 +137,7 @@ def test_prefill_worker_announces_blocks_step_by_step(pair):
         assert len(batches) >= 3, batches
         assert [b for batch in batches for b in batch] == res.block_ids
         assert len(batches[0]) < len(res.block_ids)
+        assert completes == [False] * (len(batches) - 1) + [True]
         assert await pair.p.release("r")
         await wait_until(pair.all_free, "every block free")
 
