@@ -283,13 +283,13 @@ class KVPuller:
             self._notify_owner(pull)
             self.core.complete_transfer(rid)
             return True
+        pull.started = time.monotonic()  # before posting: a read over shared memory may copy at once
         pull.handles = [
             self.transfer.start_read(
                 kv.agent_name, remote, plan.local_block_ids, rid.encode(), self.timeout_s
             )
         ]
         pull.state = PullState.READING
-        pull.started = time.monotonic()
         self._pulls[rid] = pull
         self.stats.bytes += len(remote) * self.core.layout.block_bytes
         self.stats.descriptors += len(merge_block_runs(remote, plan.local_block_ids))

@@ -39,6 +39,7 @@ from decode_worker.kv_pull import (
     PeerUnreachableError,
     PendingPull,
     PulledKV,
+    PullState,
 )
 from decode_worker.peers import KVWatch, fetch_prefill_peer, registered_prefill_addresses
 from engine.sampling_params import SamplingParams
@@ -111,6 +112,7 @@ class DecodeWorker(WorkerRuntime):
             self.core, self.transfer, self.loop.publish, config.transfer_timeout_s, self.clocks.transferred
         )
         self.loop.add_tick(self.pulls.tick)
+        self.loop.add_hurry(lambda: self.pulls.count(PullState.READING) > 0)  # a hand-off is landing
         self._peers: set[str] = set()  # agent names NIXL knows
         self._warmed: set[str] = set()  # prefill addresses already tried
         self._warmer: asyncio.Task | None = None

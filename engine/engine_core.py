@@ -257,6 +257,10 @@ class EngineCore(TransferMixin):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_work(self) -> bool:
+        """Whether ``step()`` has anything to do (a request whose KV is being pulled does not count)."""
+        return self.scheduler.has_work()
+
     # The loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:

@@ -48,6 +48,7 @@ class EngineLoop:
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ticks: list[Callable[[], None]] = []
+        self._hurry: list[Callable[[], bool]] = []
         self._output_hooks: list[Callable[[SequenceOutput], None]] = []
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -77,6 +78,11 @@ class EngineLoop:
     def add_tick(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine thread after every step and at least every ``idle_tick_s``."""
         self._ticks.append(fn)
+
+    def add_hurry(self, fn: Callable[[], bool]) -> None:
+        """While ``fn()`` is True the loop runs its ticks without waiting ``idle_tick_s`` between
+        them (a KV read about to land is seen at once, not up to a tick later)."""
+        self._hurry.append(fn)
 
     def add_output_hook(self, fn: Callable[[SequenceOutput], None]) -> None:
         """Run ``fn`` on the engine thread for every output, before it is delivered."""
@@ -147,9 +153,9 @@ class EngineLoop:
         core = self.core
         while not self._stop.is_set():
             self.beat = time.monotonic()
-            has_work = core.has_unfinished()
+            hurry = core.has_work() or any(h() for h in self._hurry)
             try:
-                fn, fut = self._commands.get(timeout=0 if has_work else self.idle_tick_s)
+                fn, fut = self._commands.get(timeout=0 if hurry else self.idle_tick_s)
             except queue.Empty:
                 fn = None
             while fn is not None:
@@ -158,7 +164,7 @@ class EngineLoop:
                     fn, fut = self._commands.get_nowait()
                 except queue.Empty:
                     fn = None
-            if core.has_unfinished():
+            if core.has_work():
                 self.busy_since = self.busy_since or time.monotonic()
                 self.step_started = self.beat = time.monotonic()  # what a request's first step is timed from
                 self.publish(core.step())

@@ -108,6 +108,10 @@ class Scheduler(TransferQueue):
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Whether a step has anything to do: requests whose KV is being pulled wait outside it."""
+        return len(self.requests) > len(self.transferring)
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.swapped)
