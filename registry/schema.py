@@ -94,6 +94,8 @@ class WorkerRecord:
     block_size: int = 16
     num_blocks: int = 0
     cache_salt: str = ""
+    kv_compat: str = ""  # fingerprint of the KV block layout (kv_transfer.compat): equal within a model
+    kv_layout: str = ""  # the same, for people: "int8 blocks of 16 tokens, 8 layers x 4 KV heads x 64"
     num_running: int = 0
     num_waiting: int = 0
     num_free_blocks: int = 0

@@ -9,9 +9,11 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 
 from settings import environment
+from worker.registry_link import IncompatibleKVLayoutError
 from worker.runtime import WorkerRuntime
 
 
@@ -47,8 +49,13 @@ async def serve_until_signal(
     port: int,
 ) -> None:
     """Serve (the role's ``service.serve``), print ``LISTENING host:port`` (for supervisors and
-    tests), stop on SIGINT/SIGTERM."""
-    _, address = await serve(worker, host, port)
+    tests), stop on SIGINT/SIGTERM. A worker that cannot join the registered pool exits with status
+    2 and the reason."""
+    try:
+        _, address = await serve(worker, host, port)
+    except IncompatibleKVLayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     print(f"LISTENING {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.engine_core import EngineCore
+from kv_transfer import KVCompat
 from registry.publisher import RegistryPublisher
-from registry.schema import CLEARED, REMOVED, STORED, WorkerRecord
+from registry.schema import CLEARED, REMOVED, STORED, WorkerRecord, connect, read_workers
 
 _KINDS = {BlockStored: STORED, BlockRemoved: REMOVED, AllBlocksCleared: CLEARED}
 
@@ -64,16 +65,52 @@ def event_batches(events: list) -> list[tuple[str, list[bytes]]]:
     return out
 
 
+class IncompatibleKVLayoutError(RuntimeError):
+    """Workers of one model registered with KV block layouts that differ: their KV cannot move."""
+
+
 def worker_record(
-    worker_id: str, role: str, address: str, epoch: int, model: str, core: EngineCore
+    worker_id: str, role: str, address: str, epoch: int, compat: KVCompat, core: EngineCore
 ) -> WorkerRecord:
     return WorkerRecord(
         worker_id=worker_id,
         role=role,
         address=address,
         epoch=epoch,
-        model=model,
+        model=compat.model,
         block_size=core.layout.block_size,
         num_blocks=core.kv.num_blocks,
         cache_salt=core.prefix_salt,
+        kv_compat=compat.hash(),
+        kv_layout=describe_layout(compat),
     )
+
+
+def describe_layout(c: KVCompat) -> str:
+    return f"{c.dtype} blocks of {c.block_size} tokens, {c.num_layers} layers x {c.num_kv_heads} KV heads x {c.head_dim}"
+
+
+def check_joins(redis_url: str, record: WorkerRecord) -> None:
+    """Refuse to join a pool whose registered workers of the same model keep their KV in another
+    layout (KV dtype, ``kv_cache_dtype``, block size): a prefill/decode pair of those could never move
+    KV, so the worker fails at start with this error instead of failing each request. Blocking."""
+    client = connect(redis_url)
+    try:
+        others = read_workers(client)
+    finally:
+        client.close()
+    clash = sorted(
+        w.worker_id
+        for w in others.values()
+        if w.model == record.model
+        and w.worker_id != record.worker_id
+        and w.kv_compat not in ("", record.kv_compat)
+    )
+    if clash:
+        theirs = {w.kv_layout for w in others.values() if w.worker_id in clash}
+        raise IncompatibleKVLayoutError(
+            f"{record.role} worker {record.worker_id} keeps the KV of {record.model} as {record.kv_layout}, "
+            f"but registered workers {', '.join(clash)} keep it as {'; '.join(sorted(theirs))}. "
+            "Every worker of a model needs the same dtype, kv_cache_dtype and block_size: "
+            "start it with the pool's settings, or drain the others first."
+        )

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import grpc
+import redis
 
 from engine.engine_core import EngineCore, EngineStats
 from engine.engine_loop import EngineLoop
@@ -33,7 +34,7 @@ from kv_transfer.stats import TransferStats
 from proto import pdserve_pb2 as pb
 from registry.publisher import RegistryPublisher
 from worker.config import WorkerConfig
-from worker.registry_link import RegistryLink, worker_record
+from worker.registry_link import IncompatibleKVLayoutError, RegistryLink, check_joins, worker_record
 from worker.request_clock import RequestClocks
 from worker.state import worker_state_to_proto
 
@@ -106,16 +107,33 @@ class WorkerRuntime(ABC):
         add_service(server)
         self.start()
         await server.start()
+        try:
+            await self.check_joins()
+        except IncompatibleKVLayoutError:
+            await server.stop(0)
+            self.stop()
+            raise
         await self.before_register()
         self.attach_registry(self.address)
         logger.info("%s worker %s (epoch %d) on %s", self.role, self.worker_id, self.epoch, self.address)
         return server, self.address
 
+    async def check_joins(self) -> None:
+        """Raise ``IncompatibleKVLayoutError`` when the registry lists workers of this model whose KV
+        layout differs from ours (a Redis that cannot be read is left to the registry link)."""
+        if not self.config.redis_url:
+            return
+        record = worker_record(self.worker_id, self.role, self.address, self.epoch, self.compat, self.core)
+        try:
+            await asyncio.to_thread(check_joins, self.config.redis_url, record)
+        except (OSError, redis.RedisError) as exc:
+            logger.warning("could not check the registered workers' KV layouts: %s", exc)
+
     def attach_registry(self, address: str) -> None:
         """Register in Redis under ``address`` and publish this worker's KV events (from the loop)."""
         if not self.config.redis_url:
             return
-        record = worker_record(self.worker_id, self.role, address, self.epoch, self.compat.model, self.core)
+        record = worker_record(self.worker_id, self.role, address, self.epoch, self.compat, self.core)
         publisher = RegistryPublisher(self.config.redis_url, record)
         publisher.start()
         self.registry = RegistryLink(self.core, publisher, lambda: self.loop.recent_step_s)

@@ -4,12 +4,14 @@ scales, the router's prefix index keyed by the KV dtype; output equals the int8 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 from pd_client import state
 from test_router import Cluster
 
 from engine import LLM
 from engine.sampling_params import SamplingParams
+from registry.schema import connect, read_workers
 
 
 def test_int8_kv_disaggregated_equals_the_int8_engine_alone(workers, redis_server, tiny_llama):
@@ -37,3 +39,22 @@ def test_int8_kv_disaggregated_equals_the_int8_engine_alone(workers, redis_serve
             await cluster.stop()
 
     asyncio.run(run())
+
+
+def test_a_worker_with_another_kv_dtype_is_refused_at_registration(workers, redis_server, tiny_llama):
+    """An int8 decode worker cannot join a pool whose prefill worker keeps float32 KV: it exits at
+    start with the reason, before it is routable (never a silently wrong pull, nor a failure per
+    request)."""
+    prefill = workers("prefill", "--redis-url", redis_server.url, "--worker-id", "p0")
+    args = [a if a != "prefill_worker" else "decode_worker" for a in prefill.args]
+    args[args.index("p0")] = "d-int8"
+    proc = subprocess.run([*args, "--kv-cache-dtype", "int8"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "LISTENING" not in proc.stdout
+    assert "decode worker d-int8 keeps the KV" in proc.stderr and "int8 blocks" in proc.stderr
+    assert "p0 keep it as float32 blocks" in proc.stderr
+    client = connect(redis_server.url)
+    try:
+        assert set(read_workers(client)) == {"p0"}
+    finally:
+        client.close()
