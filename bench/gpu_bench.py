@@ -2,12 +2,19 @@
 
 1. Device limits: copy bandwidth (a large device-to-device copy; bytes read + written per second)
    and the dense matmul rate (8192^3 in the model's dtype).
-2. Decode: step time at batch 1, 8, 32, 64, 128, 256 with contexts 128, 1k, 4k on a Llama-shaped
-   random-weight model (~0.5B parameters: hidden 1536, 16 layers, 12 heads, 4 KV heads, MLP 4096,
-   vocab 32000); achieved bytes/s = (weights + the KV the step reads) / step time, as a percentage of
-   the measured copy bandwidth (target >= 70% at batch >= 32).
-3. Prefill: tokens/s and achieved FLOP/s (2 x parameters x tokens + attention) as a percentage of the
-   measured matmul rate.
+2. Decode: engine step time at batch 1, 8, 32, 64, 128, 256 with contexts 128, 1k, 4k on a
+   Llama-shaped random-weight model (~0.5B parameters: hidden 1536, 16 layers, 12 heads, 4 KV heads,
+   MLP 4096, vocab 32000); achieved bytes/s = (weights read + the KV the step reads) / step time, as a
+   percentage of the measured copy bandwidth (target >= 70% at batch >= 32). The input embedding is a
+   gather of one row per sequence, so it is not counted as weights read (the LM head is).
+3. Prefill: tokens/s and achieved FLOP/s (2 x the decoder layers' parameters x tokens + causal
+   attention; the LM head runs only at each prompt's last token) as a percentage of the measured
+   matmul rate.
+
+``--kv-cache-dtype int8|fp8`` measures a quantized KV cache (its decode steps run eagerly, without CUDA
+graphs, as ``--no-cuda-graphs`` runs them for any cache). ``--profile B,CTX`` adds a breakdown of
+decode steps at batch B, context CTX: the GPU kernels by time and how much of the step the GPU is
+busy at all (torch.profiler), then the host functions by their own time (cProfile).
 
     python -m bench.gpu_bench --device cuda --dtype bfloat16 [--json bench/results/gpu_h200.json]
     python -m bench.gpu_bench --quick            # a CPU smoke run with tiny shapes
@@ -74,7 +81,16 @@ def matmul_rate(device: str, dtype: torch.dtype, n: int, repeats: int) -> float:
     return 2 * n**3 / _timeit(lambda: a @ b, device, repeats)
 
 
-def _engine(model_dir: Path, device: str, dtype: str, num_blocks: int, batch_tokens: int, max_seqs: int):
+def _engine(
+    model_dir: Path,
+    device: str,
+    dtype: str,
+    kv_cache_dtype: str,
+    cuda_graphs: bool,
+    num_blocks: int,
+    batch_tokens: int,
+    max_seqs: int,
+):
     from engine import EngineConfig, EngineCore
 
     return EngineCore(
@@ -82,17 +98,23 @@ def _engine(model_dir: Path, device: str, dtype: str, num_blocks: int, batch_tok
             model=str(model_dir),
             device=device,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            cuda_graphs=cuda_graphs,
             block_size=16,
             num_blocks=num_blocks,
             max_num_batched_tokens=batch_tokens,
             max_num_seqs=max_seqs,
             enable_prefix_caching=False,
+            # Prompts take the whole token budget while any wait, so sequences prefilled early do not
+            # decode (and finish) while the rest of the batch prefills: every one decodes when timed.
+            scheduling_policy="prefill_first",
         )
     )
 
 
-def decode_step(core, batch: int, context: int, steps: int) -> float:
-    """Seconds per decode step with ``batch`` sequences at ~``context`` tokens."""
+def _start_decodes(core, batch: int, context: int, steps: int) -> float:
+    """``batch`` sequences of ``context`` prompt tokens, prefilled, and one decode step run; returns
+    their mean context over the next ``steps`` decode steps."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -102,47 +124,118 @@ def decode_step(core, batch: int, context: int, steps: int) -> float:
         core.step()  # prefill everything first
     core.step()
     _sync(str(core.device))
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    _sync(str(core.device))
-    seconds = (time.perf_counter() - t0) / steps
+    reqs = core.scheduler.requests.values()
+    return sum(r.num_tokens for r in reqs) / max(len(reqs), 1) + (steps - 1) / 2
+
+
+def _abort_all(core) -> None:
     for rid in list(core.scheduler.requests):
         core.abort_request(rid)
     core.step()
-    return seconds
+
+
+def decode_step(core, batch: int, context: int, steps: int) -> tuple[float, float, float]:
+    """Seconds per decode step with ``batch`` sequences at ~``context`` tokens; the tokens each step
+    produced (``batch`` unless the scheduler ran fewer sequences) and the mean context attended."""
+    mean_ctx = _start_decodes(core, batch, context, steps)
+    tokens = 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tokens += sum(len(o.new_token_ids) for o in core.step())
+    _sync(str(core.device))
+    seconds = (time.perf_counter() - t0) / steps
+    _abort_all(core)
+    return seconds, tokens / steps, mean_ctx
+
+
+def profile_decode(core, batch: int, context: int, steps: int, top: int = 12) -> dict:
+    """torch.profiler over ``steps`` decode steps: GPU kernel time by kernel, and the share of the
+    step's wall time the GPU spends in any kernel (the rest is host work the GPU waits on); then
+    cProfile over as many more: the host functions that take the step's time."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    _start_decodes(core, batch, context, 2 * steps)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        _sync(str(core.device))
+        wall = (time.perf_counter() - t0) / steps
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(steps):
+        core.step()
+    _sync(str(core.device))
+    host.disable()
+    _abort_all(core)
+    stats = pstats.Stats(host).stats  # (file, line, name) -> (calls, primitive, tottime, cumtime, callers)
+    own = sorted(
+        ((f"{n} ({Path(f).name}:{line})", v[2]) for (f, line, n), v in stats.items()), key=lambda x: -x[1]
+    )
+    kernels = [
+        (e.key, getattr(e, "self_device_time_total", 0) / 1e6 / steps, e.count / steps)
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    kernels.sort(key=lambda k: -k[1])
+    busy = sum(k[1] for k in kernels)
+    return {
+        "batch": batch,
+        "context": context,
+        "step_s": wall,
+        "gpu_kernel_s_per_step": busy,
+        "gpu_busy_pct": 100 * busy / wall,
+        "host_self_s_per_step": [{"function": n, "s_per_step": t / steps} for n, t in own[:top]],
+        "top_kernels": [
+            {"kernel": n[:120], "s_per_step": t, "launches_per_step": c} for n, t, c in kernels[:top]
+        ],
+    }
 
 
 def prefill_rate(core, prompts: int, length: int) -> float:
-    """Prompt tokens per second for ``prompts`` prompts of ``length`` tokens (chunked as configured)."""
+    """Prompt tokens per second for ``prompts`` prompts of ``length`` tokens (chunked as configured),
+    after one untimed round of the same shapes."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    for i in range(prompts):
-        core.add_request(f"p{length}-{i}", [(3 * i + j) % 1000 + 10 for j in range(length)], params)
-    _sync(str(core.device))
-    t0 = time.perf_counter()
-    while core.has_unfinished():
-        core.step()
-    _sync(str(core.device))
+    for rnd in ("warm", "timed"):
+        for i in range(prompts):
+            core.add_request(f"p{length}-{rnd}-{i}", [(3 * i + j) % 1000 + 10 for j in range(length)], params)
+        _sync(str(core.device))
+        t0 = time.perf_counter()
+        while core.has_unfinished():
+            core.step()
+        _sync(str(core.device))
     return prompts * length / (time.perf_counter() - t0)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     p.add_argument("--quick", action="store_true", help="tiny model and shapes (a smoke run)")
+    p.add_argument("--batches", type=_ints, default=None, help="decode batch sizes, e.g. 1,32,256")
+    p.add_argument("--contexts", type=_ints, default=None, help="decode contexts, e.g. 128,4096")
+    p.add_argument("--profile", type=_ints, default=None, metavar="B,CTX", help="profile decode at B, CTX")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     from engine.tiny_model import create_tiny_model
 
     quick = a.quick
     shape = TINY if quick else LLAMA_05B
-    batches = [1, 8] if quick else [1, 8, 32, 64, 128, 256]
-    contexts = [32, 128] if quick else [128, 1024, 4096]
+    batches = a.batches or ([1, 8] if quick else [1, 8, 32, 64, 128, 256])
+    contexts = a.contexts or ([32, 128] if quick else [128, 1024, 4096])
     dtype = getattr(torch, a.dtype)
-    out: dict = {"device": a.device, "dtype": a.dtype, "model": shape}
+    out: dict = {"device": a.device, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype, "model": shape}
     if a.device == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
     out["copy_bandwidth_Bps"] = bw = copy_bandwidth(
@@ -155,43 +248,57 @@ def main() -> None:
         model_dir = create_tiny_model(Path(tmp) / "m", "llama", weight_scale=1.0, **shape)
         elem = dtype.itemsize
         max_batch, max_ctx = max(batches), max(contexts)
+        if a.profile:
+            max_batch, max_ctx = max(max_batch, a.profile[0]), max(max_ctx, a.profile[1])
         num_blocks = max_batch * (max_ctx // 16 + 8) + 16
-        core = _engine(model_dir, a.device, a.dtype, num_blocks, max(4096, max_ctx), max_batch)
-        params = sum(p.numel() for p in core.model.parameters())
-        out["parameters"] = params
-        kv_per_token = (
-            shape["num_hidden_layers"]
-            * 2
-            * shape["num_key_value_heads"]
-            * (shape["hidden_size"] // shape["num_attention_heads"])
-            * elem
+        t0 = time.perf_counter()
+        batch_tokens = max(4096, max_ctx)
+        graphs = not a.no_cuda_graphs
+        core = _engine(
+            model_dir, a.device, a.dtype, a.kv_cache_dtype, graphs, num_blocks, batch_tokens, max_batch
         )
+        out["engine_start_s"] = time.perf_counter() - t0
+        out["cuda_graphs"] = core.runner.decode_graphs is not None
+        params = sum(p.numel() for p in core.model.parameters())
+        embed, head = core.model.model.embed_tokens.weight, core.model.lm_head.weight
+        decode_params = params - (0 if head is embed else embed.numel())  # every weight but the gather
+        layer_params = params - embed.numel() - (0 if head is embed else head.numel())
+        out["parameters"] = params
+        kv_per_token = core.layout.block_bytes / core.layout.block_size  # quantized: with its scales
         rows = []
-        print(f"\n{params / 1e6:.0f}M parameters; decode step (weights + KV read per step):")
-        print(f"{'batch':>6}{'context':>9}{'step ms':>10}{'GB/s':>9}{'% copy bw':>11}")
+        print(
+            f"\n{params / 1e6:.0f}M parameters, KV cache {a.kv_cache_dtype}, decode CUDA graphs "
+            f"{'on' if out['cuda_graphs'] else 'off'}; decode step (weights + KV read per step):"
+        )
+        print(f"{'batch':>6}{'context':>9}{'seqs/step':>11}{'step ms':>10}{'GB/s':>9}{'% copy bw':>11}")
         for ctx in contexts:
             for b in batches:
                 if b * (ctx + 64) > num_blocks * 16:
                     continue
-                s = decode_step(core, b, ctx, 5 if quick else 30)
-                moved = params * elem + b * ctx * kv_per_token
+                s, seqs, mean_ctx = decode_step(core, b, ctx, 5 if quick else 30)
+                moved = decode_params * elem + seqs * mean_ctx * kv_per_token  # what the step attends
                 rows.append(
                     {
                         "batch": b,
                         "context": ctx,
+                        "seqs_per_step": seqs,
+                        "mean_context": mean_ctx,
                         "step_s": s,
                         "bytes_per_s": moved / s,
                         "pct_copy_bw": 100 * moved / s / bw,
                     }
                 )
-                print(f"{b:>6}{ctx:>9}{s * 1e3:>10.2f}{moved / s / 1e9:>9.1f}{100 * moved / s / bw:>10.0f}%")
+                print(
+                    f"{b:>6}{ctx:>9}{seqs:>11.1f}{s * 1e3:>10.2f}{moved / s / 1e9:>9.1f}"
+                    f"{100 * moved / s / bw:>10.0f}%"
+                )
         out["decode"] = rows
         prefill_rows = []
         print("\nprefill:")
         for length in [128] if quick else [512, 2048]:
-            rate = prefill_rate(core, 4 if quick else 16, length)
+            rate = prefill_rate(core, 4 if quick else 64, length)
             att = 2 * 2 * shape["num_hidden_layers"] * shape["hidden_size"] * length / 2  # per token, causal
-            flops = rate * (2 * params + att)
+            flops = rate * (2 * layer_params + att)
             prefill_rows.append(
                 {"length": length, "tokens_per_s": rate, "flops": flops, "pct_matmul": 100 * flops / mm}
             )
@@ -199,6 +306,17 @@ def main() -> None:
                 f"  {length}-token prompts: {rate:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s = {100 * flops / mm:.0f}% of matmul"
             )
         out["prefill"] = prefill_rows
+        if a.profile:
+            prof = out["profile"] = profile_decode(core, *a.profile, steps=10)
+            print(
+                f"\nprofile, batch {prof['batch']} context {prof['context']}: step {prof['step_s'] * 1e3:.2f} ms, "
+                f"GPU kernels {prof['gpu_kernel_s_per_step'] * 1e3:.2f} ms ({prof['gpu_busy_pct']:.0f}% busy)"
+            )
+            for k in prof["top_kernels"]:
+                print(f"  {k['s_per_step'] * 1e3:8.3f} ms {k['launches_per_step']:6.0f}x  {k['kernel'][:90]}")
+            print("host functions by own time (cProfile, its overhead included):")
+            for h in prof["host_self_s_per_step"]:
+                print(f"  {h['s_per_step'] * 1e3:8.3f} ms  {h['function'][:100]}")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(out, indent=1))

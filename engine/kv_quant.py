@@ -86,10 +86,11 @@ class SlotWrites(NamedTuple):
     @classmethod
     def of(cls, blocks: torch.Tensor, offsets: torch.Tensor) -> SlotWrites:
         touched, inverse = torch.unique(blocks, return_inverse=True)
-        restart = torch.zeros(touched.shape[0], dtype=torch.bool, device=blocks.device).scatter_reduce(
-            0, inverse, offsets == 0, "amax"
+        # NOTE: in uint8, not bool: CUDA's scatter_reduce has no bool kernel (CPU's has).
+        restart = torch.zeros(touched.shape[0], dtype=torch.uint8, device=blocks.device).scatter_reduce(
+            0, inverse, (offsets == 0).to(torch.uint8), "amax"
         )
-        return cls(blocks, offsets, touched, inverse, restart)
+        return cls(blocks, offsets, touched, inverse, restart.bool())
 
 
 def store(cache: QuantizedKVCache, layer: int, kv: int, x: torch.Tensor, writes: SlotWrites) -> None:
@@ -104,7 +105,9 @@ def store(cache: QuantizedKVCache, layer: int, kv: int, x: torch.Tensor, writes:
         0, inverse[:, None].expand(-1, kvh), amax, "amax"
     )
     old = torch.where(writes.restart[:, None], 0.0, scales[touched])
-    new = torch.maximum(old, step_max / qmax).clamp(min=torch.finfo(torch.float32).tiny)
+    # NOTE: times the reciprocal, as CUDA computes a division by a scalar: the scales are then
+    # bit-identical on CPU and GPU (a true division on CPU differed in the last bit).
+    new = torch.maximum(old, step_max * (1.0 / qmax)).clamp(min=torch.finfo(torch.float32).tiny)
     # Earlier tokens of a block whose scale grew: requantized to the new scale (ratio 1 elsewhere).
     ratio = torch.where(old > 0, old / new, 1.0)
     kept = data[touched].float() * ratio[:, None, :, None]

@@ -108,8 +108,7 @@ class Scheduler(TransferQueue):
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def has_work(self) -> bool:
-        """Whether a step has anything to do: requests whose KV is being pulled wait outside it."""
+    def has_work(self) -> bool:  # a step has something to do: requests pulling KV wait outside it
         return len(self.requests) > len(self.transferring)
 
     @property
