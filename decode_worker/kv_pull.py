@@ -82,6 +82,7 @@ class PulledKV:
     first_logprobs: dict[int, float] | None
     seed: int
     lease_expiry_unix: float = 0.0  # the prefill side frees the blocks then (0: unknown)
+    owner_request_id: str = ""  # the id the prefill side holds the prompt under (default: ours)
 
 
 @dataclass(slots=True)
@@ -98,6 +99,12 @@ class PendingPull:
     give_up_at: float = math.inf  # time.monotonic(): waiting for room ends, recompute locally
     plan: TransferPlan | None = None  # streamed pulls: where the peer's blocks go
     requested: int = 0  # streamed pulls: blocks of the sequence asked for so far (hits included)
+    complete: bool = True  # the complete handle is in (a streamed pull: once ``finish_early`` ran)
+    broken: bool = False  # a streamed pull's read could not even be started: the pull has failed
+
+    @property
+    def owner_id(self) -> str:
+        return self.kv.owner_request_id or self.request_id
 
 
 class KVPuller:
@@ -126,6 +133,12 @@ class KVPuller:
 
     def count(self, state: PullState) -> int:
         return sum(1 for p in self._pulls.values() if p.state is state)
+
+    def landing(self, window_s: float = 0.1) -> bool:
+        """A read started less than ``window_s`` ago is in flight: worth polling without a pause (a
+        hand-off lands within milliseconds; a slower one is polled every engine-loop tick)."""
+        now = time.monotonic()
+        return any(p.state is PullState.READING and now - p.started < window_s for p in self._pulls.values())
 
     def state_of(self, request_id: str) -> PullState | None:
         p = self._pulls.get(request_id)
@@ -182,7 +195,7 @@ class KVPuller:
             if pull.state is PullState.STREAMING or TransferState.IN_PROGRESS in states:
                 continue  # a streamed pull waits for its complete handle; every read must settle
             del self._pulls[rid]
-            if all(s is TransferState.DONE for s in states):
+            if all(s is TransferState.DONE for s in states) and not pull.broken:
                 self._finish_read(pull)
             else:
                 self._fail_read(pull)
@@ -199,14 +212,17 @@ class KVPuller:
 
     def begin_early(self, pull: PendingPull) -> bool:
         """Allocate a streamed pull's blocks while the peer still computes the prompt; False when
-        there is no room now (the pull then starts as an ordinary one once its handle is complete)."""
+        there is no room now, or earlier pulls wait for room (the pull then starts as an ordinary one,
+        in their queue, once its handle is complete)."""
+        if self.count(PullState.WAITING_FOR_ROOM):
+            return False
         try:
             pull.plan = self.core.add_transferred_request(
                 pull.request_id, pull.prompt, None, pull.params, seed=0, priority=pull.priority
             )
         except NoKVRoomError:
             return False
-        pull.state = PullState.STREAMING
+        pull.state, pull.complete = PullState.STREAMING, False
         self._pulls[pull.request_id] = pull
         return True
 
@@ -216,27 +232,31 @@ class KVPuller:
         pull = self._pulls.get(request_id)
         if pull is None or pull.state is not PullState.STREAMING:
             return
-        if any(h.state is TransferState.FAILED for h in pull.handles):
-            return  # the rest waits for the complete handle, which settles the failure
+        if pull.broken or any(h.state is TransferState.FAILED for h in pull.handles):
+            return  # failed already: settled with the complete handle, as a failed pull
         self._read_from(pull, block_ids, overlapped=not complete)
 
     def finish_early(self, request_id: str, kv: PulledKV) -> bool | None:
         """The complete handle of a streamed pull: read what is left. None when the request has no
-        streamed pull (start it as an ordinary one); False when the first token ended the request."""
+        streamed pull (start it as an ordinary one); False when the first token ended the request;
+        True otherwise (also for a pull aborted meanwhile: its stream gets the abort once its reads
+        settled). A pull whose early reads failed settles as a failed pull (``kv_failure_policy``)."""
         pull = self._pulls.get(request_id)
-        if pull is None or pull.state is not PullState.STREAMING:
+        if pull is None:
             return None
+        if pull.state is not PullState.STREAMING:
+            return True
         if kv.agent_name != pull.kv.agent_name:
             raise ValueError(
                 f"{request_id}: its KV was streamed from {pull.kv.agent_name}, not {kv.agent_name}"
             )
-        pull.kv = kv
+        pull.kv, pull.complete = kv, True
         pull.started = time.monotonic()
         if not self.core.set_first_token(request_id, kv.first_token, kv.first_logprobs, kv.seed):
             pull.state = PullState.ABORTING  # freed once its reads settled; the owner holds nothing
             return False
         pull.state = PullState.READING
-        if not any(h.state is TransferState.FAILED for h in pull.handles):
+        if not pull.broken and not any(h.state is TransferState.FAILED for h in pull.handles):
             self._read_from(pull, kv.block_ids)
         return True
 
@@ -244,14 +264,21 @@ class KVPuller:
         """Start a READ of ``block_ids[pull.requested:]`` into the pull's blocks (no notification);
         ``overlapped``: the peer is still computing the prompt."""
         plan, first = pull.plan, pull.requested
-        pull.requested = max(first, len(block_ids))
         skip = max(0, plan.first_block_index - first)  # local prefix-cache hits are not read
         remote = block_ids[first + skip :]
         local = plan.local_block_ids[first + skip - plan.first_block_index :][: len(remote)]
         remote = remote[: len(local)]
+        if remote:
+            try:
+                handle = self.transfer.start_read(pull.kv.agent_name, remote, local, b"", self.timeout_s)
+            except Exception as exc:  # nothing was posted; these blocks will never be read
+                logger.warning("KV read for %s could not start: %s", pull.request_id, exc)
+                pull.broken = True
+                return
+            pull.handles.append(handle)
+        pull.requested = max(first, len(block_ids))
         if not remote:
             return
-        pull.handles.append(self.transfer.start_read(pull.kv.agent_name, remote, local, b"", self.timeout_s))
         self.stats.bytes += len(remote) * self.core.layout.block_bytes
         self.stats.descriptors += len(merge_block_runs(remote, local))
         if overlapped:
@@ -286,7 +313,7 @@ class KVPuller:
         pull.started = time.monotonic()  # before posting: a read over shared memory may copy at once
         pull.handles = [
             self.transfer.start_read(
-                kv.agent_name, remote, plan.local_block_ids, rid.encode(), self.timeout_s
+                kv.agent_name, remote, plan.local_block_ids, pull.owner_id.encode(), self.timeout_s
             )
         ]
         pull.state = PullState.READING
@@ -337,7 +364,7 @@ class KVPuller:
         """Tell the prefill worker its blocks are no longer needed, so it frees them now. Best effort
         (on the engine thread, a raise would strand the request): a peer that is gone has its lease."""
         try:
-            self.transfer.send_notification(pull.kv.agent_name, pull.request_id.encode())
+            self.transfer.send_notification(pull.kv.agent_name, pull.owner_id.encode())
         except Exception as exc:
             logger.warning("could not tell %s to free %s: %s", pull.kv.agent_name, pull.request_id, exc)
 
@@ -345,7 +372,7 @@ class KVPuller:
         rid = pull.request_id
         for h in pull.handles:
             self.transfer.release(h)
-        if pull.plan is not None:  # a streamed pull's reads carry no notification: tell the owner now
+        if pull.plan is not None and pull.complete:  # its reads carry no notification: tell the owner
             self._notify_owner(pull)
         if pull.state is PullState.ABORTING:
             self.publish(self.core.abort_request(rid))
@@ -367,8 +394,11 @@ class KVPuller:
             for h in handles:
                 self.transfer.release(h)
         # The owner would otherwise hold the blocks until its lease ends. Safe even if the read may
-        # still land: its deadline has passed, and what lands goes to quarantined blocks.
-        self._notify_owner(pull)
+        # still land: its deadline has passed, and what lands goes to quarantined blocks. (A streamed
+        # pull without its complete handle does not: the prompt may still be computed, or read again
+        # by another attempt; the owner frees it on the router's release, an abort or the lease.)
+        if pull.complete:
+            self._notify_owner(pull)
         self.stats.failures += 1
         if pull.state is PullState.ABORTING:
             self.publish(self.core.abort_request(rid))

@@ -41,6 +41,7 @@ def pulled_kv_from_handle(h: pb.KVHandle) -> PulledKV:
         first_logprobs=logprobs_from_proto(h.first_logprobs),
         seed=h.seed,
         lease_expiry_unix=h.lease_expiry_unix,
+        owner_request_id=h.request_id,
     )
 
 

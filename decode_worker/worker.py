@@ -39,7 +39,6 @@ from decode_worker.kv_pull import (
     PeerUnreachableError,
     PendingPull,
     PulledKV,
-    PullState,
 )
 from decode_worker.peers import KVWatch, fetch_prefill_peer, registered_prefill_addresses
 from engine.sampling_params import SamplingParams
@@ -112,12 +111,13 @@ class DecodeWorker(WorkerRuntime):
             self.core, self.transfer, self.loop.publish, config.transfer_timeout_s, self.clocks.transferred
         )
         self.loop.add_tick(self.pulls.tick)
-        self.loop.add_hurry(lambda: self.pulls.count(PullState.READING) > 0)  # a hand-off is landing
+        self.loop.add_hurry(self.pulls.landing)  # a hand-off read is landing
         self._peers: set[str] = set()  # agent names NIXL knows
         self._warmed: set[str] = set()  # prefill addresses already tried
         self._warmer: asyncio.Task | None = None
         self._handed_off: set[str] = set()  # requests ended by hand_off (engine thread writes)
-        self._provided: dict[str, asyncio.Future[PulledKV]] = {}  # streamed pulls awaiting their handle
+        # streamed requests awaiting their complete handle (a None result: aborted meanwhile)
+        self._provided: dict[str, asyncio.Future[PulledKV | None]] = {}
         self.handing_off = False
 
     def transfer_stats(self) -> TransferStats | None:
@@ -296,8 +296,10 @@ class DecodeWorker(WorkerRuntime):
         self, rid, prompt, params, priority, source: str, policy: FailurePolicy
     ) -> bool:
         """A prompt still being prefilled at ``source``: its blocks are read as they are computed
-        (``_follow``) until the complete handle comes (``provide_kv``); then what is left is read. The
-        early reads are an optimisation only: whatever goes wrong with them, the pull starts whole."""
+        (``_follow``) until the complete handle comes (``provide_kv``); then what is left is read. A
+        watch that fails or comes late, or no room yet, leaves the pull to start whole; an early read
+        that fails makes the pull a failed one (``kv_failure_policy``). An abort before the handle
+        came ends the request at once (``abort``)."""
         provided = self._provided[rid] = asyncio.get_running_loop().create_future()
         follow = asyncio.ensure_future(self._follow(rid, prompt, params, priority, source, policy))
         try:
@@ -306,6 +308,14 @@ class DecodeWorker(WorkerRuntime):
             del self._provided[rid]
             follow.cancel()  # its engine-thread calls either ran already or never will
             await asyncio.gather(follow, return_exceptions=True)
+        if kv is None:  # aborted (or handed off) while the prompt was computed
+
+            def end() -> None:
+                if self.pulls.abort(rid) is None:  # no early pull: nothing to settle
+                    self.loop.publish([SequenceOutput(rid, 0, [], finish_reason="abort")])
+
+            await self.loop.run(end)
+            return True
         if kv.num_tokens != len(prompt):
             raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}")
         started = await self.loop.run(lambda: self.pulls.finish_early(rid, kv))
@@ -345,6 +355,10 @@ class DecodeWorker(WorkerRuntime):
         """End every open stream with ``WorkerUnavailableError`` (the router resumes each on another
         decode worker) and free its blocks; new requests are refused. Returns how many were ended."""
         self.handing_off = True
+        for rid, waiting in list(self._provided.items()):  # streamed, the prompt still computed
+            if not waiting.done():
+                self._handed_off.add(rid)
+                waiting.set_result(None)
 
         def end_all() -> int:
             rids = self.loop.stream_ids()
@@ -365,6 +379,10 @@ class DecodeWorker(WorkerRuntime):
             await self.watch_kv.close()
 
     async def abort(self, request_id: str) -> bool:
+        waiting = self._provided.get(request_id)
+        if waiting is not None and not waiting.done():  # the prompt is still computed elsewhere
+            waiting.set_result(None)  # its admission ends it (``_admit_streamed``)
+            return True
         return await self.loop.run(lambda: self._abort(request_id))
 
     async def _connect_peer(self, pull: PendingPull) -> bool:

@@ -256,7 +256,7 @@ class _ClusterCollector:
             )
             yield CounterMetricFamily(
                 "pdserve_router_kv_streamed",
-                "Requests whose KV their decode worker read while the prompt was prefilled",
+                "Requests whose Decode, opened before their prefill (KV streaming), took the complete handle",
                 value=c.kv_streamed,
             )
             yield CounterMetricFamily(

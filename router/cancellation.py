@@ -4,8 +4,9 @@ A request is ``track``ed from the moment its Generate stream starts until it end
 call is open, ``decoding`` knows its worker. ``abort`` asks that worker to abort it (its stream then
 ends with finish reason ``abort``); a request still in prefill has its stream's task cancelled (which
 cancels the prefill call and releases any KV held for it), and its handler, asking ``take_aborted``,
-ends the stream normally with ``abort``. A request this router does not know is asked of every
-decode worker (another router replica routed it; it lives on at most one).
+ends the stream normally with ``abort``; so has a request whose Decode was opened before its prefill
+(KV streaming) until the prefill returns (``prefilling``). A request this router does not know is
+asked of every decode worker (another router replica routed it; it lives on at most one).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Cancellation:
         self._tasks: dict[str, asyncio.Task] = {}  # request -> the task serving its stream
         # request -> (its decode worker, the id that worker knows it by), while the call is open
         self.decoding: dict[str, tuple[WorkerRecord, str]] = {}
+        self.prefilling: set[str] = set()  # requests with a Decode open, their prefill still running
         self._aborted: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # cancelled by ``abort``
 
     def track(self, request_id: str) -> asyncio.Task | None:
@@ -53,7 +55,11 @@ class Cancellation:
 
     async def abort(self, request_id: str, decode_workers: list[WorkerRecord]) -> bool:
         entry = self.decoding.get(request_id)
-        if entry is not None and await self._ask(entry[0], entry[1], log=True):
+        if (
+            entry is not None
+            and request_id not in self.prefilling
+            and await self._ask(entry[0], entry[1], log=True)
+        ):
             return True
         task = self._tasks.get(request_id)
         if task is not None and task is not asyncio.current_task():

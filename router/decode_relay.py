@@ -71,6 +71,26 @@ class DecodeRelay:
         while it is computed (worth a WatchKV stream and a ProvideKV call only for long prefills)."""
         return 0 < self.kv_streaming_tokens <= num_uncached_tokens
 
+    def _open_early(self, route, rid, prompt, params, priority, deadline, key: str) -> OpenDecode | None:
+        """The Decode of a request whose KV streams to its decode worker while it is prefilled, opened
+        now (None when it does not stream). Until the prefill returns, an abort cancels the request's
+        task (the prefill call with it) rather than asking the decode worker."""
+        if route.prefill is None or (params.n or 1) != 1:
+            return None
+        if not self._streams_kv(len(prompt) - route.predicted_hit_tokens):
+            return None
+        self.cancellation.prefilling.add(key)
+        w = route.decode
+        return self._open_decode(w, rid, prompt, params, priority, None, deadline, key, route.prefill.address)
+
+    def _close_early(self, early: OpenDecode | None, key: str, prefilled: bool = False) -> None:
+        """``prefilled``: the prefill returned (an abort now goes to the decode worker); else the
+        attempt is over (the call is cancelled, a no-op once relayed to its end)."""
+        if early is not None:
+            self.cancellation.prefilling.discard(key)
+            if not prefilled:
+                early.close()
+
     def _open_decode(
         self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline, key: str, kv_source: str = ""
     ) -> OpenDecode:
@@ -116,19 +136,19 @@ class DecodeRelay:
         lost,
         key: str,
         opened: OpenDecode | None = None,
+        shifted: bool = False,
     ):
         """Relay Decode from ``w`` (``opened``: its call, already open); a decode worker that is
         unreachable before it sent anything (it died, its record not expired yet) is swapped for the
         least-loaded other one. A worker lost once it started raises ``DecodeLost`` (the request is
-        resumed: ``router.migration``).
+        resumed: ``router.migration``). ``shifted``: the prompt ends with the first token already.
 
         NOTE: a swap never reuses the KV handle. The first worker may have pulled the KV before it
         died, and a pull tells the prefill worker to free (and reuse) those blocks, so a second pull
         could read another request's KV. The new worker computes the prompt plus the first token
         itself (seeded samples depend on positions only, so the output is the same), and the held
         KV is released. ``key``: the caller's request id (what an abort names), ``rid`` the workers'."""
-        tried: set[str] = set(lost)
-        shifted = False  # the prompt now ends with the first token: usage counts it as generated
+        tried: set[str] = set(lost)  # ``shifted``: usage counts the prompt's last token as generated
         samples = params.n or 1
         while True:
             started, ended = False, 0
@@ -166,7 +186,7 @@ class DecodeRelay:
                 self.stats.decode_retries += 1
                 w = min(others, key=lambda d: self.inflight.get(d.worker_id, WorkerLoad()).requests)
                 if handle is not None:
-                    self._in_background(self._release_at(handle.address, rid, handle.epoch))
+                    self._in_background(self._release_at(handle.address, handle.request_id, handle.epoch))
                     prompt, params = continuation(prompt, params, handle)
                     handle, shifted = None, True
 

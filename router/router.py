@@ -39,6 +39,7 @@ from router.migration import (
     MigrationRefused,
     ProgressWatch,
     Resumption,
+    continuation,
 )
 from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
 from router.prefill_watch import PrefillStalled, watched
@@ -64,7 +65,7 @@ class RouterStats:
     prefill_retries: int = 0
     decode_retries: int = 0
     local_prefills: int = 0  # short uncached prompts prefilled on their decode worker
-    kv_streamed: int = 0  # requests whose KV the decode worker read while it was computed
+    kv_streamed: int = 0  # requests whose early Decode (KV streaming) took the complete handle
     aggregated_fallbacks: int = 0
     failed: int = 0
     predicted_hit_tokens: int = 0
@@ -242,45 +243,15 @@ class Router(DecodeRelay):
             self.stats.local_prefills += 1
             route = Route(None, route.decode, route.predicted_hit_tokens)
         clock.routed()
-        early = None  # a Decode opened before the prefill: the KV streams to it while computed
-        if (
-            route.prefill is not None
-            and n == 1
-            and self._streams_kv(len(prompt) - route.predicted_hit_tokens)
-        ):
-            early = self._open_decode(
-                route.decode,
-                request_id,
-                prompt,
-                proto_params,
-                priority,
-                None,
-                deadline,
-                key,
-                route.prefill.address,
-            )
+        # A Decode opened before the prefill, the KV streaming to it while computed (or None).
+        early = self._open_early(route, request_id, prompt, proto_params, priority, deadline, key)
+        args = (request_id, key, res, route, hashes, prompt, proto_params, priority, deadline, clock, lost)
         try:
-            async with aclosing(
-                self._prefill_then_decode(
-                    request_id,
-                    key,
-                    res,
-                    route,
-                    hashes,
-                    prompt,
-                    proto_params,
-                    priority,
-                    deadline,
-                    clock,
-                    lost,
-                    early,
-                )
-            ) as stream:
+            async with aclosing(self._prefill_then_decode(*args, early)) as stream:
                 async for msg in stream:
                     yield msg
         finally:
-            if early is not None:
-                early.close()  # no-op once relayed to its end
+            self._close_early(early, key)
 
     async def _prefill_then_decode(
         self,
@@ -327,11 +298,14 @@ class Router(DecodeRelay):
                     route, hashes = self._route(prompt, frozenset(exclude), lost)
                     if route.prefill is None:
                         break
+        self._close_early(early, key, prefilled=True)
+        # A closed early call's request may still be settling on its worker: the next has its own id.
+        decode_id = f"{request_id}~s" if early is not None and early.closed else request_id
         if resp is None:
             self.stats.aggregated_fallbacks += route.prefill is not None or (n == 1 and bool(exclude))
             clock.decoding()
             async for msg in self._relay_decode(
-                route.decode, request_id, prompt, proto_params, priority, None, deadline, lost, key
+                route.decode, decode_id, prompt, proto_params, priority, None, deadline, lost, key
             ):
                 clock.on_message(msg)
                 yield msg
@@ -342,55 +316,72 @@ class Router(DecodeRelay):
         provided = None  # the complete handle goes to the streaming Decode while the first token is out
         if early is not None and not early.closed and not resp.HasField("finished"):
             provided = asyncio.ensure_future(self._provide_kv(early, resp.handle, deadline))
-        yield pb.GenerateResponse(
-            tokens=pb.TokenChunk(
-                token_ids=[resp.handle.first_token],
-                logprobs=[resp.handle.first_logprobs],
-                prompt_logprobs=resp.prompt_logprobs,
-            )
+        pulled = False
+        args = (
+            resp,
+            route,
+            decode_id,
+            prompt,
+            proto_params,
+            priority,
+            deadline,
+            lost,
+            key,
+            clock,
+            early,
+            provided,
         )
-        yield pb.GenerateResponse(
-            route=pb.RouteInfo(
-                prefill_worker=route.prefill.worker_id,
-                decode_worker=route.decode.worker_id,
-                predicted_hit_tokens=route.predicted_hit_tokens,
-                delivered_hit_tokens=resp.handle.num_cached_tokens,
-            )
+        try:
+            async with aclosing(self._first_then_decode(*args)) as stream:
+                async for msg, took_over in stream:
+                    pulled = took_over
+                    yield msg
+        finally:
+            if not pulled:  # the decode side never got going: do not leave the KV to its lease
+                self._in_background(self._release_at(route.prefill.address, request_id, resp.handle.epoch))
+
+    async def _first_then_decode(
+        self, resp, route, decode_id, prompt, params, priority, deadline, lost, key, clock, early, provided
+    ) -> AsyncIterator[tuple[pb.GenerateResponse, bool]]:
+        """The first token, then the decode stream; each message with whether the decode side took
+        over the held KV (else the caller releases it)."""
+        handle, shifted = resp.handle, False
+        first = pb.TokenChunk(
+            token_ids=[handle.first_token],
+            logprobs=[handle.first_logprobs],
+            prompt_logprobs=resp.prompt_logprobs,
         )
-        logger.debug("%s: P=%s D=%s predicted hit %d, delivered %d", request_id, route.prefill.worker_id,
-                     route.decode.worker_id, route.predicted_hit_tokens, resp.handle.num_cached_tokens)  # fmt: skip
+        yield pb.GenerateResponse(tokens=first), False
+        info = pb.RouteInfo(
+            prefill_worker=route.prefill.worker_id,
+            decode_worker=route.decode.worker_id,
+            predicted_hit_tokens=route.predicted_hit_tokens,
+            delivered_hit_tokens=handle.num_cached_tokens,
+        )
+        yield pb.GenerateResponse(route=info), False
         if resp.HasField("finished"):
             clock.stamp(resp.finished.timing)
-            yield pb.GenerateResponse(finished=resp.finished)
+            yield pb.GenerateResponse(finished=resp.finished), False
             return
         opened = None
         if provided is not None:
             if await provided:
                 opened = early
                 self.stats.kv_streamed += 1
-            else:  # it was not waiting for the handle (any more): decode from the whole handle
+            else:
+                # NOTE: it did not take the handle, yet it may have got it (an RPC error on the way
+                # back) and told the prefill worker to free the prompt on closing: the handle is not
+                # read again. The decode worker computes the prompt and first token instead.
                 early.close()
-        pulled = False
+                self._in_background(self._release_at(handle.address, handle.request_id, handle.epoch))
+                prompt, params = continuation(prompt, params, handle)
+                handle, shifted, decode_id = None, True, f"{decode_id}~s"
         clock.decoding()
-        try:
-            async for msg in self._relay_decode(
-                route.decode,
-                request_id,
-                prompt,
-                proto_params,
-                priority,
-                resp.handle,
-                deadline,
-                lost,
-                key,
-                opened,
-            ):
-                pulled = True
-                clock.on_message(msg)
-                yield msg
-        finally:
-            if not pulled:  # the decode side never got going: do not leave the KV to its lease
-                self._in_background(self._release_at(route.prefill.address, request_id, resp.handle.epoch))
+        async for msg in self._relay_decode(
+            route.decode, decode_id, prompt, params, priority, handle, deadline, lost, key, opened, shifted
+        ):
+            clock.on_message(msg)
+            yield msg, True
 
     def _prefill_locally(self, prompt: list[int], route: Route) -> bool:
         """Whether the decode worker should prefill this prompt itself: the part it has not cached is

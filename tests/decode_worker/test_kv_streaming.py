@@ -222,10 +222,70 @@ def test_streamed_pull_that_never_decodes_frees_everything(pair, how):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            # Without the complete handle the decode side does not free the prompt (another attempt
+            # may read it): the router releases it, as it does for any KV no decode took over.
+            assert await pair.p.release("r")
         else:
             assert res.finish_reason == "length" and not res.block_ids
             assert pair.d.provide_kv("r", pair.final(res))
             assert await task == [0]  # nothing streamed past the first token
+        await wait_until(pair.all_free, "every block free on both sides")
+
+    asyncio.run(run())
+
+
+def test_an_abort_before_the_handle_came_ends_the_request_at_once(pair):
+    """An abort while the prompt is still computed elsewhere ends the stream then, not once the
+    prefill returns; a handle provided afterwards is not taken."""
+    prompt = _prompt(10 * BLOCK + 2, 11)
+
+    async def run():
+        outs = []
+
+        async def consume():
+            async for out in pair.d.decode("r", prompt, GREEDY, kv_source="p"):
+                outs.append(out)
+
+        consumer = asyncio.ensure_future(consume())
+        await wait_until(lambda: pair.watched("r"), "the decode worker to watch the prompt")
+        assert await pair.d.abort("r")
+        await asyncio.wait_for(consumer, 30)  # ended without any prefill having run
+        assert [o.finish_reason for o in outs] == ["abort"]
+        res = await pair.p.prefill("r", prompt, GREEDY)
+        assert not pair.d.provide_kv("r", pair.final(res))
+        assert await pair.p.release("r")  # what the router does with KV no decode took over
+        await wait_until(pair.all_free, "every block free on both sides")
+
+    asyncio.run(run())
+
+
+def test_a_read_that_cannot_start_fails_the_pull_instead_of_skipping_blocks(pair, engine_alone, monkeypatch):
+    """The backend refuses the second early read: those blocks are never read, so the pull must fail
+    (here: recompute, the default policy) rather than decode over whatever the blocks held."""
+    calls = []
+    start_read = SizedBackend.start_read
+
+    def refusing(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("refused")
+        return start_read(self, *args)
+
+    monkeypatch.setattr(SizedBackend, "start_read", refusing)
+    prompt = _prompt(12 * BLOCK + 3, 13)
+
+    async def run():
+        # Stale KV in the decode pool first, so blocks left unread would change the output.
+        await collect(0, pair.d.decode("stale", _prompt(40 * BLOCK, 17), GREEDY))
+        task = asyncio.ensure_future(collect(0, pair.d.decode("r", prompt, GREEDY, kv_source="p")))
+        await wait_until(lambda: pair.watched("r"), "the decode worker to watch the prompt")
+        res = await pair.p.prefill("r", prompt, GREEDY)
+        await wait_until(lambda: len(calls) >= 2, "the refused read")
+        assert pair.d.provide_kv("r", pair.final(res))
+        got = await task
+        assert [res.first_token, *got[1:]] == engine_alone(prompt)
+        stats = await pair.d.transfer_snapshot()
+        assert stats.failures == 1 and stats.recomputed == 1
         await wait_until(pair.all_free, "every block free on both sides")
 
     asyncio.run(run())
