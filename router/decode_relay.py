@@ -31,7 +31,7 @@ from router.policies import WorkerLoad
 logger = logging.getLogger(__name__)
 
 # The default KV streaming threshold (uncached prompt tokens). bench/kv_streaming.py: with 512-token
-# prefill chunks, the hand-off after the first token fell 1.31x for 2k-token prompts and 1.58x for 8k,
+# prefill chunks, the hand-off after the first token fell 1.32x for 2k-token prompts and 1.59x for 8k,
 # TTFT unchanged. A prompt computed in one step gains little (only the router hop of its handle), so
 # the default starts at the engine's default step budget (2048 tokens), where prompts are chunked.
 KV_STREAMING_TOKENS = 2048
