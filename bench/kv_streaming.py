@@ -23,18 +23,14 @@ import argparse
 import asyncio
 import itertools
 import json
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import grpc
 
-from bench.router_e2e import free_port, spawn
+from bench.router_e2e import spawn, start_redis, stop_all
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -85,27 +81,8 @@ async def decode_stats(address: str) -> pb.KVTransferStats:
 
 async def run(args) -> dict:
     model = ensure_model()
-    redis_bin = shutil.which("redis-server")
-    if redis_bin is None:
-        raise SystemExit("redis-server is required (apt-get install -y redis-server)")
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                redis_bin,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--dir",
-                tempfile.mkdtemp(),
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-    ]
-    url = f"redis://127.0.0.1:{port}/0"
+    redis_proc, url = start_redis()
+    procs = [redis_proc]
     blocks = str(max(args.lengths) // 16 * 2 + 64)
     common = ["--model", str(model), "--redis-url", url, "--block-size", "16", "--num-blocks", blocks]
     chunk = ["--max-num-batched-tokens", str(args.chunk)]
@@ -147,13 +124,7 @@ async def run(args) -> dict:
         await router.close()
         view.stop()
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
     return results
 
 

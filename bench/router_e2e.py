@@ -55,6 +55,30 @@ def spawn(module: str, *args: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"{module} exited with {proc.wait()}")
 
 
+def start_redis() -> tuple[subprocess.Popen, str]:
+    """A throwaway ``redis-server`` on a free loopback port, no persistence: (process, URL)."""
+    redis_bin = shutil.which("redis-server")
+    if redis_bin is None:
+        raise SystemExit("redis-server is required (apt-get install -y redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [redis_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", tempfile.mkdtemp()],
+        stdout=subprocess.DEVNULL,
+    )
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process, then wait for each (killed after 20 s)."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def workload(seed: int, tenants: int, requests: int, system_len: int, user_len: int) -> list[list[int]]:
     rng = random.Random(seed)
     systems = [[rng.randrange(10, 8000) for _ in range(system_len)] for _ in range(tenants)]
@@ -65,16 +89,7 @@ def workload(seed: int, tenants: int, requests: int, system_len: int, user_len: 
 
 
 async def run_policy(policy: str, prompts: list[list[int]], args) -> dict:
-    redis_bin = shutil.which("redis-server")
-    if redis_bin is None:
-        raise SystemExit("redis-server is required (apt-get install -y redis-server)")
-    port = free_port()
-    tmp = tempfile.mkdtemp()
-    redis_proc = subprocess.Popen(
-        [redis_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", tmp],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
+    redis_proc, url = start_redis()
     procs = [redis_proc]
     try:
         common = ["--model", str(MODEL_DIR), "--redis-url", url, "--block-size", "16"]
@@ -123,13 +138,7 @@ async def run_policy(policy: str, prompts: list[list[int]], args) -> dict:
         await router.close()
         view.stop()
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
     ttfts.sort()
     return {
         "policy": policy,

@@ -70,18 +70,7 @@ class Pair:
     d_blocks: int
 
     async def prefill(self, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> PulledKV:
-        res = await self.p.prefill(rid, prompt, params)
-        return PulledKV(
-            agent_name=self.p.transfer_info().agent_name,
-            address="prefill-0:1",
-            block_ids=res.block_ids,
-            num_tokens=res.num_tokens,
-            compat_hash=self.p.compat.hash(),
-            first_token=res.first_token,
-            first_logprobs=res.first_logprobs,
-            seed=res.seed,
-            lease_expiry_unix=res.lease_expiry_unix,
-        )
+        return pulled_kv(self.p, await self.p.prefill(rid, prompt, params), "prefill-0:1")
 
     async def decode(self, rid, prompt, kv: PulledKV, params=GREEDY, policy=None) -> list[int]:
         """The whole continuation, the first token (from the prefill side) included."""
@@ -117,6 +106,21 @@ class Pair:
             raise AssertionError(
                 f"{e}: prefill {await self.p.stats()}, decode {await self.d.stats()}"
             ) from None
+
+
+def pulled_kv(p: PrefillWorker, res, address: str) -> PulledKV:
+    """What a decode worker gets of the prefill worker ``p``'s result ``res`` (its KV handle)."""
+    return PulledKV(
+        agent_name=p.transfer_info().agent_name,
+        address=address,
+        block_ids=res.block_ids,
+        num_tokens=res.num_tokens,
+        compat_hash=p.compat.hash(),
+        first_token=res.first_token,
+        first_logprobs=res.first_logprobs,
+        seed=res.seed,
+        lease_expiry_unix=res.lease_expiry_unix,
+    )
 
 
 async def collect(first: int, stream: AsyncIterator[SequenceOutput]) -> list[int]:

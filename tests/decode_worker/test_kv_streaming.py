@@ -12,10 +12,10 @@ import asyncio
 import dataclasses
 
 import pytest
-from test_decode_worker import BLOCK, P_BLOCKS, _prompt, collect, wait_until
+from test_decode_worker import BLOCK, P_BLOCKS, _prompt, collect, pulled_kv, wait_until
 
 from decode_worker.kv_pull import PulledKV, PullState
-from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from decode_worker.worker import DecodeWorker, DecodeWorkerConfig, WorkerUnavailableError
 from engine import LLM, EngineConfig, SamplingParams
 from kv_transfer import InProcessBackend, InProcessFabric, KVCompat, RemoteKVInfo
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
@@ -44,16 +44,7 @@ class Pair:
     watch_blocks: int | None = None  # the decode side's watch breaks off once it saw this many blocks
 
     def final(self, res) -> PulledKV:
-        return PulledKV(
-            agent_name=self.p.transfer_info().agent_name,
-            address="p",
-            block_ids=res.block_ids,
-            num_tokens=res.num_tokens,
-            compat_hash=self.p.compat.hash(),
-            first_token=res.first_token,
-            first_logprobs=res.first_logprobs,
-            seed=res.seed,
-        )
+        return pulled_kv(self.p, res, "p")
 
     async def watched(self, rid: str) -> bool:
         return await self.p.loop.run(lambda: rid in self.p._watches)
@@ -286,6 +277,22 @@ def test_a_read_that_cannot_start_fails_the_pull_instead_of_skipping_blocks(pair
         assert [res.first_token, *got[1:]] == engine_alone(prompt)
         stats = await pair.d.transfer_snapshot()
         assert stats.failures == 1 and stats.recomputed == 1
+        await wait_until(pair.all_free, "every block free on both sides")
+
+    asyncio.run(run())
+
+
+def test_a_hand_off_ends_a_stream_still_waiting_for_its_handle(pair):
+    """Shutting down, the worker hands a request whose prompt is still computed elsewhere back to the
+    router (``WorkerUnavailableError``) instead of holding its stream open until the prefill ends."""
+    prompt = _prompt(10 * BLOCK + 2, 19)
+
+    async def run():
+        task = asyncio.ensure_future(collect(0, pair.d.decode("r", prompt, GREEDY, kv_source="p")))
+        await wait_until(lambda: pair.watched("r"), "the decode worker to watch the prompt")
+        await pair.d.hand_off()
+        with pytest.raises(WorkerUnavailableError):
+            await asyncio.wait_for(task, 30)
         await wait_until(pair.all_free, "every block free on both sides")
 
     asyncio.run(run())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import signal
 
 from pd_client import state
 from test_router import Cluster
@@ -65,6 +66,65 @@ def test_streamed_kv_equals_the_engine_alone(workers, redis_server, tiny_llama, 
             # The first token ends it: the streaming Decode is closed, nothing is left held.
             one = dataclasses.replace(GREEDY, max_tokens=1)
             assert await cluster.generate("one", long_prompts[1], one) == want[1][:1]
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def test_abort_mid_prefill_and_a_handle_not_taken(workers, redis_server, tiny_llama):
+    """Router.Abort while the prompt is computed cancels the prefill: the stream ends with ``abort``
+    and no token, though a Decode is already open (the prefill worker is held stopped, so the prefill
+    cannot finish first). A decode worker that does not take the complete handle gets the request
+    computed by itself, under an id of its own, with the engine's output."""
+    prompt = [(11 * i) % 900 + 3 for i in range(300)]
+    alone = LLM(str(tiny_llama), num_blocks=128, block_size=8)
+    want = alone.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    cluster = Cluster(workers, redis_server, 1, kv_flags=CHUNK)
+    router = cluster.router
+
+    async def run():
+        await cluster.start()
+        try:
+            router.kv_streaming_tokens = 64
+            prefill = cluster.prefills[0].proc
+            prefill.send_signal(signal.SIGSTOP)
+            try:
+                req = pb.GenerateRequest(
+                    request_id="ab", prompt_token_ids=prompt, params=params_to_proto(GREEDY)
+                )
+                msgs = []
+
+                async def consume():
+                    async for msg in cluster.stub.Generate(req, timeout=60):
+                        msgs.append(msg)
+
+                consumer = asyncio.ensure_future(consume())
+                deadline = asyncio.get_running_loop().time() + 30
+                while "ab" not in router.cancellation.prefilling:  # its Decode is open, the prefill sent
+                    assert asyncio.get_running_loop().time() < deadline, "the request never reached prefill"
+                    await asyncio.sleep(0.01)
+                assert "ab" in router.cancellation.decoding
+                assert await router.abort("ab")
+                await asyncio.wait_for(consumer, 30)
+            finally:
+                prefill.send_signal(signal.SIGCONT)
+            assert [m.WhichOneof("kind") for m in msgs] == ["finished"]
+            assert msgs[0].finished.finish_reason == "abort"
+            await cluster.all_free()
+
+            # The decode worker takes the handle, but the router sees a refusal (as after an RPC error
+            # on the way back): the closed call may have freed the prompt, so it is not read again.
+            provide = router._provide_kv
+
+            async def refused(opened, handle, deadline) -> bool:
+                await provide(opened, handle, deadline)
+                return False
+
+            router._provide_kv = refused
+            assert await cluster.generate("refused", prompt) == want
+            assert router.stats.kv_streamed == 0
             await cluster.all_free()
         finally:
             await cluster.stop()
