@@ -27,6 +27,7 @@ from typing import ClassVar
 import grpc
 import redis
 
+from engine.cpu_threads import build_off_thread
 from engine.engine_core import EngineCore, EngineStats
 from engine.engine_loop import EngineLoop
 from kv_transfer import KVCompat, KVTransferBackend, RemoteKVInfo
@@ -59,7 +60,9 @@ class WorkerRuntime(ABC):
         self.config = config
         self.worker_id = config.worker_id
         self.epoch = time.time_ns()
-        self.core = EngineCore(config.engine)
+        # Built on a passing thread: the engine loop's thread is then torch's only CPU-pool master
+        # (``engine.cpu_threads``; with 2+ torch threads a second master makes every op slower).
+        self.core = build_off_thread(lambda: EngineCore(config.engine))
         self.compat = KVCompat.from_layout(config.served_model, self.core.layout)
         # Named after the worker and its epoch, so a restarted worker is a new peer.
         self.transfer = (transfer_factory or nixl_transfer)(
