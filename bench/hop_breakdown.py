@@ -128,7 +128,7 @@ def main() -> None:
         "--cpu-threads",
         type=int,
         default=None,
-        help="the workers' torch threads (default: the replica's, 1 under Ray with fractional CPUs)",
+        help="the workers' torch threads (default: pdserve serve's, this machine's cores / workers)",
     )
     p.add_argument("--output", default=str(RESULTS / "hop_breakdown.json"))
     a = p.parse_args()

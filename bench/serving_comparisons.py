@@ -152,24 +152,25 @@ def overhead(quick: bool) -> dict:
     llm.generate(prompts, params)
     engine_rps = len(prompts) / (time.perf_counter() - t0)
     engine_closed_rps = engine_closed_loop(llm.core, prompts, params, concurrency=32)
-    # The engine alone as a replica runs it: one torch thread (Ray gives a 0.5-CPU replica
-    # OMP_NUM_THREADS=1), the other core left to nothing. Apart, this isolates the serving path's own
-    # overhead from the second core the engine-alone baseline gets.
+    # The engine alone with one torch thread, the other core left to nothing: as each worker of a
+    # 1 P + 1 D pair runs it here. Apart, this isolates the serving path's own overhead from the
+    # second core the engine-alone baseline gets.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine_one_thread_rps = engine_closed_loop(llm.core, prompts, params, concurrency=32)
     torch.set_num_threads(threads)
     del llm
     runs = {}
+    # `pdserve serve` shares this machine's cores out among its CPU workers (an aggregated worker
+    # gets both cores' torch threads, a 1 P + 1 D pair one each); the other thread count is run too.
     for name, flags in (
         ("aggregated_http", ("--mode", "aggregated", "--decode", "1")),
         ("aggregated_http_direct", ("--mode", "aggregated", "--decode", "1", "--http-server", "direct")),
         ("disaggregated_http", ("--prefill", "1", "--decode", "1")),
         ("disaggregated_http_direct", ("--prefill", "1", "--decode", "1", "--http-server", "direct")),
-        # The engine alone runs torch on both cores; a replica inherits OMP_NUM_THREADS=1 from Ray.
         (
-            "aggregated_http_direct_2_threads",
-            ("--mode", "aggregated", "--decode", "1", "--http-server", "direct", "--cpu-threads", "2"),
+            "aggregated_http_direct_1_thread",
+            ("--mode", "aggregated", "--decode", "1", "--http-server", "direct", "--cpu-threads", "1"),
         ),
         (
             "disaggregated_http_direct_2_threads",
@@ -207,7 +208,7 @@ def overhead(quick: bool) -> dict:
         / engine_rps,
         "direct_http_over_engine_disaggregated": runs["disaggregated_http_direct"]["request_throughput"]
         / engine_rps,
-        "direct_2_threads_over_engine_aggregated": runs["aggregated_http_direct_2_threads"][
+        "direct_1_thread_over_engine_aggregated": runs["aggregated_http_direct_1_thread"][
             "request_throughput"
         ]
         / engine_rps,

@@ -37,7 +37,9 @@ def serving_process(*flags: str, env: dict[str, str] | None = None):
         proc, port, lines = _start(flags, env or {})
         if port is not None:
             break
-        if attempt == 2 or not any("Failed to bind" in line for line in lines):
+        # Serve's proxy says "Failed to bind"; a direct ingress that cannot bind fails its deployment.
+        taken = ("Failed to bind", "Address already in use", "the deployments ['Ingress']")
+        if attempt == 2 or not any(t in line for line in lines for t in taken):
             raise RuntimeError("server did not start:\n" + "".join(lines[-30:]))
         print("  its port was taken meanwhile: again on another", flush=True)
     try:

@@ -137,6 +137,17 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def local_cpu_threads(args: argparse.Namespace) -> int | None:
+    """The torch threads of each CPU engine of a cluster started here: this machine's cores shared
+    out among the workers. Without it a replica gets Ray's OMP_NUM_THREADS (its reserved CPUs, 1 by
+    default), which leaves cores idle when there are fewer workers than cores. None: not ours to pick
+    (given, a GPU engine, or a cluster elsewhere)."""
+    if args.cpu_threads is not None or args.device != "cpu" or args.address:
+        return args.cpu_threads
+    workers = args.decode + (args.prefill if args.mode == "disaggregated" else 0)
+    return max(1, (args.ray_cpus or os.cpu_count() or 1) // max(1, workers))
+
+
 def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServeConfig:
     worker = {"num_cpus": args.worker_cpus, "num_gpus": args.worker_gpus}
     return PDServeConfig(
@@ -144,7 +155,7 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
         served_model_name=args.served_model_name or (TINY_MODEL_NAME if tiny else None),
         tiny_model=tiny,
         mode=args.mode,
-        engine=engine_kwargs_from_args(args),
+        engine=engine_kwargs_from_args(args) | {"cpu_threads": local_cpu_threads(args)},
         prefill={**worker, "num_replicas": args.prefill, "engine": args.prefill_engine},
         decode={**worker, "num_replicas": args.decode, "engine": args.decode_engine},
         router={

@@ -62,6 +62,25 @@ def test_serve_flags_reach_the_application_config():
     assert (engine.cuda_graphs, engine.block_size, engine.swap_space) == (False, 32, 1.5)
 
 
+def test_a_local_cpu_cluster_shares_the_cores_out_among_its_workers():
+    """Without --cpu-threads, each CPU engine of a cluster started here gets cores / workers torch
+    threads (a Ray replica would otherwise get OMP_NUM_THREADS=1 and leave cores idle); a value given,
+    a GPU engine or a remote cluster keep theirs."""
+    from cli.serve import config_from_args
+
+    def threads(*flags: str) -> int | None:
+        args = _subparser("serve").parse_args(["--ray-cpus", "8", *flags])
+        return config_from_args(args, "m", tiny=False).engine.cpu_threads
+
+    assert threads() == 4  # 1 prefill + 1 decode
+    assert threads("--mode", "aggregated") == 8
+    assert threads("--mode", "aggregated", "--decode", "3") == 2
+    assert threads("--prefill", "5", "--decode", "5") == 1
+    assert threads("--cpu-threads", "3") == 3
+    assert threads("--device", "cuda") is None
+    assert threads("--address", "10.0.0.1:6379") is None
+
+
 def test_serve_config_validates_with_the_engines_own_checks():
     with pytest.raises(ValueError, match="power of two"):
         PDServeConfig(model="m", engine={"block_size": 24})
