@@ -97,9 +97,10 @@ def add_parser(sub) -> None:
     s.add_argument(
         "--http-server",
         default="serve_proxy",
-        choices=["serve_proxy", "direct"],
+        choices=["serve_proxy", "direct", "router"],
         help="serve_proxy: Ray Serve's HTTP proxy in front of the ingress; direct: the ingress replicas "
-        "serve HTTP themselves (one process hop less per token)",
+        "serve HTTP themselves (one process hop less per token); router: the router replicas serve HTTP, "
+        "their ingress calling the router in-process (two hops less)",
     )
     s.add_argument(
         "--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per prefill/decode replica"
@@ -249,7 +250,7 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
     record = new_record(args.name, config.app_name, base, *cluster_identity())
     write_record(record)  # from now on `pdserve status --service NAME` finds this cluster
     try:
-        if config.ingress.http_server == "direct":  # the ingress replicas serve HTTP themselves
+        if config.ingress.http_server != "serve_proxy":  # the ingress (or router) replicas serve HTTP
             serve.start(proxy_location="Disabled")
         else:
             serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})

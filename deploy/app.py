@@ -4,7 +4,8 @@
 ``serve deploy`` / KubeRay build exactly what ``pdserve serve`` builds: its ``args`` are a
 ``PDServeConfig``. Deployments: Ingress (HTTP) -> Router -> Prefill + Decode; in aggregated mode
 there is no Prefill deployment and decode replicas prefill locally; with ``autoscaling`` set, an
-Autoscaler deployment runs the P/D policy. Deploy with ``external_scaler_enabled`` set to
+Autoscaler deployment runs the P/D policy; with ``ingress.http_server: router`` the router replicas
+serve HTTP and there is no Ingress deployment. Deploy with ``external_scaler_enabled`` set to
 ``config.external_scaler_enabled`` so ``pdserve scale`` and the policy can change replica counts.
 """
 
@@ -39,6 +40,11 @@ def build_app(args: PDServeConfig | dict[str, Any]) -> Application:
     # The router finds workers through Redis, not through Serve; binding them here makes Serve start
     # and stop them as parts of this one application.
     router = RouterServer.options(**config.router.deployment_options()).bind(shared, [decode, prefill])
-    companions = [AutoscalerServer.bind(shared, router)] if config.autoscaling is not None else []
+    autoscaler = AutoscalerServer.bind(shared, router) if config.autoscaling is not None else None
+    if config.ingress.http_server == "router":
+        # The router replicas serve HTTP themselves: no Ingress deployment. Serve needs one root that
+        # reaches every deployment: the autoscaler (it holds the router) when there is one.
+        return autoscaler or router
     ingress_opts = config.ingress.deployment_options() | {"max_ongoing_requests": _INGRESS_MAX_ONGOING}
+    companions = [autoscaler] if autoscaler is not None else []
     return IngressServer.options(**ingress_opts).bind(shared, router, companions)

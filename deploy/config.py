@@ -171,11 +171,14 @@ class IngressDeploymentOptions(ReplicaOptions, IngressOptions):
     ``http_server``: ``serve_proxy`` (default) puts Ray Serve's HTTP proxy in front of the replicas;
     ``direct`` has each replica serve HTTP itself on ``host:port`` (uvicorn, SO_REUSEPORT so replicas
     on one node share the port) and runs no Serve proxy: one process hop less on every token's
-    path. KubeRay's serve Service routes to Serve's proxies, so manifests keep ``serve_proxy``.
+    path. ``router``: no ingress replicas at all; each router replica serves HTTP on ``host:port``
+    and its ingress calls the router in-process, one more process hop less (the ingress's replica
+    options are then unused: the router's ``num_replicas`` is the number of HTTP servers). KubeRay's
+    serve Service routes to Serve's proxies, so manifests keep ``serve_proxy``.
     """
 
     num_cpus: float = Field(0.1, ge=0)
-    http_server: Literal["serve_proxy", "direct"] = "serve_proxy"
+    http_server: Literal["serve_proxy", "direct", "router"] = "serve_proxy"
 
 
 class PDServeConfig(_Strict):

@@ -34,6 +34,32 @@ def _replica_id() -> str:
     return serve.get_replica_context().replica_id.unique_id
 
 
+async def _ingress(config: PDServeConfig, client):
+    """The OpenAI endpoint's object (``ingress.server.Ingress``) over ``client``'s router."""
+    from ingress.model_info import load_model_info
+    from ingress.server import Ingress, api_key_from
+
+    info = await asyncio.to_thread(
+        load_model_info, config.model, config.model_name, config.engine.max_model_len, config.tiny_model
+    )
+    return Ingress(
+        info,
+        config.ingress,
+        client,
+        api_key_from(config.ingress.api_key_file),
+        expect_prefill=config.mode == "disaggregated",
+        replica=_replica_id(),
+    )
+
+
+async def _serve_ingress(config: PDServeConfig, client):
+    """An ingress over ``client`` serving HTTP from this replica on ``ingress.host:port``."""
+    from ingress.server import serve_http
+
+    ingress = await _ingress(config, client)
+    return ingress, await serve_http(ingress.http, config.ingress.host, config.ingress.port)
+
+
 class _WorkerReplica:
     """What the prefill and decode replicas share: health, state, draining shutdown."""
 
@@ -125,6 +151,7 @@ class DecodeServer(_WorkerReplica):
 class RouterServer:
     async def __init__(self, config: PDServeConfig, workers: list | None = None) -> None:
         from registry.cluster_view import ClusterView
+        from router.local_client import LocalRouterClient
         from router.router import Router
         from router.service import serve as serve_router
 
@@ -142,6 +169,11 @@ class RouterServer:
             kv_streaming_tokens=r.kv_streaming_tokens,
         )
         self.server, self.address = await serve_router(self.router, _bind_host(config), 0)
+        # ``http_server: router``: this replica is also the HTTP endpoint, the ingress calling the
+        # router in-process (no ingress replica, no gRPC hop between them).
+        self.ingress, self._http = None, None
+        if config.ingress.http_server == "router":
+            self.ingress, self._http = await _serve_ingress(config, LocalRouterClient(self.router))
 
     async def get_address(self) -> str:
         return self.address
@@ -149,11 +181,17 @@ class RouterServer:
     async def check_health(self) -> None:
         if not self.view.alive:
             raise RuntimeError("the router's cluster view thread died")
+        if self._http is not None and self._http.task.done():
+            raise RuntimeError("the router's HTTP server stopped")
 
     async def __del__(self) -> None:
+        if self.ingress is not None:
+            await self.ingress.close()  # new requests get 503 while the rest drains
         deadline = time.monotonic() + max(0.0, self.config.router.graceful_shutdown_timeout_s - 2.0)
         while self.router.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self._http is not None:
+            await self._http.stop()
         await self.server.stop(grace=1.0)
         await self.router.close()
         await asyncio.to_thread(self.view.stop)
@@ -189,22 +227,10 @@ class IngressServer:
     """The OpenAI HTTP endpoint: an ``ingress.server.Ingress`` per replica, its FastAPI app served."""
 
     async def __init__(self, config: PDServeConfig, router, companions: list | None = None) -> None:
-        from ingress.model_info import load_model_info
-        from ingress.server import Ingress, api_key_from
         from router.client import RouterClient
 
-        info = await asyncio.to_thread(
-            load_model_info, config.model, config.model_name, config.engine.max_model_len, config.tiny_model
-        )
-        self.ingress = Ingress(
-            info,
-            config.ingress,
-            RouterClient(lambda: router.get_address.remote()),
-            api_key_from(config.ingress.api_key_file),
-            expect_prefill=config.mode == "disaggregated",
-            replica=_replica_id(),
-        )
-
+        client = RouterClient(lambda: router.get_address.remote())
+        self.ingress = await _ingress(config, client)
         self._direct = None
         if config.ingress.http_server == "direct":
             from ingress.server import serve_http

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -15,6 +16,38 @@ from router.migration import MigrationRefused
 from router.router import NoWorkersError, Router
 
 logger = logging.getLogger(__name__)
+
+
+class RouteFailed(Exception):
+    """A request the router could not serve, as the status its caller gets."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+async def caller_stream(
+    router: Router, request_id: str, prompt: list[int], params, priority: int, deadline: float | None
+) -> AsyncIterator[pb.GenerateResponse]:
+    """``Router.generate`` as its caller sees it, over gRPC or in the same process: an abort by
+    ``Router.Abort`` ends the stream with an ``abort`` finish; every failure is a ``RouteFailed``."""
+    try:
+        async for msg in router.generate(request_id, prompt, params, priority=priority, deadline=deadline):
+            yield msg
+    except asyncio.CancelledError:
+        if not router.take_aborted():
+            raise  # the caller went away
+        asyncio.current_task().uncancel()  # Router.Abort cancelled it: end the stream normally
+        yield pb.GenerateResponse(finished=pb.Finished(finish_reason="abort"))
+    except NoWorkersError as exc:
+        router.stats.failed += 1
+        raise RouteFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+    except MigrationRefused as exc:  # its decode worker was lost and it cannot move (a 503)
+        router.stats.failed += 1
+        raise RouteFailed(exc.code, str(exc)) from None
+    except grpc.aio.AioRpcError as exc:  # a worker's refusal or failure, passed on as is
+        router.stats.failed += 1
+        raise RouteFailed(exc.code(), exc.details() or str(exc.code())) from None
 
 
 class RouterService(pb_grpc.RouterServicer):
@@ -34,24 +67,12 @@ class RouterService(pb_grpc.RouterServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            async for msg in self.router.generate(
-                request.request_id, prompt, params, priority=request.priority, deadline=deadline
+            async for msg in caller_stream(
+                self.router, request.request_id, prompt, params, request.priority, deadline
             ):
                 yield msg
-        except asyncio.CancelledError:
-            if not self.router.take_aborted():
-                raise  # the caller went away
-            asyncio.current_task().uncancel()  # Router.Abort cancelled it: end the stream normally
-            yield pb.GenerateResponse(finished=pb.Finished(finish_reason="abort"))
-        except NoWorkersError as exc:
-            self.router.stats.failed += 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except MigrationRefused as exc:  # its decode worker was lost and it cannot move (a 503)
-            self.router.stats.failed += 1
-            await context.abort(exc.code, str(exc))
-        except grpc.aio.AioRpcError as exc:  # a worker's refusal or failure, passed on as is
-            self.router.stats.failed += 1
-            await context.abort(exc.code(), exc.details() or str(exc.code()))
+        except RouteFailed as exc:
+            await context.abort(exc.code, exc.details)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=await self.router.abort(request.request_id))

@@ -66,3 +66,49 @@ def test_demo_on_embedded_defaults(serve_model, http_server):
     final = [line for line in out.stdout.splitlines() if "KV blocks free" in line]
     assert len(final) == 2 and all(" 0 running, 0 waiting, 0 held, 64/64 KV blocks free" in x for x in final)
     assert "pdserve stopped" in out.stdout
+
+
+def test_router_replicas_serve_http_themselves(serve_model, module_redis_server, hf_greedy):
+    """``--http-server router``: no ingress replica runs; the router replica serves the OpenAI API,
+    its ingress calling the router in-process. Disaggregated output still equals HF greedy, bad input
+    and a missing key still get OpenAI errors, a client that leaves mid-stream frees its blocks, and
+    ``pdserve status`` reads the same router's counts."""
+    svc = ServeProcess(serve_model, module_redis_server.url, "--http-server", "router")
+    try:
+        replicas = "\n".join(svc.leftover_processes())
+        assert "pdserve:Router" in replicas and "pdserve:Ingress" not in replicas, replicas
+        client = openai.OpenAI(base_url=svc.base + "/v1", api_key=svc.api_key, max_retries=0, timeout=120)
+        tok = AutoTokenizer.from_pretrained(serve_model)
+        name = client.models.list().data[0].id
+        ids = tok.encode("the world is")
+        expected = tok.decode(ids + hf_greedy(serve_model, ids, 10))[len(tok.decode(ids)) :]
+        r = client.completions.create(
+            model=name, prompt="the world is", max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert r.choices[0].text == expected
+        stream = client.completions.create(
+            model=name,
+            prompt="the world is",
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+        left = client.completions.create(
+            model=name, prompt="there was", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(left))
+        left.close()  # the client goes away mid-stream: its request is aborted on the workers
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.completions.create(model=name, prompt="x", max_tokens=-1)
+        status, _, body = svc.request("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        health = svc.request("GET", "/health")[2]
+        assert health["prefill_workers"] == 1 and health["decode_workers"] == 1
+        svc.wait_idle()
+        assert svc.status()["cluster"]["requestsRouted"] >= 3
+    finally:
+        code = svc.terminate()
+    assert code == 0
+    assert svc.leftover_processes() == []
