@@ -168,6 +168,8 @@ def overhead(quick: bool) -> dict:
         ("aggregated_http_direct", ("--mode", "aggregated", "--decode", "1", "--http-server", "direct")),
         ("disaggregated_http", ("--prefill", "1", "--decode", "1")),
         ("disaggregated_http_direct", ("--prefill", "1", "--decode", "1", "--http-server", "direct")),
+        ("aggregated_http_router", ("--mode", "aggregated", "--decode", "1", "--http-server", "router")),
+        ("disaggregated_http_router", ("--prefill", "1", "--decode", "1", "--http-server", "router")),
         (
             "aggregated_http_direct_1_thread",
             ("--mode", "aggregated", "--decode", "1", "--http-server", "direct", "--cpu-threads", "1"),
@@ -207,6 +209,10 @@ def overhead(quick: bool) -> dict:
         "direct_http_over_engine_aggregated": runs["aggregated_http_direct"]["request_throughput"]
         / engine_rps,
         "direct_http_over_engine_disaggregated": runs["disaggregated_http_direct"]["request_throughput"]
+        / engine_rps,
+        "router_http_over_engine_aggregated": runs["aggregated_http_router"]["request_throughput"]
+        / engine_rps,
+        "router_http_over_engine_disaggregated": runs["disaggregated_http_router"]["request_throughput"]
         / engine_rps,
         "direct_1_thread_over_engine_aggregated": runs["aggregated_http_direct_1_thread"][
             "request_throughput"
