@@ -1,12 +1,13 @@
 """Where a short request's time goes, hop by hop, through the whole HTTP stack.
 
-    python -m bench.hop_breakdown [--quick] [--http-server serve_proxy,direct] [--cpu-threads N]
+    python -m bench.hop_breakdown [--quick] [--http-server serve_proxy,direct,router] [--cpu-threads N]
 
 Starts ``pdserve serve`` aggregated (1 decode worker) and disaggregated (1 prefill + 1 decode), per
 HTTP server, and sends short requests (16 prompt tokens, 16 output tokens) at concurrency 1 and 32
 with ``x-pdserve-debug: timing``: every request comes back with each hop's own durations (ingress,
 router, prefill queue and compute, KV transfer, first decode step, ...), and the HTTP proxy's share
-is the client's TTFT less the ingress's. Per request, the TTFT splits exactly into:
+is the client's TTFT less the ingress's (with ``router`` the ingress runs inside the router replica
+and ``grpc_ingress_router`` is ~0). Per request, the TTFT splits exactly into:
 
     http_proxy + ingress_parse + ingress_queue + ingress + grpc_ingress_router + route + router
       + grpc_router_worker + worker queue + worker compute (the step that made the first token)
@@ -123,7 +124,9 @@ def engine_ttft(prompts: list[list[int]]) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.hop_breakdown", description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
-    p.add_argument("--http-server", default="serve_proxy,direct", help="comma-separated: serve_proxy, direct")
+    p.add_argument(
+        "--http-server", default="serve_proxy,direct", help="comma-separated: serve_proxy, direct, router"
+    )
     p.add_argument(
         "--cpu-threads",
         type=int,

@@ -16,8 +16,8 @@ ends right after, taking its team with it, so the engine loop's thread is the pr
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -25,18 +25,5 @@ T = TypeVar("T")
 
 def build_off_thread(factory: Callable[[], T], name: str = "engine-build") -> T:
     """``factory()``, run on a new thread that is gone (with any OpenMP team it made) on return."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(factory())
-        except BaseException as exc:  # re-raised on the calling thread
-            error.append(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) as pool:  # exits joining it
+        return pool.submit(factory).result()
