@@ -37,6 +37,11 @@ T = TypeVar("T")
 _STEP_DECAY = 0.99
 
 
+def _deliver(items: list[tuple[asyncio.Queue, SequenceOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
 class EngineLoopFailed(RuntimeError):
     """The engine loop died (its step raised); nothing more will run on it."""
 
@@ -133,14 +138,22 @@ class EngineLoop:
         return 0.0 if self.busy_since is None else time.monotonic() - max(self.busy_since, self.last_progress)
 
     def publish(self, outputs: list[SequenceOutput]) -> None:
-        """Deliver outputs produced outside ``step()`` (aborts, stop strings) to their streams."""
+        """Deliver outputs (a step's, or ones produced outside ``step()``: aborts, stop strings) to
+        their streams: one wake-up of each event loop per call, not one per output, so a step of 32
+        sequences costs its reader's loop one callback and the engine thread one self-pipe write."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, SequenceOutput]]] = {}
         for out in outputs:
             for hook in self._output_hooks:
                 hook(out)
             target = self._streams.get(out.request_id)
             if target is not None:
                 loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, out)
+                batches.setdefault(loop, []).append((q, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop closed: nobody reads these streams any more
+                logger.debug("dropped %d outputs for a closed event loop", len(items))
 
     def _run(self) -> None:
         try:

@@ -54,6 +54,30 @@ def _with_components(app: FastAPI, models) -> None:
     app.openapi = openapi
 
 
+class _APIKeyGuard:
+    """Refuses ``/v1/*`` and the ``guarded`` paths without ``Authorization: Bearer <key>`` (compared
+    in constant time). Plain ASGI, not ``BaseHTTPMiddleware``: a streamed response's chunks go
+    straight to the server, not through a memory stream and a task per request."""
+
+    def __init__(self, app, key: bytes, guarded: tuple[str, ...]) -> None:
+        self.app, self.key, self.guarded = app, key, guarded
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path.startswith("/v1/") or path.startswith(self.guarded):
+                header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                scheme, _, token = header.partition(b" ")
+                if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                    err = APIError(401, "missing or invalid API key", code="invalid_api_key")
+                    response = JSONResponse(
+                        err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                    )
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
 def build_http_app(
     serving: OpenAIServing,
     api_key: str | None,
@@ -80,16 +104,8 @@ def build_http_app(
         logger.exception("unhandled error on %s", request.url.path)
         return JSONResponse(APIError(500, "internal server error", code="internal").body(), status_code=500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        path = request.url.path
-        if key is not None and (path.startswith("/v1/") or path.startswith(guarded)):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
-                err = APIError(401, "missing or invalid API key", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    if key is not None:
+        app.add_middleware(_APIKeyGuard, key=key, guarded=guarded)
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")

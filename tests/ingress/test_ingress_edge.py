@@ -194,3 +194,32 @@ def test_a_stop_string_inside_a_multi_token_chunk_drops_the_tokens_after_it(info
         assert out["usage"]["completion_tokens"] == 2
 
     asyncio.run(run())
+
+
+def test_a_keyed_stream_passes_the_key_check_chunk_by_chunk(info):
+    """With an API key, the key check lets a streamed completion through as it is produced (each token
+    reaches the client before the next is fed); a wrong or missing key, or another scheme, is a 401
+    that never reaches the router."""
+
+    async def run():
+        router = FedRouter()
+        app = _app(info, router, api_key="sesame")
+        stream_body = {**BODY, "stream": True}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sesame"}):
+            r = await call(app, "/v1/completions", stream_body, headers=headers)
+            assert r.status == 401 and r.headers["www-authenticate"] == "Bearer", headers
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert router.feed.empty()
+        out = Response()
+        task = asyncio.create_task(
+            call(app, "/v1/completions", stream_body, headers={"Authorization": "bearer sesame"}, out=out)
+        )
+        for i, tok in enumerate((5, 6, 7)):
+            await router.feed.put(tokens([tok]))
+            await out.wait_for(lambda r, n=i + 1: len(r.events()) >= n)
+        await router.feed.put(finished())
+        await task
+        assert out.status == 200 and out.events()[-1]["choices"][0]["finish_reason"] == "length"
+        assert out.body.endswith(b"data: [DONE]\n\n")
+
+    asyncio.run(run())
