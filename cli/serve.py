@@ -139,14 +139,20 @@ def _json_object(text: str) -> dict:
 
 
 def local_cpu_threads(args: argparse.Namespace) -> int | None:
-    """The torch threads of each CPU engine of a cluster started here: this machine's cores shared
-    out among the workers. Without it a replica gets Ray's OMP_NUM_THREADS (its reserved CPUs, 1 by
+    """The torch threads of each CPU engine of a cluster started here: ``--ray-cpus``, else the cores
+    this process may use, shared out among the workers. Without it a replica gets Ray's OMP_NUM_THREADS (its reserved CPUs, 1 by
     default), which leaves cores idle when there are fewer workers than cores. None: not ours to pick
     (given, a GPU engine, or a cluster elsewhere)."""
     if args.cpu_threads is not None or args.device != "cpu" or args.address:
         return args.cpu_threads
     workers = args.decode + (args.prefill if args.mode == "disaggregated" else 0)
-    return max(1, (args.ray_cpus or os.cpu_count() or 1) // max(1, workers))
+    return max(1, (args.ray_cpus or usable_cores()) // max(1, workers))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's cpuset, ``taskset``), not the host's count:
+    more torch threads than cores makes OpenMP's threads wait on each other (bench/README.md)."""
+    return len(os.sched_getaffinity(0)) or 1
 
 
 def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServeConfig:
@@ -240,7 +246,7 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
         ray.init(address=args.address, logging_level=logging.WARNING, log_to_driver=args.verbose)
     else:
         ray.init(
-            num_cpus=args.ray_cpus or max(os.cpu_count() or 1, _cpus_needed(config)),
+            num_cpus=args.ray_cpus or max(usable_cores(), _cpus_needed(config)),
             include_dashboard=False,
             logging_level=logging.WARNING,
             log_to_driver=args.verbose,

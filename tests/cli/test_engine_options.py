@@ -81,6 +81,21 @@ def test_a_local_cpu_cluster_shares_the_cores_out_among_its_workers():
     assert threads("--address", "10.0.0.1:6379") is None
 
 
+def test_the_cores_shared_out_are_those_this_process_may_use(monkeypatch):
+    """Without --ray-cpus the cores counted are the process's own (a container's cpuset, taskset),
+    not the host's: 3 usable cores of a 64-core host give an aggregated worker 3 threads, not 64."""
+    import os
+
+    from cli.serve import config_from_args
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9})
+    args = _subparser("serve").parse_args(["--mode", "aggregated"])
+    assert config_from_args(args, "m", tiny=False).engine.cpu_threads == 3
+    args = _subparser("serve").parse_args([])
+    assert config_from_args(args, "m", tiny=False).engine.cpu_threads == 1  # 1 prefill + 1 decode
+
+
 def test_serve_config_validates_with_the_engines_own_checks():
     with pytest.raises(ValueError, match="power of two"):
         PDServeConfig(model="m", engine={"block_size": 24})
