@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
     s.add_argument("--mode", default="disaggregated", choices=["disaggregated", "aggregated"])
     s.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"])
     s.add_argument(
+        "--stream-interval", type=int, default=1, help="tokens a stream holds before it sends them"
+    )
+    s.add_argument(
         "--local-prefill-tokens",
         type=int,
         default=0,
@@ -164,7 +167,12 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
         mode=args.mode,
         engine=engine_kwargs_from_args(args) | {"cpu_threads": local_cpu_threads(args)},
         prefill={**worker, "num_replicas": args.prefill, "engine": args.prefill_engine},
-        decode={**worker, "num_replicas": args.decode, "engine": args.decode_engine},
+        decode={
+            **worker,
+            "num_replicas": args.decode,
+            "engine": args.decode_engine,
+            "stream_interval": args.stream_interval,
+        },
         router={
             "policy": args.policy,
             "local_prefill_tokens": args.local_prefill_tokens,

@@ -27,6 +27,12 @@ def main() -> None:
         default=0.5,
         help="seconds between Progress messages on a quiet Decode stream (the router's stall watch)",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens a Decode stream holds before it sends them (its first and last go at once)",
+    )
     args = p.parse_args()
     prepare_process(args)
     config = DecodeWorkerConfig(
@@ -36,6 +42,7 @@ def main() -> None:
         kv_failure_policy=args.kv_failure_policy,
         transfer_timeout_s=args.transfer_timeout,
         keepalive_s=args.keepalive,
+        stream_interval=args.stream_interval,
     )
     worker = DecodeWorker(config)
     asyncio.run(serve_until_signal(worker, serve, args.host, args.port))

@@ -23,7 +23,6 @@ it connects NIXL to every prefill worker the registry lists, so first pulls pay 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from decode_worker.kv_pull import (
     PulledKV,
 )
 from decode_worker.peers import KVWatch, fetch_prefill_peer, registered_prefill_addresses
+from decode_worker.stream_output import StreamInterval, merge_outputs
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from kv_transfer import RemoteKVInfo
@@ -72,6 +72,7 @@ class DecodeWorkerConfig(WorkerConfig):
     transfer_timeout_s: float = 10.0  # seconds before a KV pull fails
     warm_interval_s: float = 5.0  # how often new prefill workers are looked up and connected
     keepalive_s: float = 0.5  # a quiet Decode stream carries a Progress message this often
+    stream_interval: int = 1  # tokens a stream holds before it sends them (decode_worker.stream_output)
 
 
 class WorkerUnavailableError(RuntimeError):
@@ -239,6 +240,7 @@ class DecodeWorker(WorkerRuntime):
             if not admitted:
                 return  # the first token already ended the request
             unfinished = params.n  # every sample ends with its own finish reason
+            hold = StreamInterval(self.config.stream_interval, first_sent=bool(kv or kv_source))
             while True:
                 # Whatever the engine produced since the last look goes out as one output per
                 # sample: a stream that fell behind catches up in one message, not one per token.
@@ -248,12 +250,14 @@ class DecodeWorker(WorkerRuntime):
                     try:
                         async with asyncio.timeout(keepalive_s):
                             outs = [await stream.get()]
-                    except TimeoutError:
-                        yield self.progress(keepalive_s)
+                    except TimeoutError:  # quiet: what is held goes out, or a sign of life
+                        outs = hold.flush() or [self.progress(keepalive_s)]
+                        for out in outs:
+                            yield out
                         continue
                 while not stream.empty():
                     outs.append(stream.get_nowait())
-                for out in merge_outputs(outs):
+                for out in hold.release(merge_outputs(outs)):
                     if out.finish_reason in ("error", "abort"):
                         self._check_available(request_id)
                     if out.error and out.finish_reason == "error":
@@ -425,25 +429,3 @@ class DecodeWorker(WorkerRuntime):
         outs = self.core.abort_request(rid)
         self.loop.publish(outs)
         return bool(outs)
-
-
-def merge_outputs(outs: list[SequenceOutput]) -> list[SequenceOutput]:
-    """Each sample's queued outputs joined into one (tokens and logprobs in order, the last one's
-    finish), samples in the order they first appear (the engine interleaves them step by step); an
-    error output stands alone. One output comes back as it is."""
-    if len(outs) == 1:
-        return outs
-    merged: list[SequenceOutput] = []
-    open_: dict[int, SequenceOutput] = {}  # sample -> its output still taking tokens
-    for out in outs:
-        last = open_.get(out.sample_index)
-        if last is None or last.finish_reason is not None or last.error or out.error:
-            last = open_[out.sample_index] = dataclasses.replace(out, new_token_ids=list(out.new_token_ids))
-            merged.append(last)
-            continue
-        last.new_token_ids.extend(out.new_token_ids)
-        if last.new_logprobs is not None or out.new_logprobs is not None:
-            last.new_logprobs = [*(last.new_logprobs or []), *(out.new_logprobs or [])]
-        last.finish_reason, last.stop_reason = out.finish_reason, out.stop_reason
-        last.num_cached_tokens = out.num_cached_tokens or last.num_cached_tokens
-    return merged

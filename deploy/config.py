@@ -135,6 +135,9 @@ class DecodeOptions(_WorkerPoolOptions):
     kv_failure_policy: Literal["recompute", "fail"] = "recompute"
     transfer_timeout_s: float = Field(10.0, gt=0)
     keepalive_s: float = Field(0.5, ge=0)  # Progress messages on a quiet stream (the router's stall watch)
+    # Tokens a stream holds before it sends them (first and last never wait): fewer messages through
+    # gRPC, the router and HTTP per token, burstier streams (decode_worker/stream_output.py).
+    stream_interval: int = Field(1, ge=1)
 
 
 _MIGRATION = MigrationOptions()  # its defaults are the config's

@@ -132,6 +132,7 @@ class DecodeServer(_WorkerReplica):
                 kv_failure_policy=config.decode.kv_failure_policy,
                 transfer_timeout_s=config.decode.transfer_timeout_s,
                 keepalive_s=config.decode.keepalive_s,
+                stream_interval=config.decode.stream_interval,
                 model_name=config.model_name,
                 redis_url=environment.require_redis_url(config.redis_url),
             )

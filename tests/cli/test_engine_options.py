@@ -62,6 +62,18 @@ def test_serve_flags_reach_the_application_config():
     assert (engine.cuda_graphs, engine.block_size, engine.swap_space) == (False, 32, 1.5)
 
 
+def test_the_stream_interval_reaches_the_decode_pool_and_must_be_positive():
+    from pydantic import ValidationError
+
+    from cli.serve import config_from_args
+
+    parse = _subparser("serve").parse_args
+    assert config_from_args(parse([]), "m", tiny=False).decode.stream_interval == 1
+    assert config_from_args(parse(["--stream-interval", "4"]), "m", tiny=False).decode.stream_interval == 4
+    with pytest.raises(ValidationError, match="stream_interval"):
+        config_from_args(parse(["--stream-interval", "0"]), "m", tiny=False)
+
+
 def test_a_local_cpu_cluster_shares_the_cores_out_among_its_workers():
     """Without --cpu-threads, each CPU engine of a cluster started here gets cores / workers torch
     threads (a Ray replica would otherwise get OMP_NUM_THREADS=1 and leave cores idle); a value given,

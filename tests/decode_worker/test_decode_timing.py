@@ -11,7 +11,7 @@ import test_decode_worker as dw
 from test_decode_worker import BLOCK, GREEDY, _prompt, wait_until
 
 from decode_worker.service import DecodeService
-from decode_worker.worker import merge_outputs
+from decode_worker.stream_output import merge_outputs
 from engine import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from prefill_worker.service import PrefillService
