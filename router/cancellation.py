@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 class Cancellation:
-    def __init__(self, channel: Callable[[str], grpc.aio.Channel]) -> None:
-        self._channel = channel
+    def __init__(self, decode_stub: Callable[[str], pb_grpc.DecodeWorkerStub]) -> None:
+        self._decode_stub = decode_stub
         self._tasks: dict[str, asyncio.Task] = {}  # request -> the task serving its stream
         # request -> (its decode worker, the id that worker knows it by), while the call is open
         self.decoding: dict[str, tuple[WorkerRecord, str]] = {}
@@ -71,9 +71,7 @@ class Cancellation:
 
     async def _ask(self, w: WorkerRecord, request_id: str, log: bool = False) -> bool:
         try:
-            r = await pb_grpc.DecodeWorkerStub(self._channel(w.address)).Abort(
-                pb.AbortRequest(request_id=request_id), timeout=5
-            )
+            r = await self._decode_stub(w.address).Abort(pb.AbortRequest(request_id=request_id), timeout=5)
             return r.aborted
         except grpc.aio.AioRpcError as exc:
             if log:

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import grpc
 
 from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
 from registry.schema import WorkerRecord
 from router.cancellation import Cancellation
 from router.migration import MIGRATABLE, DecodeLost, ProgressWatch, continuation
 from router.policies import WorkerLoad
+from router.worker_stubs import WorkerStubs
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class DecodeRelay:
     stats: object
     kv_streaming_tokens: int
 
-    def _channel(self, address: str) -> grpc.aio.Channel: ...
+    stubs: WorkerStubs
+
     def decode_candidates(self, lost=frozenset()) -> list[WorkerRecord]: ...
     def _in_background(self, coro) -> None: ...
 
@@ -102,7 +103,7 @@ class DecodeRelay:
         )
         if handle is not None:
             req.handle.CopyFrom(handle)
-        call = pb_grpc.DecodeWorkerStub(self._channel(w.address)).Decode(req, timeout=_remaining(deadline))
+        call = self.stubs.decode(w.address).Decode(req, timeout=_remaining(deadline))
         decoding = self.cancellation.decoding
         entry = decoding[key] = (w, rid)
 
@@ -116,7 +117,7 @@ class DecodeRelay:
     async def _provide_kv(self, opened: OpenDecode, handle: pb.KVHandle, deadline) -> bool:
         """Hand a streaming Decode its complete KV handle; False when it did not take it."""
         try:
-            resp = await pb_grpc.DecodeWorkerStub(self._channel(opened.worker.address)).ProvideKV(
+            resp = await self.stubs.decode(opened.worker.address).ProvideKV(
                 pb.ProvideKVRequest(request_id=handle.request_id, handle=handle), timeout=_remaining(deadline)
             )
             return resp.accepted
@@ -199,7 +200,7 @@ class DecodeRelay:
 
     async def _release_at(self, address: str, rid: str, epoch: int) -> None:
         try:
-            await pb_grpc.PrefillWorkerStub(self._channel(address)).Release(
+            await self.stubs.prefill(address).Release(
                 pb.ReleaseRequest(request_id=rid, epoch=epoch), timeout=5
             )
         except grpc.aio.AioRpcError as exc:

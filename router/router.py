@@ -25,7 +25,6 @@ import grpc
 from engine.block_hash import iter_block_hashes
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_to_proto
 from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord
@@ -43,6 +42,7 @@ from router.migration import (
 )
 from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
 from router.prefill_watch import PrefillStalled, watched
+from router.worker_stubs import WorkerStubs
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +108,12 @@ class Router(DecodeRelay):
         self.stats = RouterStats()
         self.hops = HopWindow()  # hop timings of the last finished requests (pdserve status)
         self.active = 0  # Generate streams in progress (shutdown waits for them)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.stubs = WorkerStubs()
         self._background: set[asyncio.Future] = set()
-        self.cancellation = Cancellation(self._channel)  # what ``abort`` acts on
+        self.cancellation = Cancellation(self.stubs.decode)  # what ``abort`` acts on
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
-        return ch
+        await self.stubs.close()
 
     # Routing ----------------------------------------------------------------------------------
 
@@ -409,7 +402,7 @@ class Router(DecodeRelay):
         routed = self.routed.add(w.worker_id, hashes.all())
         computed = False
         try:
-            call = pb_grpc.PrefillWorkerStub(self._channel(w.address)).Prefill(
+            call = self.stubs.prefill(w.address).Prefill(
                 pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority),
                 timeout=_remaining(deadline),
             )
