@@ -79,6 +79,3 @@ class StreamInterval:
         outs = list(self._held.values())
         self._held.clear()
         return outs
-
-    def holding(self) -> bool:
-        return bool(self._held)

@@ -34,9 +34,9 @@ def test_the_first_token_goes_at_once_then_tokens_wait_for_the_interval():
     assert _shape(hold.release([_out([1])])) == [(0, [1], None)]
     assert hold.release([_out([2])]) == [] and hold.release([_out([3])]) == []
     assert _shape(hold.release([_out([4])])) == [(0, [2, 3, 4], None)]
-    assert hold.release([_out([5])]) == [] and hold.holding()
+    assert hold.release([_out([5])]) == []
     assert _shape(hold.release([_out([6], finish="length")])) == [(0, [5, 6], "length")]
-    assert not hold.holding()
+    assert hold.flush() == []
 
 
 def test_samples_are_held_apart_and_a_quiet_stream_flushes_them():

@@ -1,5 +1,5 @@
 """The other ways to run ``pdserve serve``: aggregated mode (decode replicas prefill locally; same
-greedy text as HF and as disaggregated serving), no API key, and the zero-setup main job
+greedy text as HF and as disaggregated serving) with a stream interval, no API key, and the zero-setup main job
 (``--demo`` on an embedded Redis-protocol server) from start to a clean exit."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_aggregated_mode_matches_hf_and_n_samples(serve_model, module_redis_server, hf_greedy):
-    svc = ServeProcess(serve_model, module_redis_server.url, "--mode", "aggregated", api_key=None)
+    svc = ServeProcess(
+        serve_model, module_redis_server.url, "--mode", "aggregated", "--stream-interval", "4", api_key=None
+    )
     try:
         client = openai.OpenAI(base_url=svc.base + "/v1", api_key="unused", max_retries=0, timeout=120)
         tok = AutoTokenizer.from_pretrained(serve_model)
@@ -31,6 +33,19 @@ def test_aggregated_mode_matches_hf_and_n_samples(serve_model, module_redis_serv
             )
             assert [c.text for c in r.choices] == [expected, expected]
             assert r.usage.completion_tokens == 20
+            # --stream-interval 4: the first token at once, then 4 per SSE event, the rest at the end,
+            # and the finish reason in an event of its own (11 events with an interval of 1)
+            stream = client.completions.create(
+                model=name,
+                prompt=prompt,
+                max_tokens=10,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            events = [c.choices[0] for c in stream if c.choices]
+            assert "".join(c.text for c in events) == expected
+            assert 3 <= len(events) <= 5 and events[-1].finish_reason == "length", events
         seeded = client.completions.create(model=name, prompt="the world is", max_tokens=8, n=3, seed=7)
         again = client.completions.create(model=name, prompt="the world is", max_tokens=8, n=3, seed=7)
         assert [c.text for c in seeded.choices] == [c.text for c in again.choices]
