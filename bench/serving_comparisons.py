@@ -9,7 +9,9 @@
    ``python -m bench.prefix_routing``, which sweeps the others): TTFT p50/p90/p99 and throughput;
 4. serving overhead: request throughput of the full HTTP stack (ingress -> router -> worker) vs the
    engine alone on the same short requests, both offline (``LLM.generate`` with every request queued
-   at once) and closed-loop at the HTTP client's concurrency (at most 32 requests in the engine).
+   at once) and closed-loop at the HTTP client's concurrency (at most 32 requests in the engine),
+   and vs the thinnest server a Python stack can be (``bench.minimal_server``: the engine loop and a
+   bare SSE endpoint in one process), the ceiling of any HTTP front on the same cores.
 (The engine vs HF transformers comparison is ``python -m bench.offline_throughput``.)
 
     python -m bench.serving_comparisons [--only interference,local_prefill,prefix,overhead] [--quick]
@@ -26,6 +28,7 @@ import json
 import time
 from pathlib import Path
 
+from bench.minimal_server import minimal_serving
 from bench.serving_harness import VOCAB, bench_args, load, serving
 from loadgen.serving_datasets import build
 
@@ -183,6 +186,10 @@ def overhead(quick: bool) -> dict:
     ):
         with serving(*flags) as base:
             runs[name] = load(base, args, concurrency=32)
+    # The ceiling of any Python HTTP front on these cores: the engine loop and a bare SSE endpoint in
+    # one process, nothing else (bench/minimal_server.py).
+    with minimal_serving(str(ensure_tiny_model())) as base:
+        runs["minimal_one_process"] = load(base, args, concurrency=32)
     closed = {
         f"{name}_over_engine_closed_loop": run["request_throughput"] / engine_closed_rps
         for name, run in runs.items()
@@ -193,11 +200,16 @@ def overhead(quick: bool) -> dict:
             for name, run in runs.items()
         }
     )
+    floor = runs["minimal_one_process"]["request_throughput"]
+    closed.update(
+        {f"{name}_over_minimal_one_process": run["request_throughput"] / floor for name, run in runs.items()}
+    )
     for name, run in runs.items():
         print(
             f"{name}: {run['request_throughput']:.1f} req/s = {closed[f'{name}_over_engine_closed_loop']:.2f}x the "
             f"engine alone at 32 in flight ({engine_closed_rps:.1f}), "
-            f"{closed[f'{name}_over_engine_one_thread']:.2f}x with one torch thread ({engine_one_thread_rps:.1f})",
+            f"{closed[f'{name}_over_engine_one_thread']:.2f}x with one torch thread ({engine_one_thread_rps:.1f}), "
+            f"{closed[f'{name}_over_minimal_one_process']:.2f}x the minimal one-process server ({floor:.1f})",
             flush=True,
         )
     return {
