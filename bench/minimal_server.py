@@ -8,7 +8,7 @@ metrics, no Ray. Whatever a served rate loses against the engine alone on the sa
 server loses too, minus everything pdserve does besides streaming; the overhead benchmark runs it
 beside ``pdserve serve`` to say how much of the gap any HTTP front would leave on the machine.
 
-    python -m bench.minimal_server [--model DIR] [--port 8100]
+    python -m bench.minimal_server [--model DIR] [--port 8100] [--device cuda --dtype bfloat16]
 
 Greedy only (``temperature`` is ignored), EOS ignored when the body says ``ignore_eos``; a client
 that disconnects aborts its request, so its blocks come back.
@@ -125,27 +125,26 @@ async def _respond(send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def serve(model: str, host: str, port: int) -> None:
+def serve(model: str, host: str, port: int, device: str = "cpu", dtype: str = "float32") -> None:
     import uvicorn
 
-    print(f"loading {model} ...", flush=True)
-    app = MinimalApp(LLM(model, num_blocks=2048), "minimal")
+    print(f"loading {model} on {device} ...", flush=True)
+    app = MinimalApp(LLM(model, num_blocks=2048, device=device, dtype=dtype), "minimal")
     app.loop.start()
     print(f"serving on http://{host}:{port}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", loop="uvloop", http="httptools")
 
 
 @contextlib.contextmanager
-def minimal_serving(model: str):
+def minimal_serving(model: str, device: str = "cpu", dtype: str = "float32"):
     """The minimal server in a child process on a free loopback port until the block ends; yields
     its base URL once ``/health`` answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     print("\n$ python -m bench.minimal_server", flush=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.minimal_server", "--model", model, "--port", str(port)]
-    )
+    cmd = [sys.executable, "-m", "bench.minimal_server", "--model", model, "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--device", device, "--dtype", dtype])
     base = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -172,8 +171,10 @@ def main() -> None:
     p.add_argument("--model", default=None, help="checkpoint dir or HF id (default: the tiny demo model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     a = p.parse_args()
-    serve(a.model or str(ensure_tiny_model()), a.host, a.port)
+    serve(a.model or str(ensure_tiny_model()), a.host, a.port, a.device, a.dtype)
 
 
 if __name__ == "__main__":

@@ -131,7 +131,8 @@ def prefix(quick: bool) -> dict:
     return run_variant(VARIANTS["headline"], quick)
 
 
-def overhead(quick: bool) -> dict:
+def overhead(quick: bool, device: str = "cpu", dtype: str = "float32") -> dict:
+    """On a GPU host: ``--device cuda --dtype bfloat16``, each worker given its share of the GPU."""
     import torch
 
     from cli.tiny_model import ensure_tiny_model
@@ -147,7 +148,7 @@ def overhead(quick: bool) -> dict:
         warmup=4,
     )
     requests = build(args)
-    llm = LLM(str(ensure_tiny_model()), num_blocks=2048)
+    llm = LLM(str(ensure_tiny_model()), num_blocks=2048, device=device, dtype=dtype)
     prompts = [r.prompt for r in requests]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm.generate(prompts[:4], params)
@@ -184,11 +185,14 @@ def overhead(quick: bool) -> dict:
             ("--prefill", "1", "--decode", "1", "--http-server", "router", "--stream-interval", "8"),
         ),
     ):
+        if device != "cpu":  # each worker of the pair gets half the GPU
+            gpus = "0.5" if "--prefill" in flags else "1"
+            flags = (*flags, "--device", device, "--dtype", dtype, "--worker-gpus", gpus)
         with serving(*flags) as base:
             runs[name] = load(base, args, concurrency=32)
     # The ceiling of any Python HTTP front on these cores: the engine loop and a bare SSE endpoint in
     # one process, nothing else (bench/minimal_server.py).
-    with minimal_serving(str(ensure_tiny_model())) as base:
+    with minimal_serving(str(ensure_tiny_model()), device, dtype) as base:
         runs["minimal_one_process"] = load(base, args, concurrency=32)
     closed = {
         f"{name}_over_engine_closed_loop": run["request_throughput"] / engine_closed_rps
@@ -255,6 +259,10 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.serving_comparisons", description=__doc__)
     p.add_argument("--only", default="interference,local_prefill,prefix,overhead")
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    p.add_argument("--device", default="cpu", help="overhead only: the engines' device (cuda on a GPU host)")
+    p.add_argument(
+        "--dtype", default="float32", help="overhead only: weights and KV dtype (bfloat16 on a GPU)"
+    )
     p.add_argument("--output", default=str(RESULTS / "serving_comparisons.json"))
     a = p.parse_args()
     out = {}
@@ -265,7 +273,10 @@ def main() -> None:
             "prefix": prefix,
             "overhead": overhead,
         }
-        out[name] = comparisons[name](a.quick)
+        if name == "overhead":
+            out[name] = overhead(a.quick, a.device, a.dtype)
+        else:
+            out[name] = comparisons[name](a.quick)
     print("\n==== ratios (one run each, this machine) ====")
     for name, res in out.items():
         for k, v in res.items():
