@@ -291,6 +291,8 @@ def main() -> None:
     Path(a.output).write_text(json.dumps(slim, indent=1))
     print(f"wrote {a.output}")
     _plots(out, Path(a.output).with_suffix(""))
+    if "overhead" in out:
+        rate_plot(out["overhead"], Path(a.output).with_name(Path(a.output).stem + "_rate.png"))
 
 
 def _plots(out: dict, prefix: Path) -> None:
@@ -322,6 +324,36 @@ def _plots(out: dict, prefix: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     path = prefix.parent / f"{prefix.name}.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def rate_plot(res: dict, path: Path) -> None:
+    """Requests/s of every path as a fraction of the engine alone at the same concurrency, the issue's
+    targets (0.75x aggregated, 0.6x disaggregated) and the minimal server's ceiling drawn across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engine = res["engine_alone_closed_loop_requests_per_s"]
+    names = sorted(res["runs"], key=lambda n: res["runs"][n]["request_throughput"])
+    ratios = [res["runs"][n]["request_throughput"] / engine for n in names]
+    colors = ["tab:gray" if n.startswith("minimal") else "tab:blue" for n in names]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
+    ax.barh(names, ratios, color=colors)
+    for y, r in enumerate(ratios):
+        ax.text(r + 0.01, y, f"{r:.2f}x", va="center", fontsize=8)
+    for x, label, style in ((0.75, "target, aggregated", "--"), (0.6, "target, disaggregated", ":")):
+        ax.axvline(x, color="tab:red", linestyle=style, label=label)
+    ax.set_xlim(0, 1.0)
+    ax.set_xlabel(f"requests/s over the engine alone at 32 in flight ({engine:.1f} req/s)")
+    ax.set_title(
+        "Short requests over HTTP vs the engine alone\n(grey: the minimal one-process server)", fontsize=10
+    )
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 
