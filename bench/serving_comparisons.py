@@ -184,6 +184,11 @@ def overhead(quick: bool, device: str = "cpu", dtype: str = "float32") -> dict:
             "disaggregated_http_router_stream_interval_8",
             ("--prefill", "1", "--decode", "1", "--http-server", "router", "--stream-interval", "8"),
         ),
+        # Conditional disaggregation: these 16-token prompts are prefilled on the decode worker.
+        (
+            "disaggregated_http_router_local_prefill_64",
+            ("--prefill", "1", "--decode", "1", "--http-server", "router", "--local-prefill-tokens", "64"),
+        ),
     ):
         if device != "cpu":  # each worker of the pair gets half the GPU
             gpus = "0.5" if "--prefill" in flags else "1"
