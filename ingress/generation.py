@@ -113,7 +113,7 @@ class Generation:
                     yield deltas
         finally:  # once per request, however it ends
             self.metrics.count_tokens(self.usage.prompt_tokens, self.usage.completion_tokens)
-        if any(s.finish_reason is None for s in self.samples):
+        if not self.ended:
             raise APIError(500, "the generation stream ended before every sample finished", code="internal")
         now = self.stamps.finished = time.perf_counter()
         self.metrics.e2e.labels(self.metrics.model).observe(now - self.started)
@@ -137,11 +137,16 @@ class Generation:
                         continue
                     if deltas:
                         yield deltas
-                    if all(s.finish_reason is not None for s in self.samples):
+                    if self.ended:
                         break
             except grpc.aio.AioRpcError as exc:
                 status, code = _GRPC_STATUS.get(exc.code(), (500, "internal"))
                 raise APIError(status, exc.details() or exc.code().name.lower(), code=code) from exc
+
+    @property
+    def ended(self) -> bool:
+        """Every sample has its finish reason: nothing but the stream's end is left to come."""
+        return all(s.finish_reason is not None for s in self.samples)
 
     def _on_tokens(self, chunk) -> list[ChoiceDelta]:
         s = self.samples[chunk.sample_index]

@@ -189,6 +189,9 @@ class OpenAIServing:
         created = int(time.time())
         obj = "chat.completion.chunk" if req.chat else "text_completion"
         status = "error"
+        # The events after the last sample ended (its finish, the usage, [DONE]) come out of one step
+        # of the loop: they leave in one write, not three.
+        tail = b""
         try:
             async with aclosing(events):
                 if req.chat:  # OpenAI opens every choice with the assistant role
@@ -202,7 +205,10 @@ class OpenAIServing:
                 tools = {i: ToolStream(req.tools) for i in range(req.params.n)} if req.tools else None
                 while batch is not None:
                     choices = [self._stream_choice(req, d, tools) for d in batch]
-                    yield head + _dumps(choices) + b"}\n\n"
+                    tail += head + _dumps(choices) + b"}\n\n"
+                    if not gen.ended:  # no later event is known yet: out now
+                        yield tail
+                        tail = b""
                     batch = await anext(events, None)
             if req.include_usage or timing:  # OpenAI's usage chunk: no choices
                 last = _chunk(rid, obj, created, self.info.name, [])
@@ -210,18 +216,18 @@ class OpenAIServing:
                     last["usage"] = gen.usage.to_dict()
                 if timing:
                     last[TIMING_FIELD] = gen.stamps.hops()
-                yield _sse(last)
+                tail += _sse(last)
             status = "success"
         except APIError as exc:
             logger.warning("%s failed mid-stream: %s", rid, exc.message)
-            yield _sse(exc.body())
+            tail += _sse(exc.body())
         except BaseException as exc:
             status = status_of(exc)
             raise
         finally:
             self.metrics.count(status)
             await slot.__aexit__(None, None, None)
-        yield b"data: [DONE]\n\n"
+        yield tail + b"data: [DONE]\n\n"
 
     def _stream_choice(self, req: GenerationRequest, d: ChoiceDelta, tools=None) -> dict:
         reason = d.finish_reason

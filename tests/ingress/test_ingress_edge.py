@@ -20,6 +20,7 @@ from ingress.openai_serving import INLINE_BODY_BYTES, OpenAIServing
 from ingress.options import IngressOptions
 
 BODY = {"model": "tiny", "prompt": "the world", "max_tokens": 3, "temperature": 0}
+CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +224,33 @@ def test_a_keyed_stream_passes_the_key_check_chunk_by_chunk(info):
         assert out.body.endswith(b"data: [DONE]\n\n")
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_tokens_go_out_as_they_come_and_the_stream_ends_in_one_write(info, path):
+    """Each token chunk is its own body message, sent before the next token exists; what follows the
+    last sample's end (its finish, the usage chunk, [DONE]) leaves in one message, not three."""
+
+    async def run():
+        router = FedRouter()
+        app = _app(info, router)
+        out = Response()
+        body = BODY if path == "/v1/completions" else {**CHAT_BODY, "max_tokens": 3}
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        stream = asyncio.create_task(call(app, path, body, out=out))
+        for ids in ([5], [6], [7]):
+            seen = len(out.chunks)
+            await router.feed.put(tokens(ids))
+            await out.wait_for(lambda r, seen=seen: len(r.chunks) > seen)  # out before the next is fed
+        before_end = len(out.chunks)
+        await router.feed.put(finished())
+        await stream
+        return out, before_end
+
+    out, before_end = asyncio.run(run())
+    assert len(out.chunks) == before_end + 1
+    last = out.chunks[-1].split(b"\n\n")
+    assert [e for e in last if e] == [last[0], last[1], b"data: [DONE]"]
+    events = out.events()
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
