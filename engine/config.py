@@ -100,7 +100,8 @@ class EngineConfig:
     )
     cpu_threads: int | None = option(
         None,
-        "torch threads of a CPU engine (default: torch's, from OMP_NUM_THREADS: Ray sets it to a replica's CPUs)",
+        "torch intra-op threads of the engine's process (default: 1 on a GPU, where more only spin; on CPU "
+        "torch's, from OMP_NUM_THREADS: Ray sets it to a replica's CPUs)",
     )
     cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA + Triton backend only)")
     cuda_graph_max_batch: int = option(256, "largest decode batch captured in a CUDA graph")

@@ -20,6 +20,7 @@ from engine.attention import get_attention_backend
 from engine.block_pool import KVEvent
 from engine.config import EngineConfig
 from engine.core_transfer import TransferMixin
+from engine.cpu_threads import apply_thread_policy
 from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_quant import first_blocks, storage_dtype
@@ -41,8 +42,8 @@ class EngineCore(TransferMixin):
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.device = torch.device(config.device)
-        if config.cpu_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads)  # the process's intra-op pool: one engine each
+        # The process's intra-op pool, before anything runs a parallel op: one engine each.
+        apply_thread_policy(self.device.type, config.cpu_threads)
         backend = get_attention_backend(config.attention_backend, config.device)
         t0 = time.perf_counter()
         self.model = load_model(self.model_path, config.dtype, config.device, backend)

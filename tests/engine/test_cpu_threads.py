@@ -69,3 +69,34 @@ def test_build_off_thread_returns_the_value_and_raises_the_error():
 
     with pytest.raises(ValueError, match="bad model"):
         build_off_thread(fail)
+
+
+class _Built(Exception):
+    """Raised where a CUDA engine would pick its attention kernels: after the thread policy."""
+
+
+@pytest.mark.parametrize(
+    ("device", "configured", "expected"),
+    [("cuda", None, 1), ("cuda:1", 3, 3), ("cpu", None, 2), ("cpu", 1, 1)],
+)
+def test_a_gpu_engine_runs_one_intra_op_thread_unless_told(
+    tiny_llama, monkeypatch, device, configured, expected
+):
+    """On a GPU host torch's default pool (one thread per core) only spins on the engine's small host
+    ops: a CUDA-configured engine sets the process to 1 thread; a CPU engine keeps torch's own count."""
+    import torch
+
+    from engine import EngineConfig, engine_core
+
+    def stop(*args, **kwargs):
+        raise _Built
+
+    monkeypatch.setattr(engine_core, "get_attention_backend", stop)  # no CUDA here: stop the build
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(_Built):
+            engine_core.EngineCore(EngineConfig(model=str(tiny_llama), device=device, cpu_threads=configured))
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
