@@ -90,6 +90,7 @@ def _engine(
     num_blocks: int,
     batch_tokens: int,
     max_seqs: int,
+    async_scheduling: str = "auto",
 ):
     from engine import EngineConfig, EngineCore
 
@@ -108,6 +109,7 @@ def _engine(
             # Prompts take the whole token budget while any wait, so sequences prefilled early do not
             # decode (and finish) while the rest of the batch prefills: every one decodes when timed.
             scheduling_policy="prefill_first",
+            async_scheduling=async_scheduling,
         )
     )
 
@@ -222,6 +224,12 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    p.add_argument(
+        "--async-scheduling",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="overlapped steps (auto: on GPU)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny model and shapes (a smoke run)")
     p.add_argument("--batches", type=_ints, default=None, help="decode batch sizes, e.g. 1,32,256")
     p.add_argument("--contexts", type=_ints, default=None, help="decode contexts, e.g. 128,4096")
@@ -255,10 +263,13 @@ def main() -> None:
         batch_tokens = max(4096, max_ctx)
         graphs = not a.no_cuda_graphs
         core = _engine(
-            model_dir, a.device, a.dtype, a.kv_cache_dtype, graphs, num_blocks, batch_tokens, max_batch
-        )
+            model_dir, a.device, a.dtype, a.kv_cache_dtype, graphs, num_blocks, batch_tokens, max_batch,
+            a.async_scheduling,
+        )  # fmt: skip
         out["engine_start_s"] = time.perf_counter() - t0
         out["cuda_graphs"] = core.runner.decode_graphs is not None
+        out["async_scheduling"] = getattr(core, "overlap", False)
+        out["torch_threads"] = torch.get_num_threads()
         params = sum(p.numel() for p in core.model.parameters())
         embed, head = core.model.model.embed_tokens.weight, core.model.lm_head.weight
         decode_params = params - (0 if head is embed else embed.numel())  # every weight but the gather

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority", "fair")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 _DTYPE_ALIASES = {
     "float32": "float32",
     "fp32": "float32",
@@ -103,6 +104,12 @@ class EngineConfig:
         "torch intra-op threads of the engine's process (default: 1 on a GPU, where more only spin; on CPU "
         "torch's, from OMP_NUM_THREADS: Ray sets it to a replica's CPUs)",
     )
+    async_scheduling: str = option(
+        "auto",
+        "overlap each step's scheduling and batch preparation with the previous step on the device, "
+        "its tokens read one step behind (auto: on for a GPU engine)",
+        ASYNC_SCHEDULING,
+    )
     cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA + Triton backend only)")
     cuda_graph_max_batch: int = option(256, "largest decode batch captured in a CUDA graph")
     speculative_config: dict | None = option(
@@ -131,6 +138,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise ValueError(
+                f"async_scheduling must be one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"

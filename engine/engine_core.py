@@ -112,6 +112,7 @@ class EngineCore(TransferMixin):
             self.device,
             self.eos_token_ids,
             self.structured,
+            max_model_len=self.max_model_len,
         )
         if self.speculator is not None:
             attach_cache(self.speculator, self.model, draft, kv_cache, self.layout, num_blocks, backend)
@@ -139,6 +140,10 @@ class EngineCore(TransferMixin):
                 logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
                 self.runner.decode_graphs = None
         self._rng = random.Random(config.seed)
+        self._inflight = None  # overlapped scheduling: (sched, launch, t0) of the step on the device
+        # A prefill worker's engine: a request ends at its first token, which then holds its KV for a
+        # peer; those steps run without overlap (they are prompt compute, which keeps a GPU busy).
+        self._serves_prefill_only = False
         self._generation_tokens = 0
 
     @property
@@ -217,6 +222,7 @@ class EngineCore(TransferMixin):
             prefill_only=prefill_only,
         )
         self.scheduler.add(req)
+        self._serves_prefill_only |= prefill_only
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.scheduler.groups or request_id in self.kv.held:
@@ -256,32 +262,72 @@ class EngineCore(TransferMixin):
         return outs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def has_work(self) -> bool:
         """Whether ``step()`` has anything to do (a request whose KV is being pulled does not count)."""
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # The loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
+        """Schedule, launch and finish one step. Overlapped (``async_scheduling``), this step is
+        scheduled and launched while the previous one still runs on the device, and the outputs
+        returned are the previous step's: each sequence's tokens arrive one step later, and a
+        sequence that stops computes one token more, which is dropped."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        overlap = self.overlap and not self._needs_host_tokens(sched)
+        outs: list[SequenceOutput] = []
+        if not overlap and self._inflight is not None:
+            outs = self._finish_inflight()  # this step reads tokens on the host: they must be in
         try:
-            result = self.runner.execute(sched)
+            launch = self.runner.launch(sched, overlap=overlap)
         except Exception as exc:  # a bad batch fails its requests, never the engine
-            logger.exception(
-                "model step failed; failing the %d scheduled sequences", len(sched.num_scheduled_tokens)
-            )
-            outs = []
-            groups = {
-                self.scheduler.requests[s].group_id
-                for s in sched.num_scheduled_tokens
-                if s in self.scheduler.requests
-            }
-            for g in groups:
-                outs.extend(self._finish_group(g, RequestStatus.FINISHED_ERROR, f"engine error: {exc}"))
-            return outs
+            return outs + self._fail_step(sched, exc)
+        if launch.slots:
+            self.scheduler.expect_tokens(launch.sampled_ids)
+        if self._inflight is not None:
+            outs = self._finish_inflight()
+        if launch.slots:
+            self._inflight = (sched, launch, t0)
+        else:
+            outs.extend(self._finish(sched, self.runner.collect(launch), t0))
+        return outs
+
+    @property
+    def overlap(self) -> bool:
+        """Whether steps overlap: on a GPU by default (``async_scheduling``)."""
+        mode = self.config.async_scheduling
+        return mode == "on" or (mode == "auto" and self.device.type == "cuda")
+
+    def _needs_host_tokens(self, sched) -> bool:
+        if self.runner.needs_host_tokens(sched):
+            return True
+        return self._serves_prefill_only
+
+    def _finish_inflight(self) -> list[SequenceOutput]:
+        sched, launch, t0 = self._inflight
+        self._inflight = None
+        return self._finish(sched, self.runner.collect(launch), t0)
+
+    def _fail_step(self, sched, exc: Exception) -> list[SequenceOutput]:
+        logger.error(
+            "model step failed; failing the %d scheduled sequences",
+            len(sched.num_scheduled_tokens),
+            exc_info=exc,
+        )
+        outs = []
+        groups = {
+            self.scheduler.requests[s].group_id
+            for s in sched.num_scheduled_tokens
+            if s in self.scheduler.requests
+        }
+        for g in groups:
+            outs.extend(self._finish_group(g, RequestStatus.FINISHED_ERROR, f"engine error: {exc}"))
+        return outs
+
+    def _finish(self, sched, result, t0: float) -> list[SequenceOutput]:
         for seq_id in result.errors:  # its sample is not kept, nor handed off (prefill role)
             result.sampled.pop(seq_id, None)
         outs = self.scheduler.update(sched, result)

@@ -8,18 +8,19 @@ samples where a sequence reached the end of its known tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.batch import build_batch
 from engine.kv_cache import KVLayout
 from engine.kv_quant import block_rows
 from engine.logits_processing import LogitsAdjustment, RowHistory
 from engine.models.llama import LlamaForCausalLM
+from engine.persistent_batch import BlockTables, SamplingScalars, StepUploader, build_step_inputs
 from engine.prompt_logprobs import prompt_logprobs
-from engine.sampler import Sampler, SamplingBatch, sample_seed
+from engine.request import PLACEHOLDER
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch, sample_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.structured_output import GrammarState, StructuredOutputs
@@ -49,6 +50,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: frozenset[int] = frozenset(),
         structured: StructuredOutputs | None = None,
+        max_model_len: int = 8192,
     ) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids  # banned under min_tokens
@@ -64,19 +66,37 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.seqs: dict[str, _SeqState] = {}
+        # Block tables on the device, changed only where the scheduler's deltas say (persistent_batch).
+        self.tables = BlockTables(-(-max_model_len // layout.block_size), device)
+        self.uploader = StepUploader(device)
         self.decode_graphs = None  # engine.cuda_graphs.DecodeGraphRunner, set on CUDA
         self.speculator = None  # engine.spec_decode.Speculator, set when the engine speculates
+        # Overlapped scheduling: the last launched step's sampled ids on the device, and each
+        # sampled sequence's row in them (the next launch reads its placeholders' values there).
+        self._inflight: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._sync_seqs: set[str] = set()  # sequences whose steps need host tokens (see needs_host_tokens)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.collect(self.launch(sched))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def launch(self, sched: SchedulerOutput, overlap: bool = False) -> StepLaunch:
+        """Queue one step's forward and sampling on the device. With ``overlap`` the sampled ids come
+        back with a non-blocking copy, each sampled sequence's next token is a PLACEHOLDER that the
+        next launch reads on the device, and ``collect`` (called after that launch) fills it in;
+        without, the step is complete on return. A step with drafts to verify never overlaps."""
         self._apply_block_ops(sched)
         self._update_states(sched)
+        launch = StepLaunch()
         if sched.is_empty:
-            return RunnerOutput()
+            self._inflight = None
+            launch.done = RunnerOutput()
+            return launch
         # Drafts first: the verifying forward below takes each speculating sequence's drafts as input.
         drafts = self.speculator.propose(self, sched) if sched.num_spec_tokens else {}
         order = self._batch_order(sched, drafts)
-        input_ids, positions, meta, sample_rows, spec_rows = self._prepare(sched, order, drafts)
+        input_ids, positions, meta, sample_rows, spec_rows, plan = self._prepare(sched, order, drafts)
         masks = self._grammar_masks(sample_rows) if self._grammar_seqs else None  # filled during the forward
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
@@ -85,15 +105,84 @@ class ModelRunner:
         prompt_lp = {}
         if self._prompt_lp_seqs and not self._prompt_lp_seqs.isdisjoint(sched.num_scheduled_tokens):
             prompt_lp = prompt_logprobs(self.model, hidden, self.seqs, sched, order, meta.query_start_loc)
+        launch.sample_rows, launch.plan, launch.prompt_logprobs = sample_rows, plan, prompt_lp
         if sample_rows:
             rows = [r for r, _, _ in sample_rows]
-            out = self._sample(self.model.compute_logits(hidden[rows]), sample_rows, masks)
-        else:
-            out = RunnerOutput()
-        out.prompt_logprobs = prompt_lp
-        if spec_rows:
-            self.speculator.verify(self, hidden, spec_rows, out)
+            launch.result = self._sample(self.model.compute_logits(hidden[rows]), sample_rows, masks, plan)
+        overlap = overlap and not spec_rows and bool(sample_rows)
+        if not overlap:
+            self._inflight = None
+            launch.done = self.collect(launch)
+            if spec_rows:
+                self.speculator.verify(self, hidden, spec_rows, launch.done)
+            return launch
+        tokens = launch.result.token_ids
+        if self.device.type == "cuda":
+            launch.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            launch.host_tokens.copy_(tokens, non_blocking=True)
+            launch.ready = torch.cuda.Event()
+            launch.ready.record()
+        rows_of: dict[str, int] = {}
+        for i, (_, seq_id, n) in enumerate(sample_rows):
+            assert n == 1, "a forking sequence never overlaps"
+            state = self.seqs[seq_id]
+            launch.slots[seq_id] = len(state.token_ids)
+            state.token_ids.append(PLACEHOLDER)
+            rows_of[seq_id] = i
+        self._inflight = (tokens, rows_of)
+        return launch
+
+    def collect(self, launch: StepLaunch) -> RunnerOutput:
+        """The step's RunnerOutput; for an overlapped step, waits for its sampled ids."""
+        if launch.done is not None:
+            return launch.done
+        out = RunnerOutput(errors=self._grammar_errors)
+        self._grammar_errors = {}
+        out.prompt_logprobs = launch.prompt_logprobs
+        result = launch.result
+        if result is None:
+            return out
+        if launch.ready is not None:
+            launch.ready.synchronize()
+        token_list = (launch.host_tokens if launch.host_tokens is not None else result.token_ids).tolist()
+        want_logprobs = launch.plan.want_logprobs
+        slots = launch.slots
+        row = 0
+        for _, seq_id, n in launch.sample_rows:
+            toks = token_list[row : row + n]
+            out.sampled[seq_id] = toks
+            state = self.seqs.get(seq_id)
+            if slots:  # overlapped: fill the placeholder, unless the sequence ended meanwhile
+                if state is not None and state.token_ids[slots[seq_id]] == PLACEHOLDER:
+                    state.token_ids[slots[seq_id]] = toks[0]
+            else:
+                state.token_ids.append(toks[0])
+                # Forked samples rebuild their grammar state from their tokens.
+                if state.grammar is not None and not state.grammar.accept(toks[0]):
+                    out.errors[seq_id] = (
+                        "structured output: the grammar allows none of the model's tokens here"
+                    )
+            if result.sampled_logprobs is not None and want_logprobs[row] is not None:
+                out.logprobs[seq_id] = [
+                    self._logprob_dict(result, row + s, want_logprobs[row]) for s in range(n)
+                ]
+            row += n
         return out
+
+    def needs_host_tokens(self, sched: SchedulerOutput) -> bool:
+        """Whether a step must see its sequences' latest tokens on the host before it launches (so
+        it cannot overlap the step before): logits processing (penalties, bad words, min_tokens,
+        logit_bias), a grammar, prompt logprobs, forking samples, drafts to propose."""
+        if sched.num_spec_tokens or self.speculator is not None:
+            return True
+        seqs = self.seqs
+        sync = self._sync_seqs
+        for d in sched.new_seqs:
+            if d.num_samples > 1 or _needs_host_tokens(d.params):
+                return True
+        if sync and not sync.isdisjoint(sched.num_scheduled_tokens):
+            return True
+        return any(d.num_samples > 1 for d in sched.running_seqs) if seqs else False
 
     def _batch_order(self, sched: SchedulerOutput, drafts: dict[str, list[int]]) -> list[str]:
         """Decodes first, longest context first (the attention backend groups them by length); a
@@ -120,12 +209,15 @@ class ModelRunner:
             self.speculator.copy_blocks(sched.blocks_to_copy)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
+        tables = self.tables
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+            tables.remove(seq_id)
             if self.speculator is not None:
                 self.speculator.drop(seq_id)
             self._grammar_seqs.discard(seq_id)
             self._prompt_lp_seqs.discard(seq_id)
+            self._sync_seqs.discard(seq_id)
         for new in sched.new_seqs:
             self.seqs[new.seq_id] = _SeqState(
                 list(new.token_ids),
@@ -136,8 +228,12 @@ class ModelRunner:
                 new.output_start,
                 new.prompt_len,
             )
+            tables.remove(new.seq_id)  # a resumed sequence starts its row afresh
+            tables.add(new.seq_id, new.block_ids)
             if new.params.prompt_logprobs is not None:
                 self._prompt_lp_seqs.add(new.seq_id)
+            if _needs_host_tokens(new.params):
+                self._sync_seqs.add(new.seq_id)
             spec = new.params.structured
             if spec is not None:
                 self._grammar_seqs.add(new.seq_id)
@@ -151,8 +247,10 @@ class ModelRunner:
             state = self.seqs[run.seq_id]
             if run.block_ids is not None:
                 state.block_ids = list(run.block_ids)
-            else:
+                tables.replace(run.seq_id, run.block_ids)
+            elif run.new_block_ids:
                 state.block_ids.extend(run.new_block_ids)
+                tables.append(run.seq_id, run.new_block_ids)
 
     def _prepare(self, sched: SchedulerOutput, order: list[str], drafts: dict[str, list[int]]):
         """The step's flat batch; a speculating sequence's span is its last token and its drafts."""
@@ -163,6 +261,8 @@ class ModelRunner:
         spans = []
         sample_rows: list[tuple[int, str, int]] = []
         spec_rows: list[tuple[int, str, list[int]]] = []
+        patch_dst: list[int] = []
+        patch_src: list[int] = []
         row = 0
         for seq_id in order:
             state = self.seqs[seq_id]
@@ -175,10 +275,19 @@ class ModelRunner:
                 toks = state.token_ids[start : start + sched.num_scheduled_tokens[seq_id]]
                 if start + len(toks) == len(state.token_ids):
                     sample_rows.append((row + len(toks) - 1, seq_id, samples[seq_id]))
-            spans.append((toks, start, state.block_ids))
+                if toks[-1] == PLACEHOLDER:  # sampled by the step in flight: read it on the device
+                    assert len(toks) == 1 and self._inflight is not None, "only a decode reads a placeholder"
+                    patch_dst.append(row)
+                    patch_src.append(self._inflight[1][seq_id])
+            spans.append((toks, start, seq_id))
             row += len(toks)
-        input_ids, positions, meta = build_batch(spans, self.layout.block_size, self.device, self.backend)
-        return input_ids, positions, meta, sample_rows, spec_rows
+        plan = self._sampling_plan(sample_rows)
+        patches = (patch_dst, patch_src, self._inflight[0]) if patch_dst else None
+        inputs = build_step_inputs(
+            spans, self.tables, self.uploader, self.layout.block_size, self.backend, plan.scalars, patches
+        )
+        plan.tensors = inputs.sampling
+        return inputs.input_ids, inputs.positions, inputs.meta, sample_rows, spec_rows, plan
 
     def _grammar_masks(self, sample_rows: list[tuple[int, str, int]]):
         """A future of the step's token bitmask (one row per sample), or None without grammars."""
@@ -192,14 +301,11 @@ class ModelRunner:
                 k += 1
         return self.structured.fill_async(rows, k) if rows else None
 
-    def _sample(
-        self, logits: torch.Tensor, sample_rows: list[tuple[int, str, int]], masks=None
-    ) -> RunnerOutput:
-        expand: list[int] = []
-        rows: list[tuple[SamplingParams, int, int]] = []
-        want_logprobs: list[int | None] = []
-        processed: list[tuple[int, RowHistory]] = []
-        holders: list[tuple[_SeqState, RowHistory]] = []
+    def _sampling_plan(self, sample_rows: list[tuple[int, str, int]]) -> _SamplingPlan:
+        """Each sampled row's parameters (a forking sequence has n rows), known before the forward so
+        that their scalars travel in the step's one upload; none travel when every row is greedy."""
+        plan = _SamplingPlan()
+        temps, top_ks, top_ps, min_ps, seeds, positions = [], [], [], [], [], []
         for i, (_, seq_id, n) in enumerate(sample_rows):
             state = self.seqs[seq_id]
             p = state.params
@@ -213,43 +319,38 @@ class ModelRunner:
                         self.eos_token_ids,
                         state.prompt_tokens,
                     )
-                    processed.append((len(expand), history))
-                    holders.append((state, history))
-                expand.append(i)
-                rows.append((p, sample_seed(state.seed, state.sample_index + s), len(state.token_ids)))
-                want_logprobs.append(p.logprobs)
-        if len(expand) != len(sample_rows):
-            logits = logits[torch.tensor(expand, device=logits.device)]
+                    plan.processed.append((len(plan.expand), history))
+                    plan.holders.append((state, history))
+                plan.expand.append(i)
+                temps.append(p.temperature)
+                top_ks.append(p.top_k)
+                top_ps.append(p.top_p)
+                min_ps.append(p.min_p)
+                seeds.append(sample_seed(state.seed, state.sample_index + s))
+                positions.append(len(state.token_ids))
+                plan.want_logprobs.append(p.logprobs)
+        if not all(t == 0 or k == 1 for t, k in zip(temps, top_ks)):
+            plan.scalars = SamplingScalars(temps, top_ks, top_ps, min_ps, seeds, positions)
+        return plan
+
+    def _sample(
+        self, logits: torch.Tensor, sample_rows: list[tuple[int, str, int]], masks, plan: _SamplingPlan
+    ) -> SamplerOutput:
+        if len(plan.expand) != len(sample_rows):
+            logits = logits[torch.tensor(plan.expand, device=logits.device)]
+        want_logprobs = plan.want_logprobs
         wanted = [k for k in want_logprobs if k is not None]
         dev = logits.device
-        batch = SamplingBatch.for_rows(
-            rows,
-            dev,
+        batch = SamplingBatch.from_scalars(
+            plan.scalars,
+            plan.tensors,
             max_logprobs=max(wanted) if wanted else None,
-            adjust=LogitsAdjustment.build(processed, dev) if processed else None,
+            adjust=LogitsAdjustment.build(plan.processed, dev) if plan.processed else None,
             token_bitmask=masks.result().to(dev) if masks is not None else None,
         )
-        for state, history in holders:  # a prompt's distinct tokens are gathered once per sequence
+        for state, history in plan.holders:  # a prompt's distinct tokens are gathered once per sequence
             state.prompt_tokens = history.prompt_tokens
-        result = self.sampler(logits, batch)
-        token_list = result.token_ids.tolist()
-        out = RunnerOutput(errors=self._grammar_errors)
-        self._grammar_errors = {}
-        row = 0
-        for _, seq_id, n in sample_rows:
-            toks = token_list[row : row + n]
-            out.sampled[seq_id] = toks
-            state = self.seqs[seq_id]
-            state.token_ids.append(toks[0])
-            # Forked samples rebuild their grammar state from their tokens.
-            if state.grammar is not None and not state.grammar.accept(toks[0]):
-                out.errors[seq_id] = "structured output: the grammar allows none of the model's tokens here"
-            if result.sampled_logprobs is not None and want_logprobs[row] is not None:
-                out.logprobs[seq_id] = [
-                    self._logprob_dict(result, row + s, want_logprobs[row]) for s in range(n)
-                ]
-            row += n
-        return out
+        return self.sampler(logits, batch)
 
     @staticmethod
     def _logprob_dict(result, row: int, k: int) -> dict[int, float]:
@@ -258,3 +359,35 @@ class ModelRunner:
             for tid, lp in zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()):
                 d.setdefault(tid, lp)
         return d
+
+
+@dataclass(slots=True)
+class _SamplingPlan:
+    expand: list[int] = field(default_factory=list)  # sampled row -> its sequence's logits row
+    want_logprobs: list[int | None] = field(default_factory=list)
+    processed: list[tuple[int, RowHistory]] = field(default_factory=list)
+    holders: list[tuple[_SeqState, RowHistory]] = field(default_factory=list)
+    scalars: SamplingScalars | None = None  # None: every row greedy
+    tensors: dict[str, torch.Tensor] | None = None  # the scalars on the device
+
+
+@dataclass(slots=True)
+class StepLaunch:
+    """A launched step: what ``collect`` needs to turn its samples into a RunnerOutput."""
+
+    sample_rows: list[tuple[int, str, int]] = field(default_factory=list)
+    plan: _SamplingPlan | None = None
+    result: SamplerOutput | None = None
+    prompt_logprobs: dict = field(default_factory=dict)
+    host_tokens: torch.Tensor | None = None  # pinned; filled by the non-blocking copy
+    ready: torch.cuda.Event | None = None  # recorded after that copy
+    slots: dict[str, int] = field(default_factory=dict)  # overlapped: seq_id -> its placeholder's index
+    done: RunnerOutput | None = None  # set when the step did not overlap
+
+    @property
+    def sampled_ids(self) -> list[str]:
+        return list(self.slots)
+
+
+def _needs_host_tokens(params: SamplingParams) -> bool:
+    return params.processes_logits or params.structured is not None or params.prompt_logprobs is not None

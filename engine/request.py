@@ -18,6 +18,10 @@ import time
 from engine.block_hash import BlockHash, hash_blocks
 from engine.sampling_params import SamplingParams
 
+# Overlapped scheduling: a token sampled by the step still running on the device; the scheduler
+# counts it (the next step decodes it) before its value is known, and ``Scheduler.update`` fills it.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -93,6 +97,8 @@ class Request:
         self.error: str | None = None
         # Prefill role: stop after the first token and hold the blocks for a peer to read.
         self.prefill_only = prefill_only
+        # Trailing PLACEHOLDER tokens: sampled by steps still in flight (overlapped scheduling).
+        self.num_placeholders = 0
 
     @property
     def num_tokens(self) -> int:
@@ -137,14 +143,42 @@ class Request:
     def update_block_hashes(self, block_size: int, salt: str) -> None:
         """Extend the hash chain over any newly full blocks of ``token_ids``."""
         done = len(self.block_hashes)
-        if (done + 1) * block_size <= len(self.token_ids):
+        known = len(self.token_ids) - self.num_placeholders  # a placeholder's block waits for its value
+        if (done + 1) * block_size <= known:
             parent = self.block_hashes[-1] if done else None
-            self.block_hashes.extend(hash_blocks(self.token_ids, block_size, salt, parent, start_block=done))
+            tokens = self.token_ids if known == len(self.token_ids) else self.token_ids[:known]
+            self.block_hashes.extend(hash_blocks(tokens, block_size, salt, parent, start_block=done))
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    # Overlapped scheduling ------------------------------------------------------------------------
+
+    def expect_token(self) -> None:
+        """A step in flight samples this sequence's next token: count it (the next step decodes it,
+        reading its value on the device) as a PLACEHOLDER until its value is in."""
+        self.token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def drop_placeholders(self) -> list[int]:
+        """Remove the oldest placeholder (its value is about to be appended) and those after it, which
+        are returned for ``restore_placeholders``."""
+        at = len(self.token_ids) - self.num_placeholders
+        later = self.token_ids[at + 1 :]
+        del self.token_ids[at:]
+        self.num_placeholders = 0
+        return later
+
+    def restore_placeholders(self, later: list[int]) -> None:
+        self.token_ids.extend(later)
+        self.num_placeholders = len(later)
+
+    def last_token_pending(self, max_model_len: int) -> bool:
+        """Whether the placeholder this sequence ends with is its last token (max_tokens, context)."""
+        n = len(self.token_ids)
+        return n - self.prompt_len >= self.params.max_tokens or n >= max_model_len
 
     def record_prompt_logprobs(self, start: int, entries: list[dict[int, float]]) -> None:
         if self.prompt_logprobs is not None:

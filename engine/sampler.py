@@ -48,7 +48,8 @@ def sample_seed(seed: int, sample_index: int) -> int:
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """Per-row sampling parameters as tensors; built by the model runner each step."""
+    """Per-row sampling parameters as tensors; built by the model runner each step. With
+    ``all_greedy`` the tensors may be None: an argmax reads none of them."""
 
     temperature: torch.Tensor  # [N] float32; 0 = greedy
     top_k: torch.Tensor  # [N] int64; 0 = off
@@ -84,6 +85,26 @@ class SamplingBatch:
             any_top_k=any(k > 0 for k in top_ks),
             any_top_p=any(p < 1 for p in top_ps),
             any_min_p=any(m > 0 for m in min_ps),
+            max_logprobs=extra.pop("max_logprobs", None),
+            **extra,
+        )
+
+    @classmethod
+    def from_scalars(cls, scalars, tensors: dict[str, torch.Tensor] | None, **extra) -> SamplingBatch:
+        """From a step's ``SamplingScalars`` (engine.persistent_batch) and those scalars already on
+        the device; ``scalars`` None means every row is greedy, and the sampler reads no tensor."""
+        if scalars is None:
+            return cls(
+                temperature=None, top_k=None, top_p=None, min_p=None, seeds=None, positions=None,
+                all_greedy=True, any_top_k=False, any_top_p=False, any_min_p=False,
+                max_logprobs=extra.pop("max_logprobs", None), **extra,
+            )  # fmt: skip
+        return cls(
+            **tensors,
+            all_greedy=False,
+            any_top_k=any(k > 0 for k in scalars.top_k),
+            any_top_p=any(p < 1 for p in scalars.top_p),
+            any_min_p=any(m > 0 for m in scalars.min_p),
             max_logprobs=extra.pop("max_logprobs", None),
             **extra,
         )

@@ -27,17 +27,16 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import (
     NewSequenceData,
-    RunnerOutput,
     RunningSequenceData,
     SchedulerOutput,
-    SequenceOutput,
 )
+from engine.scheduler_results import StepResults
 from engine.scheduler_transfer import TransferQueue
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(TransferQueue):
+class Scheduler(TransferQueue, StepResults):
     def __init__(
         self,
         kv: KVCacheManager,
@@ -163,6 +162,8 @@ class Scheduler(TransferQueue):
                 return
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if req.num_placeholders and req.last_token_pending(self.max_model_len):
+                continue  # the step in flight samples its last token: nothing left to decode
             num_new = min(len(req.token_ids) - req.num_computed_tokens, budget[0])
             seq_id = req.request_id
             if num_new == 1 and self.num_spec_tokens and self._speculate(req, out, scheduled, budget):
@@ -214,6 +215,8 @@ class Scheduler(TransferQueue):
     def _schedule_swapped(self, out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]) -> None:
         while self.swapped and budget[0] > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
+            if req.num_placeholders:
+                return  # resumes with its token list in full: once the step in flight has filled it
             # With others running, keep the margin plus a block for the token this one will write;
             # alone it may take the whole pool (validation guarantees it fits).
             if not self.kv.can_swap_in(req, self.margin_blocks + 1 if self.running else 0):
@@ -232,6 +235,8 @@ class Scheduler(TransferQueue):
         reserved = len(self.running) + sum(r.pending_forks for r in self.running)
         while self.waiting and budget[0] > 0:
             req = self.waiting[0]
+            if req.num_placeholders:
+                return  # preempted with a token in flight: it resumes once the value is known
             if reserved + 1 + req.pending_forks > self.max_num_seqs:
                 return
             hit = self.kv.find_prefix_hit(req)
@@ -352,75 +357,6 @@ class Scheduler(TransferQueue):
 
     def _sort_waiting(self) -> None:
         self.waiting = deque(sorted(self.waiting, key=_WAITING_ORDER[self.policy]))
-
-    # Results ----------------------------------------------------------------------------------
-
-    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SequenceOutput]:
-        outputs: list[SequenceOutput] = []
-        requests = self.requests
-        running = RequestStatus.RUNNING
-        all_logprobs = result.logprobs
-        for seq_id, (start, entries) in result.prompt_logprobs.items():
-            if seq_id in requests:
-                requests[seq_id].record_prompt_logprobs(start, entries)
-        spec = sched.num_spec_tokens
-        for seq_id, tokens in result.sampled.items():
-            req = requests.get(seq_id)
-            if req is None or req.status != running:
-                continue
-            logprobs = all_logprobs.get(seq_id) if all_logprobs else None
-            if seq_id in spec:  # its tokens in order; the rejected drafts' positions are rolled back
-                req.num_computed_tokens -= spec[seq_id] + 1 - len(tokens)
-                outputs.append(self._append(req, tokens, logprobs))
-                continue
-            if req.pending_forks:
-                for i, tok in enumerate(tokens[1:], start=1):
-                    outputs.append(self._fork(req, i, tok, logprobs[i] if logprobs else None))
-                req.pending_forks = 0
-            outputs.append(self._append(req, tokens[:1], logprobs[:1] if logprobs else None))
-        return outputs
-
-    def _append(
-        self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
-    ) -> SequenceOutput:
-        """Append a step's tokens (several after speculation) up to the first that ends the request."""
-        status = None
-        for i, token in enumerate(tokens):
-            req.append_token(token, logprobs[i] if logprobs else None)
-            status = req.check_stop(self.max_model_len)
-            if status is not None:
-                tokens = tokens[: i + 1]
-                break
-        out = SequenceOutput(
-            req.group_id, req.sample_index, list(tokens), logprobs[: len(tokens)] if logprobs else None,
-            num_prompt_tokens=req.prompt_len, num_cached_tokens=max(req.num_cached_tokens, 0),
-            prompt_logprobs=req.first_output_prompt_logprobs(),
-        )  # fmt: skip
-        if req.prefill_only and status is None:
-            out.held_block_ids = self._hold(req)
-            out.seed = req.seed
-        elif status is not None:
-            self.finish(req.request_id, status)
-            out.finish_reason = status.finish_reason
-            out.stop_reason = req.stop_reason
-        return out
-
-    def _hold(self, req: Request) -> list[int]:
-        """Prefill role: the first token is out; keep the prompt's blocks for a peer to read."""
-        self.running.remove(req)
-        del self.requests[req.request_id]
-        req.status = RequestStatus.FINISHED_LENGTH
-        return self._release(req, hold=True)
-
-    def _fork(
-        self, parent: Request, index: int, token: int, logprobs: dict[int, float] | None
-    ) -> SequenceOutput:
-        child = parent.fork(index)
-        self.kv.fork(parent, child)
-        self.requests[child.request_id] = child
-        self.groups[parent.group_id].append(child.request_id)
-        self.running.append(child)
-        return self._append(child, [token], None if logprobs is None else [logprobs])
 
     def _release(self, req: Request, hold: bool = False) -> list[int]:
         held = self.kv.hold(req) if hold else []

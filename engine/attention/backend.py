@@ -28,6 +28,8 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [B + 1]
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     block_size: int
+    # query_start_loc on the device, when the step's upload carried it (else backends build it).
+    query_start_loc_tensor: torch.Tensor | None = None
     # Decode-only helpers, built once per step and shared by every layer: decodes (sorted by context
     # length, longest first) split into groups of similar length, each with its key mask.
     decode_groups: list[DecodeGroup] | None = None

@@ -47,8 +47,12 @@ class TritonAttentionBackend:
             meta=meta,
             max_decode_len=max(meta.seq_lens_list[:nd], default=0),
             max_prefill_query_len=max((qsl[i + 1] - qsl[i] for i in range(nd, len(qsl) - 1)), default=0),
-            prefill_query_start=torch.tensor(
-                [s - first for s in qsl[nd:]], dtype=torch.int64, device=meta.seq_lens.device
+            prefill_query_start=(
+                meta.query_start_loc_tensor[nd:] - first
+                if meta.query_start_loc_tensor is not None
+                else torch.tensor(
+                    [s - first for s in qsl[nd:]], dtype=torch.int64, device=meta.seq_lens.device
+                )
             ),
         )
 

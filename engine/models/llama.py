@@ -4,6 +4,13 @@ One module covers the family; the differences are configuration: attention biase
 RMSNorm over the head dim (Qwen3), sliding windows (Mistral, some Qwen2 layers), tied embeddings.
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up projections are
 fused (the loader concatenates them) so each layer runs two matmuls fewer.
+
+Layers pass ``(x, residual)`` along, whose sum is the hidden state, so that a residual add is fused
+into the next RMSNorm. With ``fused`` (the default on CUDA tensors) the small ops run as Triton
+kernels (``engine/models/fused_ops.py``); otherwise the torch code below runs, which on CPU matches
+Hugging Face transformers bit for bit in float32. NOTE: ``fused_ops`` is imported where it is first
+used, so CPU installs never import triton and tests can set ``TRITON_INTERPRET`` before its kernels
+are defined.
 """
 
 from __future__ import annotations
@@ -45,13 +52,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            import engine.models.fused_ops as fused_ops
+
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op; same math as the reference below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, fused: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = x + residual``; returns ``(norm(s), s)``."""
+        if fused:
+            import engine.models.fused_ops as fused_ops
+
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        x = x + residual
+        return self.forward(x), x
 
 
 class Attention(nn.Module):
@@ -69,15 +91,15 @@ class Attention(nn.Module):
         self.sliding_window = spec.sliding_windows[layer]
         self.backend = backend
 
-    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata, fused: bool = False) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos_sin)
+            q, k = self.q_norm(q, fused), self.k_norm(k, fused)
+        q, k = apply_rotary(q, k, cos_sin, fused)
         out = self.backend.forward(self.layer, q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -89,7 +111,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            import engine.models.fused_ops as fused_ops
+
+            return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -102,9 +128,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos_sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos_sin, kv_cache, meta, fused: bool = False):
+        """``(x, residual)`` in, ``(mlp output, residual)`` out; ``residual`` is None for the first layer."""
+        if residual is None:
+            h, residual = self.input_layernorm(x, fused), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual, fused)
+        x = self.self_attn(h, cos_sin, kv_cache, meta, fused)
+        h, residual = self.post_attention_layernorm.add_forward(x, residual, fused)
+        return self.mlp(h, fused), residual
 
 
 class Backbone(nn.Module):
@@ -126,15 +158,28 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids, positions, kv_cache, meta: AttentionMetadata, num_layers: int | None = None
+        self,
+        input_ids,
+        positions,
+        kv_cache,
+        meta: AttentionMetadata,
+        num_layers: int | None = None,
+        fused: bool | None = None,
     ) -> torch.Tensor:
-        """Hidden states after all layers, or after the first ``num_layers`` (an early-exit draft)."""
+        """Hidden states after all layers, or after the first ``num_layers`` (an early-exit draft).
+
+        ``fused``: run the small ops as Triton kernels; None picks them for CUDA tensors (a property of
+        the tensor, so the choice costs no host sync and holds under CUDA-graph capture).
+        """
         x = self.model.embed_tokens(input_ids)
+        fused = x.is_cuda if fused is None else fused
         cos_sin = self.model.rotary.lookup(positions, x.dtype)
         layers = self.model.layers
+        residual = None
         for i in range(len(layers) if num_layers is None else num_layers):
-            x = layers[i](x, cos_sin, kv_cache, meta)
-        return x
+            x, residual = layers[i](x, residual, cos_sin, kv_cache, meta, fused)
+        return x if residual is None else x + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+        fused = hidden.is_cuda if fused is None else fused
+        return self.lm_head(self.model.norm(hidden, fused)).float()

@@ -47,10 +47,18 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, KVH, D]; the Llama family's rotate-half rotation."""
+    """q: [T, H, D], k: [T, KVH, D]; the Llama family's rotate-half rotation.
+
+    ``fused``: one Triton kernel for q and k (``engine/models/fused_ops.py``, imported lazily so CPU
+    installs never import triton) instead of the torch ops below.
+    """
     cos, sin = cos_sin
+    if fused:
+        import engine.models.fused_ops as fused_ops
+
+        return fused_ops.rotary(q, k, cos, sin)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

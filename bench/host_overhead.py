@@ -1,0 +1,408 @@
+"""Host time per decode step of the whole engine step, with a zero-cost model on CPU.
+
+``EngineCore.step()`` runs for real (schedule, batch preparation, model, sampling, output
+processing) around ``engine.models.zero_cost`` (no layer, no attention: a gather and a scatter), so
+a step's time is what the engine adds to every step of a real model. For each batch x context,
+``batch`` sequences of ``context`` prompt tokens are prefilled first (``prefill_first``), a few
+decode steps warm up, then ``steps`` decode steps are timed with ``perf_counter``: the step, and
+inside it ``scheduler.schedule``, ``runner.execute`` and ``scheduler.update`` (the rest of
+``step()`` is "other").
+
+    python -m bench.host_overhead [--batches 1,32,256] [--contexts 128,1024,4096,8192]
+        [--baseline-ref HEAD] [--json PATH] [--profile 20]
+
+``--baseline-ref REV`` measures the same grid on another revision too (``git archive`` into a
+temporary directory) and prints new / old. Each side runs this file in a subprocess with that
+side's ``engine`` package first on ``PYTHONPATH``. A revision without the zero-cost model builds
+its engine from a tiny random checkpoint and has its runner's model replaced by this tree's
+``ZeroCostForCausalLM`` (loaded from its file), which needs only interfaces both have:
+``core.runner.model`` (``forward`` / ``compute_logits``), ``core.scheduler`` and ``core.step()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import importlib.util
+import json
+import math
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WARMUP_STEPS = 5
+VOCAB = 512
+BLOCK_SIZE = 16
+ADMISSION_MARGIN = 0.01  # EngineConfig's default
+
+
+# The engine under test ---------------------------------------------------------------------------
+
+
+def _own_zero_cost():
+    """This tree's ``engine/models/zero_cost.py``, loaded from its file: the engine under test may
+    be a revision without it (it needs only torch, and ``engine.models.llama`` for specs)."""
+    spec = importlib.util.spec_from_file_location("_bench_zero_cost", ROOT / "engine/models/zero_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_checkpoint(workdir: Path, max_len: int, swap: bool) -> tuple[Path, str]:
+    """(checkpoint, mode): a zero-cost checkpoint where the engine under test loads one, else a
+    tiny random one of the same KV layout whose model ``build_engine`` swaps out."""
+    if not swap:
+        try:
+            from engine.models.zero_cost import create_zero_cost_model
+
+            return create_zero_cost_model(workdir / "zero-cost", VOCAB, max_len), "zero-cost checkpoint"
+        except ImportError:
+            pass
+    from engine.tiny_model import create_tiny_model
+
+    path = create_tiny_model(
+        workdir / "tiny",
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=max_len,
+    )
+    return path, "tiny checkpoint, zero-cost model swapped in"
+
+
+def build_engine(checkpoint: Path, swap: bool, batch: int, max_len: int, num_blocks: int):
+    from engine import EngineConfig, EngineCore
+
+    core = EngineCore(
+        EngineConfig(
+            model=str(checkpoint),
+            device="cpu",
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            num_blocks=num_blocks,
+            max_model_len=max_len,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(2048, min(batch * max_len, 16384)),
+            scheduling_policy="prefill_first",
+        )
+    )
+    if swap:
+        model = _own_zero_cost().ZeroCostForCausalLM.from_spec(core.runner.model.spec)
+        core.runner.model = core.model = model
+    return core
+
+
+# One shape ---------------------------------------------------------------------------------------
+
+
+def _timed(fn, acc: list[float]):
+    clock = time.perf_counter
+
+    def wrapper(*args):
+        t = clock()
+        out = fn(*args)
+        acc.append(clock() - t)
+        return out
+
+    return wrapper
+
+
+def _prefill(core, batch: int, context: int, max_tokens: int) -> None:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    n = VOCAB - 3
+    for i in range(batch):  # distinct first blocks: no prefix sharing between sequences
+        core.add_request(f"s{i}", [3 + (7 * i + j) % n for j in range(context)], params)
+    while any(r.num_computed_tokens < r.prompt_len for r in core.scheduler.requests.values()):
+        core.step()
+    for _ in range(WARMUP_STEPS):
+        produced = sum(len(o.new_token_ids) for o in core.step())
+    if produced != batch:
+        raise RuntimeError(f"{produced} of {batch} sequences are decoding after the prefill")
+
+
+def _profile(core, steps: int, top: int) -> list[dict]:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        core.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        {
+            "function": f"{name} ({Path(f).name}:{line})",
+            "own_ms_per_step": v[2] * 1e3 / steps,
+            "cum_ms_per_step": v[3] * 1e3 / steps,
+            "calls_per_step": v[0] / steps,
+        }
+        for (f, line, name), v in rows
+    ]
+
+
+def measure(checkpoint: Path, swap: bool, batch: int, context: int, steps: int, profile: int = 0) -> dict:
+    """One shape: prefill, warm up, then ``steps`` timed decode steps (and ``profile`` more under
+    cProfile)."""
+    max_tokens = WARMUP_STEPS + steps + profile + 4
+    max_len = context + max_tokens
+    # Every sequence's whole length, over the 1% the scheduler keeps free when it admits.
+    num_blocks = math.ceil(batch * -(-max_len // BLOCK_SIZE) / (1 - ADMISSION_MARGIN)) + 8
+    core = build_engine(checkpoint, swap, batch, max_len, num_blocks)
+    _prefill(core, batch, context, max_tokens)
+    parts: dict[str, list[float]] = {"schedule": [], "execute": [], "update": []}
+    sched, runner = core.scheduler, core.runner
+    sched.schedule = _timed(sched.schedule, parts["schedule"])
+    runner.execute = _timed(runner.execute, parts["execute"])
+    sched.update = _timed(sched.update, parts["update"])
+    step_s: list[float] = []
+    clock = time.perf_counter
+    gc.collect()
+    for _ in range(steps):
+        t0 = clock()
+        outs = core.step()
+        step_s.append(clock() - t0)
+        if sum(len(o.new_token_ids) for o in outs) != batch:
+            raise RuntimeError(f"a step produced tokens for fewer than {batch} sequences")
+    for name in ("schedule", "execute", "update"):
+        delattr(sched if name != "execute" else runner, name)
+    top = _profile(core, profile, 15) if profile else []
+    ms = sorted(s * 1e3 for s in step_s)
+    mean = {k: statistics.fmean(v) * 1e3 for k, v in parts.items()}
+    row = {
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "mean_ms": statistics.fmean(ms),
+        "p50_ms": ms[len(ms) // 2],
+        "p90_ms": ms[min(len(ms) - 1, math.ceil(0.9 * len(ms)) - 1)],
+        "schedule_ms": mean["schedule"],
+        "execute_ms": mean["execute"],
+        "update_ms": mean["update"],
+        "other_ms": statistics.fmean(ms) - sum(mean.values()),
+    }
+    if top:
+        row["profile_top"] = top
+    return row
+
+
+def steps_for(batch: int, max_steps: int, token_budget: int) -> int:
+    """Fewer steps at large batches (but ten at least): the default grid stays within a few minutes
+    on 2 cores."""
+    return min(max_steps, max(10, token_budget // batch))
+
+
+def run_grid(args) -> dict:
+    """Every batch x context of ``args`` on the ``engine`` package this process imports."""
+    import torch
+
+    import engine
+
+    torch.set_num_threads(args.threads)
+    shapes = [(b, c) for b in args.batches for c in args.contexts]
+    max_len = max(args.contexts) + WARMUP_STEPS + args.steps + args.profile + 4
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint, mode = make_checkpoint(Path(tmp), max_len, args.force_swap)
+        swap = mode != "zero-cost checkpoint"
+        for batch, context in _progress(shapes):
+            steps = steps_for(batch, args.steps, args.token_budget)
+            rows.append(measure(checkpoint, swap, batch, context, steps, args.profile))
+    return {
+        "engine": str(Path(engine.__file__).resolve().parents[1]),
+        "mode": mode,
+        "torch_threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def _progress(shapes: list[tuple[int, int]]):
+    """tqdm on stderr where installed, else a line per shape."""
+    try:
+        from tqdm import tqdm
+
+        yield from tqdm(shapes, desc="host overhead", file=sys.stderr, leave=False)
+    except ImportError:
+        for i, (batch, context) in enumerate(shapes):
+            print(f"[{i + 1}/{len(shapes)}] batch {batch} x {context}", file=sys.stderr, flush=True)
+            yield batch, context
+
+
+# Two revisions -----------------------------------------------------------------------------------
+
+
+def _worker_argv(args, out: Path) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--json", str(out)]
+    argv += ["--batches", ",".join(map(str, args.batches)), "--contexts", ",".join(map(str, args.contexts))]
+    for name in ("threads", "steps", "token_budget", "profile"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return argv + (["--force-swap"] if args.force_swap else [])
+
+
+def run_in_subprocess(args, tree: Path, out: Path) -> dict:
+    """The grid on the ``engine`` package of ``tree``, in a fresh process."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run(_worker_argv(args, out), env=env, cwd=tree, check=True)
+    result = json.loads(out.read_text())
+    if Path(result["engine"]) != tree.resolve():
+        raise RuntimeError(f"the worker imported the engine of {result['engine']}, not of {tree}")
+    return result
+
+
+def run_against(args) -> dict:
+    """This tree and ``args.baseline_ref``, each in its own process (the same conditions)."""
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{args.baseline_ref}^{{commit}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        old_tree = Path(tmp) / "baseline"
+        old_tree.mkdir()
+        archive = subprocess.Popen(["git", "-C", str(ROOT), "archive", commit], stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", str(old_tree)], stdin=archive.stdout, check=True)
+        archive.stdout.close()
+        if archive.wait() != 0:
+            raise RuntimeError(f"git archive {commit} failed")
+        print(f"baseline: {args.baseline_ref} ({commit[:12]})", file=sys.stderr, flush=True)
+        baseline = run_in_subprocess(args, old_tree, Path(tmp) / "baseline.json")
+        print("current: the working tree", file=sys.stderr, flush=True)
+        current = run_in_subprocess(args, ROOT, Path(tmp) / "current.json")
+    baseline.update(ref=args.baseline_ref, commit=commit, engine="(archive)")
+    return {"current": current, "baseline": baseline}
+
+
+# Report ------------------------------------------------------------------------------------------
+
+_COLUMNS = ("mean_ms", "p50_ms", "schedule_ms", "execute_ms", "update_ms", "other_ms")
+
+
+def ratios(current: list[dict], baseline: list[dict]) -> list[dict]:
+    old = {(r["batch"], r["context"]): r for r in baseline}
+    out = []
+    for r in current:
+        b = old.get((r["batch"], r["context"]))
+        if b is not None:
+            ratio = {k: r[k] / b[k] if b[k] > 0 else float("nan") for k in _COLUMNS}
+            out.append({"batch": r["batch"], "context": r["context"], **ratio})
+    return out
+
+
+def flatness(rows: list[dict], key: str = "mean_ms") -> dict[int, float]:
+    """Per batch: the step's time at the longest context over its time at the shortest."""
+    out = {}
+    for batch in sorted({r["batch"] for r in rows}):
+        mine = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["context"])
+        if len(mine) > 1:
+            out[batch] = mine[-1][key] / mine[0][key]
+    return out
+
+
+def format_report(result: dict, target_ms: float) -> str:
+    cur = result["current"]
+    base = result.get("baseline")
+    lines = [f"engine step host time per decode step, zero-cost model on CPU ({cur['mode']})"]
+    head = f"{'batch':>5} {'ctx':>5} {'steps':>5} {'mean':>8} {'p50':>8} {'sched':>7} {'exec':>7} {'update':>7} {'other':>7}"
+    if base:
+        head += f" {'old mean':>9} {'old p50':>8} {'new/old':>7} {'p50 n/o':>7}"
+    lines += [head + "   (ms)", "-" * len(head)]
+    old = {(r["batch"], r["context"]): r for r in base["rows"]} if base else {}
+    for r in cur["rows"]:
+        line = (
+            f"{r['batch']:>5} {r['context']:>5} {r['steps']:>5} {r['mean_ms']:>8.3f} {r['p50_ms']:>8.3f} "
+            f"{r['schedule_ms']:>7.3f} {r['execute_ms']:>7.3f} {r['update_ms']:>7.3f} {r['other_ms']:>7.3f}"
+        )
+        b = old.get((r["batch"], r["context"]))
+        if b is not None:
+            line += (
+                f" {b['mean_ms']:>9.3f} {b['p50_ms']:>8.3f} {r['mean_ms'] / b['mean_ms']:>7.2f}"
+                f" {r['p50_ms'] / b['p50_ms']:>7.2f}"
+            )
+        lines.append(line)
+    for name, side in (("current", cur), ("baseline", base)):
+        contexts = sorted({r["context"] for r in side["rows"]}) if side else []
+        for key in ("mean_ms", "p50_ms") if len(contexts) > 1 else ():
+            flat = ", ".join(f"batch {b}: {v:.2f}x" for b, v in flatness(side["rows"], key).items())
+            lines.append(f"{name}: {contexts[-1]} / {contexts[0]} context ({key[:-3]}): {flat}")
+    goal = next((r for r in cur["rows"] if (r["batch"], r["context"]) == (256, 4096)), None)
+    if goal is not None:
+        verdict = "meets" if goal["mean_ms"] <= target_ms else "misses"
+        lines.append(
+            f"target: batch 256 x 4k <= {target_ms} ms per step: {goal['mean_ms']:.3f} ms ({verdict})"
+        )
+    if base:
+        lines.append(f"baseline: {base['ref']} ({base['commit'][:12]}, {base['mode']})")
+    for r in cur["rows"]:
+        for f in r.get("profile_top", ())[:10]:
+            if f is r["profile_top"][0]:
+                lines.append(f"cProfile, batch {r['batch']} x {r['context']} (own ms per step):")
+            lines.append(f"  {f['own_ms_per_step']:8.4f}  {f['calls_per_step']:8.1f} calls  {f['function']}")
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=_ints, default=[1, 32, 256])
+    parser.add_argument("--contexts", type=_ints, default=[128, 1024, 4096, 8192])
+    parser.add_argument("--steps", type=int, default=200, help="timed decode steps per shape (at most)")
+    parser.add_argument(
+        "--token-budget", type=int, default=25600, help="fewer steps where batch x steps exceeds this"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: a GPU engine's policy, engine.cpu_threads; more makes a 2-core "
+        "machine's steps wait on OpenMP wake-ups)",
+    )
+    parser.add_argument("--profile", type=int, default=0, help="this many more steps under cProfile")
+    parser.add_argument("--target-ms", type=float, default=0.3, help="the goal at batch 256 x 4k")
+    parser.add_argument("--baseline-ref", default=None, help="also measure this git revision; print new/old")
+    parser.add_argument(
+        "--force-swap", action="store_true", help="tiny checkpoint + swapped model on this tree too"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if min(args.steps, args.token_budget, args.threads) < 1 or args.profile < 0:
+        parser.error("--steps, --token-budget and --threads must be positive, --profile non-negative")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.worker:  # one side of a comparison: rows to --json, progress to stderr
+        args.json.write_text(json.dumps(run_grid(args)))
+        return {}
+    result = run_against(args) if args.baseline_ref else {"current": run_grid(args)}
+    if args.baseline_ref:
+        result["ratios"] = ratios(result["current"]["rows"], result["baseline"]["rows"])
+    print(format_report(result, args.target_ms))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    if __package__ in (None, ""):  # run as a file: the engine comes from PYTHONPATH, not bench/
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    main()

@@ -1,0 +1,250 @@
+"""The runner's batch state kept across steps: block tables on the device, one upload per step.
+
+Each sequence the runner knows owns a row of a ``[rows, max_blocks_per_seq]`` block table that
+lives on the engine's device. The table changes only where the scheduler says it does: a new
+sequence writes its row once, a sequence that crosses a block boundary appends one id, a
+copy-on-write rewrites its row; nothing is rebuilt from Python lists each step. A step's inputs
+(token ids, positions, which row each token and span reads, context lengths, query offsets, the
+table's pending writes, and the sampling scalars) are packed into one int64 buffer on the host and
+cross to the device in one copy (pinned, asynchronous, double-buffered so that preparing step N+1
+never overwrites what step N's copy still reads). The device then applies the table writes and
+derives the slot mapping and the span's block tables itself.
+
+Host work per step is therefore O(tokens + new blocks), not O(batch x context): a 256 x 4k decode
+step no longer writes 66k block ids. On a CPU engine the "device" table is the host table, and the
+writes land in it directly.
+"""
+
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class BlockTables:
+    """Block tables of the runner's sequences, a row each, mirrored on the device."""
+
+    def __init__(self, max_blocks_per_seq: int, device: torch.device, rows: int = 64) -> None:
+        self.width = max_blocks_per_seq
+        self.device = device
+        self.on_host = device.type == "cpu"
+        self.table = torch.zeros((rows, self.width), dtype=torch.int64, device=device)
+        self.row_of: dict[str, int] = {}
+        self._free = list(range(rows - 1, -1, -1))
+        self._len: list[int] = [0] * rows
+        # Writes the device table has not seen yet (a GPU engine): rows, columns, block ids.
+        self.pending = (array.array("q"), array.array("q"), array.array("q"))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def add(self, seq_id: str, block_ids: list[int]) -> None:
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.row_of[seq_id] = row
+        self._len[row] = 0
+        self._write(row, 0, block_ids)
+
+    def append(self, seq_id: str, block_ids: list[int]) -> None:
+        if block_ids:
+            row = self.row_of[seq_id]
+            self._write(row, self._len[row], block_ids)
+
+    def replace(self, seq_id: str, block_ids: list[int]) -> None:
+        self._write(self.row_of[seq_id], 0, block_ids)
+
+    def remove(self, seq_id: str) -> None:
+        row = self.row_of.pop(seq_id, None)
+        if row is not None:
+            self._free.append(row)
+
+    def _write(self, row: int, col: int, block_ids: list[int]) -> None:
+        n = len(block_ids)
+        if col + n > self.width:
+            raise ValueError(f"a sequence of {col + n} blocks exceeds the table's {self.width}")
+        self._len[row] = col + n
+        if self.on_host:
+            self.table[row, col : col + n] = torch.tensor(block_ids, dtype=torch.int64)
+            return
+        rows, cols, ids = self.pending
+        rows.extend([row] * n)
+        cols.extend(range(col, col + n))
+        ids.extend(block_ids)
+
+    def _grow(self) -> None:
+        old = self.table.shape[0]
+        bigger = torch.zeros((2 * old, self.width), dtype=torch.int64, device=self.device)
+        bigger[:old] = self.table
+        self.table = bigger
+        self._free = list(range(2 * old - 1, old - 1, -1))
+        self._len.extend([0] * old)
+
+    def take_pending(self) -> tuple[array.array, array.array, array.array] | None:
+        rows, _, _ = self.pending
+        if not rows:
+            return None
+        out = self.pending
+        self.pending = (array.array("q"), array.array("q"), array.array("q"))
+        return out
+
+
+@dataclass(slots=True)
+class SamplingScalars:
+    """Per sampled row: temperature, top-k, top-p, min-p, seed and the position being sampled."""
+
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    seeds: list[int]
+    positions: list[int]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sampling: dict[str, torch.Tensor] | None  # SamplingScalars' fields as device tensors
+
+
+class StepUploader:
+    """Packs a step's host-side integers into one buffer and sends it to the device in one copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._slots: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._turn = 0
+
+    def upload(self, packed: array.array) -> torch.Tensor:
+        host = (
+            torch.frombuffer(packed, dtype=torch.int64) if len(packed) else torch.empty(0, dtype=torch.int64)
+        )
+        if not self.pinned:
+            return host  # a CPU engine reads the host buffer itself (the caller keeps ``packed`` alive)
+        staging = self._staging(len(packed))
+        staging[: len(packed)].copy_(host)
+        out = staging[: len(packed)].to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._slots[self._turn] = (staging, event)
+        return out
+
+    def _staging(self, n: int) -> torch.Tensor:
+        """A pinned buffer of >= n int64 that no copy in flight reads (two take turns)."""
+        if not self._slots:
+            self._slots = [
+                (torch.empty(0, dtype=torch.int64), None),
+                (torch.empty(0, dtype=torch.int64), None),
+            ]
+        self._turn ^= 1
+        buf, event = self._slots[self._turn]
+        if event is not None:
+            event.synchronize()  # the copy two steps back: long done unless the GPU is far behind
+        if buf.numel() < n:
+            buf = torch.empty(max(n, 2 * buf.numel(), 4096), dtype=torch.int64, pin_memory=True)
+        return buf
+
+
+def build_step_inputs(
+    spans: list[tuple[list[int], int, str]],
+    tables: BlockTables,
+    uploader: StepUploader,
+    block_size: int,
+    backend: AttentionBackend,
+    sampling: SamplingScalars | None,
+    patches: tuple[list[int], list[int], torch.Tensor] | None = None,
+) -> StepInputs:
+    """Inputs of one forward over ``spans`` = (token ids, first position, sequence id), decodes
+    (spans of one token) first; ``meta.query_start_loc[i + 1] - 1`` is span ``i``'s last row.
+    ``patches`` = (rows, indices, ids): input row ``rows[j]`` is ``ids[indices[j]]``, a token the
+    previous step sampled on the device (overlapped scheduling), read there without a sync."""
+    tokens = array.array("q")
+    pos = array.array("q")
+    tok_rows = array.array("q")
+    span_rows = array.array("q")
+    seq_lens: list[int] = []
+    qsl = [0]
+    num_decodes = 0
+    row_of = tables.row_of
+    for toks, start, seq_id in spans:
+        n = len(toks)
+        row = row_of[seq_id]
+        tokens.extend(toks)
+        span_rows.append(row)
+        seq_lens.append(start + n)
+        qsl.append(qsl[-1] + n)
+        if n == 1:
+            pos.append(start)
+            tok_rows.append(row)
+            if num_decodes == len(seq_lens) - 1:
+                num_decodes += 1
+        else:
+            pos.extend(range(start, start + n))
+            tok_rows.extend([row] * n)
+    t, b = len(tokens), len(spans)
+    packed = array.array("q")
+    for part in (tokens, pos, tok_rows, span_rows, seq_lens, qsl):
+        packed.extend(part)
+    pending = tables.take_pending()
+    num_writes = len(pending[0]) if pending else 0
+    if pending:
+        for part in pending:
+            packed.extend(part)
+    if sampling is not None:
+        for floats in (sampling.temperature, sampling.top_p, sampling.min_p):
+            packed.frombytes(array.array("d", floats).tobytes())  # float64 bits in int64 slots
+        packed.extend(sampling.top_k)
+        packed.extend(sampling.seeds)
+        packed.extend(sampling.positions)
+    num_patches = len(patches[0]) if patches else 0
+    if patches:
+        packed.extend(patches[0])
+        packed.extend(patches[1])
+    dev = uploader.upload(packed)
+    cuts = [t, t, t, b, b, b + 1, num_writes, num_writes, num_writes]
+    parts = []
+    at = 0
+    for n in cuts:
+        parts.append(dev[at : at + n])
+        at += n
+    input_ids, positions, tok_rows_d, rows_d, seq_lens_d, qsl_d, w_rows, w_cols, w_ids = parts
+    table = tables.table
+    if num_writes:
+        table[w_rows, w_cols] = w_ids
+    width = -(-max(seq_lens) // block_size)
+    meta = AttentionMetadata(
+        num_decodes=num_decodes,
+        slot_blocks=table[tok_rows_d, positions // block_size],
+        slot_offsets=positions % block_size,
+        seq_lens=seq_lens_d,
+        seq_lens_list=seq_lens,
+        query_start_loc=qsl,
+        block_tables=table[rows_d, :width],
+        block_size=block_size,
+        query_start_loc_tensor=qsl_d,
+    )
+    backend.prepare(meta)
+    out_sampling = None
+    if patches:
+        end = len(packed)
+        input_ids[dev[end - 2 * num_patches : end - num_patches]] = patches[2][dev[end - num_patches : end]]
+    if sampling is not None:
+        n = len(sampling.seeds)
+        f = dev[at : at + 3 * n].view(torch.float64).float()
+        ints = dev[at + 3 * n : at + 6 * n]
+        out_sampling = {
+            "temperature": f[:n],
+            "top_p": f[n : 2 * n],
+            "min_p": f[2 * n :],
+            "top_k": ints[:n],
+            "seeds": ints[n : 2 * n],
+            "positions": ints[2 * n :],
+        }
+    return StepInputs(input_ids, positions, meta, out_sampling)

@@ -1,0 +1,113 @@
+"""The scheduler's side of a step's results: tokens appended, stops checked, forks made, the
+prefill role's held blocks, and (overlapped scheduling) placeholders filled.
+
+A sequence's sampled tokens arrive in ``update`` after the step that sampled them. Without overlap
+that is before the next ``schedule``; with it, the next step was already scheduled with the token
+as a PLACEHOLDER (``expect_tokens``), and ``update`` fills the oldest placeholder, checks stops on
+it, and, if the request stopped there, drops the token of the step after (it is never output).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import RunnerOutput, SchedulerOutput, SequenceOutput
+
+if TYPE_CHECKING:
+    from engine.kv_cache_manager import KVCacheManager
+
+
+class StepResults:
+    """Part of ``engine.scheduler.Scheduler`` (its state: requests, groups, running, kv)."""
+
+    requests: dict[str, Request]
+    groups: dict[str, list[str]]
+    running: list[Request]
+    kv: KVCacheManager
+    max_model_len: int
+
+    def expect_tokens(self, seq_ids: list[str]) -> None:
+        """Overlapped scheduling: the step just launched samples a token for each of ``seq_ids``."""
+        for seq_id in seq_ids:
+            self.requests[seq_id].expect_token()
+
+    def _resolve(self, req: Request, token: int, logprobs: list[dict[int, float]] | None) -> SequenceOutput:
+        """Fill ``req``'s oldest placeholder and check stops as ``_append`` does."""
+        later = req.drop_placeholders()
+        out = self._append(req, [token], logprobs)
+        if not req.status.finished:  # a request that stops keeps none of the tokens after it
+            req.restore_placeholders(later)
+        return out
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SequenceOutput]:
+        outputs: list[SequenceOutput] = []
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        all_logprobs = result.logprobs
+        for seq_id, (start, entries) in result.prompt_logprobs.items():
+            if seq_id in requests:
+                requests[seq_id].record_prompt_logprobs(start, entries)
+        spec = sched.num_spec_tokens
+        for seq_id, tokens in result.sampled.items():
+            req = requests.get(seq_id)
+            if req is None:
+                continue
+            logprobs = all_logprobs.get(seq_id) if all_logprobs else None
+            if req.num_placeholders:  # overlapped: preempted meanwhile or not, the value is its token
+                outputs.append(self._resolve(req, tokens[0], logprobs))
+                continue
+            if req.status != running:
+                continue
+            if seq_id in spec:  # its tokens in order; the rejected drafts' positions are rolled back
+                req.num_computed_tokens -= spec[seq_id] + 1 - len(tokens)
+                outputs.append(self._append(req, tokens, logprobs))
+                continue
+            if req.pending_forks:
+                for i, tok in enumerate(tokens[1:], start=1):
+                    outputs.append(self._fork(req, i, tok, logprobs[i] if logprobs else None))
+                req.pending_forks = 0
+            outputs.append(self._append(req, tokens[:1], logprobs[:1] if logprobs else None))
+        return outputs
+
+    def _append(
+        self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
+    ) -> SequenceOutput:
+        """Append a step's tokens (several after speculation) up to the first that ends the request."""
+        status = None
+        for i, token in enumerate(tokens):
+            req.append_token(token, logprobs[i] if logprobs else None)
+            status = req.check_stop(self.max_model_len)
+            if status is not None:
+                tokens = tokens[: i + 1]
+                break
+        out = SequenceOutput(
+            req.group_id, req.sample_index, list(tokens), logprobs[: len(tokens)] if logprobs else None,
+            num_prompt_tokens=req.prompt_len, num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=req.first_output_prompt_logprobs(),
+        )  # fmt: skip
+        if req.prefill_only and status is None:
+            out.held_block_ids = self._hold(req)
+            out.seed = req.seed
+        elif status is not None:
+            self.finish(req.request_id, status)
+            out.finish_reason = status.finish_reason
+            out.stop_reason = req.stop_reason
+        return out
+
+    def _hold(self, req: Request) -> list[int]:
+        """Prefill role: the first token is out; keep the prompt's blocks for a peer to read."""
+        self.running.remove(req)
+        del self.requests[req.request_id]
+        req.status = RequestStatus.FINISHED_LENGTH
+        return self._release(req, hold=True)
+
+    def _fork(
+        self, parent: Request, index: int, token: int, logprobs: dict[int, float] | None
+    ) -> SequenceOutput:
+        child = parent.fork(index)
+        self.kv.fork(parent, child)
+        self.requests[child.request_id] = child
+        self.groups[parent.group_id].append(child.request_id)
+        self.running.append(child)
+        return self._append(child, [token], None if logprobs is None else [logprobs])

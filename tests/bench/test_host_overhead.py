@@ -1,0 +1,37 @@
+"""The host-overhead benchmark runs the real engine step around the zero-cost model and reports
+each shape's step time and its parts; its JSON holds a row per shape."""
+
+from __future__ import annotations
+
+import json
+
+from bench import host_overhead
+
+
+def test_a_tiny_grid_reports_positive_times_per_shape(tmp_path, capsys):
+    out = tmp_path / "host.json"
+    host_overhead.main(
+        ["--batches", "2", "--contexts", "32,48", "--steps", "4", "--profile", "2", "--json", str(out)]
+    )
+    result = json.loads(out.read_text())
+    rows = result["current"]["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(2, 32), (2, 48)]
+    for r in rows:
+        assert r["steps"] == 4
+        assert all(r[k] > 0 for k in ("mean_ms", "p50_ms", "schedule_ms", "execute_ms", "update_ms"))
+        assert r["schedule_ms"] + r["execute_ms"] + r["update_ms"] <= r["mean_ms"]
+        assert r["profile_top"] and r["profile_top"][0]["own_ms_per_step"] > 0
+    assert result["current"]["mode"] == "zero-cost checkpoint"
+    report = capsys.readouterr().out
+    assert "48 / 32 context" in report
+
+
+def test_a_swapped_model_on_a_tiny_checkpoint_measures_too(tmp_path):
+    """The path a revision without the zero-cost model takes (--baseline-ref)."""
+    out = tmp_path / "host.json"
+    host_overhead.main(
+        ["--batches", "2", "--contexts", "32", "--steps", "4", "--force-swap", "--json", str(out)]
+    )
+    result = json.loads(out.read_text())
+    assert result["current"]["mode"].startswith("tiny checkpoint")
+    assert result["current"]["rows"][0]["mean_ms"] > 0
