@@ -5,7 +5,7 @@ processing) around ``engine.models.zero_cost`` (no layer, no attention: a gather
 a step's time is what the engine adds to every step of a real model. For each batch x context,
 ``batch`` sequences of ``context`` prompt tokens are prefilled first (``prefill_first``), a few
 decode steps warm up, then ``steps`` decode steps are timed with ``perf_counter``: the step, and
-inside it ``scheduler.schedule``, ``runner.execute`` and ``scheduler.update`` (the rest of
+inside it ``scheduler.schedule``, the runner (``launch`` + ``collect``) and ``scheduler.update`` (the rest of
 ``step()`` is "other").
 
     python -m bench.host_overhead [--batches 1,32,256] [--contexts 128,1024,4096,8192]
@@ -80,7 +80,9 @@ def make_checkpoint(workdir: Path, max_len: int, swap: bool) -> tuple[Path, str]
     return path, "tiny checkpoint, zero-cost model swapped in"
 
 
-def build_engine(checkpoint: Path, swap: bool, batch: int, max_len: int, num_blocks: int):
+def build_engine(
+    checkpoint: Path, swap: bool, batch: int, max_len: int, num_blocks: int, attention: str = "triton"
+):
     from engine import EngineConfig, EngineCore
 
     core = EngineCore(
@@ -94,6 +96,8 @@ def build_engine(checkpoint: Path, swap: bool, batch: int, max_len: int, num_blo
             max_num_seqs=batch,
             max_num_batched_tokens=max(2048, min(batch * max_len, 16384)),
             scheduling_policy="prefill_first",
+            # A GPU engine's per-step attention metadata (the model never attends: it costs nothing).
+            attention_backend=attention,
         )
     )
     if swap:
@@ -108,9 +112,9 @@ def build_engine(checkpoint: Path, swap: bool, batch: int, max_len: int, num_blo
 def _timed(fn, acc: list[float]):
     clock = time.perf_counter
 
-    def wrapper(*args):
+    def wrapper(*args, **kwargs):
         t = clock()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         acc.append(clock() - t)
         return out
 
@@ -151,19 +155,31 @@ def _profile(core, steps: int, top: int) -> list[dict]:
     ]
 
 
-def measure(checkpoint: Path, swap: bool, batch: int, context: int, steps: int, profile: int = 0) -> dict:
+def measure(
+    checkpoint: Path,
+    swap: bool,
+    batch: int,
+    context: int,
+    steps: int,
+    profile: int = 0,
+    attention: str = "triton",
+) -> dict:
     """One shape: prefill, warm up, then ``steps`` timed decode steps (and ``profile`` more under
     cProfile)."""
     max_tokens = WARMUP_STEPS + steps + profile + 4
     max_len = context + max_tokens
     # Every sequence's whole length, over the 1% the scheduler keeps free when it admits.
     num_blocks = math.ceil(batch * -(-max_len // BLOCK_SIZE) / (1 - ADMISSION_MARGIN)) + 8
-    core = build_engine(checkpoint, swap, batch, max_len, num_blocks)
+    core = build_engine(checkpoint, swap, batch, max_len, num_blocks, attention)
     _prefill(core, batch, context, max_tokens)
     parts: dict[str, list[float]] = {"schedule": [], "execute": [], "update": []}
     sched, runner = core.scheduler, core.runner
     sched.schedule = _timed(sched.schedule, parts["schedule"])
-    runner.execute = _timed(runner.execute, parts["execute"])
+    # The runner's share: launch + collect where the engine splits its steps (overlapped scheduling),
+    # execute in older trees.
+    runner_calls = ("launch", "collect") if hasattr(runner, "launch") else ("execute",)
+    for name in runner_calls:
+        setattr(runner, name, _timed(getattr(runner, name), parts["execute"]))
     sched.update = _timed(sched.update, parts["update"])
     step_s: list[float] = []
     clock = time.perf_counter
@@ -174,11 +190,13 @@ def measure(checkpoint: Path, swap: bool, batch: int, context: int, steps: int, 
         step_s.append(clock() - t0)
         if sum(len(o.new_token_ids) for o in outs) != batch:
             raise RuntimeError(f"a step produced tokens for fewer than {batch} sequences")
-    for name in ("schedule", "execute", "update"):
-        delattr(sched if name != "execute" else runner, name)
+    for name in ("schedule", "update"):
+        delattr(sched, name)
+    for name in runner_calls:
+        delattr(runner, name)
     top = _profile(core, profile, 15) if profile else []
     ms = sorted(s * 1e3 for s in step_s)
-    mean = {k: statistics.fmean(v) * 1e3 for k, v in parts.items()}
+    mean = {k: sum(v) / steps * 1e3 for k, v in parts.items()}  # per step (the runner: two calls)
     row = {
         "batch": batch,
         "context": context,
@@ -217,7 +235,9 @@ def run_grid(args) -> dict:
         swap = mode != "zero-cost checkpoint"
         for batch, context in _progress(shapes):
             steps = steps_for(batch, args.steps, args.token_budget)
-            rows.append(measure(checkpoint, swap, batch, context, steps, args.profile))
+            rows.append(
+                measure(checkpoint, swap, batch, context, steps, args.profile, args.attention_backend)
+            )
     return {
         "engine": str(Path(engine.__file__).resolve().parents[1]),
         "mode": mode,
@@ -244,7 +264,7 @@ def _progress(shapes: list[tuple[int, int]]):
 def _worker_argv(args, out: Path) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--json", str(out)]
     argv += ["--batches", ",".join(map(str, args.batches)), "--contexts", ",".join(map(str, args.contexts))]
-    for name in ("threads", "steps", "token_budget", "profile"):
+    for name in ("threads", "steps", "token_budget", "profile", "attention_backend"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return argv + (["--force-swap"] if args.force_swap else [])
 
@@ -374,6 +394,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "machine's steps wait on OpenMP wake-ups)",
     )
     parser.add_argument("--profile", type=int, default=0, help="this many more steps under cProfile")
+    parser.add_argument(
+        "--attention-backend",
+        default="triton",
+        choices=["triton", "torch"],
+        help="whose per-step metadata the engine builds (triton: a GPU engine's; torch: a CPU engine's, whose "
+        "decode masks grow with context)",
+    )
     parser.add_argument("--target-ms", type=float, default=0.3, help="the goal at batch 256 x 4k")
     parser.add_argument("--baseline-ref", default=None, help="also measure this git revision; print new/old")
     parser.add_argument(

@@ -17,7 +17,7 @@ from engine.kv_cache import KVLayout
 from engine.kv_quant import block_rows
 from engine.logits_processing import LogitsAdjustment, RowHistory
 from engine.models.llama import LlamaForCausalLM
-from engine.persistent_batch import BlockTables, SamplingScalars, StepUploader, build_step_inputs
+from engine.persistent_batch import BlockTables, FlatBatch, SamplingScalars, StepUploader, upload_step
 from engine.prompt_logprobs import prompt_logprobs
 from engine.request import PLACEHOLDER
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, sample_seed
@@ -75,6 +75,7 @@ class ModelRunner:
         # sampled sequence's row in them (the next launch reads its placeholders' values there).
         self._inflight: tuple[torch.Tensor, dict[str, int]] | None = None
         self._sync_seqs: set[str] = set()  # sequences whose steps need host tokens (see needs_host_tokens)
+        self._not_plain: set[str] = set()  # sampled at random, with logprobs or processed logits
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its tokens."""
@@ -147,6 +148,16 @@ class ModelRunner:
         token_list = (launch.host_tokens if launch.host_tokens is not None else result.token_ids).tolist()
         want_logprobs = launch.plan.want_logprobs
         slots = launch.slots
+        if launch.plan.expand is None and not self._grammar_seqs:  # one plain sample per sequence
+            sampled, seqs = out.sampled, self.seqs
+            for (_, seq_id, _), tok in zip(launch.sample_rows, token_list):
+                sampled[seq_id] = [tok]
+                state = seqs.get(seq_id)
+                if not slots:
+                    state.token_ids.append(tok)
+                elif state is not None and state.token_ids[slots[seq_id]] == PLACEHOLDER:
+                    state.token_ids[slots[seq_id]] = tok
+            return out
         row = 0
         for _, seq_id, n in launch.sample_rows:
             toks = token_list[row : row + n]
@@ -162,7 +173,7 @@ class ModelRunner:
                     out.errors[seq_id] = (
                         "structured output: the grammar allows none of the model's tokens here"
                     )
-            if result.sampled_logprobs is not None and want_logprobs[row] is not None:
+            if result.sampled_logprobs is not None and want_logprobs and want_logprobs[row] is not None:
                 out.logprobs[seq_id] = [
                     self._logprob_dict(result, row + s, want_logprobs[row]) for s in range(n)
                 ]
@@ -185,10 +196,13 @@ class ModelRunner:
         return any(d.num_samples > 1 for d in sched.running_seqs) if seqs else False
 
     def _batch_order(self, sched: SchedulerOutput, drafts: dict[str, list[int]]) -> list[str]:
-        """Decodes first, longest context first (the attention backend groups them by length); a
-        sequence that speculates this step runs as a short prefill chunk."""
+        """Decodes first (the torch backend also wants them longest context first: it groups them by
+        length); a sequence that speculates this step runs as a short prefill chunk."""
         n = sched.num_scheduled_tokens
-        return sorted(n, key=lambda s: (n[s] != 1 or bool(drafts.get(s)), -len(self.seqs[s].token_ids)))
+        if self.backend.name == "torch" or drafts:
+            return sorted(n, key=lambda s: (n[s] != 1 or bool(drafts.get(s)), -len(self.seqs[s].token_ids)))
+        decodes = [s for s, k in n.items() if k == 1]
+        return decodes if len(decodes) == len(n) else decodes + [s for s, k in n.items() if k != 1]
 
     @property
     def kv_blocks(self) -> torch.Tensor:
@@ -218,6 +232,7 @@ class ModelRunner:
             self._grammar_seqs.discard(seq_id)
             self._prompt_lp_seqs.discard(seq_id)
             self._sync_seqs.discard(seq_id)
+            self._not_plain.discard(seq_id)
         for new in sched.new_seqs:
             self.seqs[new.seq_id] = _SeqState(
                 list(new.token_ids),
@@ -234,6 +249,9 @@ class ModelRunner:
                 self._prompt_lp_seqs.add(new.seq_id)
             if _needs_host_tokens(new.params):
                 self._sync_seqs.add(new.seq_id)
+            p = new.params
+            if p.processes_logits or p.logprobs is not None or not (p.temperature == 0 or p.top_k == 1):
+                self._not_plain.add(new.seq_id)
             spec = new.params.structured
             if spec is not None:
                 self._grammar_seqs.add(new.seq_id)
@@ -255,36 +273,66 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput, order: list[str], drafts: dict[str, list[int]]):
         """The step's flat batch; a speculating sequence's span is its last token and its drafts."""
         computed = {d.seq_id: d.num_computed_tokens for d in sched.new_seqs}
-        computed.update({d.seq_id: d.num_computed_tokens for d in sched.running_seqs})
-        samples = {d.seq_id: d.num_samples for d in sched.new_seqs}
-        samples.update({d.seq_id: d.num_samples for d in sched.running_seqs})
-        spans = []
+        forks = {d.seq_id: d.num_samples for d in sched.new_seqs if d.num_samples > 1}
+        for d in sched.running_seqs:
+            computed[d.seq_id] = d.num_computed_tokens
+            if d.num_samples > 1:
+                forks[d.seq_id] = d.num_samples
+        num_scheduled = sched.num_scheduled_tokens
+        seqs, row_of = self.seqs, self.tables.row_of
+        flat = FlatBatch()
         sample_rows: list[tuple[int, str, int]] = []
         spec_rows: list[tuple[int, str, list[int]]] = []
         patch_dst: list[int] = []
         patch_src: list[int] = []
         row = 0
+        # Decodes first (one token each, its last: it samples), in one lean loop.
+        tokens, positions, token_rows, seq_lens = flat.tokens, flat.positions, flat.token_rows, flat.seq_lens
         for seq_id in order:
-            state = self.seqs[seq_id]
+            if num_scheduled[seq_id] != 1 or (drafts and seq_id in drafts):
+                break
+            token_ids = seqs[seq_id].token_ids
             start = computed[seq_id]
-            draft = drafts.get(seq_id)
+            if start + 1 != len(token_ids):
+                break  # a one-token prefill chunk: the general loop below
+            tok = token_ids[start]
+            r = row_of[seq_id]
+            tokens.append(tok)
+            positions.append(start)
+            token_rows.append(r)
+            seq_lens.append(start + 1)
+            sample_rows.append((row, seq_id, forks.get(seq_id, 1) if forks else 1))
+            if tok == PLACEHOLDER:  # sampled by the step in flight: read it on the device
+                patch_dst.append(row)
+                patch_src.append(self._inflight[1][seq_id])
+            row += 1
+        if row:
+            flat.span_rows.extend(token_rows)
+            flat.query_start_loc.extend(range(1, row + 1))
+            flat.num_decodes = row
+        for seq_id in order[row:]:
+            token_ids = seqs[seq_id].token_ids
+            start = computed[seq_id]
+            k = num_scheduled[seq_id]
+            draft = drafts.get(seq_id) if drafts else None
             if draft:
-                toks = [state.token_ids[start], *draft]
+                toks = [token_ids[start], *draft]
                 spec_rows.append((row, seq_id, draft))
             else:
-                toks = state.token_ids[start : start + sched.num_scheduled_tokens[seq_id]]
-                if start + len(toks) == len(state.token_ids):
-                    sample_rows.append((row + len(toks) - 1, seq_id, samples[seq_id]))
-                if toks[-1] == PLACEHOLDER:  # sampled by the step in flight: read it on the device
-                    assert len(toks) == 1 and self._inflight is not None, "only a decode reads a placeholder"
+                toks = token_ids[start : start + k]
+                n = len(toks)  # k, unless slots were scheduled for drafts that were not proposed
+                if start + n == len(token_ids):
+                    sample_rows.append((row + n - 1, seq_id, forks.get(seq_id, 1) if forks else 1))
+                if n and toks[-1] == PLACEHOLDER:  # sampled by the step in flight: read it on the device
+                    assert n == 1 and self._inflight is not None, "only a decode reads a placeholder"
                     patch_dst.append(row)
                     patch_src.append(self._inflight[1][seq_id])
-            spans.append((toks, start, seq_id))
+            flat.add(toks, start, row_of[seq_id])
             row += len(toks)
-        plan = self._sampling_plan(sample_rows)
+        plan = self._sampling_plan(sample_rows, bool(forks))
         patches = (patch_dst, patch_src, self._inflight[0]) if patch_dst else None
-        inputs = build_step_inputs(
-            spans, self.tables, self.uploader, self.layout.block_size, self.backend, plan.scalars, patches
+        inputs = upload_step(
+            flat, self.tables, self.uploader, self.layout.block_size, self.backend, plan.scalars, patches
         )
         plan.tensors = inputs.sampling
         return inputs.input_ids, inputs.positions, inputs.meta, sample_rows, spec_rows, plan
@@ -301,10 +349,13 @@ class ModelRunner:
                 k += 1
         return self.structured.fill_async(rows, k) if rows else None
 
-    def _sampling_plan(self, sample_rows: list[tuple[int, str, int]]) -> _SamplingPlan:
+    def _sampling_plan(self, sample_rows: list[tuple[int, str, int]], forks: bool) -> _SamplingPlan:
         """Each sampled row's parameters (a forking sequence has n rows), known before the forward so
         that their scalars travel in the step's one upload; none travel when every row is greedy."""
         plan = _SamplingPlan()
+        if not forks and (not self._not_plain or self._not_plain.isdisjoint(s for _, s, _ in sample_rows)):
+            return plan  # every row greedy, one sample each, no logprobs, no logits processing
+        plan.expand, plan.want_logprobs = [], []
         temps, top_ks, top_ps, min_ps, seeds, positions = [], [], [], [], [], []
         for i, (_, seq_id, n) in enumerate(sample_rows):
             state = self.seqs[seq_id]
@@ -336,10 +387,9 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, sample_rows: list[tuple[int, str, int]], masks, plan: _SamplingPlan
     ) -> SamplerOutput:
-        if len(plan.expand) != len(sample_rows):
+        if plan.expand is not None and len(plan.expand) != len(sample_rows):
             logits = logits[torch.tensor(plan.expand, device=logits.device)]
-        want_logprobs = plan.want_logprobs
-        wanted = [k for k in want_logprobs if k is not None]
+        wanted = [k for k in plan.want_logprobs if k is not None] if plan.want_logprobs else []
         dev = logits.device
         batch = SamplingBatch.from_scalars(
             plan.scalars,
@@ -363,8 +413,10 @@ class ModelRunner:
 
 @dataclass(slots=True)
 class _SamplingPlan:
-    expand: list[int] = field(default_factory=list)  # sampled row -> its sequence's logits row
-    want_logprobs: list[int | None] = field(default_factory=list)
+    # Sampled row -> its sequence's logits row, and each row's logprobs; None: one row per sequence,
+    # all greedy without logprobs (the plan of a plain decode step, built in O(1)).
+    expand: list[int] | None = None
+    want_logprobs: list[int | None] | None = None
     processed: list[tuple[int, RowHistory]] = field(default_factory=list)
     holders: list[tuple[_SeqState, RowHistory]] = field(default_factory=list)
     scalars: SamplingScalars | None = None  # None: every row greedy

@@ -18,7 +18,7 @@ writes land in it directly.
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -152,6 +152,35 @@ class StepUploader:
         return buf
 
 
+@dataclass(slots=True)
+class FlatBatch:
+    """A step's spans flattened on the host: the integers ``upload_step`` sends."""
+
+    tokens: array.array = field(default_factory=lambda: array.array("q"))
+    positions: array.array = field(default_factory=lambda: array.array("q"))
+    token_rows: array.array = field(default_factory=lambda: array.array("q"))  # each token's table row
+    span_rows: array.array = field(default_factory=lambda: array.array("q"))
+    seq_lens: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    num_decodes: int = 0
+
+    def add(self, toks: list[int], start: int, row: int) -> None:
+        """One span; spans of one token (decodes) must come first."""
+        n = len(toks)
+        self.tokens.extend(toks)
+        self.span_rows.append(row)
+        self.seq_lens.append(start + n)
+        self.query_start_loc.append(self.query_start_loc[-1] + n)
+        if n == 1:
+            self.positions.append(start)
+            self.token_rows.append(row)
+            if self.num_decodes == len(self.seq_lens) - 1:
+                self.num_decodes += 1
+        else:
+            self.positions.extend(range(start, start + n))
+            self.token_rows.extend([row] * n)
+
+
 def build_step_inputs(
     spans: list[tuple[list[int], int, str]],
     tables: BlockTables,
@@ -162,33 +191,30 @@ def build_step_inputs(
     patches: tuple[list[int], list[int], torch.Tensor] | None = None,
 ) -> StepInputs:
     """Inputs of one forward over ``spans`` = (token ids, first position, sequence id), decodes
-    (spans of one token) first; ``meta.query_start_loc[i + 1] - 1`` is span ``i``'s last row.
-    ``patches`` = (rows, indices, ids): input row ``rows[j]`` is ``ids[indices[j]]``, a token the
-    previous step sampled on the device (overlapped scheduling), read there without a sync."""
-    tokens = array.array("q")
-    pos = array.array("q")
-    tok_rows = array.array("q")
-    span_rows = array.array("q")
-    seq_lens: list[int] = []
-    qsl = [0]
-    num_decodes = 0
+    (spans of one token) first; ``meta.query_start_loc[i + 1] - 1`` is span ``i``'s last row."""
+    flat = FlatBatch()
     row_of = tables.row_of
     for toks, start, seq_id in spans:
-        n = len(toks)
-        row = row_of[seq_id]
-        tokens.extend(toks)
-        span_rows.append(row)
-        seq_lens.append(start + n)
-        qsl.append(qsl[-1] + n)
-        if n == 1:
-            pos.append(start)
-            tok_rows.append(row)
-            if num_decodes == len(seq_lens) - 1:
-                num_decodes += 1
-        else:
-            pos.extend(range(start, start + n))
-            tok_rows.extend([row] * n)
-    t, b = len(tokens), len(spans)
+        flat.add(toks, start, row_of[seq_id])
+    return upload_step(flat, tables, uploader, block_size, backend, sampling, patches)
+
+
+def upload_step(
+    flat: FlatBatch,
+    tables: BlockTables,
+    uploader: StepUploader,
+    block_size: int,
+    backend: AttentionBackend,
+    sampling: SamplingScalars | None,
+    patches: tuple[list[int], list[int], torch.Tensor] | None = None,
+) -> StepInputs:
+    """``flat``, the tables' pending writes and the sampling scalars in one upload; the device
+    derives the slot mapping and the spans' block tables. ``patches`` = (rows, indices, ids): input
+    row ``rows[j]`` is ``ids[indices[j]]``, a token the previous step sampled on the device
+    (overlapped scheduling), read there without a sync."""
+    tokens, pos, tok_rows, span_rows = flat.tokens, flat.positions, flat.token_rows, flat.span_rows
+    seq_lens, qsl, num_decodes = flat.seq_lens, flat.query_start_loc, flat.num_decodes
+    t, b = len(tokens), len(seq_lens)
     packed = array.array("q")
     for part in (tokens, pos, tok_rows, span_rows, seq_lens, qsl):
         packed.extend(part)

@@ -162,19 +162,6 @@ class Request:
         self.token_ids.append(PLACEHOLDER)
         self.num_placeholders += 1
 
-    def drop_placeholders(self) -> list[int]:
-        """Remove the oldest placeholder (its value is about to be appended) and those after it, which
-        are returned for ``restore_placeholders``."""
-        at = len(self.token_ids) - self.num_placeholders
-        later = self.token_ids[at + 1 :]
-        del self.token_ids[at:]
-        self.num_placeholders = 0
-        return later
-
-    def restore_placeholders(self, later: list[int]) -> None:
-        self.token_ids.extend(later)
-        self.num_placeholders = len(later)
-
     def last_token_pending(self, max_model_len: int) -> bool:
         """Whether the placeholder this sequence ends with is its last token (max_tokens, context)."""
         n = len(self.token_ids)
@@ -190,11 +177,15 @@ class Request:
             return None
         return [None, *self.prompt_logprobs]
 
-    def check_stop(self, max_model_len: int) -> RequestStatus | None:
-        """Token-level stop conditions after a token was appended (stop strings live elsewhere)."""
+    def check_stop(self, max_model_len: int, at: int | None = None) -> RequestStatus | None:
+        """Token-level stop conditions after a token was appended, or filled in at index ``at``
+        (overlapped scheduling: placeholders may follow it); stop strings live elsewhere."""
         # NOTE: runs for every sequence every step; plain attribute reads on purpose.
         tokens = self.token_ids
-        last = tokens[-1]
+        if at is None:
+            last, n = tokens[-1], len(tokens)
+        else:
+            last, n = tokens[at], at + 1
         params = self.params
         if last in self.eos_token_ids and not params.ignore_eos:
             self.stop_reason = None
@@ -202,7 +193,6 @@ class Request:
         if params.stop_token_ids and last in params.stop_token_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        n = len(tokens)
         if n - self.prompt_len >= params.max_tokens or n >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -157,30 +157,28 @@ class Scheduler(TransferQueue, StepResults):
     ) -> None:
         running_out = out.running_seqs
         num_scheduled = out.num_scheduled_tokens
+        # NOTE: every running sequence, every step: names bound once, the decode fast path first.
+        running, sent, try_append = RequestStatus.RUNNING, self._sent_to_runner, self.kv.try_append_slot
         for req in candidates:
             if budget[0] == 0:
                 return
-            if req.status != RequestStatus.RUNNING:
+            if req.status != running:
                 continue  # preempted earlier in this step
             if req.num_placeholders and req.last_token_pending(self.max_model_len):
                 continue  # the step in flight samples its last token: nothing left to decode
             num_new = min(len(req.token_ids) - req.num_computed_tokens, budget[0])
             seq_id = req.request_id
-            if num_new == 1 and self.num_spec_tokens and self._speculate(req, out, scheduled, budget):
-                continue
-            if (
-                num_new == 1
-                and not req.pending_forks
-                and seq_id in self._sent_to_runner
-                and self.kv.try_append_slot(req)
-            ):
-                # Fast path: a decode whose token fits in its own last block.
-                pos = req.num_computed_tokens
-                running_out.append(RunningSequenceData(seq_id, _NO_BLOCKS, None, pos))
-                req.num_computed_tokens = pos + 1
-                num_scheduled[seq_id] = 1
-                budget[0] -= 1
-                continue
+            if num_new == 1:
+                if self.num_spec_tokens and self._speculate(req, out, scheduled, budget):
+                    continue
+                if not req.pending_forks and seq_id in sent and try_append(req):
+                    # Fast path: a decode whose token fits in its own last block.
+                    pos = req.num_computed_tokens
+                    running_out.append(RunningSequenceData(seq_id, _NO_BLOCKS, None, pos))
+                    req.num_computed_tokens = pos + 1
+                    num_scheduled[seq_id] = 1
+                    budget[0] -= 1
+                    continue
             while not self.kv.can_allocate(req, num_new, None, 0):
                 victim = self._pick_victim(scheduled.keys() | {req.request_id})
                 self._preempt(victim or req, out)

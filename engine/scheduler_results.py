@@ -33,12 +33,19 @@ class StepResults:
             self.requests[seq_id].expect_token()
 
     def _resolve(self, req: Request, token: int, logprobs: list[dict[int, float]] | None) -> SequenceOutput:
-        """Fill ``req``'s oldest placeholder and check stops as ``_append`` does."""
-        later = req.drop_placeholders()
-        out = self._append(req, [token], logprobs)
-        if not req.status.finished:  # a request that stops keeps none of the tokens after it
-            req.restore_placeholders(later)
-        return out
+        """Fill ``req``'s oldest placeholder and check stops on it; a request that stops there keeps
+        none of the tokens after it (a later step's placeholder: that token is never output)."""
+        tokens = req.token_ids
+        at = len(tokens) - req.num_placeholders
+        tokens[at] = token
+        req.num_placeholders -= 1
+        if logprobs:
+            req.output_logprobs.append(logprobs[0])
+        status = req.check_stop(self.max_model_len, at)
+        if status is not None and req.num_placeholders:
+            del tokens[at + 1 :]
+            req.num_placeholders = 0
+        return self._output(req, [token], logprobs, status)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SequenceOutput]:
         outputs: list[SequenceOutput] = []
@@ -74,6 +81,11 @@ class StepResults:
         self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
     ) -> SequenceOutput:
         """Append a step's tokens (several after speculation) up to the first that ends the request."""
+        if len(tokens) == 1:  # NOTE: every decode of every sequence, every step: kept lean
+            req.token_ids.append(tokens[0])
+            if logprobs:
+                req.output_logprobs.append(logprobs[0])
+            return self._output(req, tokens, logprobs, req.check_stop(self.max_model_len))
         status = None
         for i, token in enumerate(tokens):
             req.append_token(token, logprobs[i] if logprobs else None)
@@ -81,10 +93,15 @@ class StepResults:
             if status is not None:
                 tokens = tokens[: i + 1]
                 break
+        return self._output(req, list(tokens), logprobs[: len(tokens)] if logprobs else None, status)
+
+    def _output(
+        self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None, status
+    ) -> SequenceOutput:
         out = SequenceOutput(
-            req.group_id, req.sample_index, list(tokens), logprobs[: len(tokens)] if logprobs else None,
+            req.group_id, req.sample_index, tokens, logprobs or None,
             num_prompt_tokens=req.prompt_len, num_cached_tokens=max(req.num_cached_tokens, 0),
-            prompt_logprobs=req.first_output_prompt_logprobs(),
+            prompt_logprobs=req.first_output_prompt_logprobs() if req.prompt_logprobs is not None else None,
         )  # fmt: skip
         if req.prefill_only and status is None:
             out.held_block_ids = self._hold(req)
