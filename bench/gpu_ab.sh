@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU host: the engine's decode and prefill figures (bench.gpu_bench) from an older
-# tree and from this one in the same run, this one with and without overlapped scheduling, then the
+# tree and from this one in the same run, this one as it runs by default and with overlapped scheduling
+# (--async-scheduling on), then the
 # GPU-only tests. BASE is the older tree, e.g.
 #   mkdir .baseline && git archive <commit> | tar -x -C .baseline   (and .baseline in .git/info/exclude)
 # Figures land in $OUT (the device tool's folder) or bench/results.
@@ -13,10 +14,10 @@ SHAPES=(--device cuda --dtype bfloat16 --batches 1,32,256 --contexts 1024,4096)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 echo "== before: $BASE"
 (cd "$BASE" && timeout 170 python3 -m bench.gpu_bench "${SHAPES[@]}" --profile 32,1024 --json "$DEST/gpu_ab_before.json")
-echo "== after, overlap off"
-timeout 150 python3 -m bench.gpu_bench "${SHAPES[@]}" --async-scheduling off --json "$DEST/gpu_ab_sync.json"
 echo "== after"
-timeout 170 python3 -m bench.gpu_bench "${SHAPES[@]}" --profile 32,1024 --json "$DEST/gpu_ab_after.json"
+timeout 150 python3 -m bench.gpu_bench "${SHAPES[@]}" --profile 256,1024 --json "$DEST/gpu_ab_after.json"
+echo "== after, overlapped steps"
+timeout 170 python3 -m bench.gpu_bench "${SHAPES[@]}" --async-scheduling on --profile 256,1024 --json "$DEST/gpu_ab_overlap.json"
 echo "== GPU tests"
 TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:warnings -p no:cacheprovider \
   tests/engine/test_cuda_graphs.py tests/engine/test_fused_ops.py tests/engine/test_async_scheduling.py -k "gpu or graph or fused"

@@ -90,7 +90,7 @@ def _engine(
     num_blocks: int,
     batch_tokens: int,
     max_seqs: int,
-    async_scheduling: str = "auto",
+    async_scheduling: str = "off",
 ):
     from engine import EngineConfig, EngineCore
 
@@ -226,9 +226,9 @@ def main() -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     p.add_argument(
         "--async-scheduling",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="overlapped steps (auto: on GPU)",
+        default="off",
+        choices=["off", "on"],
+        help="overlapped steps (the engine option)",
     )
     p.add_argument("--quick", action="store_true", help="tiny model and shapes (a smoke run)")
     p.add_argument("--batches", type=_ints, default=None, help="decode batch sizes, e.g. 1,32,256")

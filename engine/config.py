@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority", "fair")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-ASYNC_SCHEDULING = ("auto", "on", "off")
+ASYNC_SCHEDULING = ("off", "on")
 _DTYPE_ALIASES = {
     "float32": "float32",
     "fp32": "float32",
@@ -105,9 +105,10 @@ class EngineConfig:
         "torch's, from OMP_NUM_THREADS: Ray sets it to a replica's CPUs)",
     )
     async_scheduling: str = option(
-        "auto",
-        "overlap each step's scheduling and batch preparation with the previous step on the device, "
-        "its tokens read one step behind (auto: on for a GPU engine)",
+        "off",
+        "overlap each step's scheduling and batch preparation with the previous step on the device, its "
+        "tokens read one step behind (off by default: on an H200 it measured slower while the host's "
+        "per-sequence work outlasts the GPU's step; bench/README.md)",
         ASYNC_SCHEDULING,
     )
     cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA + Triton backend only)")

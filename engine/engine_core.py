@@ -297,9 +297,8 @@ class EngineCore(TransferMixin):
 
     @property
     def overlap(self) -> bool:
-        """Whether steps overlap: on a GPU by default (``async_scheduling``)."""
-        mode = self.config.async_scheduling
-        return mode == "on" or (mode == "auto" and self.device.type == "cuda")
+        """Whether steps overlap (``async_scheduling``)."""
+        return self.config.async_scheduling == "on"
 
     def _needs_host_tokens(self, sched) -> bool:
         if self.runner.needs_host_tokens(sched):

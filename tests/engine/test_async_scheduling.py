@@ -149,7 +149,7 @@ def test_an_abort_with_a_token_in_flight_frees_everything(tiny_llama):
 def test_async_scheduling_is_validated(tiny_llama):
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model=str(tiny_llama), async_scheduling="sometimes")
-    assert not EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=8)).overlap  # auto: off on CPU
+    assert not EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=8)).overlap  # off by default
 
 
 @pytest.mark.gpu
