@@ -162,12 +162,12 @@ def test_duplicate_request_id_is_refused(tiny_llama):
 def test_model_step_failure_fails_requests_not_engine(tiny_llama):
     core = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=16))
     core.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4))
-    real = core.runner.execute
-    core.runner.execute = lambda sched: (_ for _ in ()).throw(RuntimeError("device lost"))
+    real = core.runner.launch  # what the engine calls each step
+    core.runner.launch = lambda sched, overlap=False: (_ for _ in ()).throw(RuntimeError("device lost"))
     outs = core.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("x", "error")]
     assert "device lost" in outs[0].error
-    core.runner.execute = real
+    core.runner.launch = real
     assert core.stats().num_free_blocks == 16
     core.add_request("y", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     while core.has_unfinished():
