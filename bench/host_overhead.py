@@ -81,7 +81,13 @@ def make_checkpoint(workdir: Path, max_len: int, swap: bool) -> tuple[Path, str]
 
 
 def build_engine(
-    checkpoint: Path, swap: bool, batch: int, max_len: int, num_blocks: int, attention: str = "triton"
+    checkpoint: Path,
+    swap: bool,
+    batch: int,
+    max_len: int,
+    num_blocks: int,
+    attention: str = "triton",
+    overlap: bool = False,
 ):
     from engine import EngineConfig, EngineCore
 
@@ -98,6 +104,7 @@ def build_engine(
             scheduling_policy="prefill_first",
             # A GPU engine's per-step attention metadata (the model never attends: it costs nothing).
             attention_backend=attention,
+            **({"async_scheduling": "on"} if overlap else {}),
         )
     )
     if swap:
@@ -163,6 +170,7 @@ def measure(
     steps: int,
     profile: int = 0,
     attention: str = "triton",
+    overlap: bool = False,
 ) -> dict:
     """One shape: prefill, warm up, then ``steps`` timed decode steps (and ``profile`` more under
     cProfile)."""
@@ -170,7 +178,7 @@ def measure(
     max_len = context + max_tokens
     # Every sequence's whole length, over the 1% the scheduler keeps free when it admits.
     num_blocks = math.ceil(batch * -(-max_len // BLOCK_SIZE) / (1 - ADMISSION_MARGIN)) + 8
-    core = build_engine(checkpoint, swap, batch, max_len, num_blocks, attention)
+    core = build_engine(checkpoint, swap, batch, max_len, num_blocks, attention, overlap)
     _prefill(core, batch, context, max_tokens)
     parts: dict[str, list[float]] = {"schedule": [], "execute": [], "update": []}
     sched, runner = core.scheduler, core.runner
@@ -236,7 +244,16 @@ def run_grid(args) -> dict:
         for batch, context in _progress(shapes):
             steps = steps_for(batch, args.steps, args.token_budget)
             rows.append(
-                measure(checkpoint, swap, batch, context, steps, args.profile, args.attention_backend)
+                measure(
+                    checkpoint,
+                    swap,
+                    batch,
+                    context,
+                    steps,
+                    args.profile,
+                    args.attention_backend,
+                    args.overlap,
+                )
             )
     return {
         "engine": str(Path(engine.__file__).resolve().parents[1]),
@@ -394,6 +411,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "machine's steps wait on OpenMP wake-ups)",
     )
     parser.add_argument("--profile", type=int, default=0, help="this many more steps under cProfile")
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="this tree's engine with async_scheduling on (overlapped steps)",
+    )
     parser.add_argument(
         "--attention-backend",
         default="triton",

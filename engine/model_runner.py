@@ -17,7 +17,14 @@ from engine.kv_cache import KVLayout
 from engine.kv_quant import block_rows
 from engine.logits_processing import LogitsAdjustment, RowHistory
 from engine.models.llama import LlamaForCausalLM
-from engine.persistent_batch import BlockTables, FlatBatch, SamplingScalars, StepUploader, upload_step
+from engine.persistent_batch import (
+    BlockTables,
+    FlatBatch,
+    SampleGather,
+    SamplingScalars,
+    StepUploader,
+    upload_step,
+)
 from engine.prompt_logprobs import prompt_logprobs
 from engine.request import PLACEHOLDER
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, sample_seed
@@ -75,7 +82,8 @@ class ModelRunner:
         # sampled sequence's row in them (the next launch reads its placeholders' values there).
         self._inflight: tuple[torch.Tensor, dict[str, int]] | None = None
         self._sync_seqs: set[str] = set()  # sequences whose steps need host tokens (see needs_host_tokens)
-        self._not_plain: set[str] = set()  # sampled at random, with logprobs or processed logits
+        self._special: set[str] = set()  # with logprobs or processed logits
+        self._random: set[str] = set()  # sampled at random (not greedy)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its tokens."""
@@ -232,7 +240,8 @@ class ModelRunner:
             self._grammar_seqs.discard(seq_id)
             self._prompt_lp_seqs.discard(seq_id)
             self._sync_seqs.discard(seq_id)
-            self._not_plain.discard(seq_id)
+            self._special.discard(seq_id)
+            self._random.discard(seq_id)
         for new in sched.new_seqs:
             self.seqs[new.seq_id] = _SeqState(
                 list(new.token_ids),
@@ -250,8 +259,13 @@ class ModelRunner:
             if _needs_host_tokens(new.params):
                 self._sync_seqs.add(new.seq_id)
             p = new.params
-            if p.processes_logits or p.logprobs is not None or not (p.temperature == 0 or p.top_k == 1):
-                self._not_plain.add(new.seq_id)
+            if p.processes_logits or p.logprobs is not None:
+                self._special.add(new.seq_id)
+            if not (p.temperature == 0 or p.top_k == 1):
+                self._random.add(new.seq_id)
+            tables.set_sampling(
+                new.seq_id, p.temperature, p.top_k, p.top_p, p.min_p, sample_seed(new.seed, new.sample_index)
+            )
             spec = new.params.structured
             if spec is not None:
                 self._grammar_seqs.add(new.seq_id)
@@ -285,6 +299,7 @@ class ModelRunner:
         spec_rows: list[tuple[int, str, list[int]]] = []
         patch_dst: list[int] = []
         patch_src: list[int] = []
+        sample_spans: list[int] = []  # each sampled row's span
         row = 0
         # Decodes first (one token each, its last: it samples), in one lean loop.
         tokens, positions, token_rows, seq_lens = flat.tokens, flat.positions, flat.token_rows, flat.seq_lens
@@ -302,6 +317,7 @@ class ModelRunner:
             token_rows.append(r)
             seq_lens.append(start + 1)
             sample_rows.append((row, seq_id, forks.get(seq_id, 1) if forks else 1))
+            sample_spans.append(row)
             if tok == PLACEHOLDER:  # sampled by the step in flight: read it on the device
                 patch_dst.append(row)
                 patch_src.append(self._inflight[1][seq_id])
@@ -323,13 +339,14 @@ class ModelRunner:
                 n = len(toks)  # k, unless slots were scheduled for drafts that were not proposed
                 if start + n == len(token_ids):
                     sample_rows.append((row + n - 1, seq_id, forks.get(seq_id, 1) if forks else 1))
+                    sample_spans.append(len(flat.seq_lens))
                 if n and toks[-1] == PLACEHOLDER:  # sampled by the step in flight: read it on the device
                     assert n == 1 and self._inflight is not None, "only a decode reads a placeholder"
                     patch_dst.append(row)
                     patch_src.append(self._inflight[1][seq_id])
             flat.add(toks, start, row_of[seq_id])
             row += len(toks)
-        plan = self._sampling_plan(sample_rows, bool(forks))
+        plan = self._sampling_plan(sample_rows, sample_spans, bool(forks))
         patches = (patch_dst, patch_src, self._inflight[0]) if patch_dst else None
         inputs = upload_step(
             flat, self.tables, self.uploader, self.layout.block_size, self.backend, plan.scalars, patches
@@ -349,12 +366,25 @@ class ModelRunner:
                 k += 1
         return self.structured.fill_async(rows, k) if rows else None
 
-    def _sampling_plan(self, sample_rows: list[tuple[int, str, int]], forks: bool) -> _SamplingPlan:
-        """Each sampled row's parameters (a forking sequence has n rows), known before the forward so
-        that their scalars travel in the step's one upload; none travel when every row is greedy."""
+    def _sampling_plan(
+        self, sample_rows: list[tuple[int, str, int]], sample_spans: list[int], forks: bool
+    ) -> _SamplingPlan:
+        """How this step samples: every row greedy (nothing travels); one sample per sequence from
+        its stored parameters (their rows travel; the device gathers them); or, with forks, logprobs
+        or logits processing, each sampled row's parameters in full."""
         plan = _SamplingPlan()
-        if not forks and (not self._not_plain or self._not_plain.isdisjoint(s for _, s, _ in sample_rows)):
-            return plan  # every row greedy, one sample each, no logprobs, no logits processing
+        special, random = self._special, self._random
+        if not forks and (not special or special.isdisjoint(s for _, s, _ in sample_rows)):
+            if not random or random.isdisjoint(s for _, s, _ in sample_rows):
+                return plan  # every row greedy, one sample each, no logprobs, no logits processing
+            seqs, row_of = self.seqs, self.tables.row_of
+            top_k = top_p = min_p = False
+            for _, seq_id, _ in sample_rows:
+                p = seqs[seq_id].params
+                top_k, top_p, min_p = top_k or p.top_k > 0, top_p or p.top_p < 1, min_p or p.min_p > 0
+            plan.scalars = SampleGather([row_of[s] for _, s, _ in sample_rows], sample_spans)
+            plan.flags = (top_k, top_p, min_p)
+            return plan
         plan.expand, plan.want_logprobs = [], []
         temps, top_ks, top_ps, min_ps, seeds, positions = [], [], [], [], [], []
         for i, (_, seq_id, n) in enumerate(sample_rows):
@@ -382,6 +412,7 @@ class ModelRunner:
                 plan.want_logprobs.append(p.logprobs)
         if not all(t == 0 or k == 1 for t, k in zip(temps, top_ks)):
             plan.scalars = SamplingScalars(temps, top_ks, top_ps, min_ps, seeds, positions)
+            plan.flags = (any(k > 0 for k in top_ks), any(p < 1 for p in top_ps), any(m > 0 for m in min_ps))
         return plan
 
     def _sample(
@@ -391,8 +422,8 @@ class ModelRunner:
             logits = logits[torch.tensor(plan.expand, device=logits.device)]
         wanted = [k for k in plan.want_logprobs if k is not None] if plan.want_logprobs else []
         dev = logits.device
-        batch = SamplingBatch.from_scalars(
-            plan.scalars,
+        batch = SamplingBatch.from_device(
+            plan.flags,
             plan.tensors,
             max_logprobs=max(wanted) if wanted else None,
             adjust=LogitsAdjustment.build(plan.processed, dev) if plan.processed else None,
@@ -419,7 +450,8 @@ class _SamplingPlan:
     want_logprobs: list[int | None] | None = None
     processed: list[tuple[int, RowHistory]] = field(default_factory=list)
     holders: list[tuple[_SeqState, RowHistory]] = field(default_factory=list)
-    scalars: SamplingScalars | None = None  # None: every row greedy
+    scalars: SamplingScalars | SampleGather | None = None  # None: every row greedy
+    flags: tuple[bool, bool, bool] | None = None  # any top-k, top-p, min-p; None: every row greedy
     tensors: dict[str, torch.Tensor] | None = None  # the scalars on the device
 
 

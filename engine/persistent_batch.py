@@ -3,9 +3,11 @@
 Each sequence the runner knows owns a row of a ``[rows, max_blocks_per_seq]`` block table that
 lives on the engine's device. The table changes only where the scheduler says it does: a new
 sequence writes its row once, a sequence that crosses a block boundary appends one id, a
-copy-on-write rewrites its row; nothing is rebuilt from Python lists each step. A step's inputs
-(token ids, positions, which row each token and span reads, context lengths, query offsets, the
-table's pending writes, and the sampling scalars) are packed into one int64 buffer on the host and
+copy-on-write rewrites its row; nothing is rebuilt from Python lists each step. Each row also
+stores its sequence's sampling parameters (temperature, top-k, top-p, min-p, seed), written once
+when the sequence arrives. A step's inputs (token ids, positions, which row each token and span
+reads, context lengths, query offsets, the pending table and parameter writes, and which rows
+sample) are packed into one int64 buffer on the host and
 cross to the device in one copy (pinned, asynchronous, double-buffered so that preparing step N+1
 never overwrites what step N's copy still reads). The device then applies the table writes and
 derives the slot mapping and the span's block tables itself.
@@ -38,6 +40,11 @@ class BlockTables:
         self._len: list[int] = [0] * rows
         # Writes the device table has not seen yet (a GPU engine): rows, columns, block ids.
         self.pending = (array.array("q"), array.array("q"), array.array("q"))
+        # Each row's sampling parameters, written once per sequence: temperature, top-p, min-p;
+        # top-k, seed. Pending (GPU): rows, their 3 floats, their 2 ints.
+        self.params_f = torch.zeros((rows, 3), dtype=torch.float32, device=device)
+        self.params_i = torch.zeros((rows, 2), dtype=torch.int64, device=device)
+        self.pending_params = (array.array("q"), array.array("d"), array.array("q"))
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -57,6 +64,20 @@ class BlockTables:
 
     def replace(self, seq_id: str, block_ids: list[int]) -> None:
         self._write(self.row_of[seq_id], 0, block_ids)
+
+    def set_sampling(
+        self, seq_id: str, temperature: float, top_k: int, top_p: float, min_p: float, seed: int
+    ) -> None:
+        """The row's sampling parameters (``upload_step`` gathers them for the rows that sample)."""
+        row = self.row_of[seq_id]
+        if self.on_host:
+            self.params_f[row] = torch.tensor([temperature, top_p, min_p], dtype=torch.float32)
+            self.params_i[row] = torch.tensor([top_k, seed], dtype=torch.int64)
+            return
+        rows, floats, ints = self.pending_params
+        rows.append(row)
+        floats.extend((temperature, top_p, min_p))
+        ints.extend((top_k, seed))
 
     def remove(self, seq_id: str) -> None:
         row = self.row_of.pop(seq_id, None)
@@ -81,6 +102,10 @@ class BlockTables:
         bigger = torch.zeros((2 * old, self.width), dtype=torch.int64, device=self.device)
         bigger[:old] = self.table
         self.table = bigger
+        params_f = torch.zeros((2 * old, 3), dtype=torch.float32, device=self.device)
+        params_i = torch.zeros((2 * old, 2), dtype=torch.int64, device=self.device)
+        params_f[:old], params_i[:old] = self.params_f, self.params_i
+        self.params_f, self.params_i = params_f, params_i
         self._free = list(range(2 * old - 1, old - 1, -1))
         self._len.extend([0] * old)
 
@@ -90,6 +115,13 @@ class BlockTables:
             return None
         out = self.pending
         self.pending = (array.array("q"), array.array("q"), array.array("q"))
+        return out
+
+    def take_pending_params(self) -> tuple[array.array, array.array, array.array] | None:
+        if not self.pending_params[0]:
+            return None
+        out = self.pending_params
+        self.pending_params = (array.array("q"), array.array("d"), array.array("q"))
         return out
 
 
@@ -199,51 +231,77 @@ def build_step_inputs(
     return upload_step(flat, tables, uploader, block_size, backend, sampling, patches)
 
 
+@dataclass(slots=True)
+class SampleGather:
+    """The rows that sample, when each samples once from its own sequence's stored parameters:
+    their table rows, and their spans (a sampled token's position is its span's context length)."""
+
+    rows: list[int]
+    spans: list[int]
+
+
 def upload_step(
     flat: FlatBatch,
     tables: BlockTables,
     uploader: StepUploader,
     block_size: int,
     backend: AttentionBackend,
-    sampling: SamplingScalars | None,
+    sampling: SamplingScalars | SampleGather | None,
     patches: tuple[list[int], list[int], torch.Tensor] | None = None,
 ) -> StepInputs:
-    """``flat``, the tables' pending writes and the sampling scalars in one upload; the device
-    derives the slot mapping and the spans' block tables. ``patches`` = (rows, indices, ids): input
-    row ``rows[j]`` is ``ids[indices[j]]``, a token the previous step sampled on the device
-    (overlapped scheduling), read there without a sync."""
+    """``flat``, the tables' pending writes and the sampling inputs in one upload; the device
+    derives the slot mapping, the spans' block tables and (``SampleGather``) the sampling
+    parameters from the rows'. ``patches`` = (rows, indices, ids): input row ``rows[j]`` is
+    ``ids[indices[j]]``, a token the previous step sampled on the device (overlapped
+    scheduling), read there without a sync."""
     tokens, pos, tok_rows, span_rows = flat.tokens, flat.positions, flat.token_rows, flat.span_rows
     seq_lens, qsl, num_decodes = flat.seq_lens, flat.query_start_loc, flat.num_decodes
-    t, b = len(tokens), len(seq_lens)
     packed = array.array("q")
-    for part in (tokens, pos, tok_rows, span_rows, seq_lens, qsl):
-        packed.extend(part)
-    pending = tables.take_pending()
-    num_writes = len(pending[0]) if pending else 0
-    if pending:
-        for part in pending:
+    sizes: list[int] = []  # the packed sections, in order
+
+    def put(part, n: int | None = None) -> None:
+        if isinstance(part, array.array) and part.typecode == "d":
+            packed.frombytes(part.tobytes())  # float64 bits in int64 slots
+        else:
             packed.extend(part)
-    if sampling is not None:
-        for floats in (sampling.temperature, sampling.top_p, sampling.min_p):
-            packed.frombytes(array.array("d", floats).tobytes())  # float64 bits in int64 slots
-        packed.extend(sampling.top_k)
-        packed.extend(sampling.seeds)
-        packed.extend(sampling.positions)
-    num_patches = len(patches[0]) if patches else 0
+        sizes.append(len(part) if n is None else n)
+
+    for part in (tokens, pos, tok_rows, span_rows, seq_lens, qsl):
+        put(part)
+    writes = tables.take_pending()
+    for part in writes or ((), (), ()):
+        put(part)
+    params = tables.take_pending_params()
+    for part in params or ((), array.array("d"), ()):
+        put(part)
+    if isinstance(sampling, SamplingScalars):
+        for part in (sampling.temperature, sampling.top_p, sampling.min_p):
+            put(array.array("d", part))
+        for part in (sampling.top_k, sampling.seeds, sampling.positions):
+            put(part)
+    elif isinstance(sampling, SampleGather):
+        put(sampling.rows)
+        put(sampling.spans)
     if patches:
-        packed.extend(patches[0])
-        packed.extend(patches[1])
+        put(patches[0])
+        put(patches[1])
     dev = uploader.upload(packed)
-    cuts = [t, t, t, b, b, b + 1, num_writes, num_writes, num_writes]
-    parts = []
+    sections = []
     at = 0
-    for n in cuts:
-        parts.append(dev[at : at + n])
+    for n in sizes:
+        sections.append(dev[at : at + n])
         at += n
-    input_ids, positions, tok_rows_d, rows_d, seq_lens_d, qsl_d, w_rows, w_cols, w_ids = parts
+    sections.reverse()
+    take = sections.pop
+    input_ids, positions, tok_rows_d, rows_d, seq_lens_d, qsl_d = (take() for _ in range(6))
+    w_rows, w_cols, w_ids = take(), take(), take()
     table = tables.table
-    if num_writes:
+    if len(w_rows):
         table[w_rows, w_cols] = w_ids
+    p_rows, p_floats, p_ints = take(), take(), take()
+    if len(p_rows):
+        tables.params_f[p_rows] = p_floats.view(torch.float64).view(-1, 3).float()
+        tables.params_i[p_rows] = p_ints.view(-1, 2)
     width = -(-max(seq_lens) // block_size)
     meta = AttentionMetadata(
         num_decodes=num_decodes,
@@ -258,19 +316,20 @@ def upload_step(
     )
     backend.prepare(meta)
     out_sampling = None
+    if isinstance(sampling, SamplingScalars):
+        temperature, top_p, min_p = (take().view(torch.float64).float() for _ in range(3))
+        top_k, seeds, sample_pos = take(), take(), take()
+        out_sampling = dict(
+            temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k, seeds=seeds, positions=sample_pos
+        )
+    elif isinstance(sampling, SampleGather):
+        rows_s, spans_s = take(), take()
+        f, i = tables.params_f[rows_s], tables.params_i[rows_s]
+        out_sampling = dict(
+            temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], top_k=i[:, 0], seeds=i[:, 1],
+            positions=seq_lens_d[spans_s],
+        )  # fmt: skip
     if patches:
-        end = len(packed)
-        input_ids[dev[end - 2 * num_patches : end - num_patches]] = patches[2][dev[end - num_patches : end]]
-    if sampling is not None:
-        n = len(sampling.seeds)
-        f = dev[at : at + 3 * n].view(torch.float64).float()
-        ints = dev[at + 3 * n : at + 6 * n]
-        out_sampling = {
-            "temperature": f[:n],
-            "top_p": f[n : 2 * n],
-            "min_p": f[2 * n :],
-            "top_k": ints[:n],
-            "seeds": ints[n : 2 * n],
-            "positions": ints[2 * n :],
-        }
+        dst, src = take(), take()
+        input_ids[dst] = patches[2][src]
     return StepInputs(input_ids, positions, meta, out_sampling)

@@ -90,24 +90,24 @@ class SamplingBatch:
         )
 
     @classmethod
-    def from_scalars(cls, scalars, tensors: dict[str, torch.Tensor] | None, **extra) -> SamplingBatch:
-        """From a step's ``SamplingScalars`` (engine.persistent_batch) and those scalars already on
-        the device; ``scalars`` None means every row is greedy, and the sampler reads no tensor."""
-        if scalars is None:
+    def from_device(
+        cls, flags: tuple[bool, bool, bool] | None, tensors: dict[str, torch.Tensor] | None, **extra
+    ) -> SamplingBatch:
+        """From a step's sampling tensors, already on the device (engine.persistent_batch), and
+        whether any row uses top-k, top-p, min-p; ``flags`` None means every row is greedy, and the
+        sampler reads no tensor."""
+        max_logprobs = extra.pop("max_logprobs", None)
+        if flags is None:
             return cls(
                 temperature=None, top_k=None, top_p=None, min_p=None, seeds=None, positions=None,
                 all_greedy=True, any_top_k=False, any_top_p=False, any_min_p=False,
-                max_logprobs=extra.pop("max_logprobs", None), **extra,
+                max_logprobs=max_logprobs, **extra,
             )  # fmt: skip
+        any_top_k, any_top_p, any_min_p = flags
         return cls(
-            **tensors,
-            all_greedy=False,
-            any_top_k=any(k > 0 for k in scalars.top_k),
-            any_top_p=any(p < 1 for p in scalars.top_p),
-            any_min_p=any(m > 0 for m in scalars.min_p),
-            max_logprobs=extra.pop("max_logprobs", None),
-            **extra,
-        )
+            **tensors, all_greedy=False, any_top_k=any_top_k, any_top_p=any_top_p, any_min_p=any_min_p,
+            max_logprobs=max_logprobs, **extra,
+        )  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -16,7 +16,13 @@ import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.batch import build_batch
-from engine.persistent_batch import BlockTables, SamplingScalars, StepUploader, build_step_inputs
+from engine.persistent_batch import (
+    BlockTables,
+    SampleGather,
+    SamplingScalars,
+    StepUploader,
+    build_step_inputs,
+)
 
 BS = 4
 
@@ -131,3 +137,25 @@ def test_sampling_scalars_ride_in_the_same_upload():
         s["min_p"], torch.tensor([0.0, 0.05])
     )
     assert s["positions"].tolist() == [3, 4]
+
+
+def test_sampling_parameters_are_stored_once_and_gathered_for_the_rows_that_sample():
+    """Set when a sequence arrives (the GPU's way: a pending write in the next upload), then each
+    step uploads only which rows sample: the device gathers their parameters, and a sampled token's
+    position is its span's context length."""
+    for device_path in (False, True):
+        tables, uploader = _tables(device_path), _CountingUploader()
+        for i, seq_id in enumerate(("a", "b", "c")):
+            tables.add(seq_id, [10 + i])
+            tables.set_sampling(seq_id, 0.5 + i, i, 0.9 - 0.1 * i, 0.01 * i, 2**62 + i)
+        spans = [([1], 2, "a"), ([2], 3, "c"), ([4, 5], 0, "b")]
+        gather = SampleGather([tables.row_of["c"], tables.row_of["b"]], [1, 2])  # a's row does not sample
+        got = build_step_inputs(spans, tables, uploader, BS, TorchAttentionBackend(), gather)
+        s = got.sampling
+        assert torch.allclose(s["temperature"], torch.tensor([2.5, 1.5])) and s["top_k"].tolist() == [2, 1]
+        assert torch.allclose(s["top_p"], torch.tensor([0.7, 0.8])) and torch.allclose(
+            s["min_p"], torch.tensor([0.02, 0.01])
+        )
+        assert s["seeds"].tolist() == [2**62 + 2, 2**62 + 1]
+        assert s["positions"].tolist() == [4, 2]  # c: context 3 + 1 token; b: 0 + 2 tokens
+        assert len(uploader.sizes) == 1
