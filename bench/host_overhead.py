@@ -80,15 +80,9 @@ def make_checkpoint(workdir: Path, max_len: int, swap: bool) -> tuple[Path, str]
     return path, "tiny checkpoint, zero-cost model swapped in"
 
 
-def build_engine(
-    checkpoint: Path,
-    swap: bool,
-    batch: int,
-    max_len: int,
-    num_blocks: int,
-    attention: str = "triton",
-    overlap: bool = False,
-):
+def build_engine(checkpoint: Path, swap: bool, batch: int, max_len: int, num_blocks: int, **engine_args):
+    """``engine_args``: more engine options (this bench passes the attention backend, whose per-step
+    metadata a GPU engine builds, and async_scheduling where asked)."""
     from engine import EngineConfig, EngineCore
 
     core = EngineCore(
@@ -102,9 +96,7 @@ def build_engine(
             max_num_seqs=batch,
             max_num_batched_tokens=max(2048, min(batch * max_len, 16384)),
             scheduling_policy="prefill_first",
-            # A GPU engine's per-step attention metadata (the model never attends: it costs nothing).
-            attention_backend=attention,
-            **({"async_scheduling": "on"} if overlap else {}),
+            **engine_args,
         )
     )
     if swap:
@@ -163,14 +155,7 @@ def _profile(core, steps: int, top: int) -> list[dict]:
 
 
 def measure(
-    checkpoint: Path,
-    swap: bool,
-    batch: int,
-    context: int,
-    steps: int,
-    profile: int = 0,
-    attention: str = "triton",
-    overlap: bool = False,
+    checkpoint: Path, swap: bool, batch: int, context: int, steps: int, profile: int = 0, **engine_args
 ) -> dict:
     """One shape: prefill, warm up, then ``steps`` timed decode steps (and ``profile`` more under
     cProfile)."""
@@ -178,7 +163,7 @@ def measure(
     max_len = context + max_tokens
     # Every sequence's whole length, over the 1% the scheduler keeps free when it admits.
     num_blocks = math.ceil(batch * -(-max_len // BLOCK_SIZE) / (1 - ADMISSION_MARGIN)) + 8
-    core = build_engine(checkpoint, swap, batch, max_len, num_blocks, attention, overlap)
+    core = build_engine(checkpoint, swap, batch, max_len, num_blocks, **engine_args)
     _prefill(core, batch, context, max_tokens)
     parts: dict[str, list[float]] = {"schedule": [], "execute": [], "update": []}
     sched, runner = core.scheduler, core.runner
@@ -238,23 +223,17 @@ def run_grid(args) -> dict:
     shapes = [(b, c) for b in args.batches for c in args.contexts]
     max_len = max(args.contexts) + WARMUP_STEPS + args.steps + args.profile + 4
     rows = []
+    # The model never attends, so the backend's only cost is its per-step metadata: a GPU engine's
+    # (triton) unless asked; an older tree has no async_scheduling, so it is passed only when on.
+    engine_args = {"attention_backend": args.attention_backend}
+    if args.overlap:
+        engine_args["async_scheduling"] = "on"
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint, mode = make_checkpoint(Path(tmp), max_len, args.force_swap)
         swap = mode != "zero-cost checkpoint"
         for batch, context in _progress(shapes):
             steps = steps_for(batch, args.steps, args.token_budget)
-            rows.append(
-                measure(
-                    checkpoint,
-                    swap,
-                    batch,
-                    context,
-                    steps,
-                    args.profile,
-                    args.attention_backend,
-                    args.overlap,
-                )
-            )
+            rows.append(measure(checkpoint, swap, batch, context, steps, args.profile, **engine_args))
     return {
         "engine": str(Path(engine.__file__).resolve().parents[1]),
         "mode": mode,

@@ -15,20 +15,14 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.kv_cache import KVLayout
 from engine.kv_quant import block_rows
-from engine.logits_processing import LogitsAdjustment, RowHistory
+from engine.logits_processing import LogitsAdjustment
 from engine.models.llama import LlamaForCausalLM
-from engine.persistent_batch import (
-    BlockTables,
-    FlatBatch,
-    SampleGather,
-    SamplingScalars,
-    StepUploader,
-    upload_step,
-)
+from engine.persistent_batch import BlockTables, FlatBatch, StepUploader, upload_step
 from engine.prompt_logprobs import prompt_logprobs
 from engine.request import PLACEHOLDER
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, sample_seed
 from engine.sampling_params import SamplingParams
+from engine.sampling_plan import SamplingPlan, plan_sampling
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.structured_output import GrammarState, StructuredOutputs
 
@@ -346,7 +340,10 @@ class ModelRunner:
                     patch_src.append(self._inflight[1][seq_id])
             flat.add(toks, start, row_of[seq_id])
             row += len(toks)
-        plan = self._sampling_plan(sample_rows, sample_spans, bool(forks))
+        plan = plan_sampling(
+            self.seqs, self._special, self._random, self.tables.row_of, self.eos_token_ids,
+            sample_rows, sample_spans, bool(forks),
+        )  # fmt: skip
         patches = (patch_dst, patch_src, self._inflight[0]) if patch_dst else None
         inputs = upload_step(
             flat, self.tables, self.uploader, self.layout.block_size, self.backend, plan.scalars, patches
@@ -366,57 +363,8 @@ class ModelRunner:
                 k += 1
         return self.structured.fill_async(rows, k) if rows else None
 
-    def _sampling_plan(
-        self, sample_rows: list[tuple[int, str, int]], sample_spans: list[int], forks: bool
-    ) -> _SamplingPlan:
-        """How this step samples: every row greedy (nothing travels); one sample per sequence from
-        its stored parameters (their rows travel; the device gathers them); or, with forks, logprobs
-        or logits processing, each sampled row's parameters in full."""
-        plan = _SamplingPlan()
-        special, random = self._special, self._random
-        if not forks and (not special or special.isdisjoint(s for _, s, _ in sample_rows)):
-            if not random or random.isdisjoint(s for _, s, _ in sample_rows):
-                return plan  # every row greedy, one sample each, no logprobs, no logits processing
-            seqs, row_of = self.seqs, self.tables.row_of
-            top_k = top_p = min_p = False
-            for _, seq_id, _ in sample_rows:
-                p = seqs[seq_id].params
-                top_k, top_p, min_p = top_k or p.top_k > 0, top_p or p.top_p < 1, min_p or p.min_p > 0
-            plan.scalars = SampleGather([row_of[s] for _, s, _ in sample_rows], sample_spans)
-            plan.flags = (top_k, top_p, min_p)
-            return plan
-        plan.expand, plan.want_logprobs = [], []
-        temps, top_ks, top_ps, min_ps, seeds, positions = [], [], [], [], [], []
-        for i, (_, seq_id, n) in enumerate(sample_rows):
-            state = self.seqs[seq_id]
-            p = state.params
-            for s in range(n):
-                if p.processes_logits:
-                    history = RowHistory(
-                        p,
-                        state.token_ids,
-                        state.output_start,
-                        state.prompt_len,
-                        self.eos_token_ids,
-                        state.prompt_tokens,
-                    )
-                    plan.processed.append((len(plan.expand), history))
-                    plan.holders.append((state, history))
-                plan.expand.append(i)
-                temps.append(p.temperature)
-                top_ks.append(p.top_k)
-                top_ps.append(p.top_p)
-                min_ps.append(p.min_p)
-                seeds.append(sample_seed(state.seed, state.sample_index + s))
-                positions.append(len(state.token_ids))
-                plan.want_logprobs.append(p.logprobs)
-        if not all(t == 0 or k == 1 for t, k in zip(temps, top_ks)):
-            plan.scalars = SamplingScalars(temps, top_ks, top_ps, min_ps, seeds, positions)
-            plan.flags = (any(k > 0 for k in top_ks), any(p < 1 for p in top_ps), any(m > 0 for m in min_ps))
-        return plan
-
     def _sample(
-        self, logits: torch.Tensor, sample_rows: list[tuple[int, str, int]], masks, plan: _SamplingPlan
+        self, logits: torch.Tensor, sample_rows: list[tuple[int, str, int]], masks, plan: SamplingPlan
     ) -> SamplerOutput:
         if plan.expand is not None and len(plan.expand) != len(sample_rows):
             logits = logits[torch.tensor(plan.expand, device=logits.device)]
@@ -443,24 +391,11 @@ class ModelRunner:
 
 
 @dataclass(slots=True)
-class _SamplingPlan:
-    # Sampled row -> its sequence's logits row, and each row's logprobs; None: one row per sequence,
-    # all greedy without logprobs (the plan of a plain decode step, built in O(1)).
-    expand: list[int] | None = None
-    want_logprobs: list[int | None] | None = None
-    processed: list[tuple[int, RowHistory]] = field(default_factory=list)
-    holders: list[tuple[_SeqState, RowHistory]] = field(default_factory=list)
-    scalars: SamplingScalars | SampleGather | None = None  # None: every row greedy
-    flags: tuple[bool, bool, bool] | None = None  # any top-k, top-p, min-p; None: every row greedy
-    tensors: dict[str, torch.Tensor] | None = None  # the scalars on the device
-
-
-@dataclass(slots=True)
 class StepLaunch:
     """A launched step: what ``collect`` needs to turn its samples into a RunnerOutput."""
 
     sample_rows: list[tuple[int, str, int]] = field(default_factory=list)
-    plan: _SamplingPlan | None = None
+    plan: SamplingPlan | None = None
     result: SamplerOutput | None = None
     prompt_logprobs: dict = field(default_factory=dict)
     host_tokens: torch.Tensor | None = None  # pinned; filled by the non-blocking copy
