@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 from decode_worker.kv_pull import FAILURE_POLICIES
 from decode_worker.service import serve
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.args import add_engine_args, engine_config_from_args
-from worker.process import add_worker_args, prepare_process, serve_until_signal
+from worker.process import add_worker_args, prepare_process, serve_until_signal, transfer_factory_from_args
+
+logger = logging.getLogger(__name__)
 
 
 def main() -> None:
@@ -44,7 +47,12 @@ def main() -> None:
         keepalive_s=args.keepalive,
         stream_interval=args.stream_interval,
     )
-    worker = DecodeWorker(config)
+    if args.kv_transfer == "inprocess":
+        logger.warning(
+            "--kv-transfer inprocess: this worker cannot pull KV from prefill workers (other processes); "
+            "serve it in aggregated mode (a disaggregated request falls back to --kv-failure-policy)"
+        )
+    worker = DecodeWorker(config, transfer_factory=transfer_factory_from_args(args))
     asyncio.run(serve_until_signal(worker, serve, args.host, args.port))
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.model_names import builtin_model_dir
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,7 +29,7 @@ class ModelInfo:
 def load_model_info(model: str, name: str, max_model_len: int | None, tiny: bool) -> ModelInfo:
     from transformers import AutoConfig, AutoTokenizer
 
-    path = Path(model).expanduser()
+    path = builtin_model_dir(model) or Path(model).expanduser()
     if not path.is_dir():  # a Hugging Face id: the ingress needs the config and tokenizer, not weights
         from huggingface_hub import snapshot_download
 

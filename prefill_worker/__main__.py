@@ -11,7 +11,7 @@ import asyncio
 from engine.args import add_engine_args, engine_config_from_args
 from prefill_worker.service import serve
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
-from worker.process import add_worker_args, prepare_process, serve_until_signal
+from worker.process import add_worker_args, prepare_process, serve_until_signal, transfer_factory_from_args
 
 
 def main() -> None:
@@ -20,6 +20,13 @@ def main() -> None:
     add_worker_args(p, "prefill")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="held KV is freed after this long")
     args = p.parse_args()
+    if args.kv_transfer == "inprocess":
+        # The in-process fabric joins engines of one process; a prefill worker's KV is read by decode
+        # workers in other processes, so every handoff would fail.
+        p.error(
+            "--kv-transfer inprocess cannot hand KV to decode workers in other processes; "
+            "use nixl (or serve aggregated decode workers alone)"
+        )
     prepare_process(args)
     config = PrefillWorkerConfig(
         engine_config_from_args(args),
@@ -27,7 +34,8 @@ def main() -> None:
         redis_url=args.redis_url,
         lease_seconds=args.lease_seconds,
     )
-    asyncio.run(serve_until_signal(PrefillWorker(config), serve, args.host, args.port))
+    worker = PrefillWorker(config, transfer_factory=transfer_factory_from_args(args))
+    asyncio.run(serve_until_signal(worker, serve, args.host, args.port))
 
 
 if __name__ == "__main__":

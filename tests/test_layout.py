@@ -59,7 +59,13 @@ ALLOWED = {
     },
 }
 # Torch-free modules of the engine that the light layers may use.
-TORCH_FREE_ENGINE = {"engine.sampling_params", "engine.block_hash", "engine.detokenizer", "engine.bad_words"}
+TORCH_FREE_ENGINE = {
+    "engine.sampling_params",
+    "engine.block_hash",
+    "engine.detokenizer",
+    "engine.bad_words",
+    "engine.model_names",  # imports the zero-cost model (torch) only to create its checkpoint
+}
 LIGHT = {"proto", "registry", "router", "ingress"}
 PACKAGES = set(ALLOWED) | {"bench"}
 

@@ -1,4 +1,5 @@
-"""What every worker process shares: common flags, UCX device choice, and serving until a signal.
+"""What every worker process shares: common flags, UCX device choice, the KV transfer backend, and
+serving until a signal.
 
 Used by ``python -m prefill_worker`` and ``python -m decode_worker``.
 """
@@ -12,9 +13,12 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
+from kv_transfer import InProcessFabric
 from settings import environment
 from worker.registry_link import IncompatibleKVLayoutError
-from worker.runtime import WorkerRuntime
+from worker.runtime import TransferFactory, WorkerRuntime, nixl_transfer
+
+KV_TRANSFERS = ("nixl", "inprocess")
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -31,7 +35,23 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
         default=environment.redis_url(),
         help="registry and KV-event Redis (redis:// or rediss://, AUTH in the URL); env PDSERVE_REDIS_URL",
     )
+    parser.add_argument(
+        "--kv-transfer",
+        default="nixl",
+        choices=KV_TRANSFERS,
+        help="KV transfer backend: nixl (between processes and hosts), or inprocess (no NIXL imported; KV "
+        "moves only between engines of one process, so a lone worker never hands KV to another: for "
+        "aggregated serving on hosts without NIXL)",
+    )
     parser.add_argument("--log-level", default="WARNING")
+
+
+def transfer_factory_from_args(args: argparse.Namespace) -> TransferFactory:
+    """The backend ``--kv-transfer`` names. NOTE: ``nixl_transfer`` imports NIXL only when called, so
+    an ``inprocess`` worker runs where the nixl package is missing."""
+    if args.kv_transfer == "inprocess":
+        return InProcessFabric().transfer_factory
+    return nixl_transfer
 
 
 def prepare_process(args: argparse.Namespace) -> None:

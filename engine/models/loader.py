@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from engine.attention.backend import AttentionBackend
+from engine.model_names import builtin_model_dir
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.models.zero_cost import ARCHITECTURE as ZERO_COST_ARCHITECTURE
 from engine.models.zero_cost import build_zero_cost_model
@@ -34,6 +35,9 @@ _FUSED = {
 
 
 def resolve_model_path(model: str) -> Path:
+    builtin = builtin_model_dir(model)
+    if builtin is not None:
+        return builtin
     path = Path(model).expanduser()
     if path.is_dir():
         return path

@@ -107,3 +107,22 @@ def test_logits_are_a_one_hot_peak_at_the_successor():
     assert logits.shape == (5, VOCAB) and logits.dtype == torch.float32
     assert logits.argmax(-1).tolist() == [3, 3, 4, 11, 3]
     assert (logits > 0).sum().item() == 5
+
+
+def test_the_model_name_builds_it_once_for_every_process(tmp_path, monkeypatch):
+    """``pdserve/zero-cost`` resolves to a checkpoint written once under the cache directory; a
+    second resolution (another process's) reuses it, and other names are left alone."""
+    import engine.model_names as names
+
+    monkeypatch.setattr(names, "CACHE_DIR", tmp_path)
+    assert names.builtin_model_dir("meta-llama/Llama-3.2-1B") is None
+    path = names.builtin_model_dir(names.ZERO_COST)
+    assert path == tmp_path / "zero-cost" and (path / "config.json").exists()
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert names.builtin_model_dir(names.ZERO_COST) == path
+    assert (path / "config.json").stat().st_mtime_ns == stamp  # not rewritten
+    assert [p.name for p in tmp_path.iterdir()] == ["zero-cost"]  # no private copy left behind
+    llm = LLM(names.ZERO_COST, num_blocks=16, block_size=16)
+    assert isinstance(llm.core.model, ZeroCostForCausalLM)
+    out = llm.generate([[5, 6]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert out.token_ids == [7, 8, 9, 10]
