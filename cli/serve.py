@@ -14,13 +14,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import sys
 import threading
 import time
 
 from cli.app_client import router_client
+from cli.host_share import frontend_count, local_cpu_threads, positive_int, usable_cores
 from cli.ray_cluster import cluster_identity
 from cli.ready_banner import ready_banner
 from cli.service_record import claim_name, new_record, remove_record, write_record
@@ -107,6 +107,13 @@ def add_parser(sub) -> None:
         "what KubeRay's serve Service routes to)",
     )
     s.add_argument(
+        "--frontends",
+        type=positive_int,
+        default=None,
+        help="HTTP front-end processes sharing the port (router replicas with --http-server router, "
+        "else ingress replicas); default: one per 8 cores this process may use, at least 1",
+    )
+    s.add_argument(
         "--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per prefill/decode replica"
     )
     for role in ("prefill", "decode"):
@@ -142,25 +149,9 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def local_cpu_threads(args: argparse.Namespace) -> int | None:
-    """The torch threads of each CPU engine of a cluster started here: ``--ray-cpus``, else the cores
-    this process may use, shared out among the workers. Without it a replica gets Ray's OMP_NUM_THREADS (its reserved CPUs, 1 by
-    default), which leaves cores idle when there are fewer workers than cores. None: not ours to pick
-    (given, a GPU engine, or a cluster elsewhere)."""
-    if args.cpu_threads is not None or args.device != "cpu" or args.address:
-        return args.cpu_threads
-    workers = args.decode + (args.prefill if args.mode == "disaggregated" else 0)
-    return max(1, (args.ray_cpus or usable_cores()) // max(1, workers))
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (a container's cpuset, ``taskset``), not the host's count:
-    more torch threads than cores makes OpenMP's threads wait on each other (bench/README.md)."""
-    return len(os.sched_getaffinity(0)) or 1
-
-
 def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServeConfig:
     worker = {"num_cpus": args.worker_cpus, "num_gpus": args.worker_gpus}
+    frontends = frontend_count(args)
     return PDServeConfig(
         model=model,
         served_model_name=args.served_model_name or (TINY_MODEL_NAME if tiny else None),
@@ -175,6 +166,7 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
             "stream_interval": args.stream_interval,
         },
         router={
+            "num_replicas": frontends if args.http_server == "router" else 1,
             "policy": args.policy,
             "local_prefill_tokens": args.local_prefill_tokens,
             "kv_streaming_tokens": args.kv_streaming_tokens,
@@ -182,6 +174,7 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
             "stall_timeout_s": args.stall_timeout,
         },
         ingress={
+            "num_replicas": 1 if args.http_server == "router" else frontends,
             "host": args.host,
             "port": args.port,
             "max_concurrent_requests": args.max_concurrent_requests,

@@ -1,4 +1,5 @@
-"""gRPC face of the decode worker (asyncio): Decode (server stream), ProvideKV, Abort, GetState.
+"""gRPC face of the decode worker (asyncio): Decode (server stream), DecodeStream (many Decode calls
+multiplexed on one stream, what the router uses), ProvideKV, Abort, GetState.
 
 Bad requests are refused with INVALID_ARGUMENT before the engine is touched, and every request with
 UNAVAILABLE once the engine loop failed; failures after the stream started arrive in-band as a
@@ -19,6 +20,7 @@ from decode_worker.worker import DecodeWorker, Progress, WorkerUnavailableError
 from engine.engine_loop import EngineLoopFailed
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto.call_stream import MultiplexedDecode
 from proto.convert import (
     logprobs_from_proto,
     logprobs_to_proto,
@@ -45,7 +47,7 @@ def pulled_kv_from_handle(h: pb.KVHandle) -> PulledKV:
     )
 
 
-class DecodeService(pb_grpc.DecodeWorkerServicer):
+class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
 

@@ -171,13 +171,15 @@ class RouterOptions(ReplicaOptions):
 class IngressDeploymentOptions(ReplicaOptions, IngressOptions):
     """The ingress's own options (``ingress.options``) plus its replica options.
 
-    ``http_server``: ``serve_proxy`` (default) puts Ray Serve's HTTP proxy in front of the replicas;
+    ``http_server``: ``serve_proxy`` (the default of a config file) puts Ray Serve's HTTP proxy in
+    front of the replicas;
     ``direct`` has each replica serve HTTP itself on ``host:port`` (uvicorn, SO_REUSEPORT so replicas
     on one node share the port) and runs no Serve proxy: one process hop less on every token's
     path. ``router``: no ingress replicas at all; each router replica serves HTTP on ``host:port``
     and its ingress calls the router in-process, one more process hop less (the ingress's replica
     options are then unused: the router's ``num_replicas`` is the number of HTTP servers). KubeRay's
-    serve Service routes to Serve's proxies, so manifests keep ``serve_proxy``.
+    serve Service routes to Serve's proxies (KubeRay marks a pod ready for it by its proxy's health), so
+    config files and manifests keep ``serve_proxy``; ``pdserve serve``'s flags default to ``router``.
     """
 
     num_cpus: float = Field(0.1, ge=0)

@@ -240,6 +240,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/pdserve.v1.DecodeWorker/DecodeStream',
+                request_serializer=proto_dot_pdserve__pb2.CallStreamRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.CallStreamBatch.FromString,
+                _registered_method=True)
         self.ProvideKV = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/ProvideKV',
                 request_serializer=proto_dot_pdserve__pb2.ProvideKVRequest.SerializeToString,
@@ -261,6 +266,12 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -291,6 +302,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=proto_dot_pdserve__pb2.DecodeRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=proto_dot_pdserve__pb2.CallStreamRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.CallStreamBatch.SerializeToString,
             ),
             'ProvideKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ProvideKV,
@@ -335,6 +351,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Decode',
             proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
             proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeWorker/DecodeStream',
+            proto_dot_pdserve__pb2.CallStreamRequest.SerializeToString,
+            proto_dot_pdserve__pb2.CallStreamBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -441,6 +484,11 @@ class RouterStub:
                 request_serializer=proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/pdserve.v1.Router/GenerateStream',
+                request_serializer=proto_dot_pdserve__pb2.CallStreamRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.CallStreamBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Router/Abort',
                 request_serializer=proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
@@ -457,6 +505,12 @@ class RouterServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -481,6 +535,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=proto_dot_pdserve__pb2.CallStreamRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.CallStreamBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -520,6 +579,33 @@ class Router:
             '/pdserve.v1.Router/Generate',
             proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
             proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Router/GenerateStream',
+            proto_dot_pdserve__pb2.CallStreamRequest.SerializeToString,
+            proto_dot_pdserve__pb2.CallStreamBatch.FromString,
             options,
             channel_credentials,
             insecure,

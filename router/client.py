@@ -1,6 +1,8 @@
 """The ingress's (and the CLI's) gRPC side: Generate through the router, and the cluster's state.
 
-The router's address comes from ``resolve`` (the router deployment, through a Serve handle) and is
+Generate calls all travel on one ``GenerateStream`` to the router (``proto.call_stream``): the
+tokens of every request in flight come back batched, one message per router wake-up rather than one
+per request per token. The router's address comes from ``resolve`` (the router deployment, through a Serve handle) and is
 looked up again when the router answers UNAVAILABLE (a restarted replica has a new port). Only
 protobuf crosses these connections.
 """
@@ -15,6 +17,7 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto.call_stream import CallMux
 from proto.convert import params_to_proto
 
 logger = logging.getLogger(__name__)
@@ -25,15 +28,19 @@ class RouterClient:
         self._resolve = resolve
         self._address: str | None = None
         self._channel: grpc.aio.Channel | None = None
+        self._calls: CallMux | None = None  # Generate calls, all on one GenerateStream
         self._worker_channels: dict[str, grpc.aio.Channel] = {}
 
     async def _stub(self, refresh: bool = False) -> pb_grpc.RouterStub:
         if self._channel is None or refresh:
             address = await self._resolve()
             if address != self._address or self._channel is None:
+                if self._calls is not None:
+                    await self._calls.close()
                 if self._channel is not None:
                     await self._channel.close()
                 self._address, self._channel = address, grpc.aio.insecure_channel(address)
+                self._calls = CallMux(pb_grpc.RouterStub(self._channel).GenerateStream, address, "generate")
         return pb_grpc.RouterStub(self._channel)
 
     async def generate(
@@ -47,7 +54,8 @@ class RouterClient:
             request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), priority=priority
         )
         for attempt in range(2):
-            call = (await self._stub(refresh=attempt > 0)).Generate(req, timeout=timeout_s)
+            await self._stub(refresh=attempt > 0)
+            call = self._calls.open(req, timeout=timeout_s)
             started = False
             try:
                 async for msg in call:
@@ -92,6 +100,8 @@ class RouterClient:
         return await stub_cls(ch).GetState(pb.GetStateRequest(), timeout=timeout_s)
 
     async def close(self) -> None:
+        if self._calls is not None:
+            await self._calls.close()
         for ch in [self._channel, *self._worker_channels.values()]:
             if ch is not None:
                 await ch.close()

@@ -1,6 +1,7 @@
 """The router's Decode calls: a mixin of ``router.router.Router``.
 
-A Decode call is *opened* (the worker's load and the abort registry count it from then on) and then
+A Decode call (one of the calls multiplexed on the worker's ``DecodeStream``: ``proto.call_stream``)
+is *opened* (the worker's load and the abort registry count it from then on) and then
 *relayed*. Usually both happen once the prefill worker returned the KV handle. With KV streaming
 (``kv_streaming_tokens``), the call is opened before the prefill starts, naming the prefill worker as
 its ``kv_source``: the decode worker reads the prompt's blocks while they are computed, and
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from proto import pdserve_pb2 as pb
+from proto.call_stream import StreamedCall
 from registry.schema import WorkerRecord
 from router.cancellation import Cancellation
 from router.migration import MIGRATABLE, DecodeLost, ProgressWatch, continuation
@@ -43,7 +45,7 @@ class OpenDecode:
     stops counting it."""
 
     worker: WorkerRecord
-    call: grpc.aio.UnaryStreamCall
+    call: StreamedCall
     _undo: Callable[[], None]
     closed: bool = False
 
@@ -103,7 +105,7 @@ class DecodeRelay:
         )
         if handle is not None:
             req.handle.CopyFrom(handle)
-        call = self.stubs.decode(w.address).Decode(req, timeout=_remaining(deadline))
+        call = self.stubs.decode_stream(w.address).open(req, timeout=_remaining(deadline))
         decoding = self.cancellation.decoding
         entry = decoding[key] = (w, rid)
 

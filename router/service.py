@@ -11,6 +11,7 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto.call_stream import MultiplexedGenerate
 from proto.convert import params_from_proto
 from router.migration import MigrationRefused
 from router.router import NoWorkersError, Router
@@ -50,7 +51,7 @@ async def caller_stream(
         raise RouteFailed(exc.code(), exc.details() or str(exc.code())) from None
 
 
-class RouterService(pb_grpc.RouterServicer):
+class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 

@@ -1,4 +1,5 @@
-"""The router's connections to its workers: one channel per worker address, and its stubs made once.
+"""The router's connections to its workers: one channel per worker address, its stubs made once, and
+one ``DecodeStream`` per decode worker carrying all Decode calls to it.
 
 A generated stub builds a callable for every method of its service when it is constructed, so one
 made per request cost the router ~0.1 ms of CPU per request for nothing; these are kept for the
@@ -10,6 +11,7 @@ from __future__ import annotations
 import grpc
 
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto.call_stream import CallMux
 
 
 class WorkerStubs:
@@ -17,6 +19,7 @@ class WorkerStubs:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._prefill: dict[str, pb_grpc.PrefillWorkerStub] = {}
         self._decode: dict[str, pb_grpc.DecodeWorkerStub] = {}
+        self._streams: dict[str, CallMux] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -36,6 +39,15 @@ class WorkerStubs:
             stub = self._decode[address] = pb_grpc.DecodeWorkerStub(self.channel(address))
         return stub
 
+    def decode_stream(self, address: str) -> CallMux:
+        """The worker's Decode calls, all on one ``DecodeStream`` (``proto.call_stream``)."""
+        mux = self._streams.get(address)
+        if mux is None:
+            mux = self._streams[address] = CallMux(self.decode(address).DecodeStream, address, "decode")
+        return mux
+
     async def close(self) -> None:
+        for mux in self._streams.values():
+            await mux.close()
         for ch in self._channels.values():
             await ch.close()

@@ -167,3 +167,23 @@ def test_speculative_config_flag_reaches_decode_workers_only():
         _subparser("serve").parse_args(["--speculative-config", "{ngram"])
     with pytest.raises(ValueError, match="method must be one of"):
         PDServeConfig(model="m", engine={"speculative_config": {"method": "lookahead"}})
+
+
+def test_the_default_layout_is_the_router_serving_http_with_a_front_end_per_eight_cores(monkeypatch):
+    """``pdserve serve`` without flags serves HTTP from the router replicas (the fastest layout
+    measured); their count follows the cores (1 on a small machine), ``--frontends`` overrides it
+    and counts ingress replicas in the other layouts."""
+    import cli.host_share
+    from cli.serve import config_from_args
+
+    parse = _subparser("serve").parse_args
+    monkeypatch.setattr(cli.host_share, "usable_cores", lambda: 2)
+    config = config_from_args(parse([]), "m", tiny=False)
+    assert config.ingress.http_server == "router"
+    assert (config.router.num_replicas, config.ingress.num_replicas) == (1, 1)
+    monkeypatch.setattr(cli.host_share, "usable_cores", lambda: 16)
+    assert config_from_args(parse([]), "m", tiny=False).router.num_replicas == 2
+    direct = config_from_args(parse(["--http-server", "direct", "--frontends", "3"]), "m", tiny=False)
+    assert (direct.router.num_replicas, direct.ingress.num_replicas) == (1, 3)
+    with pytest.raises(SystemExit):
+        parse(["--frontends", "0"])

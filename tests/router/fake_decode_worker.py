@@ -15,10 +15,11 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto.call_stream import MultiplexedDecode
 from registry.schema import WorkerRecord, WorkerRegistration, connect
 
 
-class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
+class FakeDecodeWorker(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker_id: str, interval_s: float = 0.02, max_tokens: int = 10_000) -> None:
         self.worker_id = worker_id
         self.interval_s = interval_s

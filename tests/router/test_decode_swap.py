@@ -14,6 +14,7 @@ from fake_decode_worker import FakeDecodeWorker, until
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto.call_stream import MultiplexedDecode
 from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord, WorkerRegistration, connect
 from router.router import Router
@@ -50,7 +51,7 @@ class HandingPrefillWorker(pb_grpc.PrefillWorkerServicer):
         return pb.ReleaseResponse(released=True)
 
 
-class DyingDecodeWorker(pb_grpc.DecodeWorkerServicer):
+class DyingDecodeWorker(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
     """Takes the Decode call (as if it pulled the KV), then its process dies before streaming."""
 
     def __init__(self) -> None:

@@ -1,0 +1,44 @@
+"""How a ``pdserve serve`` on this host shares its cores: torch threads per CPU engine, and how many
+front-end (HTTP) processes serve the port."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+# One front end per this many cores: a front end (HTTP, tokenization, detokenization, SSE, and in
+# the default layout the router) keeps about one core busy at full load on a GPU host (issue 31's
+# H100 profile: ingress 0.65-1.1 cores), and the engine processes need the rest.
+CORES_PER_FRONTEND = 8
+
+
+def local_cpu_threads(args: argparse.Namespace) -> int | None:
+    """The torch threads of each CPU engine of a cluster started here: ``--ray-cpus``, else the cores
+    this process may use, shared out among the workers. Without it a replica gets Ray's OMP_NUM_THREADS (its reserved CPUs, 1 by
+    default), which leaves cores idle when there are fewer workers than cores. None: not ours to pick
+    (given, a GPU engine, or a cluster elsewhere)."""
+    if args.cpu_threads is not None or args.device != "cpu" or args.address:
+        return args.cpu_threads
+    workers = args.decode + (args.prefill if args.mode == "disaggregated" else 0)
+    return max(1, (args.ray_cpus or usable_cores()) // max(1, workers))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's cpuset, ``taskset``), not the host's count:
+    more torch threads than cores makes OpenMP's threads wait on each other (bench/README.md)."""
+    return len(os.sched_getaffinity(0)) or 1
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def frontend_count(args: argparse.Namespace) -> int:
+    """``--frontends``, else one per ``CORES_PER_FRONTEND`` cores this process may use (1 on a small
+    machine, where a second HTTP process only takes cores from the engine)."""
+    if args.frontends is not None:
+        return args.frontends
+    return max(1, (args.ray_cpus or usable_cores()) // CORES_PER_FRONTEND)

@@ -1,0 +1,316 @@
+"""Many server-streaming calls on one long-lived gRPC stream, their messages batched: both ends.
+
+Per token, a call of its own costs the sender's gRPC stack, the network and the receiver a message
+each, for every request: at 32 sequences an engine step is 32 messages to the router and 32 more to
+the front end. On a call stream (``DecodeWorker.DecodeStream``: a router's Decode calls to one
+worker; ``Router.GenerateStream``: a front end's Generate calls to its router) the server runs each
+opened call's handler exactly as a call of its own (same validation, messages, in-band errors), puts
+what they produce in one outbox, and sends the whole outbox as one ``CallStreamBatch`` whenever it
+has something. An engine step wakes all its streams in one callback, so it leaves as one message;
+a reader that falls behind gets larger batches, never a backlog of small ones.
+
+The caller's ``StreamedCall`` is what a unary-stream call object was to it: messages by
+``async for``, ``cancel()`` to leave (the server cancels the handler, which aborts the request), a
+deadline, and ``grpc.aio.AioRpcError`` on failure: the status the handler ended with
+(``context.abort``), DEADLINE_EXCEEDED past its timeout, and the stream's own error for every call
+on it when the stream breaks (the server died: UNAVAILABLE), so retry and migration rules written
+for separate calls hold unchanged. A broken stream is replaced by a new one on the next open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from proto import pdserve_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+# (request, context) -> the call's messages: a servicer's server-streaming method
+Handler = Callable[[object, object], AsyncIterator[pb.GenerateResponse]]
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_END = object()  # a call's last item when it ended OK
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+# Server ----------------------------------------------------------------------------------------
+
+
+class CallAborted(Exception):
+    """A handler refused or failed its call (``context.abort``): the call ends with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _CallContext:
+    """What handlers use of a servicer context: ``abort`` ends the call, ``time_remaining``."""
+
+    __slots__ = ("_deadline",)
+
+    def __init__(self, timeout_s: float) -> None:
+        self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise CallAborted(code, details)
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+
+async def serve_calls(
+    handler: Handler, kind: str, requests: AsyncIterator[pb.CallStreamRequest]
+) -> AsyncIterator[pb.CallStreamBatch]:
+    """A call stream's batches, each call of ``kind`` ("decode", "generate") run by ``handler``, until
+    the caller closes its side and every call has ended; the stream's end cancels calls still open."""
+    calls: dict[int, asyncio.Task] = {}
+    outbox: list[pb.CallStreamItem] = []
+    ready = asyncio.Event()
+    requests_done = False
+
+    async def run(call_id: int, request, timeout_s: float) -> None:
+        code, details = grpc.StatusCode.OK, ""
+        try:
+            async for msg in handler(request, _CallContext(timeout_s)):
+                outbox.append(pb.CallStreamItem(call_id=call_id, message=msg))
+                ready.set()
+        except asyncio.CancelledError:
+            return  # cancelled by its caller, or the stream ended: nobody reads an end
+        except CallAborted as exc:
+            code, details = exc.code, exc.details
+        except Exception as exc:  # handlers report their failures in-band; if one raises, say so
+            logger.exception("call %d on a %s stream failed", call_id, kind)
+            code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        finally:
+            if calls.get(call_id) is asyncio.current_task():
+                del calls[call_id]
+        outbox.append(pb.CallStreamItem(call_id=call_id, end=pb.CallEnd(code=code.value[0], details=details)))
+        ready.set()
+
+    async def read() -> None:
+        nonlocal requests_done
+        try:
+            async for req in requests:
+                which = req.WhichOneof("kind")
+                if which == kind and req.call_id not in calls:
+                    request = getattr(req, kind)
+                    calls[req.call_id] = asyncio.ensure_future(run(req.call_id, request, req.timeout_s))
+                elif which == "cancel":
+                    task = calls.pop(req.call_id, None)
+                    if task is not None:
+                        task.cancel()
+                else:
+                    logger.warning("a %s stream got a %s for call %d: ignored", kind, which, req.call_id)
+        finally:
+            requests_done = True
+            ready.set()
+
+    reader = asyncio.ensure_future(read())
+    try:
+        while True:
+            await ready.wait()
+            ready.clear()
+            if outbox:
+                items = outbox[:]
+                outbox.clear()
+                yield pb.CallStreamBatch(items=items)
+            if requests_done and not calls and not outbox:
+                return
+    finally:
+        reader.cancel()
+        open_calls = list(calls.values())
+        for task in open_calls:
+            task.cancel()
+        await asyncio.gather(reader, *open_calls, return_exceptions=True)
+
+
+class MultiplexedDecode:
+    """``DecodeStream`` for a servicer that has ``Decode`` (the worker's, and any stand-in's)."""
+
+    async def DecodeStream(self, request_iterator, context):
+        async for batch in serve_calls(self.Decode, "decode", request_iterator):
+            yield batch
+
+
+class MultiplexedGenerate:
+    """``GenerateStream`` for a servicer that has ``Generate`` (the router's)."""
+
+    async def GenerateStream(self, request_iterator, context):
+        async for batch in serve_calls(self.Generate, "generate", request_iterator):
+            yield batch
+
+
+# Caller ----------------------------------------------------------------------------------------
+
+
+class StreamedCall:
+    """One call on a call stream: iterate its messages; ``cancel()`` leaves it."""
+
+    __slots__ = ("_items", "_open", "_stream", "_timer", "_waiter", "call_id")
+
+    def __init__(self, stream: _Stream, call_id: int, timeout: float | None) -> None:
+        self.call_id = call_id
+        self._stream = stream
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+        self._open = True  # neither ended, nor cancelled, nor expired
+        loop = asyncio.get_running_loop()
+        self._timer = None if timeout is None else loop.call_later(timeout, self._expire, timeout)
+
+    def __aiter__(self) -> StreamedCall:
+        return self
+
+    async def __anext__(self) -> pb.GenerateResponse:
+        while not self._items:
+            if self._waiter is not None:
+                raise RuntimeError("a StreamedCall has one reader")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
+        if isinstance(item, pb.GenerateResponse):
+            return item
+        self._items.append(item)  # the end stays: reading past it ends (or raises) again
+        if item is _END:
+            raise StopAsyncIteration
+        raise item
+
+    def cancel(self) -> bool:
+        """Leave the call: the server cancels it (a no-op once it ended)."""
+        if not self._open:
+            return False
+        self._finish(rpc_error(grpc.StatusCode.CANCELLED, "cancelled by the caller"))
+        self._stream.send(pb.CallStreamRequest(call_id=self.call_id, cancel=True))
+        return True
+
+    def deliver(self, item: pb.CallStreamItem) -> None:
+        if item.HasField("message"):
+            self._push(item.message)
+        elif item.end.code == 0:
+            self._finish(_END)
+        else:
+            self._finish(rpc_error(_CODES.get(item.end.code, grpc.StatusCode.UNKNOWN), item.end.details))
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        if self._open:
+            self._finish(error)
+
+    def _expire(self, timeout: float) -> None:
+        self._timer = None
+        if self._open:
+            self._finish(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no end within {timeout:.1f}s"))
+            self._stream.send(pb.CallStreamRequest(call_id=self.call_id, cancel=True))
+
+    def _finish(self, last) -> None:
+        self._open = False
+        self._stream.calls.pop(self.call_id, None)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._push(last)
+
+    def _push(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _Stream:
+    """One call stream: a writer task sends opens and cancels in order, a reader task hands each
+    batch's items to their calls."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, address: str) -> None:
+        self.address = address
+        self.calls: dict[int, StreamedCall] = {}
+        self.broken = False
+        self._outgoing: asyncio.Queue[pb.CallStreamRequest] = asyncio.Queue()
+        self._call = call
+        self._writer = asyncio.ensure_future(self._write())
+        self._reader = asyncio.ensure_future(self._read())
+
+    def send(self, req: pb.CallStreamRequest) -> None:
+        if not self.broken:
+            self._outgoing.put_nowait(req)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._call.write(await self._outgoing.get())
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            self._break(exc if isinstance(exc, grpc.aio.AioRpcError) else None)
+
+    async def _read(self) -> None:
+        error = None
+        try:
+            while True:
+                batch = await self._call.read()
+                if batch is grpc.aio.EOF:
+                    break
+                calls = self.calls
+                for item in batch.items:
+                    call = calls.get(item.call_id)
+                    if call is not None:
+                        call.deliver(item)
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        self._break(error)
+
+    def _break(self, error: grpc.aio.AioRpcError | None) -> None:
+        if self.broken:
+            return
+        self.broken = True
+        if error is None:
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the call stream to {self.address} ended")
+        if self.calls:
+            logger.info(
+                "call stream to %s broke (%s): %d calls fail", self.address, error.code(), len(self.calls)
+            )
+        for call in list(self.calls.values()):
+            call.fail(error)
+        self.calls.clear()
+        self._call.cancel()
+        self._writer.cancel()
+
+    async def close(self) -> None:
+        self._break(rpc_error(grpc.StatusCode.CANCELLED, "the caller is closing"))
+        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+
+
+class CallMux:
+    """The calls to one server on one call stream (a new one after a break). ``open_stream``: the
+    stub's stream-stream method (``stub.DecodeStream``); ``kind``: the field an open sets."""
+
+    def __init__(self, open_stream: Callable[[], grpc.aio.StreamStreamCall], address: str, kind: str) -> None:
+        self._open_stream = open_stream
+        self.address = address
+        self._kind = kind
+        self._ids = itertools.count(1)
+        self._stream: _Stream | None = None
+
+    def open(self, request, timeout: float | None = None) -> StreamedCall:
+        stream = self._stream
+        if stream is None or stream.broken:
+            stream = self._stream = _Stream(self._open_stream(), self.address)
+        call = StreamedCall(stream, next(self._ids), timeout)
+        stream.calls[call.call_id] = call
+        req = pb.CallStreamRequest(call_id=call.call_id, timeout_s=timeout or 0.0)
+        getattr(req, self._kind).CopyFrom(request)
+        stream.send(req)
+        return call
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
