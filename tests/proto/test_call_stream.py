@@ -1,0 +1,171 @@
+"""``DecodeStream``: many Decode calls on one gRPC stream (``proto.call_stream``, both ends), over a
+real gRPC server. Each call sees what a Decode call of its
+own would: its messages in order, the status it was refused with, its deadline, cancellation that
+reaches the worker, and UNAVAILABLE when the worker goes away; messages that exist together travel
+together in one batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from proto.call_stream import CallMux, MultiplexedDecode, serve_calls
+
+
+class SteppedDecode(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
+    """Every call emits one token per ``step()``, all calls at once (as an engine step wakes its
+    streams); a prompt of [0] is refused, [1] never answers."""
+
+    def __init__(self) -> None:
+        self.tick = asyncio.Event()
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+        self.batch_sizes: list[int] = []
+
+    def step(self) -> None:
+        self.tick.set()
+        self.tick = asyncio.Event()
+
+    async def Decode(self, request: pb.DecodeRequest, context):
+        rid = request.request_id
+        if list(request.prompt_token_ids) == [0]:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{rid}: prompt refused")
+        self.started.append(rid)
+        done = False
+        try:
+            for i in range(request.params.max_tokens):
+                await self.tick.wait()
+                yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[i]))
+            yield pb.GenerateResponse(finished=pb.Finished(finish_reason="length"))
+            done = True
+        finally:
+            if not done:
+                self.cancelled.append(rid)
+
+    async def DecodeStream(self, request_iterator, context):
+        async for batch in serve_calls(self.Decode, "decode", request_iterator):
+            self.batch_sizes.append(len(batch.items))
+            yield batch
+
+
+async def _serve(servicer) -> tuple[grpc.aio.Server, CallMux, grpc.aio.Channel]:
+    server = grpc.aio.server()
+    pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    channel = grpc.aio.insecure_channel(address)
+    return server, CallMux(pb_grpc.DecodeWorkerStub(channel).DecodeStream, address, "decode"), channel
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int = 3) -> pb.DecodeRequest:
+    return pb.DecodeRequest(
+        request_id=rid, prompt_token_ids=prompt, params=pb.SamplingParams(max_tokens=max_tokens)
+    )
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def _collect(call) -> list[pb.GenerateResponse]:
+    return [msg async for msg in call]
+
+
+def test_a_step_of_many_calls_travels_as_one_batch_and_each_call_gets_its_own():
+    async def main() -> None:
+        servicer = SteppedDecode()
+        server, mux, channel = await _serve(servicer)
+        try:
+            calls = [mux.open(_request(f"r{i}", [5, 6])) for i in range(8)]
+            readers = [asyncio.ensure_future(_collect(c)) for c in calls]
+            await _until(lambda: len(servicer.started) == 8, "all eight calls started")
+            for _ in range(3):
+                n = len(servicer.batch_sizes)
+                servicer.step()
+                await _until(lambda n=n: len(servicer.batch_sizes) > n, "a step's batch went out")
+            outs = await asyncio.gather(*readers)
+            for out in outs:
+                assert [list(m.tokens.token_ids) for m in out[:3]] == [[0], [1], [2]]
+                assert out[3].finished.finish_reason == "length" and len(out) == 4
+            # Each step's eight tokens left in one message; the last step's with the eight finishes
+            # and the eight calls' ends.
+            assert servicer.batch_sizes == [8, 8, 24], servicer.batch_sizes
+        finally:
+            await mux.close()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_refused_call_ends_with_its_status_and_the_others_go_on():
+    async def main() -> None:
+        servicer = SteppedDecode()
+        server, mux, channel = await _serve(servicer)
+        try:
+            good, bad = mux.open(_request("good", [5], 1)), mux.open(_request("bad", [0]))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _collect(bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == "bad: prompt refused"
+            reader = asyncio.ensure_future(_collect(good))
+            await _until(lambda: servicer.started == ["good"], "the good call started")
+            servicer.step()
+            assert [m.WhichOneof("kind") for m in await reader] == ["tokens", "finished"]
+        finally:
+            await mux.close()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_cancel_and_deadline_end_the_call_on_the_worker():
+    async def main() -> None:
+        servicer = SteppedDecode()
+        server, mux, channel = await _serve(servicer)
+        try:
+            left, slow = mux.open(_request("left", [5])), mux.open(_request("slow", [5]), timeout=0.3)
+            await _until(lambda: len(servicer.started) == 2, "both calls started")
+            assert left.cancel() and not left.cancel()
+            await _until(lambda: "left" in servicer.cancelled, "the cancel reached the worker")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _collect(slow)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await _until(lambda: "slow" in servicer.cancelled, "the expired call ended on the worker")
+        finally:
+            await mux.close()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_every_call_fails_unavailable_when_the_worker_goes_and_the_next_uses_a_new_stream():
+    async def main() -> None:
+        servicer = SteppedDecode()
+        server, mux, channel = await _serve(servicer)
+        try:
+            calls = [mux.open(_request(f"r{i}", [5])) for i in range(3)]
+            await _until(lambda: len(servicer.started) == 3, "the calls started")
+            await server.stop(0)
+            for call in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _collect(call)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # a new stream, to nobody
+                await _collect(mux.open(_request("late", [5])))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await mux.close()
+            await channel.close()
+
+    asyncio.run(main())
