@@ -77,6 +77,26 @@ class Ingress:
         await self.client.close()
 
 
+def _no_delay_protocol() -> type:
+    """uvicorn's HTTP protocol with Nagle's algorithm off on every connection it accepts.
+
+    NOTE: asyncio's own loop does not turn it off for connections accepted from a socket handed to
+    ``create_server``. With it on, a kept-alive connection's small SSE writes wait for the client's
+    delayed ACK of the write before: measured on the standalone stack, the first token of every
+    request after a connection's first arrived 40 ms after the response headers (TTFT 52 ms instead
+    of 11 ms at concurrency 1), as every OpenAI client that keeps its connections alive would see."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class NoDelayHTTPProtocol(AutoHTTPProtocol):
+        def connection_made(self, transport) -> None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            super().connection_made(transport)
+
+    return NoDelayHTTPProtocol
+
+
 class HTTPServer:
     """uvicorn serving an app on an already listening socket, as a task of the running loop."""
 
@@ -85,7 +105,8 @@ class HTTPServer:
 
         self.sock = sock
         self.address = sock.getsockname()[:2]
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), lifespan="off"))
+        config = uvicorn.Config(app, log_level=log_level.lower(), lifespan="off", http=_no_delay_protocol())
+        self._server = uvicorn.Server(config)
         self.task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
 
     async def stop(self) -> None:

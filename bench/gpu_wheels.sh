@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# cp312 wheels of what a bare GPU host lacks for the standalone serving stack (bench/gpu_served.sh),
+# into .whl/ (ignored by git; the device tool carries it). Needs PyPI; ~25 MB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+"$PY" -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform any -d .whl \
+  fastapi uvicorn uvloop httptools pydantic redis fakeredis prometheus-client pyyaml
+du -sh .whl

@@ -1,0 +1,55 @@
+"""The served-path benchmark runs every layout from standalone processes (engine alone, minimal
+server, decode worker + router + ingress) and reports each one's rate and each process's CPU per
+streamed token, with every request's tokens delivered and every KV block given back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import served_path
+from engine.models.zero_cost import create_zero_cost_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
+    model = create_zero_cost_model(tmp_path / "zero-cost")
+    out = tmp_path / "served_path.json"
+    argv = [
+        "--model",
+        str(model),
+        "--workloads",
+        "8/8",
+        "--num-requests",
+        "8",
+        "--concurrency",
+        "4",
+        "--ttft-requests",
+        "3",
+    ]
+    served_path.main([*argv, "--warmup", "2", "--no-disagg", "--output", str(out)])
+
+    result = json.loads(out.read_text())
+    layouts = result["workloads"]["8/8"]
+    assert list(layouts) == ["engine", "minimal", "stack"]
+    for name, run in layouts.items():
+        assert run["requests_per_s"] > 0, name
+        assert run["complete"], name
+        assert run["streamed_tokens"] == 8 * 8, name
+        assert all(cpu > 0 for cpu in run["cpu_ms_per_token"].values()), name
+        assert run["ttft_c1_p50_ms"] > 0, name  # one request at a time
+    stack = layouts["stack"]
+    assert set(stack["cpu_ms_per_token"]) == {"decode_worker", "router", "ingress"}
+    assert stack["stack_cpu_ms_per_token"] == pytest.approx(sum(stack["cpu_ms_per_token"].values()))
+    assert stack["load"]["completed"] == 8 and stack["load"]["failed"] == 0
+    assert stack["load_generator_cpu_ms_per_token"] > 0
+    blocks = stack["kv_blocks"]["decode_worker"]
+    assert blocks["free_after"] == blocks["free_before"] > 0
+    assert set(layouts["minimal"]["cpu_ms_per_token"]) == {"minimal_server"}
+    assert layouts["minimal"]["cpu_over_minimal"] == pytest.approx(1.0)
+    assert layouts["engine"]["over_engine"] == pytest.approx(1.0)
+    assert result["args"]["num_requests"] == 8
+    report = capsys.readouterr().out
+    assert "== 8/8 tokens in/out" in report and "KV BLOCKS NOT RETURNED" not in report
