@@ -6,13 +6,13 @@ Prints ``LISTENING <host:port>`` on stdout once it serves (the port is picked wh
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 from decode_worker.kv_pull import FAILURE_POLICIES
 from decode_worker.service import serve
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.args import add_engine_args, engine_config_from_args
+from settings import event_loop
 from worker.process import add_worker_args, prepare_process, serve_until_signal, transfer_factory_from_args
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def main() -> None:
             "serve it in aggregated mode (a disaggregated request falls back to --kv-failure-policy)"
         )
     worker = DecodeWorker(config, transfer_factory=transfer_factory_from_args(args))
-    asyncio.run(serve_until_signal(worker, serve, args.host, args.port))
+    event_loop.run(serve_until_signal(worker, serve, args.host, args.port))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import signal
 import typing
 
 from ingress.options import IngressOptions
+from settings import event_loop
 
 
 def _add_option_flags(p: argparse.ArgumentParser) -> None:
@@ -82,7 +83,7 @@ def main() -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(_serve(args))
+    event_loop.run(_serve(args))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ Prints ``LISTENING <host:port>`` on stdout once it serves (the port is picked wh
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from engine.args import add_engine_args, engine_config_from_args
 from prefill_worker.service import serve
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from settings import event_loop
 from worker.process import add_worker_args, prepare_process, serve_until_signal, transfer_factory_from_args
 
 
@@ -35,7 +35,7 @@ def main() -> None:
         lease_seconds=args.lease_seconds,
     )
     worker = PrefillWorker(config, transfer_factory=transfer_factory_from_args(args))
-    asyncio.run(serve_until_signal(worker, serve, args.host, args.port))
+    event_loop.run(serve_until_signal(worker, serve, args.host, args.port))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ class _CallContext:
 
 
 async def serve_calls(
-    handler: Handler, kind: str, requests: AsyncIterator[pb.CallStreamRequest]
+    handler: Handler, kind: str, requests: AsyncIterator[pb.CallStreamRequestBatch]
 ) -> AsyncIterator[pb.CallStreamBatch]:
     """A call stream's batches, each call of ``kind`` ("decode", "generate") run by ``handler``, until
     the caller closes its side and every call has ended; the stream's end cancels calls still open."""
@@ -100,17 +100,18 @@ async def serve_calls(
     async def read() -> None:
         nonlocal requests_done
         try:
-            async for req in requests:
-                which = req.WhichOneof("kind")
-                if which == kind and req.call_id not in calls:
-                    request = getattr(req, kind)
-                    calls[req.call_id] = asyncio.ensure_future(run(req.call_id, request, req.timeout_s))
-                elif which == "cancel":
-                    task = calls.pop(req.call_id, None)
-                    if task is not None:
-                        task.cancel()
-                else:
-                    logger.warning("a %s stream got a %s for call %d: ignored", kind, which, req.call_id)
+            async for batch in requests:
+                for req in batch.requests:
+                    which = req.WhichOneof("kind")
+                    if which == kind and req.call_id not in calls:
+                        request = getattr(req, kind)
+                        calls[req.call_id] = asyncio.ensure_future(run(req.call_id, request, req.timeout_s))
+                    elif which == "cancel":
+                        task = calls.pop(req.call_id, None)
+                        if task is not None:
+                            task.cancel()
+                    else:
+                        logger.warning("a %s stream got a %s for call %d: ignored", kind, which, req.call_id)
         finally:
             requests_done = True
             ready.set()
@@ -229,8 +230,9 @@ class StreamedCall:
 
 
 class _Stream:
-    """One call stream: a writer task sends opens and cancels in order, a reader task hands each
-    batch's items to their calls."""
+    """One call stream: a writer task sends opens and cancels in order (batched: whatever queued while
+    a write was in flight goes out as one message), a reader task hands each batch's items to their
+    calls."""
 
     def __init__(self, call: grpc.aio.StreamStreamCall, address: str) -> None:
         self.address = address
@@ -247,8 +249,12 @@ class _Stream:
 
     async def _write(self) -> None:
         try:
-            while True:
-                await self._call.write(await self._outgoing.get())
+            outgoing = self._outgoing
+            while True:  # what queued while the last write was in flight goes out as one message
+                batch = [await outgoing.get()]
+                while not outgoing.empty():
+                    batch.append(outgoing.get_nowait())
+                await self._call.write(pb.CallStreamRequestBatch(requests=batch))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             self._break(exc if isinstance(exc, grpc.aio.AioRpcError) else None)
 

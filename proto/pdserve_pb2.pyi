@@ -317,6 +317,12 @@ class CallStreamRequest(_message.Message):
     timeout_s: float
     def __init__(self, call_id: _Optional[int] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
+class CallStreamRequestBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[CallStreamRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[CallStreamRequest, _Mapping]]] = ...) -> None: ...
+
 class CallEnd(_message.Message):
     __slots__ = ("code", "details")
     CODE_FIELD_NUMBER: _ClassVar[int]

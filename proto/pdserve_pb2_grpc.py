@@ -242,7 +242,7 @@ class DecodeWorkerStub:
                 _registered_method=True)
         self.DecodeStream = channel.stream_stream(
                 '/pdserve.v1.DecodeWorker/DecodeStream',
-                request_serializer=proto_dot_pdserve__pb2.CallStreamRequest.SerializeToString,
+                request_serializer=proto_dot_pdserve__pb2.CallStreamRequestBatch.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.CallStreamBatch.FromString,
                 _registered_method=True)
         self.ProvideKV = channel.unary_unary(
@@ -305,7 +305,7 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             ),
             'DecodeStream': grpc.stream_stream_rpc_method_handler(
                     servicer.DecodeStream,
-                    request_deserializer=proto_dot_pdserve__pb2.CallStreamRequest.FromString,
+                    request_deserializer=proto_dot_pdserve__pb2.CallStreamRequestBatch.FromString,
                     response_serializer=proto_dot_pdserve__pb2.CallStreamBatch.SerializeToString,
             ),
             'ProvideKV': grpc.unary_unary_rpc_method_handler(
@@ -376,7 +376,7 @@ class DecodeWorker:
             request_iterator,
             target,
             '/pdserve.v1.DecodeWorker/DecodeStream',
-            proto_dot_pdserve__pb2.CallStreamRequest.SerializeToString,
+            proto_dot_pdserve__pb2.CallStreamRequestBatch.SerializeToString,
             proto_dot_pdserve__pb2.CallStreamBatch.FromString,
             options,
             channel_credentials,
@@ -486,7 +486,7 @@ class RouterStub:
                 _registered_method=True)
         self.GenerateStream = channel.stream_stream(
                 '/pdserve.v1.Router/GenerateStream',
-                request_serializer=proto_dot_pdserve__pb2.CallStreamRequest.SerializeToString,
+                request_serializer=proto_dot_pdserve__pb2.CallStreamRequestBatch.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.CallStreamBatch.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
@@ -538,7 +538,7 @@ def add_RouterServicer_to_server(servicer, server):
             ),
             'GenerateStream': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=proto_dot_pdserve__pb2.CallStreamRequest.FromString,
+                    request_deserializer=proto_dot_pdserve__pb2.CallStreamRequestBatch.FromString,
                     response_serializer=proto_dot_pdserve__pb2.CallStreamBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -604,7 +604,7 @@ class Router:
             request_iterator,
             target,
             '/pdserve.v1.Router/GenerateStream',
-            proto_dot_pdserve__pb2.CallStreamRequest.SerializeToString,
+            proto_dot_pdserve__pb2.CallStreamRequestBatch.SerializeToString,
             proto_dot_pdserve__pb2.CallStreamBatch.FromString,
             options,
             channel_credentials,

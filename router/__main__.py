@@ -17,7 +17,7 @@ from router.migration import MigrationOptions
 from router.policies import POLICIES
 from router.router import Router
 from router.service import serve
-from settings import environment
+from settings import environment, event_loop
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -104,7 +104,7 @@ def main() -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(_main(args))
+    event_loop.run(_main(args))
 
 
 if __name__ == "__main__":
