@@ -11,10 +11,11 @@
    engine alone on the same short requests, both offline (``LLM.generate`` with every request queued
    at once) and closed-loop at the HTTP client's concurrency (at most 32 requests in the engine),
    and vs the thinnest server a Python stack can be (``bench.minimal_server``: the engine loop and a
-   bare SSE endpoint in one process), the ceiling of any HTTP front on the same cores.
+   bare SSE endpoint in one process), the ceiling of any HTTP front on the same cores;
+5. ``pdserve serve`` with no layout flags (and aggregated) vs the engine alone, same load (``default_flags``).
 (The engine vs HF transformers comparison is ``python -m bench.offline_throughput``.)
 
-    python -m bench.serving_comparisons [--only interference,local_prefill,prefix,overhead] [--quick]
+    python -m bench.serving_comparisons [--only interference,local_prefill,prefix,overhead,default_flags] [--quick]
 
 Each server is ``pdserve serve`` on the default tiny random Llama (~32M parameters, fp32) with an
 embedded Redis, started and stopped by this script. Results: bench/results/serving_comparisons.json
@@ -168,9 +169,9 @@ def overhead(quick: bool, device: str = "cpu", dtype: str = "float32") -> dict:
     # `pdserve serve` shares this machine's cores out among its CPU workers (an aggregated worker
     # gets both cores' torch threads, a 1 P + 1 D pair one each); the other thread count is run too.
     for name, flags in (
-        ("aggregated_http", ("--mode", "aggregated", "--decode", "1")),
+        ("aggregated_http", ("--mode", "aggregated", "--decode", "1", "--http-server", "serve_proxy")),
         ("aggregated_http_direct", ("--mode", "aggregated", "--decode", "1", "--http-server", "direct")),
-        ("disaggregated_http", ("--prefill", "1", "--decode", "1")),
+        ("disaggregated_http", ("--prefill", "1", "--decode", "1", "--http-server", "serve_proxy")),
         ("disaggregated_http_direct", ("--prefill", "1", "--decode", "1", "--http-server", "direct")),
         ("aggregated_http_router", ("--mode", "aggregated", "--decode", "1", "--http-server", "router")),
         ("disaggregated_http_router", ("--prefill", "1", "--decode", "1", "--http-server", "router")),
@@ -240,6 +241,39 @@ def overhead(quick: bool, device: str = "cpu", dtype: str = "float32") -> dict:
     }
 
 
+def default_flags(quick: bool) -> dict:
+    """``pdserve serve`` as a user starts it (no layout flags: 1 prefill + 1 decode, the router serving
+    HTTP) and its aggregated form, against the engine alone closed loop at the same 32 in flight, on
+    the short-request workload of ``overhead``."""
+    from cli.tiny_model import ensure_tiny_model
+    from engine import LLM, SamplingParams
+
+    args = bench_args(
+        dataset="random",
+        num_prompts=96 if quick else 192,
+        input_len=16,
+        output_len=16,
+        vocab_size=VOCAB,
+        ignore_eos=True,
+        warmup=4,
+    )
+    prompts = [r.prompt for r in build(args)]
+    llm = LLM(str(ensure_tiny_model()), num_blocks=2048)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate(prompts[:4], params)
+    engine_rps = engine_closed_loop(llm.core, prompts, params, concurrency=32)
+    del llm
+    out: dict = {"engine_alone_closed_loop_requests_per_s": engine_rps, "runs": {}}
+    for name, flags in (("default", ()), ("default_aggregated", ("--mode", "aggregated"))):
+        with serving(*flags) as base:
+            run = out["runs"][name] = load(base, args, concurrency=32)
+        out[f"{name}_over_engine_closed_loop"] = ratio = run["request_throughput"] / engine_rps
+        print(
+            f"{name}: {run['request_throughput']:.1f} req/s = {ratio:.2f}x the engine alone ({engine_rps:.1f})"
+        )
+    return out
+
+
 def engine_closed_loop(core, prompts: list, params, *, concurrency: int) -> float:
     """Requests/s of the engine alone fed like the HTTP client feeds the stack: at most
     ``concurrency`` requests in flight, the next one added as soon as one finishes."""
@@ -277,6 +311,7 @@ def main() -> None:
             "local_prefill": local_prefill,
             "prefix": prefix,
             "overhead": overhead,
+            "default_flags": default_flags,
         }
         if name == "overhead":
             out[name] = overhead(a.quick, a.device, a.dtype)
