@@ -21,7 +21,7 @@ DEFAULT_PROMPTS = [
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="offline generation with the engine")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    g.add_argument("--repeat", type=int, default=8, help="submit the prompts this many times (default 8)")
+    g.add_argument("--repeat", type=int, default=1, help="submit the prompts this many times (default 1)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from cli import bench, generate, manifests, scale, serve, status, train_tiny
@@ -32,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that left (``| head``) surfaces here
+        return code
+    except BrokenPipeError:  # the reader of our output left: not an error of ours, and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush writes nowhere
+        return 0
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

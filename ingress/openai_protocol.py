@@ -171,6 +171,8 @@ def error_from_validation(exc) -> APIError:
     finite = next((e for e in errors if e.get("type") == "finite_number" and _loc(e) == loc), None)
     if finite is not None:
         msg = f"invalid value for {loc!r}: must be a finite number, got {finite.get('input')}"
+    elif kinds := _member_kinds(errors, loc):  # the value's type is wrong (for every member of a union)
+        msg = f"invalid value for {loc!r}: must be {' or '.join(kinds)}, got {first.get('input')!r}"
     elif kind == "extra_forbidden":
         msg = f"unsupported field {loc!r}"
     elif kind == "missing":
@@ -180,6 +182,30 @@ def error_from_validation(exc) -> APIError:
     return APIError(
         400, msg, param=loc or None, code="invalid_value" if kind != "missing" else "missing_field"
     )
+
+
+_KINDS = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "list_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "none_required": "null",
+}
+
+
+def _member_kinds(errors: list[dict], loc: str) -> list[str]:
+    """What the field at ``loc`` accepts, from its (union members') type errors ("an integer" and "a
+    number" say "a number"); empty unless every error there is a type error."""
+    here = [e.get("type", "") for e in errors if _loc(e) == loc]
+    if not here or any(t not in _KINDS for t in here):
+        return []
+    kinds = list(dict.fromkeys(_KINDS[t] for t in here))
+    if "an integer" in kinds and "a number" in kinds:
+        kinds.remove("an integer")
+    return kinds
 
 
 def _loc(error: dict) -> str:

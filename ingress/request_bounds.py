@@ -88,8 +88,8 @@ def check_logit_bias(bias: dict[str, float] | None, vocab_size: int | None = Non
     for key, value in bias.items():
         token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
         if token < 0 or (vocab_size is not None and token >= vocab_size):
-            where = f"[0, {vocab_size})" if vocab_size is not None else "a token id"
-            raise APIError(400, f"logit_bias key {key!r} must be a token id in {where}", param="logit_bias")
+            where = f" in [0, {vocab_size})" if vocab_size is not None else " (a non-negative integer)"
+            raise APIError(400, f"logit_bias key {key!r} must be a token id{where}", param="logit_bias")
         if not -100 <= value <= 100:
             raise APIError(
                 400, f"logit_bias values must be in [-100, 100], got {value} for {key!r}", param="logit_bias"

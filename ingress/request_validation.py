@@ -60,16 +60,54 @@ def parse_body(body: bytes, model_cls: type[CompletionRequest] | type[ChatComple
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(obj, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    bad = _lone_surrogate_at(obj)
+    if bad is not None:  # JSON allows "\ud800"; no tokenizer (or UTF-8) can take it
+        raise APIError(400, f"{bad} contains a lone UTF-16 surrogate: not valid Unicode text", param=bad)
     try:
         return model_cls.model_validate(obj)
     except ValidationError as exc:
         raise error_from_validation(exc) from exc
 
 
+def _lone_surrogate_at(value, path: str = "") -> str | None:
+    """The dotted path of the first string (value or key) in ``value`` holding a lone surrogate."""
+    if isinstance(value, str):
+        return None if value.isascii() or not _has_surrogate(value) else (path or "body")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = f"{path}.{key}" if path else str(key)
+            if _has_surrogate(key):
+                return path or "body"
+            found = _lone_surrogate_at(item, here)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_at(item, f"{path}.{i}")
+            if found is not None:
+                return found
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_stream_options(req) -> None:
+    """OpenAI refuses ``stream_options`` on a request that does not stream."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
 def validate_completion(req: CompletionRequest, info: ModelInfo, limits: IngressOptions) -> GenerationRequest:
     """One prompt (a string, a token-id list, or a one-element list of either) with ``n`` samples;
     ``ingress.completion_batch`` splits lists of prompts, ``best_of`` and ``echo`` into such requests."""
     _check_model(req.model, info)
+    _check_stream_options(req)
     if req.suffix:
         raise APIError(
             400,
@@ -112,6 +150,10 @@ def validate_completion(req: CompletionRequest, info: ModelInfo, limits: Ingress
 
 def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOptions) -> GenerationRequest:
     _check_model(req.model, info)
+    _check_stream_options(req)
+    for i, m in enumerate(req.messages):  # only an assistant's tool calls may stand without content
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(400, f"messages[{i}] ({m.role}) needs a content", param=f"messages.{i}.content")
     tools, tool_plan, tool_grammar = plan_tools(req)
     check_sampling(req, limits.max_n)
     if req.max_tokens is not None and req.max_completion_tokens is not None:

@@ -187,3 +187,8 @@ def test_the_default_layout_is_the_router_serving_http_with_a_front_end_per_eigh
     assert (direct.router.num_replicas, direct.ingress.num_replicas) == (1, 3)
     with pytest.raises(SystemExit):
         parse(["--frontends", "0"])
+
+
+def test_generate_submits_each_prompt_once_by_default():
+    """Two prompts are two requests (``--repeat`` is for load, not the default)."""
+    assert _subparser("generate").parse_args([]).repeat == 1

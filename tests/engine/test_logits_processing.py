@@ -209,6 +209,25 @@ def test_adjustment_matches_reference_rule_on_random_logits():
         assert torch.allclose(got[i], want, atol=1e-5)
 
 
+def test_frequency_penalty_counts_every_repeat_of_a_token():
+    """A token the output holds three times is penalized three times the frequency penalty (and the
+    presence penalty once); one never generated is untouched."""
+    out = [6, 6, 6, 2]
+    row = RowHistory(
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, max_tokens=20),
+        [9, 9, *out],
+        2,
+        2,
+        frozenset(),
+    )
+    logits = torch.zeros(1, 10)
+    got = LogitsAdjustment.build([(0, row)], torch.device("cpu")).apply(logits)[0]
+    assert got[6].item() == pytest.approx(-3 * 0.5 - 0.25)
+    assert got[2].item() == pytest.approx(-0.5 - 0.25)
+    assert got[9].item() == 0.0  # in the prompt only: frequency and presence count the output
+    assert torch.allclose(got, torch.tensor(reference_processed([0.0] * 10, [9, 9], out, row.params, set())))
+
+
 def test_engine_refuses_ids_outside_the_vocabulary(llm):
     vocab = llm.core.spec.vocab_size
     for kw in (

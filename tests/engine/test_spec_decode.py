@@ -11,6 +11,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.models import create_zero_cost_model
 from engine.spec_config import SpeculativeConfig
 from engine.spec_decode import NgramProposer
 
@@ -184,6 +185,40 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert p.lookup([7, 1, 9, 2, 9], 2) == [2, 9]  # only the 1-gram 9 matches
     assert p.lookup([1, 2, 3, 4], 3) == []
     assert p.lookup([5], 3) == []
+
+
+def test_ngram_drafts_on_a_repeating_output_are_accepted(tmp_path):
+    """On the zero-cost model's walk (ids 3..15, over and over) everything after the prompt repeats
+    what followed the last occurrence of its suffix: the n-gram drafts must nearly all be accepted
+    (a draft shifted by one position is always wrong) and the output stays the walk."""
+    model = create_zero_cost_model(tmp_path / "walk", vocab_size=16)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = _llm(model, spec, num_blocks=64)
+    out = llm.generate([list(range(3, 16))], _greedy(max_new=39), use_tqdm=False)[0]
+    assert out.token_ids == [3 + i % 13 for i in range(39)]
+    stats = llm.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_acceptance_rate >= 0.9
+    _assert_all_free(llm)
+
+
+def test_rejected_drafts_are_rolled_back_after_every_step(tmp_path):
+    """The prompt's earlier "5 -> 9" makes the n-gram draft after 5 wrong on the walk (5 -> 6): after
+    every step each running request has computed exactly its tokens but the last (a rejected draft's
+    position counted as computed would make the next step skip a token)."""
+    model = create_zero_cost_model(tmp_path / "walk", vocab_size=16)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = _llm(model, spec, num_blocks=64)
+    core = llm.core
+    core.add_request("r", [5, 9, 10, 3, 4, 5], _greedy(max_new=30))
+    checked = 0
+    while core.has_unfinished():
+        core.step()
+        for req in core.scheduler.running:
+            assert req.num_computed_tokens == req.num_tokens - 1, req
+            checked += 1
+    stats = llm.stats()
+    assert checked and stats.spec_num_drafts > 0 and stats.spec_acceptance_rate < 1.0
+    _assert_all_free(llm)
 
 
 def test_bad_speculative_configs_are_refused(target, tiny_model_factory):

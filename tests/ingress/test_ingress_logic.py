@@ -21,6 +21,7 @@ from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionR
 from ingress.openai_serving import Admission
 from ingress.options import IngressOptions
 from ingress.request_validation import parse_body, validate_chat, validate_completion
+from ingress.utility_routes import TokenizeRequest
 from proto import pdserve_pb2 as pb
 from router.migration import MigrationOptions
 
@@ -93,6 +94,7 @@ def test_chat_fills_the_context_by_default_and_maps_logprobs(info):
         ({"prompt": "a", "best_of": 2, "stream": True}, 400, "best_of"),
         ({"prompt": "a", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
         ({"prompt": [1] * 600}, 400, "prompt"),  # the prompt alone fills the context
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),  # no stream
     ],
 )
 def test_completion_refusals(info, body, status, param):
@@ -109,6 +111,63 @@ def test_parse_body_errors():
     with pytest.raises(APIError) as exc:
         parse_body(b'{"model": "m", "prompt": "a", "temperature": "hot"}', CompletionRequest)
     assert exc.value.param == "temperature"
+    assert exc.value.message == "invalid value for 'temperature': must be a number, got 'hot'"
+    with pytest.raises(APIError) as exc:
+        parse_body(b'{"model": "m", "prompt": "a", "max_tokens": "5"}', CompletionRequest)
+    assert exc.value.message == "invalid value for 'max_tokens': must be an integer, got '5'"
+
+
+@pytest.mark.parametrize(
+    ("raw", "model_cls", "param"),
+    [
+        (b'{"model": "m", "prompt": "a\\ud800b"}', CompletionRequest, "prompt"),
+        (b'{"model": "m", "prompt": "a", "stop": ["x", "\\udfff"]}', CompletionRequest, "stop.1"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi \\ud83d"}]}',
+            ChatCompletionRequest,
+            "messages.0.content",
+        ),
+        (b'{"prompt": "\\ud800"}', TokenizeRequest, "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_the_field(raw, model_cls, param):
+    """JSON admits lone UTF-16 surrogates; no tokenizer can encode them (they were 500s)."""
+    with pytest.raises(APIError) as exc:
+        parse_body(raw, model_cls)
+    assert exc.value.status == 400 and exc.value.param == param and "surrogate" in exc.value.message
+    ok = parse_body(
+        b'{"model": "m", "prompt": "fine \\ud83d\\ude00"}', CompletionRequest
+    )  # a pair is a character
+    assert ok.prompt == "fine \U0001f600"
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([{"role": "user"}], "messages.0.content"),
+        (
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": None}],
+            "messages.1.content",
+        ),
+        ([{"role": "assistant"}], "messages.0.content"),  # no content and no tool calls
+    ],
+)
+def test_a_chat_message_without_content_is_refused(info, messages, param):
+    req = ChatCompletionRequest.model_validate({"model": "tiny", "messages": messages})
+    with pytest.raises(APIError) as exc:
+        validate_chat(req, info, LIMITS)
+    assert exc.value.status == 400 and exc.value.param == param and "needs a content" in exc.value.message
+
+
+def test_chat_stream_options_need_stream(info):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    req = ChatCompletionRequest.model_validate({**body, "stream_options": {"include_usage": True}})
+    with pytest.raises(APIError) as exc:
+        validate_chat(req, info, LIMITS)
+    assert exc.value.param == "stream_options"
+    validate_chat(
+        ChatCompletionRequest.model_validate({**body, "stream": True, "stream_options": {}}), info, LIMITS
+    )
 
 
 def test_admission_queues_then_refuses_with_retry_after():

@@ -206,3 +206,14 @@ def test_prompt_text_over_the_character_bound_is_refused_before_tokenizing(info)
     )
     assert err.code == "context_length_exceeded" and tok.encoded == 0
     assert _completion(counted, prompt="the world").prompt_ids and tok.encoded == 1
+
+
+def test_a_negative_logit_bias_key_is_named_plainly():
+    from ingress.request_bounds import check_logit_bias
+
+    with pytest.raises(APIError) as exc:
+        check_logit_bias({"-1": 5})
+    assert exc.value.message == "logit_bias key '-1' must be a token id (a non-negative integer)"
+    with pytest.raises(APIError) as exc:
+        check_logit_bias({"7": 5}, vocab_size=4)
+    assert exc.value.message == "logit_bias key '7' must be a token id in [0, 4)"

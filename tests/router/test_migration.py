@@ -308,6 +308,45 @@ def test_stall_deadline_follows_the_workers_steps_with_a_floor_and_an_override()
     assert ProgressWatch(MigrationOptions(stall_timeout_s=0.7)).deadline_s("d0") == 0.7
 
 
+def test_the_stall_watch_marks_a_silent_or_blocked_stream_and_passes_a_live_one():
+    """Unit test of ``ProgressWatch.watch`` over fake decode streams: a stream silent past its
+    deadline and one whose Progress says the engine is blocked past it raise ``DecodeLost``; a stream
+    that keeps talking passes its tokens on, its Progress consumed."""
+
+    def tokens(i: int) -> pb.GenerateResponse:
+        return pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[i]))
+
+    def progress(blocked_ms: float) -> pb.GenerateResponse:
+        return pb.GenerateResponse(progress=pb.Progress(step_ms=1.0, blocked_ms=blocked_ms, interval_ms=10.0))
+
+    async def silent():
+        yield tokens(1)
+        await asyncio.Event().wait()  # the worker stopped answering
+        yield tokens(2)
+
+    async def blocked():
+        yield tokens(1)
+        yield progress(blocked_ms=5000.0)  # alive, but its engine made no progress for 5 s
+
+    async def live():
+        for i in range(3):
+            yield tokens(i)
+            yield progress(blocked_ms=1.0)
+
+    async def relay(stream) -> list[pb.GenerateResponse]:
+        watch = ProgressWatch(MigrationOptions(stall_timeout_s=0.3))
+        return [m async for m in watch.watch(stream, "d0")]
+
+    async def main() -> None:
+        with pytest.raises(DecodeLost, match="silent"):
+            await relay(silent())
+        with pytest.raises(DecodeLost, match="no progress"):
+            await relay(blocked())
+        assert [m.tokens.token_ids[0] for m in await relay(live())] == [0, 1, 2]
+
+    asyncio.run(main())
+
+
 def test_a_stream_whose_last_token_was_relayed_ends_without_moving():
     """The worker was lost right after the request's last token: the router ends the stream itself
     (finish reason ``length``, usage of the caller's prompt) instead of asking for 0 more tokens."""
