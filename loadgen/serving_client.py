@@ -23,7 +23,7 @@ import aiohttp
 from tqdm import tqdm
 
 from loadgen.serving_datasets import DATASETS, ServingRequest, build
-from loadgen.vllm_result import vllm_fields
+from loadgen.vllm_result import percentile, vllm_fields
 
 
 @dataclass(slots=True)
@@ -165,14 +165,16 @@ def _label(concurrency, rate) -> str:
 
 
 def _stats(values: list[float]) -> dict[str, float]:
+    """The same statistics as the vLLM-format fields (``loadgen.vllm_result``): one median per
+    output file, whichever section a reader looks at."""
     if not values:
         return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
-    s = sorted(values)
-
-    def pct(p: float) -> float:
-        return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
-
-    return {"mean": statistics.fmean(s), "median": pct(50), "p90": pct(90), "p99": pct(99)}
+    return {
+        "mean": statistics.fmean(values),
+        "median": statistics.median(values),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
 
 
 def summarize(results: list[RequestResult], elapsed: float, goodput: dict, concurrency, rate) -> dict:

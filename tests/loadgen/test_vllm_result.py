@@ -68,3 +68,16 @@ def test_written_file_is_flat_for_one_run_and_per_level_for_a_sweep(tmp_path):
     assert [p.rsplit("/", 1)[1] for p in paths] == ["sweep.c1.json", "sweep.c4.json", "sweep.json"]
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert [r["max_concurrency"] for r in sweep["runs"]] == [1, 4]
+
+
+def test_one_median_per_file_whichever_section():
+    """``pdserve bench --output-json`` wrote two different TTFT medians (nearest rank in the pdserve
+    section, interpolated in vLLM's): both sections now agree, even-sized samples included."""
+    results = [
+        RequestResult(ok=True, output_tokens=4, ttft_s=t, e2e_s=t + 0.3) for t in (0.10, 0.15, 0.16, 0.40)
+    ]
+    ours = summarize(results, 1.0, {}, 4, None)
+    theirs = vllm_fields(results, 1.0, None, 4, None, 1.0)
+    assert ours["ttft_s"]["median"] * 1e3 == pytest.approx(theirs["median_ttft_ms"]) == pytest.approx(155.0)
+    assert ours["ttft_s"]["p99"] * 1e3 == pytest.approx(theirs["p99_ttft_ms"])
+    assert ours["e2e_s"]["p90"] * 1e3 == pytest.approx(theirs["p90_e2el_ms"])
