@@ -98,6 +98,12 @@ def add_parser(sub) -> None:
         "--max-concurrent-requests", type=int, default=256, help="beyond it requests queue, then 429"
     )
     s.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests that may wait (default: twice the above)",
+    )
+    s.add_argument(
         "--http-server",
         default="router",
         choices=["serve_proxy", "direct", "router"],
@@ -178,6 +184,7 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
             "host": args.host,
             "port": args.port,
             "max_concurrent_requests": args.max_concurrent_requests,
+            "max_queued_requests": args.max_queued_requests,
             "http_server": args.http_server,
         },
     )

@@ -17,6 +17,7 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
@@ -44,21 +45,42 @@ TOKENIZER_THREADS = 2
 
 
 class Admission:
-    """A bounded queue in front of the router: ``limit`` streams at once, ``queue`` more may wait."""
+    """A bounded queue in front of the router: ``limit`` streams at once, ``queue`` more may wait.
 
-    def __init__(self, limit: int, queue: int) -> None:
+    A refusal's ``Retry-After`` is the time the queue ahead would take to drain at the rate slots
+    were released lately (the last ``RATE_WINDOW`` releases, within ``RATE_HORIZON_S``), clamped to
+    [1, 60] s; before any release was seen, one second per ``limit`` queued."""
+
+    RATE_WINDOW = 64
+    RATE_HORIZON_S = 60.0
+
+    def __init__(self, limit: int, queue: int | None = None) -> None:
         self.limit = limit
-        self.queue = queue
+        self.queue = 2 * limit if queue is None else queue
         self.running = 0
         self.waiting = 0
         self._cond = asyncio.Condition()
+        self._released: deque[float] = deque(maxlen=self.RATE_WINDOW)
+
+    def drain_rate(self, now: float) -> float | None:
+        """Slots released per second lately, or None without two recent releases."""
+        recent = [t for t in self._released if now - t <= self.RATE_HORIZON_S]
+        if len(recent) < 2 or recent[-1] <= recent[0]:
+            return None
+        return (len(recent) - 1) / (recent[-1] - recent[0])
+
+    def retry_after_s(self, now: float) -> int:
+        rate = self.drain_rate(now)
+        ahead = self.waiting + 1
+        estimate = ahead / rate if rate else ahead / self.limit
+        return max(1, min(60, math.ceil(estimate)))
 
     @asynccontextmanager
     async def slot(self):
         async with self._cond:
             if self.running >= self.limit:
                 if self.waiting >= self.queue:
-                    retry = max(1, math.ceil(self.waiting / self.limit))
+                    retry = self.retry_after_s(time.monotonic())
                     raise APIError(
                         429,
                         f"server overloaded: {self.running} requests running and {self.waiting} queued",
@@ -76,6 +98,7 @@ class Admission:
         finally:
             async with self._cond:
                 self.running -= 1
+                self._released.append(time.monotonic())
                 self._cond.notify()
 
 
@@ -146,6 +169,9 @@ class OpenAIServing:
             await slot.__aenter__()
         except APIError:
             self.metrics.count("rejected")
+            raise
+        except BaseException as exc:  # the client left while queued: counted like any request
+            self.metrics.count(status_of(exc))
             raise
         return slot
 

@@ -15,7 +15,11 @@ class IngressOptions(BaseModel):
     host: str = Field("127.0.0.1", description="HTTP bind address (default: loopback only)")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks one)")
     max_concurrent_requests: int = Field(256, ge=1, description="streams forwarded to the router at once")
-    max_queued_requests: int = Field(512, ge=0, description="requests waiting for a slot; beyond it: 429")
+    max_queued_requests: int | None = Field(
+        None,
+        ge=0,
+        description="requests waiting for a slot; beyond it: 429 (default: 2 x max_concurrent_requests)",
+    )
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request body (413 above)")
     max_n: int = Field(16, ge=1, description="largest n per request")
     max_prompt_chars: int | None = Field(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
@@ -18,7 +19,7 @@ from ingress.generation import Generation
 from ingress.metrics import IngressMetrics
 from ingress.model_info import load_model_info
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
-from ingress.openai_serving import Admission
+from ingress.openai_serving import Admission, OpenAIServing
 from ingress.options import IngressOptions
 from ingress.request_validation import parse_body, validate_chat, validate_completion
 from ingress.utility_routes import TokenizeRequest
@@ -191,6 +192,42 @@ def test_admission_queues_then_refuses_with_retry_after():
         release.set()
         await asyncio.gather(*tasks)
         assert entered == [0, 1, 2] and adm.running == 0 and adm.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_admission_queue_defaults_to_twice_the_limit_and_retry_after_follows_the_drain_rate():
+    adm = Admission(limit=4)
+    assert adm.queue == 8 and IngressOptions().max_queued_requests is None
+    adm.waiting = 9
+    assert adm.retry_after_s(100.0) == 3  # nothing released yet: (9 + 1) / 4 slots, rounded up
+    adm._released.extend(100.0 + 0.5 * i for i in range(11))  # two releases per second lately
+    assert adm.drain_rate(105.0) == pytest.approx(2.0)
+    assert adm.retry_after_s(105.0) == 5  # 10 ahead at 2 per second
+    assert adm.retry_after_s(105.0 + Admission.RATE_HORIZON_S + 6) == 3  # old releases forgotten
+    adm.waiting = 10_000
+    assert adm.retry_after_s(105.0) == 60  # clamped
+
+
+def test_a_client_that_leaves_while_queued_is_counted(info):
+    async def main():
+        metrics = IngressMetrics("tiny")
+        serving = OpenAIServing(info, IngressOptions(max_concurrent_requests=1), None, metrics)
+        held = await serving.admit()
+        queued = asyncio.create_task(serving.admit())
+        while serving.admission.waiting == 0:
+            await asyncio.sleep(0.01)
+        queued.cancel()  # the HTTP client went away before a slot freed
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        await held.__aexit__(None, None, None)
+        samples = {
+            s.labels["status"]: s.value
+            for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+            for s in fam.samples
+            if s.name == "pdserve_requests_total"
+        }
+        assert samples.get("cancelled") == 1.0
 
     asyncio.run(main())
 
