@@ -10,14 +10,25 @@ def add_parser(sub) -> None:
     mf = sub.add_parser(
         "manifests", help="render the KubeRay RayService, Redis and Serve config from a values file"
     )
-    mf.add_argument("--values", default="deploy/kuberay/values.yaml", help="the values file")
+    mf.add_argument(
+        "--values",
+        default=None,
+        help="the values file (default: the example shipped with pdserve, to copy and edit)",
+    )
     mf.add_argument("--out", default="deploy/kuberay", help="output directory")
     mf.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy.manifests import write
+    """Everything is rendered before anything is written: a bad values file leaves no file or
+    directory behind (``ValueError``: one line from ``pdserve``, exit status 2)."""
+    from deploy.manifests import default_values, write
 
-    for path in write(Path(args.values), Path(args.out)):
+    values = Path(args.values) if args.values else default_values()
+    if not values.is_file():
+        raise ValueError(
+            f"values file {values} not found (omit --values for the example shipped with pdserve)"
+        )
+    for path in write(values, Path(args.out)):
         print(f"wrote {path}")
     return 0

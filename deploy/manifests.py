@@ -15,11 +15,12 @@ manifests; a test re-renders the committed files and fails if they differ.
 
 from __future__ import annotations
 
+import importlib.resources
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deploy.config import PDServeConfig
 from deploy.pd_autoscaler import PDAutoscalingConfig
@@ -287,10 +288,19 @@ def render(values_path: Path) -> dict[str, str]:
     return files
 
 
+def default_values() -> Path:
+    """The example values file, shipped inside the package (``deploy/kuberay/values.yaml``)."""
+    return Path(str(importlib.resources.files("deploy") / "kuberay" / "values.yaml"))
+
+
 def write(values_path: Path, out_dir: Path) -> list[Path]:
+    try:
+        files = render(values_path)  # first: an invalid file writes nothing
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise ValueError(f"invalid values file {values_path}: {exc}") from exc
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in render(values_path).items():
+    for name, text in files.items():
         (out_dir / name).write_text(text)
         written.append(out_dir / name)
     return written
