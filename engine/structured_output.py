@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +30,17 @@ from engine.sampling_params import StructuredOutput
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
+
+
+# xgrammar's errors start with a time and the C++ source line that raised them: "[00:27:18]
+# /project/cpp/regex_converter.cc:83: Regex parsing error ...". A client needs only the reason.
+_CPP_PREFIX = re.compile(r"^\s*(?:\[[\d:]+\]\s*)?(?:\S+\.(?:cc|cpp|h|hpp):\d+:\s*)?")
+
+
+def compiler_reason(message: str) -> str:
+    """A grammar compiler's error without its timestamp and source locations, on one line."""
+    lines = [_CPP_PREFIX.sub("", line).strip() for line in message.strip().splitlines()]
+    return " ".join(line for line in lines if line) or "the grammar compiler refused it"
 
 
 class StructuredOutputs:
@@ -53,7 +65,8 @@ class StructuredOutputs:
             try:
                 compiled = _compile(compiler, spec)
             except (RuntimeError, ValueError, TypeError) as exc:
-                raise ValueError(f"cannot compile the {spec.kind} for structured output: {exc}") from exc
+                reason = compiler_reason(str(exc))
+                raise ValueError(f"cannot compile the {spec.kind} for structured output: {reason}") from exc
             while len(self._cache) >= MAX_CACHED_GRAMMARS:  # bounded: specs can be made up per request
                 self._cache.pop(next(iter(self._cache)))
             self._cache[spec] = compiled

@@ -31,6 +31,7 @@ _GRPC_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+GRAMMAR_REFUSAL = "cannot compile the "  # how the engine words a grammar it cannot compile
 _STREAM_STATUS = {"invalid_argument": 400, "kv_transfer_failed": 503, "unavailable": 503}
 
 
@@ -130,7 +131,10 @@ class Generation:
                         deltas = self._on_finished(msg.finished)
                     elif kind == "error":
                         raise APIError(
-                            _STREAM_STATUS.get(msg.error.code, 500), msg.error.message, code=msg.error.code
+                            _STREAM_STATUS.get(msg.error.code, 500),
+                            msg.error.message,
+                            code=msg.error.code,
+                            param=self._param_of(msg.error.message),
                         )
                     else:
                         self.route = (msg.route.prefill_worker, msg.route.decode_worker)
@@ -141,7 +145,14 @@ class Generation:
                         break
             except grpc.aio.AioRpcError as exc:
                 status, code = _GRPC_STATUS.get(exc.code(), (500, "internal"))
-                raise APIError(status, exc.details() or exc.code().name.lower(), code=code) from exc
+                details = exc.details() or exc.code().name.lower()
+                param = self._param_of(details) if status == 400 else None
+                raise APIError(status, details, code=code, param=param) from exc
+
+    def _param_of(self, message: str) -> str | None:
+        """The request field a worker's refusal is about: the structured output's, for a grammar
+        that does not compile (``engine.structured_output``)."""
+        return self.req.structured_param if message.startswith(GRAMMAR_REFUSAL) else None
 
     @property
     def ended(self) -> bool:

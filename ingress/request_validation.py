@@ -34,7 +34,7 @@ from ingress.request_bounds import (
     check_sampling,
     prompt_chars_limit,
 )
-from ingress.structured_request import structured_output
+from ingress.structured_request import structured_output, structured_param
 from ingress.tool_calls import ToolPlan, plan_tools
 
 
@@ -51,6 +51,7 @@ class GenerationRequest:
     logprobs: int | None  # alternatives per token; None: no logprobs in the response
     tools: ToolPlan | None = None  # chat with tools: how to read calls from the answer
     prompt_logprobs: int | None = None  # completions: return the prompt's logprobs (top-k)
+    structured_param: str | None = None  # the field that asked for structured output
 
 
 def parse_body(body: bytes, model_cls: type[CompletionRequest] | type[ChatCompletionRequest]):
@@ -270,7 +271,10 @@ def _finish(
     except ValueError as exc:  # the engine's own bounds, should they ever be narrower than ours
         raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return GenerationRequest(ids, params, req.stream, include_usage, chat, req.priority, logprobs)
+    g = GenerationRequest(ids, params, req.stream, include_usage, chat, req.priority, logprobs)
+    if params.structured is not None:  # the field a worker's refusal to compile the grammar names
+        g.structured_param = "tools" if grammar is not None else structured_param(req)
+    return g
 
 
 def _check_model(model: str, info: ModelInfo) -> None:

@@ -68,6 +68,17 @@ def structured_output(req) -> StructuredOutput | None:
         raise APIError(400, f"{param}: {exc}", param=param) from exc
 
 
+def structured_param(req) -> str | None:
+    """The request field that asks for structured output (checked by ``structured_output``)."""
+    rf = req.response_format
+    if rf is not None and rf.get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
+            return name
+    return None
+
+
 def _json_object(text: str) -> dict:
     try:
         schema = json.loads(text)

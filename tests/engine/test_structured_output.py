@@ -149,8 +149,11 @@ def test_a_bad_spec_is_refused_before_queueing(llm):
         StructuredOutput("json_schema", "{not json")
     with pytest.raises(ValueError, match="choice"):
         StructuredOutput("choice", "[]")
-    with pytest.raises(ValueError, match="cannot compile"):
+    with pytest.raises(ValueError, match="cannot compile") as exc:
         llm.core.validate([1, 2], SamplingParams(structured=StructuredOutput("regex", "([a-z")))
+    # the compiler's reason, without its timestamp and C++ source location
+    message = str(exc.value)
+    assert not re.search(r"\.cc:\d+|\[\d\d:\d\d:\d\d\]", message) and "\n" not in message, message
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(structured=StructuredOutput("json_object"), ignore_eos=True)
     assert not llm.core.has_unfinished()
@@ -198,3 +201,11 @@ def test_choices_outside_ascii(llm):
 def test_min_tokens_is_refused_with_a_grammar():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=3, structured=StructuredOutput("json_object"))
+
+
+def test_compiler_reason_strips_internals():
+    from engine.structured_output import compiler_reason
+
+    raw = '[00:27:18] /project/cpp/json_schema_converter.cc:4944: Unsupported type "nonsense"\n'
+    assert compiler_reason(raw) == 'Unsupported type "nonsense"'
+    assert compiler_reason("plain reason") == "plain reason"

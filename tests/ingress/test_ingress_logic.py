@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -383,3 +384,43 @@ def test_config_validation():
         with pytest.raises(ValidationError):
             PDServeConfig(model="m", **bad)
     assert PDServeConfig(model="m", mode="aggregated", prefill={"num_replicas": 0}).mode == "aggregated"
+
+
+class RefusingRouter:
+    """Refuses every request as a worker refuses a grammar it cannot compile."""
+
+    def __init__(self, in_band: bool) -> None:
+        self.in_band = in_band
+
+    async def generate(self, rid, prompt, params, priority, timeout_s):
+        message = "cannot compile the regex for structured output: Regex parsing error at position 4"
+        if self.in_band:
+            yield pb.GenerateResponse(error=pb.StreamError(code="invalid_argument", message=message))
+        else:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details=message
+            )
+
+
+@pytest.mark.parametrize("in_band", [False, True])
+@pytest.mark.parametrize(
+    ("field", "param"),
+    [
+        ({"guided_regex": "a(b"}, "guided_regex"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+            "response_format",
+        ),
+    ],
+)
+def test_a_grammar_the_workers_cannot_compile_is_a_400_naming_its_field(info, in_band, field, param):
+    g = _completion(info, prompt="a", **field)
+    gen = Generation("r1", g, info.tokenizer, IngressMetrics("tiny"))
+
+    async def main():
+        async for _ in gen.events(RefusingRouter(in_band), 10):
+            pass
+
+    with pytest.raises(APIError) as exc:
+        asyncio.run(main())
+    assert exc.value.status == 400 and exc.value.param == param and "position 4" in exc.value.message
