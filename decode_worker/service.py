@@ -28,6 +28,7 @@ from proto.convert import (
     prompt_logprobs_to_proto,
     stop_reason_text,
 )
+from worker.runtime import RequestFailed
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
         except (WorkerUnavailableError, EngineLoopFailed) as exc:
             logger.warning("decode of %s cannot go on here: %s", rid, exc)
             yield pb.GenerateResponse(error=pb.StreamError(code="unavailable", message=str(exc)))
+        except RequestFailed as exc:  # the request's own fault (not retried, not the worker's failure)
+            yield pb.GenerateResponse(error=pb.StreamError(code="request_failed", message=str(exc)))
         except RuntimeError as exc:
             logger.warning("decode of %s failed: %s", rid, exc)
             yield pb.GenerateResponse(error=pb.StreamError(code="internal", message=str(exc)))

@@ -46,7 +46,7 @@ from engine.scheduler_output import SequenceOutput
 from kv_transfer import RemoteKVInfo
 from kv_transfer.stats import TransferStats
 from worker.config import WorkerConfig
-from worker.runtime import TransferFactory, WorkerRuntime
+from worker.runtime import RequestFailed, TransferFactory, WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class DecodeWorker(WorkerRuntime):
                     if out.finish_reason in ("error", "abort"):
                         self._check_available(request_id)
                     if out.error and out.finish_reason == "error":
-                        raise self.pulls.take_error(request_id) or RuntimeError(out.error)
+                        raise self.pulls.take_error(request_id) or RequestFailed(out.error)
                     yield out
                     if out.finish_reason is not None:
                         unfinished -= 1

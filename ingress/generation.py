@@ -26,13 +26,19 @@ from router.client import RouterClient
 
 _GRPC_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "request_failed"),  # the model cannot satisfy it
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "overloaded"),
     grpc.StatusCode.UNAVAILABLE: (503, "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 GRAMMAR_REFUSAL = "cannot compile the "  # how the engine words a grammar it cannot compile
-_STREAM_STATUS = {"invalid_argument": 400, "kv_transfer_failed": 503, "unavailable": 503}
+_STREAM_STATUS = {
+    "invalid_argument": 400,
+    "request_failed": 400,
+    "kv_transfer_failed": 503,
+    "unavailable": 503,
+}
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ from prefill_worker.worker import PrefillWorker
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto, stop_reason_text
+from worker.runtime import RequestFailed
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RequestFailed as exc:  # the request's own fault: the router does not retry it elsewhere
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except RuntimeError as exc:
             logger.warning("prefill of %s failed: %s", request.request_id, exc)
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))

@@ -24,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from kv_transfer.stats import TransferStats
 from worker.config import WorkerConfig
-from worker.runtime import TransferFactory, WorkerRuntime
+from worker.runtime import RequestFailed, TransferFactory, WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +128,8 @@ class PrefillWorker(WorkerRuntime):
             self.clocks.forget(request_id)
         if out.held_block_ids is None:  # nothing held: no reader may rely on its exposed blocks
             self.loop.call(lambda: self.core.unpin(request_id))
-        if out.error:
-            raise RuntimeError(out.error)
+        if out.error:  # the loop's own failure fails every stream: the worker's, not the request's
+            raise RuntimeError(out.error) if self.loop.failure is not None else RequestFailed(out.error)
         if out.finish_reason is not None and not out.new_token_ids:
             raise RuntimeError(f"request {request_id} ended before its first token: {out.finish_reason}")
         return PrefillResult(

@@ -41,6 +41,14 @@ from worker.state import worker_state_to_proto
 
 logger = logging.getLogger(__name__)
 
+
+class RequestFailed(RuntimeError):
+    """The engine ended this request with an error of the request's own (a grammar that allows none
+    of the model's tokens, ...): not the worker's failure, so never retried on another worker and
+    never counted against this one; its caller gets the reason (gRPC FAILED_PRECONDITION, or a
+    ``request_failed`` stream error)."""
+
+
 # (engine core, agent name, compatibility fingerprint) -> the transfer backend over the core's KV
 TransferFactory = Callable[[EngineCore, str, KVCompat], KVTransferBackend]
 

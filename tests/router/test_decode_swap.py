@@ -132,3 +132,57 @@ def test_swapped_decode_worker_recomputes_instead_of_reusing_the_handle(redis_se
             view.stop()
 
     asyncio.run(main())
+
+
+class UnsatisfiablePrefillWorker(pb_grpc.PrefillWorkerServicer):
+    """Refuses every request as the engine does one it cannot satisfy (a grammar that allows none of
+    the model's tokens): FAILED_PRECONDITION, the request's own fault."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.address = ""
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        self.calls += 1
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION, "the grammar allows none of the model's tokens"
+        )
+
+
+def test_a_request_level_failure_is_never_retried_elsewhere(redis_server):
+    async def main() -> None:
+        url = redis_server.url
+        view = ClusterView(url, poll_s=0.05)
+        view.start()
+        prefills = [UnsatisfiablePrefillWorker(), UnsatisfiablePrefillWorker()]
+        servers = [
+            await _start(p, pb_grpc.add_PrefillWorkerServicer_to_server, f"p{i}", "prefill", url, 100)
+            for i, p in enumerate(prefills)
+        ]
+        decode = FakeDecodeWorker("d0", max_tokens=4)
+        await decode.start(url)
+        router = Router(view)
+        server, address = await serve(router)
+        channel = grpc.aio.insecure_channel(address)
+        try:
+            await until(lambda: len(view.live_workers()) == 3, "the view lists p0, p1 and d0")
+            params = pb.SamplingParams(max_tokens=4)
+            req = pb.GenerateRequest(request_id="r", prompt_token_ids=PROMPT, params=params)
+            try:
+                _ = [m async for m in pb_grpc.RouterStub(channel).Generate(req, timeout=30)]
+                raise AssertionError("the request should have failed")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "grammar" in exc.details()
+            assert sum(p.calls for p in prefills) == 1  # not retried on the other prefill worker
+            assert decode.served == []  # nor run aggregated on the decode worker
+            assert router.stats.prefill_retries == 0 and router.stats.aggregated_fallbacks == 0
+        finally:
+            await channel.close()
+            await server.stop(0)
+            await router.close()
+            for s in servers:
+                await s.stop(0)
+            await decode.stop()
+            view.stop()
+
+    asyncio.run(main())
