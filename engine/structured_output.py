@@ -139,9 +139,29 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
+# xgrammar writes a string with minLength/maxLength as "prop ::= "\"" prop_characters{m, n} "\""" with
+# prop_characters ::= [^"\\\r\n]: raw control characters (0x00-0x1F but CR and LF) pass, and the text
+# is not JSON. Such rules are rewritten to JSON's own string character: anything but a control
+# character, a quote or a backslash, or an escape (which counts as one character, as JSON's length).
+_BOUNDED_CHARS = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" pdserve_json_escape))'
+_JSON_ESCAPE = (
+    r'pdserve_json_escape ::= (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
+)
+
+
+def json_schema_grammar(schema: str) -> str:
+    """The EBNF grammar of a JSON schema, every string it allows valid JSON (see ``_BOUNDED_CHARS``)."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    fixed, n = _BOUNDED_CHARS.subn(lambda m: f"{m.group(1)} ::= {_JSON_CHAR}", text)
+    return f"{fixed}\n{_JSON_ESCAPE}\n" if n else text
+
+
 def _compile(compiler, spec: StructuredOutput):
     if spec.kind == "json_schema":
-        return compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        return compiler.compile_grammar(json_schema_grammar(spec.value))
     if spec.kind == "json_object":
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if spec.kind == "regex":
