@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 # One front end per this many cores: a front end (HTTP, tokenization, detokenization, SSE, and in
 # the default layout the router) keeps about one core busy at full load on a GPU host (issue 31's
@@ -42,3 +43,20 @@ def frontend_count(args: argparse.Namespace) -> int:
     if args.frontends is not None:
         return args.frontends
     return max(1, (args.ray_cpus or usable_cores()) // CORES_PER_FRONTEND)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError (one line from ``pdserve``) when something already listens on ``host:port``: a
+    second service there would share the port with the first (SO_REUSEPORT), or fail deep in Ray.
+    Port 0 picks a free one; a socket left in TIME_WAIT does not count as taken."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ValueError(
+                f"port {port} on {host} is taken ({exc.strerror}): stop what serves there "
+                "(`pdserve status` lists pdserve services) or choose another --port"
+            ) from None

@@ -20,7 +20,7 @@ import threading
 import time
 
 from cli.app_client import router_client
-from cli.host_share import frontend_count, local_cpu_threads, positive_int, usable_cores
+from cli.host_share import check_port_free, frontend_count, local_cpu_threads, positive_int, usable_cores
 from cli.ray_cluster import cluster_identity
 from cli.ready_banner import ready_banner
 from cli.service_record import claim_name, new_record, remove_record, write_record
@@ -115,9 +115,7 @@ def add_parser(sub) -> None:
     s.add_argument(
         "--frontends",
         type=positive_int,
-        default=None,
-        help="HTTP front-end processes sharing the port (router replicas with --http-server router, "
-        "else ingress replicas); default: one per 8 cores this process may use, at least 1",
+        help="HTTP processes sharing the port (router or ingress replicas); default: 1 per 8 cores",
     )
     s.add_argument(
         "--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per prefill/decode replica"
@@ -216,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             tiny = args.model is None
             config = config_from_args(args, args.model or str(ensure_tiny_model()), tiny)
+    if not args.address:  # a second service on a taken port would share it, or fail deep in Ray
+        check_port_free(config.ingress.host, config.ingress.port)
     args.name = claim_name(args.name or f"{config.app_name}-{config.ingress.port}")
     if args.api_key:
         environment.export_secret(environment.API_KEY, args.api_key)  # the local Ray cluster inherits it
