@@ -12,6 +12,11 @@ def add_parser(sub) -> None:
     sc = sub.add_parser("scale", help="change a running service's prefill/decode replica counts in place")
     sc.add_argument("--prefill", type=int, default=None, help="prefill replicas")
     sc.add_argument("--decode", type=int, default=None, help="decode replicas")
+    sc.add_argument(
+        "--allow-pending",
+        action="store_true",
+        help="scale up even when the cluster has no room yet (one whose autoscaler adds nodes)",
+    )
     add_target_args(sc)
     sc.set_defaults(func=run)
 
@@ -20,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from cli.ray_cluster import connect
-    from deploy.scaling import set_replicas, target_replicas
+    from deploy.scaling import check_room, set_replicas, target_replicas
 
     counts = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
     if not counts:
@@ -33,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         before = target_replicas(target.app_name)
         if "Autoscaler" in before:
             print("note: the P/D autoscaler is running; it may change these counts again", file=sys.stderr)
+        if not args.allow_pending:
+            check_room(target.app_name, counts, ray.available_resources())
         set_replicas(target.app_name, counts)
         after = target_replicas(target.app_name)
     except ValueError:

@@ -39,6 +39,54 @@ def target_replicas(app_name: str) -> dict[str, int]:
     return {name: d["target_num_replicas"] for name, d in app["deployments"].items()}
 
 
+def replica_resources(app_name: str) -> dict[str, dict[str, float]]:
+    """Deployment name -> what one of its replicas reserves ({"CPU": 1.0, "GPU": 0.5, ...})."""
+    from ray.serve.context import _get_global_client
+
+    app = _get_global_client().get_serve_details().get("applications", {}).get(app_name) or {}
+    out = {}
+    for name, d in app.get("deployments", {}).items():
+        opts = (d.get("deployment_config") or {}).get("ray_actor_options") or {}
+        need = {"CPU": float(opts.get("num_cpus") or 0.0), "GPU": float(opts.get("num_gpus") or 0.0)}
+        need.update({k: float(v) for k, v in (opts.get("resources") or {}).items()})
+        out[name] = {k: v for k, v in need.items() if v > 0}
+    return out
+
+
+def shortfall(
+    per_replica: dict[str, float], added: int, available: dict[str, float]
+) -> dict[str, tuple[float, float]]:
+    """Resource -> (needed, free) for each resource ``added`` more replicas need beyond what is free."""
+    out = {}
+    for res, amount in per_replica.items():
+        need = amount * added
+        if need > available.get(res, 0.0) + 1e-9:
+            out[res] = (need, available.get(res, 0.0))
+    return out
+
+
+def check_room(app_name: str, counts: dict[str, int], available: dict[str, float]) -> None:
+    """ValueError saying why and what to do when the cluster has no room for the added replicas:
+    Serve would leave them pending, unscheduled, without a word."""
+    current, per = target_replicas(app_name), replica_resources(app_name)
+    left = dict(available)
+    for pool, n in counts.items():
+        name = POOLS[pool]
+        added = n - current.get(name, 0)
+        if added <= 0:
+            continue
+        short = shortfall(per.get(name, {}), added, left)
+        if short:
+            what = ", ".join(f"{need:g} {res} (free: {free:g})" for res, (need, free) in short.items())
+            raise ValueError(
+                f"{name}: {current.get(name, 0)} -> {n} replicas needs {what}: the new replicas would wait "
+                "unscheduled. Give the cluster room (pdserve serve --ray-cpus N, or fewer per replica "
+                "with --worker-cpus), or pass --allow-pending on a cluster that adds nodes itself"
+            )
+        for res, amount in per.get(name, {}).items():
+            left[res] = left.get(res, 0.0) - amount * added
+
+
 def set_replicas(app_name: str, counts: dict[str, int]) -> None:
     """``counts``: pool ("prefill" / "decode") -> replicas. Raises ValueError with the reason."""
     import ray

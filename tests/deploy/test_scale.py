@@ -4,6 +4,8 @@ traffic) and back 2 -> 1 while streams run (the removed replica drains; no reque
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import openai
@@ -63,6 +65,16 @@ def test_scale_prefill_up_and_down_under_load(serve_model, module_redis_server, 
         name = svc.request("GET", "/v1/models")[2]["data"][0]["id"]
         svc.wait_workers(prefill=1, decode=1)
         (first,) = wait_for(svc, 1)
+        # No room for 40 more replicas of 1 CPU on this 8-CPU cluster: refused with the reason, not
+        # left pending without a word (the replica's reservation read from the running service).
+        refused = subprocess.run(
+            [sys.executable, "-m", "cli", "scale", "--service", svc.name, "--prefill", "41"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert refused.returncode == 2 and "Prefill: 1 -> 41 replicas needs 40 CPU" in refused.stderr
+        assert "--ray-cpus" in refused.stderr
         out = svc.cli("scale", "--prefill", "2")  # --service: this test's service, whatever else runs
         assert f"scaling service {svc.name!r}" in out and "Prefill: 1 -> 2 replicas" in out
         workers = wait_for(svc, 2)
