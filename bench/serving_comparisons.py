@@ -132,6 +132,19 @@ def prefix(quick: bool) -> dict:
     return run_variant(VARIANTS["headline"], quick)
 
 
+def short_requests(num_prompts: int) -> argparse.Namespace:
+    """The short-request workload of ``overhead`` and ``default_flags``: 16 tokens in, 16 out."""
+    return bench_args(
+        dataset="random",
+        num_prompts=num_prompts,
+        input_len=16,
+        output_len=16,
+        vocab_size=VOCAB,
+        ignore_eos=True,
+        warmup=4,
+    )
+
+
 def overhead(quick: bool, device: str = "cpu", dtype: str = "float32") -> dict:
     """On a GPU host: ``--device cuda --dtype bfloat16``, each worker given its share of the GPU."""
     import torch
@@ -139,15 +152,7 @@ def overhead(quick: bool, device: str = "cpu", dtype: str = "float32") -> dict:
     from cli.tiny_model import ensure_tiny_model
     from engine import LLM, SamplingParams
 
-    args = bench_args(
-        dataset="random",
-        num_prompts=64 if quick else 192,
-        input_len=16,
-        output_len=16,
-        vocab_size=VOCAB,
-        ignore_eos=True,
-        warmup=4,
-    )
+    args = short_requests(64 if quick else 192)
     requests = build(args)
     llm = LLM(str(ensure_tiny_model()), num_blocks=2048, device=device, dtype=dtype)
     prompts = [r.prompt for r in requests]
@@ -248,15 +253,7 @@ def default_flags(quick: bool) -> dict:
     from cli.tiny_model import ensure_tiny_model
     from engine import LLM, SamplingParams
 
-    args = bench_args(
-        dataset="random",
-        num_prompts=96 if quick else 192,
-        input_len=16,
-        output_len=16,
-        vocab_size=VOCAB,
-        ignore_eos=True,
-        warmup=4,
-    )
+    args = short_requests(96 if quick else 192)
     prompts = [r.prompt for r in build(args)]
     llm = LLM(str(ensure_tiny_model()), num_blocks=2048)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
