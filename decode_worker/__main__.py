@@ -10,7 +10,8 @@ import logging
 
 from decode_worker.kv_pull import FAILURE_POLICIES
 from decode_worker.service import serve
-from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from decode_worker.split import build_decode_worker
+from decode_worker.worker import DecodeWorkerConfig
 from engine.args import add_engine_args, engine_config_from_args
 from settings import event_loop
 from worker.process import add_worker_args, prepare_process, serve_until_signal, transfer_factory_from_args
@@ -36,6 +37,12 @@ def main() -> None:
         default=1,
         help="tokens a Decode stream holds before it sends them (its first and last go at once)",
     )
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine in a process of its own, with nothing else on its GIL (aggregated serving: "
+        "the worker then takes no KV hand-offs)",
+    )
     args = p.parse_args()
     prepare_process(args)
     config = DecodeWorkerConfig(
@@ -46,13 +53,14 @@ def main() -> None:
         transfer_timeout_s=args.transfer_timeout,
         keepalive_s=args.keepalive,
         stream_interval=args.stream_interval,
+        engine_process=args.engine_process,
     )
-    if args.kv_transfer == "inprocess":
+    if args.kv_transfer == "inprocess" and not args.engine_process:
         logger.warning(
             "--kv-transfer inprocess: this worker cannot pull KV from prefill workers (other processes); "
             "serve it in aggregated mode (a disaggregated request falls back to --kv-failure-policy)"
         )
-    worker = DecodeWorker(config, transfer_factory=transfer_factory_from_args(args))
+    worker = build_decode_worker(config, transfer_factory=transfer_factory_from_args(args))
     event_loop.run(serve_until_signal(worker, serve, args.host, args.port))
 
 

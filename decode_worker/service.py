@@ -10,7 +10,6 @@ resumes the request elsewhere). A quiet stream carries ``Progress`` messages. A 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
@@ -64,9 +63,7 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
                 raise ValueError("a Decode takes either a KV handle or a kv_source, not both")
             if kv is not None and kv.num_tokens != len(prompt):
                 raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}")
-            if params.structured is not None:  # a grammar compiles off the loop and the engine thread
-                await asyncio.to_thread(self.worker.core.structured.compile, params.structured)
-            self.worker.core.validate(prompt, params)  # static checks only (the grammar is cached now)
+            await self.worker.check_request(prompt, params, handoff=kv is not None or bool(request.kv_source))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.worker.loop.failure is not None:

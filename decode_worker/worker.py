@@ -108,11 +108,13 @@ class DecodeWorker(WorkerRuntime):
         self.config: DecodeWorkerConfig = config
         self.fetch_peer = fetch_peer  # address -> the prefill worker's RemoteKVInfo (its GetState)
         self.watch_kv = watch_kv or KVWatch()  # a prompt's blocks as its prefill worker computes them
-        self.pulls = KVPuller(
-            self.core, self.transfer, self.loop.publish, config.transfer_timeout_s, self.clocks.transferred
-        )
-        self.loop.add_tick(self.pulls.tick)
-        self.loop.add_hurry(self.pulls.landing)  # a hand-off read is landing
+        self.pulls: KVPuller | None = None  # None: the engine runs in a process of its own
+        if self.core is not None:
+            self.pulls = KVPuller(
+                self.core, self.transfer, self.loop.publish, config.transfer_timeout_s, self.clocks.transferred
+            )
+            self.loop.add_tick(self.pulls.tick)
+            self.loop.add_hurry(self.pulls.landing)  # a hand-off read is landing
         self._peers: set[str] = set()  # agent names NIXL knows
         self._warmed: set[str] = set()  # prefill addresses already tried
         self._warmer: asyncio.Task | None = None
@@ -197,6 +199,13 @@ class DecodeWorker(WorkerRuntime):
 
     # Requests ---------------------------------------------------------------------------------
 
+    async def check_request(self, prompt: list[int], params: SamplingParams, *, handoff: bool) -> None:
+        """Raise ``ValueError`` for a request this worker can never serve (``handoff``: it comes with
+        a KV handle or source). A grammar compiles off the event loop and the engine thread."""
+        if params.structured is not None:
+            await asyncio.to_thread(self.core.structured.compile, params.structured)
+        self.core.validate(prompt, params)  # static checks only (the grammar is cached now)
+
     async def decode(
         self,
         request_id: str,
@@ -261,7 +270,7 @@ class DecodeWorker(WorkerRuntime):
                     if out.finish_reason in ("error", "abort"):
                         self._check_available(request_id)
                     if out.error and out.finish_reason == "error":
-                        raise self.pulls.take_error(request_id) or RequestFailed(out.error)
+                        raise self._request_error(request_id, out.error)
                     yield out
                     if out.finish_reason is not None:
                         unfinished -= 1
@@ -272,7 +281,14 @@ class DecodeWorker(WorkerRuntime):
             self.clocks.forget(request_id)
             self._handed_off.discard(request_id)
             if self.loop.failure is None:
-                self.loop.call(lambda: self._abort(request_id))
+                self._abort_soon(request_id)
+
+    def _request_error(self, request_id: str, error: str) -> Exception:
+        """What a stream's in-band error raises: its failed pull's error, else ``RequestFailed``."""
+        return self.pulls.take_error(request_id) or RequestFailed(error)
+
+    def _abort_soon(self, request_id: str) -> None:
+        self.loop.call(lambda: self._abort(request_id))
 
     async def _admit(self, request_id, prompt, params, priority, kv, policy: FailurePolicy) -> bool:
         """Add the request (or start its pull); False when the first token already ended it."""

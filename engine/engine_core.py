@@ -24,6 +24,7 @@ from engine.cpu_threads import apply_thread_policy
 from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_quant import first_blocks, storage_dtype
+from engine.limits import RequestLimits
 from engine.model_runner import ModelRunner
 from engine.models import load_model, resolve_model_path
 from engine.request import Request, RequestStatus
@@ -164,36 +165,22 @@ class EngineCore(TransferMixin):
 
     # Requests ---------------------------------------------------------------------------------
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What this engine can ever serve (``validate`` checks it; a worker's edge can too)."""
+        return RequestLimits(
+            vocab_size=self.spec.vocab_size,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.kv.block_size,
+            num_blocks=self.kv.num_blocks,
+        )
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` for a request this engine can never serve."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.spec.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
-        _check_vocab(params, vocab)
+        self.limits.check(prompt_token_ids, params)
         if params.structured is not None:
             self.structured.compile(params.structured)  # a bad schema is refused here, once
-        if params.prior_output_tokens >= n:
-            raise ValueError(
-                f"prior_output_tokens ({params.prior_output_tokens}) must be less than the prompt's {n} tokens"
-            )
-        total = n + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model's "
-                f"context length of {self.max_model_len} tokens"
-            )
-        blocks = self.kv.blocks_needed(total)
-        if blocks > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks but the "
-                f"whole pool has {self.kv.num_blocks}"
-            )
 
     def add_request(
         self,
@@ -390,20 +377,6 @@ class EngineCore(TransferMixin):
             spec_accepted_tokens=st.num_accepted_tokens,
             spec_accepted_per_position=tuple(st.accepted_per_position),
         )
-
-
-def _check_vocab(params: SamplingParams, vocab: int) -> None:
-    """Token ids in the params must be this model's (they index the logits)."""
-    for name, ids in (
-        ("stop_token_ids", params.stop_token_ids),
-        ("logit_bias", params.logit_bias),
-        ("bad_words_token_ids", (t for w in params.bad_words_token_ids for t in w)),
-    ):
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
-    if params.bad_words and not params.bad_words_token_ids:
-        raise ValueError("bad_words must be tokenized into bad_words_token_ids before they reach the engine")
 
 
 def _eos_token_ids(path: Path) -> frozenset[int]:

@@ -7,6 +7,7 @@ config file or a log line.
 - ``PDSERVE_REDIS_URL``: the registry's Redis URL (may carry a password).
 - ``PDSERVE_API_KEY``: the bearer key ``/v1`` requires, when set.
 - ``UCX_NET_DEVICES``: UCX's network devices (read by UCX itself when NIXL initialises it).
+- ``PYTHONPATH``: a worker's engine process imports this checkout first (``python_path_env``).
 - ``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``: Ray's token auth (read by Ray when
   a client connects); ``pdserve status`` / ``scale`` set them to a service's recorded token.
 
@@ -23,6 +24,8 @@ UCX_NET_DEVICES = "UCX_NET_DEVICES"
 RAY_AUTH_MODE = "RAY_AUTH_MODE"
 RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
 RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+
+PYTHONPATH = "PYTHONPATH"
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -48,6 +51,14 @@ def export_secret(name: str, value: str) -> None:
     if name not in (REDIS_URL, API_KEY):
         raise ValueError(f"{name} is not a pdserve secret")
     os.environ[name] = value
+
+
+def python_path_env(root: str) -> dict[str, str]:
+    """This process's environment for a Python child that must import the project at ``root``
+    first (the checkout this process runs, wherever the child starts)."""
+    env = dict(os.environ)
+    env[PYTHONPATH] = os.pathsep.join(p for p in (root, env.get(PYTHONPATH)) if p)
+    return env
 
 
 def use_ucx_devices(devices: str | None, host: str, *, override: bool = True) -> None:

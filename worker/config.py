@@ -13,6 +13,9 @@ class WorkerConfig:
     worker_id: str = "worker-0"
     model_name: str | None = None  # the name peers check compatibility against; default: engine.model
     redis_url: str | None = None  # registry + KV events (Redis); None: standalone
+    # Run the engine core in a process of its own (``worker.engine_process``): nothing but the engine
+    # on its GIL. Decode role, without KV hand-offs (aggregated serving); see worker.engine_client.
+    engine_process: bool = False
 
     @property
     def served_model(self) -> str:

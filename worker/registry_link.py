@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.engine_core import EngineCore
+from engine.limits import RequestLimits
 from kv_transfer import KVCompat
 from registry.publisher import RegistryPublisher
 from registry.schema import CLEARED, REMOVED, STORED, WorkerRecord, connect, read_workers
@@ -70,7 +71,7 @@ class IncompatibleKVLayoutError(RuntimeError):
 
 
 def worker_record(
-    worker_id: str, role: str, address: str, epoch: int, compat: KVCompat, core: EngineCore
+    worker_id: str, role: str, address: str, epoch: int, compat: KVCompat, limits: RequestLimits, salt: str
 ) -> WorkerRecord:
     return WorkerRecord(
         worker_id=worker_id,
@@ -78,9 +79,9 @@ def worker_record(
         address=address,
         epoch=epoch,
         model=compat.model,
-        block_size=core.layout.block_size,
-        num_blocks=core.kv.num_blocks,
-        cache_salt=core.prefix_salt,
+        block_size=limits.block_size,
+        num_blocks=limits.num_blocks,
+        cache_salt=salt,
         kv_compat=compat.hash(),
         kv_layout=describe_layout(compat),
     )

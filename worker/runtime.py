@@ -17,6 +17,7 @@ Roles implement ``busy`` (work that must finish before a drain ends) and may ove
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -30,11 +31,13 @@ import redis
 from engine.cpu_threads import build_off_thread
 from engine.engine_core import EngineCore, EngineStats
 from engine.engine_loop import EngineLoop
+from engine.limits import RequestLimits
 from kv_transfer import KVCompat, KVTransferBackend, RemoteKVInfo
 from kv_transfer.stats import TransferStats
 from proto import pdserve_pb2 as pb
 from registry.publisher import RegistryPublisher
 from worker.config import WorkerConfig
+from worker.engine_client import EngineProcess
 from worker.registry_link import IncompatibleKVLayoutError, RegistryLink, check_joins, worker_record
 from worker.request_clock import RequestClocks
 from worker.state import worker_state_to_proto
@@ -68,18 +71,27 @@ class WorkerRuntime(ABC):
         self.config = config
         self.worker_id = config.worker_id
         self.epoch = time.time_ns()
-        # Built on a passing thread: the engine loop's thread is then torch's only CPU-pool master
-        # (``engine.cpu_threads``; with 2+ torch threads a second master makes every op slower).
-        self.core = build_off_thread(lambda: EngineCore(config.engine))
-        self.compat = KVCompat.from_layout(config.served_model, self.core.layout)
-        # Named after the worker and its epoch, so a restarted worker is a new peer.
-        self.transfer = (transfer_factory or nixl_transfer)(
-            self.core, f"{self.worker_id}-{self.epoch}", self.compat
-        )
-        self.loop = EngineLoop(self.core)
+        self.engine: EngineProcess | None = None
+        self.core: EngineCore | None = None
+        self.transfer: KVTransferBackend | None = None
+        if config.engine_process:  # the engine in a process of its own; no KV hand-offs
+            self.engine = EngineProcess(config.engine, model_name=config.served_model)
+            self.compat = self.engine.facts.compat
+            self.loop: EngineLoop | EngineProcess = self.engine
+        else:
+            # Built on a passing thread: the engine loop's thread is then torch's only CPU-pool master
+            # (``engine.cpu_threads``; with 2+ torch threads a second master makes every op slower).
+            self.core = build_off_thread(lambda: EngineCore(config.engine))
+            self.compat = KVCompat.from_layout(config.served_model, self.core.layout)
+            # Named after the worker and its epoch, so a restarted worker is a new peer.
+            self.transfer = (transfer_factory or nixl_transfer)(
+                self.core, f"{self.worker_id}-{self.epoch}", self.compat
+            )
+            self.loop = EngineLoop(self.core)
         self.loop.on_failure(self._on_engine_failure)
         self.clocks = RequestClocks(self.loop)  # per-request hop timing
         self.registry: RegistryLink | None = None
+        self.joined = False  # an engine process registered this worker
         self.draining = False
         self.address = ""
         self.server: grpc.aio.Server | None = None
@@ -97,6 +109,19 @@ class WorkerRuntime(ABC):
     def transfer_stats(self) -> TransferStats | None:
         """Engine thread only: this role's KV-pull statistics, if it pulls."""
         return None
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.engine.facts.limits if self.engine is not None else self.core.limits
+
+    @property
+    def prefix_salt(self) -> str:
+        return self.engine.facts.prefix_salt if self.engine is not None else self.core.prefix_salt
+
+    def record(self, address: str):
+        return worker_record(
+            self.worker_id, self.role, address, self.epoch, self.compat, self.limits, self.prefix_salt
+        )
 
     # Lifecycle --------------------------------------------------------------------------------
 
@@ -125,7 +150,10 @@ class WorkerRuntime(ABC):
             self.stop()
             raise
         await self.before_register()
-        self.attach_registry(self.address)
+        if self.engine is not None:
+            await self.join_registry(self.address)
+        else:
+            self.attach_registry(self.address)
         logger.info("%s worker %s (epoch %d) on %s", self.role, self.worker_id, self.epoch, self.address)
         return server, self.address
 
@@ -134,7 +162,7 @@ class WorkerRuntime(ABC):
         layout differs from ours (a Redis that cannot be read is left to the registry link)."""
         if not self.config.redis_url:
             return
-        record = worker_record(self.worker_id, self.role, self.address, self.epoch, self.compat, self.core)
+        record = self.record(self.address)
         try:
             await asyncio.to_thread(check_joins, self.config.redis_url, record)
         except (OSError, redis.RedisError) as exc:
@@ -144,11 +172,19 @@ class WorkerRuntime(ABC):
         """Register in Redis under ``address`` and publish this worker's KV events (from the loop)."""
         if not self.config.redis_url:
             return
-        record = worker_record(self.worker_id, self.role, address, self.epoch, self.compat, self.core)
+        record = self.record(address)
         publisher = RegistryPublisher(self.config.redis_url, record)
         publisher.start()
         self.registry = RegistryLink(self.core, publisher, lambda: self.loop.recent_step_s)
         self.loop.add_tick(self.registry.tick)
+
+    async def join_registry(self, address: str) -> None:
+        """An engine process registers itself and publishes its KV events (it owns the cache)."""
+        if not self.config.redis_url:
+            return
+        fields = self.record(address).to_fields()
+        await self.engine.join_registry(self.config.redis_url, json.dumps(fields))
+        self.joined = True
 
     def _on_engine_failure(self, failure: Exception) -> None:
         """Engine thread, dying: leave the registry (its Redis calls in a thread of their own)."""
@@ -165,6 +201,9 @@ class WorkerRuntime(ABC):
         False if work remained after ``timeout_s``.
         """
         self.draining = True
+        if self.engine is not None and self.joined:
+            self.joined = False
+            await self.engine.leave_registry()
         if self.registry is not None:
             registry, self.registry = self.registry, None
             await asyncio.to_thread(registry.stop)
@@ -198,7 +237,8 @@ class WorkerRuntime(ABC):
         if self.registry is not None:
             self.registry.stop()
             self.registry = None
-        self.transfer.close()
+        if self.transfer is not None:
+            self.transfer.close()
 
     async def shutdown(self, grace_s: float = 1.0) -> None:
         """Stop the gRPC server (``grace_s`` for calls in flight), then the worker."""
@@ -208,14 +248,20 @@ class WorkerRuntime(ABC):
 
     # State ------------------------------------------------------------------------------------
 
-    def transfer_info(self) -> RemoteKVInfo:
-        return self.transfer.local_info()
+    def transfer_info(self) -> RemoteKVInfo | None:
+        """How a peer reads this worker's KV (None: it takes part in no hand-off)."""
+        return self.transfer.local_info() if self.transfer is not None else None
 
     async def stats(self) -> EngineStats:
+        if self.engine is not None:
+            return await self.engine.stats()
         return await self.loop.run(self.core.stats)
 
     async def get_state(self) -> pb.WorkerState:
         """The GetState answer: identity, transfer metadata, engine and transfer statistics."""
+
+        if self.engine is not None:
+            return worker_state_to_proto(self, self.address, await self.engine.stats())
 
         def snapshot() -> tuple[EngineStats, TransferStats | None]:
             t = self.transfer_stats()

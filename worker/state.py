@@ -100,7 +100,8 @@ def worker_state_to_proto(
     worker, address: str, stats: EngineStats, transfer: TransferStats | None = None
 ) -> pb.WorkerState:
     """A worker's GetState answer; ``worker`` is a prefill or decode worker object."""
-    core = worker.core
+    limits = worker.limits
+    info = worker.transfer_info()
     return pb.WorkerState(
         pid=os.getpid(),
         draining=worker.draining,
@@ -109,10 +110,10 @@ def worker_state_to_proto(
         epoch=worker.epoch,
         role=worker.role,
         address=address,
-        transfer=transfer_info_to_proto(worker.transfer_info()),
+        transfer=transfer_info_to_proto(info) if info is not None else None,
         stats=stats_to_proto(stats),
         model=worker.compat.model,
-        max_model_len=core.max_model_len,
-        vocab_size=core.spec.vocab_size,
-        cache_salt=core.prefix_salt,
+        max_model_len=limits.max_model_len,
+        vocab_size=limits.vocab_size,
+        cache_salt=worker.prefix_salt,
     )

@@ -1,0 +1,226 @@
+"""The wire between a worker and its engine process: frames, and the values they carry.
+
+A frame is one protobuf message (``EngineCommands`` towards the engine, ``EngineEvents`` back): a
+4-byte little-endian length, then the bytes. Nothing else crosses (no pickle). ``FrameBuffer``
+splits what a non-blocking read returned into whole messages; ``write_frame`` writes one whole.
+The rest converts the engine's values (outputs, stats, options, limits) to and from their messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from typing import TypeVar
+
+from google.protobuf.message import Message
+
+from engine.config import EngineConfig
+from engine.limits import RequestLimits
+from engine.scheduler_output import SequenceOutput
+from engine.stats import EngineStats
+from kv_transfer import KVCompat
+from kv_transfer.compat import dtype_name
+from proto import pdserve_pb2 as pb
+from proto.convert import logprobs_from_proto, logprobs_to_proto
+
+M = TypeVar("M", bound=Message)
+_LEN = struct.Struct("<I")
+PIPE_BYTES = 1 << 20  # each pipe's kernel buffer: a long prompt's add fits without waiting for a read
+
+
+def frame(msg: Message) -> bytes:
+    data = msg.SerializeToString()
+    return _LEN.pack(len(data)) + data
+
+
+def write_frame(fd: int, msg: Message) -> None:
+    """Write one whole frame to a blocking descriptor."""
+    view = memoryview(frame(msg))
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class FrameBuffer:
+    """Bytes in, whole messages of type ``kind`` out."""
+
+    def __init__(self, kind: type[M]) -> None:
+        self.kind = kind
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[M]:
+        buf = self._buf
+        buf += data
+        out, pos = [], 0
+        while len(buf) - pos >= 4:
+            (n,) = _LEN.unpack_from(buf, pos)
+            if len(buf) - pos - 4 < n:
+                break
+            msg = self.kind()
+            msg.ParseFromString(bytes(buf[pos + 4 : pos + 4 + n]))
+            out.append(msg)
+            pos += 4 + n
+        del buf[:pos]
+        return out
+
+
+def read_frame(fd: int, kind: type[M]) -> M | None:
+    """Block until one whole frame arrived on ``fd``; None at end of file."""
+    head = _read_exactly(fd, 4)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    body = _read_exactly(fd, n)
+    if body is None:
+        return None
+    msg = kind()
+    msg.ParseFromString(body)
+    return msg
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    parts, left = [], n
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+# Values ---------------------------------------------------------------------------------------
+
+
+def config_to_json(config: EngineConfig) -> str:
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    fields["dtype"] = dtype_name(config.dtype)
+    return json.dumps(fields)
+
+
+def config_from_json(text: str) -> EngineConfig:
+    return EngineConfig(**json.loads(text))
+
+
+def output_to_proto(out: SequenceOutput) -> pb.EngineOutput:
+    msg = pb.EngineOutput(
+        request_id=out.request_id,
+        sample_index=out.sample_index,
+        token_ids=out.new_token_ids,
+        finish_reason=out.finish_reason or "",
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        error=out.error or "",
+    )
+    if out.new_logprobs is not None:
+        msg.has_logprobs = True
+        msg.logprobs.extend(logprobs_to_proto(e) for e in out.new_logprobs)
+    if isinstance(out.stop_reason, str):
+        msg.stop_string = out.stop_reason
+    elif out.stop_reason is not None:
+        msg.stop_token = out.stop_reason
+    if out.seed is not None:
+        msg.seed = out.seed
+    if out.prompt_logprobs is not None:
+        msg.has_prompt_logprobs = True
+        msg.prompt_logprobs.extend(logprobs_to_proto(e) for e in out.prompt_logprobs[1:])
+    return msg
+
+
+def output_from_proto(msg: pb.EngineOutput) -> SequenceOutput:
+    stop = msg.WhichOneof("stop")
+    return SequenceOutput(
+        request_id=msg.request_id,
+        sample_index=msg.sample_index,
+        new_token_ids=list(msg.token_ids),
+        new_logprobs=[logprobs_from_proto(e) or {} for e in msg.logprobs] if msg.has_logprobs else None,
+        finish_reason=msg.finish_reason or None,
+        stop_reason=getattr(msg, stop) if stop else None,
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+        error=msg.error or None,
+        seed=msg.seed if msg.HasField("seed") else None,
+        prompt_logprobs=(
+            [None, *(logprobs_from_proto(e) or {} for e in msg.prompt_logprobs)]
+            if msg.has_prompt_logprobs
+            else None
+        ),
+    )
+
+
+def stats_from_proto(s: pb.EngineStats) -> EngineStats:
+    return EngineStats(
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        num_swapped=s.num_swapped,
+        num_blocks=s.num_blocks,
+        num_free_blocks=s.num_free_blocks,
+        kv_usage=s.kv_usage,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        num_preemptions=s.num_preemptions,
+        num_swap_outs=0,
+        prompt_tokens=s.prompt_tokens,
+        generation_tokens=s.generation_tokens,
+        num_held=s.num_held_requests,
+        num_transferring=s.num_transferring,
+        spec_num_drafts=s.spec_num_drafts,
+        spec_draft_tokens=s.spec_draft_tokens,
+        spec_accepted_tokens=s.spec_accepted_tokens,
+        spec_accepted_per_position=tuple(s.spec_accepted_per_position),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What a worker knows of an engine in another process: its limits, KV layout and prefix salt
+    (the values ``EngineCore`` offers as attributes, for the registry record and ``GetState``)."""
+
+    limits: RequestLimits
+    compat: KVCompat
+    prefix_salt: str
+    pid: int
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+
+def ready_to_proto(limits: RequestLimits, compat: KVCompat, prefix_salt: str) -> pb.EngineReady:
+    return pb.EngineReady(
+        layout=pb.KVLayoutInfo(
+            num_layers=compat.num_layers,
+            block_size=compat.block_size,
+            num_kv_heads=compat.num_kv_heads,
+            head_dim=compat.head_dim,
+            dtype=compat.dtype,
+            model=compat.model,
+        ),
+        num_blocks=limits.num_blocks,
+        max_model_len=limits.max_model_len,
+        vocab_size=limits.vocab_size,
+        max_num_seqs=limits.max_num_seqs,
+        cache_salt=prefix_salt,
+        pid=os.getpid(),
+    )
+
+
+def facts_from_proto(msg: pb.EngineReady) -> EngineFacts:
+    lay = msg.layout
+    compat = KVCompat(
+        model=lay.model,
+        dtype=lay.dtype,
+        block_size=lay.block_size,
+        num_layers=lay.num_layers,
+        num_kv_heads=lay.num_kv_heads,
+        head_dim=lay.head_dim,
+    )
+    limits = RequestLimits(
+        vocab_size=msg.vocab_size,
+        max_num_seqs=msg.max_num_seqs,
+        max_model_len=msg.max_model_len,
+        block_size=lay.block_size,
+        num_blocks=msg.num_blocks,
+    )
+    return EngineFacts(limits, compat, msg.cache_salt, msg.pid)

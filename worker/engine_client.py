@@ -1,0 +1,329 @@
+"""A worker's side of an engine in its own process: ``EngineProcess`` spawns ``worker.engine_process``
+and offers what a worker uses of an ``EngineLoop`` (streams, failure, the stall clock), with the
+engine's operations as commands over the pipe instead of closures on the engine thread.
+
+Construction spawns the process and blocks until its engine is built (the model loaded, the KV pool
+allocated: what a worker's constructor does in-process), raising the engine's own error if it cannot
+start. ``start()`` (on the worker's event loop) attaches the event pipe to that loop: every
+``EngineEvents`` message is read there, its replies settle the awaiting commands and its outputs go
+to their streams' queues. The engine process's end of file, or a ``failure`` it reports, fails the
+loop as ``EngineLoop`` fails: every open stream gets an error output at once, pending and later
+commands raise ``EngineLoopFailed``, the failure callbacks run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.engine_loop import EngineLoopFailed
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SequenceOutput
+from engine.stats import EngineStats
+from proto import pdserve_pb2 as pb
+from proto.convert import params_to_proto
+from settings import environment
+from worker.engine_channel import (
+    PIPE_BYTES,
+    EngineFacts,
+    FrameBuffer,
+    config_to_json,
+    facts_from_proto,
+    output_from_proto,
+    read_frame,
+    stats_from_proto,
+    write_frame,
+)
+from worker.engine_process import CLOCK
+
+logger = logging.getLogger(__name__)
+
+_F_SETPIPE_SZ = 1031  # Linux
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build its engine (the message is the engine's own error)."""
+
+
+class EngineProcess:
+    def __init__(self, config: EngineConfig, *, model_name: str = "", idle_tick_s: float = 0.005) -> None:
+        self._ids = itertools.count(1)
+        self._write_lock = threading.Lock()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._output_hooks: list[Callable[[SequenceOutput], None]] = []
+        self._failure_hooks: list[Callable[[EngineLoopFailed], None]] = []
+        self._events = FrameBuffer(pb.EngineEvents)
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.failure: EngineLoopFailed | None = None
+        self.step_started = time.monotonic()
+        commands_r, self._commands_w = os.pipe()
+        self._events_r, events_w = os.pipe()
+        for fd in (commands_r, events_w):
+            try:
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+            except OSError:  # over the system's limit: the default buffer only means more waiting
+                pass
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.NamedTemporaryFile(prefix="pdserve-engine-clock-", dir=shm, delete=False) as f:
+            f.write(b"\0" * CLOCK.size)
+            self._clock_path = f.name
+        with open(self._clock_path, "r+b") as f:
+            self._clock = mmap.mmap(f.fileno(), CLOCK.size)
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-m", "worker.engine_process",
+                "--commands", str(commands_r), "--events", str(events_w), "--clock", self._clock_path,
+                "--model-name", model_name, "--idle-tick", str(idle_tick_s), "--log-level", str(level),
+            ],
+            pass_fds=(commands_r, events_w),
+            stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else subprocess.DEVNULL,
+            env=environment.python_path_env(str(_ROOT)),
+        )  # fmt: skip
+        os.close(commands_r)
+        os.close(events_w)
+        try:
+            self.facts = self._handshake(config)
+        except BaseException:
+            self._kill()
+            raise
+        finally:
+            os.unlink(self._clock_path)
+
+    def _handshake(self, config: EngineConfig) -> EngineFacts:
+        write_frame(self._commands_w, pb.EngineCommands(commands=[pb.EngineCommand(start=config_to_json(config))]))
+        events = read_frame(self._events_r, pb.EngineEvents)
+        if events is None or not events.replies:
+            code = self.process.wait()
+            raise EngineStartError(f"the engine process exited with status {code} before its engine was built")
+        reply = events.replies[0]
+        if reply.error:
+            self.process.wait()
+            raise EngineStartError(f"{reply.error_type}: {reply.error}")
+        return facts_from_proto(reply.ready)
+
+    # What a worker uses of an EngineLoop --------------------------------------------------------
+
+    def start(self) -> None:
+        """Read the engine's events on the running event loop (the one every caller uses)."""
+        self._aloop = asyncio.get_running_loop()
+        os.set_blocking(self._events_r, False)
+        self._aloop.add_reader(self._events_r, self._on_readable)
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and self._aloop is not None and self.process.poll() is None
+
+    def add_output_hook(self, fn: Callable[[SequenceOutput], None]) -> None:
+        """Run ``fn`` for every output, before it is delivered (on the event loop)."""
+        self._output_hooks.append(fn)
+
+    def on_failure(self, fn: Callable[[EngineLoopFailed], None]) -> None:
+        self._failure_hooks.append(fn)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def stream_ids(self) -> list[str]:
+        return list(self._streams)
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def publish(self, outputs: list[SequenceOutput]) -> None:
+        for out in outputs:
+            for hook in self._output_hooks:
+                hook(out)
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _clock_values(self) -> tuple[float, float, float]:
+        return CLOCK.unpack_from(self._clock, 0)
+
+    def blocked_for(self) -> float:
+        """Seconds since the engine process last finished an iteration or a step."""
+        return time.monotonic() - self._clock_values()[0]
+
+    @property
+    def recent_step_s(self) -> float:
+        return self._clock_values()[2]
+
+    def stuck_for(self) -> float:
+        """Seconds the current step has run while the engine has not beaten since (0 when it has)."""
+        beat, step_started, _ = self._clock_values()
+        return 0.0 if beat > step_started else time.monotonic() - step_started
+
+    # Commands ---------------------------------------------------------------------------------
+
+    def send(self, cmd: pb.EngineCommand) -> asyncio.Future:
+        """Send one command; the future settles with its reply (``ValueError`` for a refused request,
+        ``EngineLoopFailed`` once the engine failed). Event loop only."""
+        fut = self._aloop.create_future()
+        if self.failure is not None:
+            fut.set_exception(self.failure)
+            return fut
+        cmd.command_id = next(self._ids)
+        self._pending[cmd.command_id] = fut
+        try:
+            with self._write_lock:
+                if self._commands_w < 0:
+                    raise OSError("stopped")
+                write_frame(self._commands_w, pb.EngineCommands(commands=[cmd]))
+        except OSError as exc:
+            self._die(f"the engine process is gone ({exc})")
+        return fut
+
+    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> None:
+        add = pb.EngineAdd(request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), priority=priority)
+        await self.send(pb.EngineCommand(add=add))
+
+    async def abort(self, request_id: str) -> bool:
+        """The request's stream (if still open) ends with finish reason ``abort``."""
+        return (await self.send(pb.EngineCommand(abort=request_id))).aborted
+
+    def abort_soon(self, request_id: str) -> None:
+        """``abort`` without waiting for the answer (a stream's clean-up)."""
+        if self.failure is None:
+            self.send(pb.EngineCommand(abort=request_id)).add_done_callback(_quiet)
+
+    async def stats(self) -> EngineStats:
+        return stats_from_proto((await self.send(pb.EngineCommand(stats=True))).stats)
+
+    async def join_registry(self, redis_url: str, record_json: str) -> None:
+        await self.send(pb.EngineCommand(registry=pb.EngineRegistry(redis_url=redis_url, record_json=record_json)))
+
+    async def leave_registry(self) -> None:
+        await self.send(pb.EngineCommand(leave_registry=True))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the engine process to exit (any thread), and wait; kill it if it does not. Its end of
+        file then ends the event reader quietly."""
+        self._stopping = True
+        with self._write_lock:
+            if self._commands_w >= 0 and self.process.poll() is None:
+                try:
+                    write_frame(self._commands_w, pb.EngineCommands(commands=[pb.EngineCommand(stop=True)]))
+                except OSError:
+                    pass
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine process %d did not stop in %.0fs; killing it", self.process.pid, timeout)
+        self._kill()
+
+    def _kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        with self._write_lock:
+            if self._commands_w >= 0:
+                os.close(self._commands_w)
+                self._commands_w = -1
+        if self._aloop is None and self._events_r >= 0:  # no reader attached: nobody else closes it
+            os.close(self._events_r)
+            self._events_r = -1
+
+    # Events -----------------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        messages: list[pb.EngineEvents] = []
+        while True:
+            try:
+                data = os.read(self._events_r, 1 << 20)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                for events in messages:
+                    self._handle(events)
+                code = self.process.wait()
+                self._die(f"the engine process exited (status {code}{_signal_name(code)})")
+                return
+            messages.extend(self._events.feed(data))
+        for events in messages:
+            self._handle(events)
+
+    def _handle(self, events: pb.EngineEvents) -> None:
+        for reply in events.replies:
+            fut = self._pending.pop(reply.command_id, None)
+            if fut is None or fut.done():
+                continue
+            if not reply.error:
+                fut.set_result(reply)
+            elif reply.error_type == "ValueError":
+                fut.set_exception(ValueError(reply.error))
+            else:
+                fut.set_exception(RuntimeError(f"{reply.error_type}: {reply.error}"))
+        if events.outputs:
+            self.step_started = events.step_started
+            self.publish([output_from_proto(o) for o in events.outputs])
+        if events.failure:
+            self._die(events.failure)
+
+    def _die(self, reason: str) -> None:
+        if self._aloop is not None and self._events_r >= 0:
+            self._aloop.remove_reader(self._events_r)
+            os.close(self._events_r)
+            self._events_r = -1
+        if self.failure is not None:
+            return
+        if self._stopping and not self._streams:
+            self.failure = EngineLoopFailed("the engine process was stopped")
+            return
+        failure = self.failure = EngineLoopFailed(reason)
+        logger.error("engine process failed: %s; failing its %d open streams", reason, len(self._streams))
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(failure)
+        self._pending.clear()
+        self.publish([SequenceOutput(rid, 0, [], finish_reason="error", error=str(failure)) for rid in self._streams])
+        for hook in self._failure_hooks:
+            try:
+                hook(failure)
+            except Exception:
+                logger.exception("engine failure hook failed")
+
+
+def _quiet(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: a clean-up abort that failed with its engine says nothing
+
+
+def _signal_name(code: int) -> str:
+    if code >= 0:
+        return ""
+    try:
+        return f", {signal.Signals(-code).name}"
+    except ValueError:
+        return ""
+
+
+def _has_fileno(stream) -> bool:
+    try:
+        stream.fileno()
+        return True
+    except (AttributeError, OSError, ValueError):
+        return False

@@ -1,0 +1,237 @@
+"""``python -m worker.engine_process``: an engine core in a process of its own, driven over two pipes.
+
+A worker started with ``engine_process`` runs this (``worker.engine_client`` spawns it): the
+process's one busy thread runs ``EngineCore.step()`` with nothing else on its GIL (no gRPC, no
+asyncio, no stream bookkeeping), the way vLLM's EngineCore process and SGLang's scheduler process
+do. Each iteration it reads whatever commands arrived (``EngineCommands``: add, abort, stats,
+registry), runs them, runs one step if anything is unfinished, and writes one ``EngineEvents``
+message with the commands' replies and the step's outputs for all its sequences. When there is
+nothing to do it waits on the command pipe for up to ``idle_tick_s`` (the registry's tick still runs).
+
+A grammar compiles on a helper thread (as the in-process loop's callers do), so a request with a
+new grammar never stalls the running batch; its add lands when the grammar is ready.
+
+A shared clock file (four float64s, written every iteration: the thread's last beat, the current
+step's start, the longest recent step) lets the worker tell a stalled engine from a busy one without
+a message. If a step raises, the process says so (``failure``), leaves the registry and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import mmap
+import os
+import select
+import signal
+import struct
+import sys
+import time
+
+from engine.engine_core import EngineCore
+from engine.scheduler_output import SequenceOutput
+from kv_transfer import KVCompat
+from proto import pdserve_pb2 as pb
+from proto.convert import params_from_proto
+from registry.publisher import RegistryPublisher
+from registry.schema import WorkerRecord
+from worker.engine_channel import (
+    FrameBuffer,
+    config_from_json,
+    output_to_proto,
+    read_frame,
+    ready_to_proto,
+    write_frame,
+)
+from worker.registry_link import RegistryLink
+from worker.state import stats_to_proto
+
+logger = logging.getLogger(__name__)
+
+CLOCK = struct.Struct("<3d")  # beat, step_started, recent_step_s (time.monotonic(), system-wide)
+_STEP_DECAY = 0.99  # as engine.engine_loop: a long step is remembered for a few hundred short ones
+
+
+class EngineHost:
+    def __init__(self, core: EngineCore, commands_fd: int, events_fd: int, clock: mmap.mmap, idle_tick_s: float):
+        self.core = core
+        self.commands_fd = commands_fd
+        self.events_fd = events_fd
+        self.clock = clock
+        self.idle_tick_s = idle_tick_s
+        self.frames = FrameBuffer(pb.EngineCommands)
+        self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.compiling: list[tuple[concurrent.futures.Future, pb.EngineCommand]] = []
+        self.registry: RegistryLink | None = None
+        self.beat = self.step_started = time.monotonic()
+        self.recent_step_s = 0.0
+        self.stopping = False
+        os.set_blocking(commands_fd, False)
+
+    def serve(self) -> bool:
+        """Run until told to stop (True) or a step fails (False)."""
+        core = self.core
+        while not self.stopping:
+            self.beat = time.monotonic()
+            self._tick_clock()
+            busy = core.has_work() or bool(self.compiling)
+            if not busy:
+                select.select([self.commands_fd], [], [], self.idle_tick_s)
+            replies: list[pb.EngineReply] = []
+            outputs: list[SequenceOutput] = []
+            for cmd in self._read_commands():
+                replies.append(self._run(cmd, outputs))
+            self._land_compiled(replies)
+            step_started = time.monotonic()
+            if core.has_work():
+                self.step_started = self.beat = step_started
+                self._tick_clock()
+                try:
+                    outputs.extend(core.step())
+                except Exception as exc:
+                    logger.exception("engine step failed")
+                    self._fail(f"engine step failed: {type(exc).__name__}: {exc}")
+                    return False
+                self.beat = time.monotonic()
+                self.recent_step_s = max(self.beat - step_started, self.recent_step_s * _STEP_DECAY)
+            if self.registry is not None:
+                try:
+                    self.registry.tick()
+                except Exception:
+                    logger.exception("registry tick failed")
+            if replies or outputs:
+                events = pb.EngineEvents(replies=replies, step_started=self.step_started)
+                events.outputs.extend(output_to_proto(o) for o in outputs)
+                write_frame(self.events_fd, events)
+        self._leave_registry()
+        return True
+
+    def _tick_clock(self) -> None:
+        CLOCK.pack_into(self.clock, 0, self.beat, self.step_started, self.recent_step_s)
+
+    def _read_commands(self) -> list[pb.EngineCommand]:
+        commands: list[pb.EngineCommand] = []
+        while True:
+            try:
+                data = os.read(self.commands_fd, 1 << 20)
+            except BlockingIOError:
+                return commands
+            if not data:  # the worker is gone: nothing will read our outputs
+                self.stopping = True
+                return commands
+            for batch in self.frames.feed(data):
+                commands.extend(batch.commands)
+
+    def _run(self, cmd: pb.EngineCommand, outputs: list[SequenceOutput]) -> pb.EngineReply | None:
+        reply = pb.EngineReply(command_id=cmd.command_id)
+        kind = cmd.WhichOneof("kind")
+        try:
+            if kind == "add":
+                params = params_from_proto(cmd.add.params)
+                if params.structured is not None:
+                    fut = self.compiler.submit(self.core.structured.compile, params.structured)
+                    self.compiling.append((fut, cmd))
+                    return None
+                self._add(cmd.add, params)
+            elif kind == "abort":
+                outs = self._abort(cmd.abort)
+                outputs.extend(outs)
+                reply.aborted = bool(outs)
+            elif kind == "stats":
+                reply.stats.CopyFrom(stats_to_proto(self.core.stats()))
+            elif kind == "registry":
+                self._join_registry(cmd.registry)
+            elif kind == "leave_registry":
+                self._leave_registry()
+            elif kind == "stop":
+                self.stopping = True
+            else:
+                raise ValueError(f"unknown engine command {kind!r}")
+        except Exception as exc:  # the caller gets it; the engine goes on
+            reply.error, reply.error_type = str(exc), type(exc).__name__
+        return reply
+
+    def _add(self, add: pb.EngineAdd, params) -> None:
+        self.core.add_request(add.request_id, list(add.prompt_token_ids), params, priority=add.priority)
+
+    def _abort(self, request_id: str) -> list[SequenceOutput]:
+        for i, (fut, cmd) in enumerate(self.compiling):
+            if cmd.add.request_id == request_id:  # not added yet: it never will be
+                fut.cancel()
+                del self.compiling[i]
+                return [SequenceOutput(request_id, 0, [], finish_reason="abort")]
+        return self.core.abort_request(request_id)
+
+    def _land_compiled(self, replies: list[pb.EngineReply | None]) -> None:
+        """Adds whose grammar compiled meanwhile join now, in arrival order."""
+        replies[:] = [r for r in replies if r is not None]
+        while self.compiling and self.compiling[0][0].done():
+            fut, cmd = self.compiling.pop(0)
+            reply = pb.EngineReply(command_id=cmd.command_id)
+            try:
+                fut.result()
+                self._add(cmd.add, params_from_proto(cmd.add.params))
+            except Exception as exc:
+                reply.error, reply.error_type = str(exc), type(exc).__name__
+            replies.append(reply)
+
+    def _join_registry(self, msg: pb.EngineRegistry) -> None:
+        record = WorkerRecord(**json.loads(msg.record_json))
+        publisher = RegistryPublisher(msg.redis_url, record)
+        publisher.start()
+        self.registry = RegistryLink(self.core, publisher, lambda: self.recent_step_s)
+
+    def _leave_registry(self) -> None:
+        registry, self.registry = self.registry, None
+        if registry is not None:
+            registry.stop()
+
+    def _fail(self, reason: str) -> None:
+        try:
+            write_frame(self.events_fd, pb.EngineEvents(failure=reason))
+        finally:
+            self._leave_registry()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m worker.engine_process", description=__doc__)
+    p.add_argument("--commands", type=int, required=True, help="descriptor to read EngineCommands from")
+    p.add_argument("--events", type=int, required=True, help="descriptor to write EngineEvents to")
+    p.add_argument("--clock", required=True, help="the shared clock file (CLOCK.size bytes)")
+    p.add_argument("--model-name", default="", help="the name peers check KV compatibility against")
+    p.add_argument("--idle-tick", type=float, default=0.005)
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start = read_frame(args.commands, pb.EngineCommands)
+    if start is None or not start.commands or start.commands[0].WhichOneof("kind") != "start":
+        sys.exit("engine process: the first command must be start")
+    cmd = start.commands[0]
+    with open(args.clock, "r+b") as f:
+        clock = mmap.mmap(f.fileno(), CLOCK.size)
+    try:
+        config = config_from_json(cmd.start)
+        core = EngineCore(config)
+    except Exception as exc:  # the worker raises it (a bad option, a model that does not load)
+        reply = pb.EngineReply(command_id=cmd.command_id, error=str(exc), error_type=type(exc).__name__)
+        write_frame(args.events, pb.EngineEvents(replies=[reply]))
+        sys.exit(1)
+    compat = KVCompat.from_layout(args.model_name or str(config.model), core.layout)
+    ready = ready_to_proto(core.limits, compat, core.prefix_salt)
+    write_frame(args.events, pb.EngineEvents(replies=[pb.EngineReply(command_id=cmd.command_id, ready=ready)]))
+    host = EngineHost(core, args.commands, args.events, clock, args.idle_tick)
+    try:
+        ok = host.serve()
+    except BrokenPipeError:  # the worker went away mid-write
+        ok = True
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    # A signal to the worker's process group (Ctrl-C, a supervisor's SIGTERM) is the worker's to
+    # handle: it drains, then stops this process; if it dies instead, the command pipe's end says so.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    main()
