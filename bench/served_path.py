@@ -7,6 +7,8 @@ ignored, greedy), after a few warm-up requests that are not counted:
     minimal  ``bench.minimal_server`` in a child process: the thinnest HTTP front a Python stack can be
     stack    ``python -m decode_worker --kv-transfer inprocess``, ``python -m router`` and
              ``python -m ingress --mode aggregated``, each its own process
+    split    the same with ``--engine-process``: the decode worker's engine in a process of its own
+             (column "core"), nothing else on its GIL
     disagg   ``python -m prefill_worker`` + ``python -m decode_worker`` (NIXL), router, ingress
              ``--mode disaggregated`` (default on for CPU; ``--no-disagg`` leaves it out)
 Standalone processes only (no Ray), all bound to 127.0.0.1, so it runs on a bare GPU host too;
@@ -40,7 +42,16 @@ import transformers
 
 from bench.serving_comparisons import engine_closed_loop
 from bench.serving_harness import bench_args
-from bench.standalone_stack import HOST, Processes, check_blocks, free_blocks, free_port, redis, wait_http
+from bench.standalone_stack import (
+    HOST,
+    Processes,
+    check_blocks,
+    child_pids,
+    free_blocks,
+    free_port,
+    redis,
+    wait_http,
+)
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.model_names import ZERO_COST, builtin_model_dir
@@ -51,8 +62,10 @@ from loadgen.workloads import random_workload
 
 RESULTS = Path(__file__).parent / "results"
 # The report's columns, in this order; the load generator (this process) is shown apart.
-PROCESSES = ("engine", "minimal_server", "prefill_worker", "decode_worker", "router", "ingress", "redis")
-SHORT = {"minimal_server": "minimal", "prefill_worker": "prefill", "decode_worker": "decode"}
+PROCESSES = (
+    "engine", "minimal_server", "prefill_worker", "decode_worker", "engine_process", "router", "ingress", "redis"
+)  # fmt: skip
+SHORT = {"minimal_server": "minimal", "prefill_worker": "prefill", "decode_worker": "decode", "engine_process": "core"}
 LOADGEN = "load_generator"
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 TTFT_TOKENS = 4  # output tokens of the concurrency-1 TTFT requests
@@ -176,7 +189,9 @@ def minimal_layout(a: argparse.Namespace, model: str, vocab: int) -> dict:
         return {w.name: measure(base, name, w, a, vocab, procs.pids()) for w in a.workloads}
 
 
-def stack_layout(a: argparse.Namespace, model: str, vocab: int, disaggregated: bool) -> dict:
+def stack_layout(
+    a: argparse.Namespace, model: str, vocab: int, disaggregated: bool, engine_process: bool = False
+) -> dict:
     engine = ["--model", model, "--device", a.device, "--dtype", a.dtype, "--num-blocks", str(a.num_blocks)]
     engine += ["--cpu-threads", str(a.cpu_threads)]
     with redis(a.redis_server, a.start_timeout) as (url, redis_pid), Processes(a.start_timeout) as procs:
@@ -185,7 +200,7 @@ def stack_layout(a: argparse.Namespace, model: str, vocab: int, disaggregated: b
             workers["prefill_worker"] = procs.serve("prefill_worker", *engine, "--redis-url", url)
         transfer = "nixl" if disaggregated else "inprocess"
         flags = [*engine, "--redis-url", url, "--kv-transfer", transfer]
-        workers["decode_worker"] = procs.serve("decode_worker", *flags)
+        workers["decode_worker"] = procs.serve("decode_worker", *flags, *(["--engine-process"] * engine_process))
         router = procs.serve("router", "--redis-url", url)
         mode = "disaggregated" if disaggregated else "aggregated"
         flags = ["--router", router, "--model", model, "--mode", mode, "--port", "0"]
@@ -193,6 +208,8 @@ def stack_layout(a: argparse.Namespace, model: str, vocab: int, disaggregated: b
         before = {name: free_blocks(addr, name) for name, addr in workers.items()}
         served = wait_http(base, procs)
         pids = procs.pids() | ({"redis": redis_pid} if redis_pid else {})
+        if engine_process:
+            (pids["engine_process"],) = child_pids(pids["decode_worker"])
         out = {}
         for w in a.workloads:
             out[w.name] = measure(base, served, w, a, vocab, pids)
@@ -204,6 +221,7 @@ LAYOUTS: dict[str, Callable[[argparse.Namespace, str, int], dict]] = {
     "engine": engine_layout,
     "minimal": minimal_layout,
     "stack": functools.partial(stack_layout, disaggregated=False),
+    "split": functools.partial(stack_layout, disaggregated=False, engine_process=True),
     "disagg": functools.partial(stack_layout, disaggregated=True),
 }
 
@@ -256,6 +274,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="warm-up requests per workload, not counted (8)")
     p.add_argument("--ttft-requests", type=int, help="requests one at a time for TTFT c=1 (16; 0: none)")
     p.add_argument("--disagg", action=argparse.BooleanOptionalAction, help="disagg too (default: on CPU)")
+    p.add_argument(
+        "--layouts", default=None, help=f"comma-separated, of {', '.join(LAYOUTS)} (default: all; disagg per --disagg)"
+    )
     p.add_argument("--redis-server", default=None, help="a redis-server binary (default: embedded Redis)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a process may take to serve")
     p.add_argument("--quick", action="store_true", help="a smoke run: 24 requests, 8 in flight, 16/16")
@@ -267,6 +288,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.ttft_requests = a.ttft_requests if a.ttft_requests is not None else (4 if a.quick else 16)
     a.warmup = a.warmup if a.warmup is not None else (4 if a.quick else 8)
     a.disagg = a.device == "cpu" if a.disagg is None else a.disagg
+    a.layouts = a.layouts.split(",") if a.layouts else [n for n in LAYOUTS if n != "disagg" or a.disagg]
+    unknown = set(a.layouts) - set(LAYOUTS)
+    if unknown:
+        p.error(f"unknown layouts {sorted(unknown)}; choose from {', '.join(LAYOUTS)}")
     a.output = a.output or str(RESULTS / f"served_path_{'cpu' if a.device == 'cpu' else 'gpu'}.json")
     for flag in ("num_requests", "concurrency", "num_blocks", "cpu_threads"):
         if getattr(a, flag) < 1:
@@ -281,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = transformers.AutoConfig.from_pretrained(builtin_model_dir(model) or model).vocab_size
     by_layout = {}
     for name, layout in LAYOUTS.items():
-        if name != "disagg" or a.disagg:
+        if name in a.layouts:
             print(f"\n[{time.perf_counter() - t0:.0f}s] {name} ...", flush=True)
             by_layout[name] = layout(a, model, vocab)
     result = {

@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
@@ -35,6 +36,14 @@ def free_port() -> int:
 def accepts(port: int) -> bool:
     with socket.create_connection((HOST, port), timeout=1):
         return True
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (``/proc/<pid>/task/*/children``): a worker's engine process."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
 
 
 def http(url: str, body: dict | None = None) -> bytes:

@@ -602,24 +602,24 @@ class HopSummary(_message.Message):
     def __init__(self, hop: _Optional[str] = ..., count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ...) -> None: ...
 
 class EngineCommand(_message.Message):
-    __slots__ = ("command_id", "start", "add", "abort", "stats", "registry", "leave_registry", "stop")
+    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
-    REGISTRY_FIELD_NUMBER: _ClassVar[int]
-    LEAVE_REGISTRY_FIELD_NUMBER: _ClassVar[int]
+    WATCH_KV_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     start: str
     add: EngineAdd
     abort: str
     stats: bool
-    registry: EngineRegistry
-    leave_registry: bool
+    watch_kv: bool
+    snapshot: bool
     stop: bool
-    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., registry: _Optional[_Union[EngineRegistry, _Mapping]] = ..., leave_registry: _Optional[bool] = ..., stop: _Optional[bool] = ...) -> None: ...
+    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ...) -> None: ...
 
 class EngineCommands(_message.Message):
     __slots__ = ("commands",)
@@ -639,13 +639,25 @@ class EngineAdd(_message.Message):
     priority: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
-class EngineRegistry(_message.Message):
-    __slots__ = ("redis_url", "record_json")
-    REDIS_URL_FIELD_NUMBER: _ClassVar[int]
-    RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
-    redis_url: str
-    record_json: str
-    def __init__(self, redis_url: _Optional[str] = ..., record_json: _Optional[str] = ...) -> None: ...
+class KVEventBatch(_message.Message):
+    __slots__ = ("kind", "hashes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, kind: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "queued_prompt_tokens")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    queued_prompt_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineReady(_message.Message):
     __slots__ = ("layout", "num_blocks", "max_model_len", "vocab_size", "max_num_seqs", "cache_salt", "pid")
@@ -666,20 +678,22 @@ class EngineReady(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class EngineReply(_message.Message):
-    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready")
+    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    CACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     error: str
     error_type: str
     stats: EngineStats
     aborted: bool
     ready: EngineReady
-    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ...) -> None: ...
+    cached_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "has_logprobs", "finish_reason", "stop_string", "stop_token", "num_prompt_tokens", "num_cached_tokens", "error", "seed", "prompt_logprobs", "has_prompt_logprobs")
@@ -714,13 +728,17 @@ class EngineOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_logprobs: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., seed: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class EngineEvents(_message.Message):
-    __slots__ = ("replies", "outputs", "step_started", "failure")
+    __slots__ = ("replies", "outputs", "step_started", "failure", "kv_events", "load")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     STEP_STARTED_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[EngineReply]
     outputs: _containers.RepeatedCompositeFieldContainer[EngineOutput]
     step_started: float
     failure: str
-    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ...) -> None: ...
+    kv_events: _containers.RepeatedCompositeFieldContainer[KVEventBatch]
+    load: EngineLoad
+    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...

@@ -103,6 +103,7 @@ class WorkerRecord:
     beat: int = 0  # heartbeats so far: a reader sees the worker alive while it rises
     load_age_ms: int = 0  # how old the engine's last load report was at the heartbeat (a hung engine)
     step_ms: int = 0  # the engine's longest recent step (a stall deadline scales with it)
+    kv_handoff: int = 1  # 0: a decode worker that takes no KV hand-offs (it computes its prompts itself)
 
     def to_fields(self) -> dict[str, str | int]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -121,6 +122,7 @@ class WorkerRecord:
             "beat",
             "load_age_ms",
             "step_ms",
+            "kv_handoff",
         )
         return cls(**{k: (int(v) if k in ints else v) for k, v in d.items() if k in cls.__slots__})
 

@@ -137,7 +137,10 @@ class Router(DecodeRelay):
         inp = RoutingInput(
             iter(hashes), len(prompt), ref.block_size, prefills, decodes, self.inflight, self.routed.holders()
         )
-        return self.policy.choose(inp, self.view.index), hashes
+        route = self.policy.choose(inp, self.view.index)
+        if route.prefill is not None and not route.decode.kv_handoff:  # it computes its prompts itself
+            route = Route(None, route.decode, route.predicted_hit_tokens)
+        return route, hashes
 
     def decode_candidates(self, lost: frozenset[str] | set[str] = frozenset()) -> list[WorkerRecord]:
         """Live decode workers not lost by the request, suspects left out while others remain."""

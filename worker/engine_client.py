@@ -64,6 +64,8 @@ class EngineProcess:
         self._ids = itertools.count(1)
         self._write_lock = threading.Lock()
         self._pending: dict[int, asyncio.Future] = {}
+        self._on_reply: dict[int, Callable[[pb.EngineReply], None]] = {}
+        self._kv_hooks: list[Callable[[pb.EngineEvents], None]] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._output_hooks: list[Callable[[SequenceOutput], None]] = []
         self._failure_hooks: list[Callable[[EngineLoopFailed], None]] = []
@@ -177,15 +179,20 @@ class EngineProcess:
 
     # Commands ---------------------------------------------------------------------------------
 
-    def send(self, cmd: pb.EngineCommand) -> asyncio.Future:
+    def send(
+        self, cmd: pb.EngineCommand, on_reply: Callable[[pb.EngineReply], None] | None = None
+    ) -> asyncio.Future:
         """Send one command; the future settles with its reply (``ValueError`` for a refused request,
-        ``EngineLoopFailed`` once the engine failed). Event loop only."""
+        ``EngineLoopFailed`` once the engine failed). ``on_reply`` runs with the reply as it is read,
+        before anything later in its message. Event loop only."""
         fut = self._aloop.create_future()
         if self.failure is not None:
             fut.set_exception(self.failure)
             return fut
         cmd.command_id = next(self._ids)
         self._pending[cmd.command_id] = fut
+        if on_reply is not None:
+            self._on_reply[cmd.command_id] = on_reply
         try:
             with self._write_lock:
                 if self._commands_w < 0:
@@ -211,11 +218,17 @@ class EngineProcess:
     async def stats(self) -> EngineStats:
         return stats_from_proto((await self.send(pb.EngineCommand(stats=True))).stats)
 
-    async def join_registry(self, redis_url: str, record_json: str) -> None:
-        await self.send(pb.EngineCommand(registry=pb.EngineRegistry(redis_url=redis_url, record_json=record_json)))
+    def watch_kv(self, hook: Callable[[pb.EngineEvents], None]) -> None:
+        """From now on the engine sends its prefix cache's events and its load; ``hook`` gets every
+        message that carries them (after its replies and outputs)."""
+        self._kv_hooks.append(hook)
+        self.send(pb.EngineCommand(watch_kv=True)).add_done_callback(_quiet)
 
-    async def leave_registry(self) -> None:
-        await self.send(pb.EngineCommand(leave_registry=True))
+    def snapshot(self, on_reply: Callable[[list[bytes]], None]) -> None:
+        """Every cached block's hash, given to ``on_reply`` as the reply is read (events read after it
+        are newer than the snapshot; those before it are in it)."""
+        done = self.send(pb.EngineCommand(snapshot=True), lambda r: on_reply(list(r.cached_hashes)))
+        done.add_done_callback(_quiet)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the engine process to exit (any thread), and wait; kill it if it does not. Its end of
@@ -268,6 +281,9 @@ class EngineProcess:
 
     def _handle(self, events: pb.EngineEvents) -> None:
         for reply in events.replies:
+            hook = self._on_reply.pop(reply.command_id, None)
+            if hook is not None and not reply.error:
+                hook(reply)
             fut = self._pending.pop(reply.command_id, None)
             if fut is None or fut.done():
                 continue
@@ -280,6 +296,9 @@ class EngineProcess:
         if events.outputs:
             self.step_started = events.step_started
             self.publish([output_from_proto(o) for o in events.outputs])
+        if events.kv_events or events.HasField("load"):
+            for kv_hook in self._kv_hooks:
+                kv_hook(events)
         if events.failure:
             self._die(events.failure)
 
@@ -299,6 +318,7 @@ class EngineProcess:
             if not fut.done():
                 fut.set_exception(failure)
         self._pending.clear()
+        self._on_reply.clear()
         self.publish([SequenceOutput(rid, 0, [], finish_reason="error", error=str(failure)) for rid in self._streams])
         for hook in self._failure_hooks:
             try:

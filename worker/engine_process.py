@@ -4,23 +4,26 @@ A worker started with ``engine_process`` runs this (``worker.engine_client`` spa
 process's one busy thread runs ``EngineCore.step()`` with nothing else on its GIL (no gRPC, no
 asyncio, no stream bookkeeping), the way vLLM's EngineCore process and SGLang's scheduler process
 do. Each iteration it reads whatever commands arrived (``EngineCommands``: add, abort, stats,
-registry), runs them, runs one step if anything is unfinished, and writes one ``EngineEvents``
+snapshot), runs them, runs one step if anything is unfinished, and writes one ``EngineEvents``
 message with the commands' replies and the step's outputs for all its sequences. When there is
-nothing to do it waits on the command pipe for up to ``idle_tick_s`` (the registry's tick still runs).
+nothing to do it waits on the command pipe for up to ``idle_tick_s``.
+
+Once watched (``watch_kv``), each message also carries the prefix cache's block events and, every
+``LOAD_INTERVAL_S``, the engine's load: the worker publishes them to the registry (its publisher's
+Redis work stays off this process's GIL). ``snapshot`` answers with every cached block's hash.
 
 A grammar compiles on a helper thread (as the in-process loop's callers do), so a request with a
 new grammar never stalls the running batch; its add lands when the grammar is ready.
 
-A shared clock file (four float64s, written every iteration: the thread's last beat, the current
+A shared clock file (three float64s, written every iteration: the thread's last beat, the current
 step's start, the longest recent step) lets the worker tell a stalled engine from a busy one without
-a message. If a step raises, the process says so (``failure``), leaves the registry and exits 1.
+a message. If a step raises, the process says so (``failure``) and exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import logging
 import mmap
 import os
@@ -35,8 +38,6 @@ from engine.scheduler_output import SequenceOutput
 from kv_transfer import KVCompat
 from proto import pdserve_pb2 as pb
 from proto.convert import params_from_proto
-from registry.publisher import RegistryPublisher
-from registry.schema import WorkerRecord
 from worker.engine_channel import (
     FrameBuffer,
     config_from_json,
@@ -45,13 +46,14 @@ from worker.engine_channel import (
     ready_to_proto,
     write_frame,
 )
-from worker.registry_link import RegistryLink
+from worker.registry_link import event_batches
 from worker.state import stats_to_proto
 
 logger = logging.getLogger(__name__)
 
 CLOCK = struct.Struct("<3d")  # beat, step_started, recent_step_s (time.monotonic(), system-wide)
 _STEP_DECAY = 0.99  # as engine.engine_loop: a long step is remembered for a few hundred short ones
+LOAD_INTERVAL_S = 0.25  # the registry's heartbeat (1 s) takes the latest load
 
 
 class EngineHost:
@@ -64,7 +66,8 @@ class EngineHost:
         self.frames = FrameBuffer(pb.EngineCommands)
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compiling: list[tuple[concurrent.futures.Future, pb.EngineCommand]] = []
-        self.registry: RegistryLink | None = None
+        self.watching = False  # send the cache's events and the load (the worker publishes them)
+        self.next_load = 0.0
         self.beat = self.step_started = time.monotonic()
         self.recent_step_s = 0.0
         self.stopping = False
@@ -96,17 +99,25 @@ class EngineHost:
                     return False
                 self.beat = time.monotonic()
                 self.recent_step_s = max(self.beat - step_started, self.recent_step_s * _STEP_DECAY)
-            if self.registry is not None:
-                try:
-                    self.registry.tick()
-                except Exception:
-                    logger.exception("registry tick failed")
-            if replies or outputs:
-                events = pb.EngineEvents(replies=replies, step_started=self.step_started)
-                events.outputs.extend(output_to_proto(o) for o in outputs)
+            events = pb.EngineEvents(replies=replies, step_started=self.step_started)
+            events.outputs.extend(output_to_proto(o) for o in outputs)
+            if self.watching:
+                self._add_kv_state(events)
+            if replies or outputs or events.kv_events or events.HasField("load"):
                 write_frame(self.events_fd, events)
-        self._leave_registry()
         return True
+
+    def _add_kv_state(self, events: pb.EngineEvents) -> None:
+        for kind, hashes in event_batches(self.core.drain_kv_events()):
+            events.kv_events.add(kind=kind, hashes=hashes)
+        now = time.monotonic()
+        if now >= self.next_load:
+            self.next_load = now + LOAD_INTERVAL_S
+            s = self.core.stats()
+            events.load.num_running = s.num_running
+            events.load.num_waiting = s.num_waiting
+            events.load.num_free_blocks = s.num_free_blocks
+            events.load.queued_prompt_tokens = self.core.pending_prompt_tokens()
 
     def _tick_clock(self) -> None:
         CLOCK.pack_into(self.clock, 0, self.beat, self.step_started, self.recent_step_s)
@@ -141,10 +152,11 @@ class EngineHost:
                 reply.aborted = bool(outs)
             elif kind == "stats":
                 reply.stats.CopyFrom(stats_to_proto(self.core.stats()))
-            elif kind == "registry":
-                self._join_registry(cmd.registry)
-            elif kind == "leave_registry":
-                self._leave_registry()
+            elif kind == "watch_kv":
+                self.watching, self.next_load = True, 0.0
+            elif kind == "snapshot":
+                self.core.drain_kv_events()  # the snapshot holds what they say
+                reply.cached_hashes.extend(self.core.kv.pool.cached_hashes())
             elif kind == "stop":
                 self.stopping = True
             else:
@@ -177,22 +189,8 @@ class EngineHost:
                 reply.error, reply.error_type = str(exc), type(exc).__name__
             replies.append(reply)
 
-    def _join_registry(self, msg: pb.EngineRegistry) -> None:
-        record = WorkerRecord(**json.loads(msg.record_json))
-        publisher = RegistryPublisher(msg.redis_url, record)
-        publisher.start()
-        self.registry = RegistryLink(self.core, publisher, lambda: self.recent_step_s)
-
-    def _leave_registry(self) -> None:
-        registry, self.registry = self.registry, None
-        if registry is not None:
-            registry.stop()
-
     def _fail(self, reason: str) -> None:
-        try:
-            write_frame(self.events_fd, pb.EngineEvents(failure=reason))
-        finally:
-            self._leave_registry()
+        write_frame(self.events_fd, pb.EngineEvents(failure=reason))
 
 
 def main(argv: list[str] | None = None) -> None:

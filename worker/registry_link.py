@@ -71,7 +71,14 @@ class IncompatibleKVLayoutError(RuntimeError):
 
 
 def worker_record(
-    worker_id: str, role: str, address: str, epoch: int, compat: KVCompat, limits: RequestLimits, salt: str
+    worker_id: str,
+    role: str,
+    address: str,
+    epoch: int,
+    compat: KVCompat,
+    limits: RequestLimits,
+    salt: str,
+    kv_handoff: bool = True,
 ) -> WorkerRecord:
     return WorkerRecord(
         worker_id=worker_id,
@@ -84,6 +91,7 @@ def worker_record(
         cache_salt=salt,
         kv_compat=compat.hash(),
         kv_layout=describe_layout(compat),
+        kv_handoff=int(kv_handoff),
     )
 
 

@@ -17,7 +17,6 @@ Roles implement ``busy`` (work that must finish before a drain ends) and may ove
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -38,6 +37,7 @@ from proto import pdserve_pb2 as pb
 from registry.publisher import RegistryPublisher
 from worker.config import WorkerConfig
 from worker.engine_client import EngineProcess
+from worker.engine_registry import EngineRegistryLink
 from worker.registry_link import IncompatibleKVLayoutError, RegistryLink, check_joins, worker_record
 from worker.request_clock import RequestClocks
 from worker.state import worker_state_to_proto
@@ -90,8 +90,7 @@ class WorkerRuntime(ABC):
             self.loop = EngineLoop(self.core)
         self.loop.on_failure(self._on_engine_failure)
         self.clocks = RequestClocks(self.loop)  # per-request hop timing
-        self.registry: RegistryLink | None = None
-        self.joined = False  # an engine process registered this worker
+        self.registry: RegistryLink | EngineRegistryLink | None = None
         self.draining = False
         self.address = ""
         self.server: grpc.aio.Server | None = None
@@ -120,7 +119,14 @@ class WorkerRuntime(ABC):
 
     def record(self, address: str):
         return worker_record(
-            self.worker_id, self.role, address, self.epoch, self.compat, self.limits, self.prefix_salt
+            self.worker_id,
+            self.role,
+            address,
+            self.epoch,
+            self.compat,
+            self.limits,
+            self.prefix_salt,
+            kv_handoff=self.engine is None,  # an engine in another process has no NIXL agent over its KV
         )
 
     # Lifecycle --------------------------------------------------------------------------------
@@ -150,10 +156,7 @@ class WorkerRuntime(ABC):
             self.stop()
             raise
         await self.before_register()
-        if self.engine is not None:
-            await self.join_registry(self.address)
-        else:
-            self.attach_registry(self.address)
+        self.attach_registry(self.address)
         logger.info("%s worker %s (epoch %d) on %s", self.role, self.worker_id, self.epoch, self.address)
         return server, self.address
 
@@ -175,16 +178,11 @@ class WorkerRuntime(ABC):
         record = self.record(address)
         publisher = RegistryPublisher(self.config.redis_url, record)
         publisher.start()
+        if self.engine is not None:  # the engine process sends its cache's events with its outputs
+            self.registry = EngineRegistryLink(self.engine, publisher)
+            return
         self.registry = RegistryLink(self.core, publisher, lambda: self.loop.recent_step_s)
         self.loop.add_tick(self.registry.tick)
-
-    async def join_registry(self, address: str) -> None:
-        """An engine process registers itself and publishes its KV events (it owns the cache)."""
-        if not self.config.redis_url:
-            return
-        fields = self.record(address).to_fields()
-        await self.engine.join_registry(self.config.redis_url, json.dumps(fields))
-        self.joined = True
 
     def _on_engine_failure(self, failure: Exception) -> None:
         """Engine thread, dying: leave the registry (its Redis calls in a thread of their own)."""
@@ -201,9 +199,6 @@ class WorkerRuntime(ABC):
         False if work remained after ``timeout_s``.
         """
         self.draining = True
-        if self.engine is not None and self.joined:
-            self.joined = False
-            await self.engine.leave_registry()
         if self.registry is not None:
             registry, self.registry = self.registry, None
             await asyncio.to_thread(registry.stop)

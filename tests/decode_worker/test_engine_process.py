@@ -221,8 +221,10 @@ def test_registers_publishes_its_cache_and_leaves_on_drain(tiny_llama, redis_ser
         await _until(lambda: list(read_workers(client)) == ["decode-0"], "registered")
         record = read_workers(client)["decode-0"]
         assert record.num_blocks == BLOCKS and record.block_size == 4 and record.kv_compat == worker.compat.hash()
+        assert record.kv_handoff == 0  # the router runs its requests aggregated
         await _collect(worker, "p", list(range(3, 23)), SamplingParams(temperature=0, max_tokens=2))
         await _until(lambda: len(view.index.blocks_of("decode-0")) >= 5, "its prompt's blocks are indexed")
+        await _until(lambda: read_workers(client)["decode-0"].num_free_blocks > 0, "its load is published")
         assert await worker.drain(timeout_s=5, quiet_s=0.05)
         await _until(lambda: not read_workers(client), "left the registry")
         await worker.server.stop(0)
