@@ -138,6 +138,10 @@ class DecodeOptions(_WorkerPoolOptions):
     # Tokens a stream holds before it sends them (first and last never wait): fewer messages through
     # gRPC, the router and HTTP per token, burstier streams (decode_worker/stream_output.py).
     stream_interval: int = Field(1, ge=1)
+    # The engine in a process of its own (decode_worker/split.py): nothing else on its GIL, the gRPC
+    # and stream work in the replica's process. Such a worker takes no KV hand-offs (the router runs
+    # its requests aggregated). auto: on in aggregated mode, off in disaggregated mode.
+    engine_process: Literal["auto", "on", "off"] = "auto"
 
 
 _MIGRATION = MigrationOptions()  # its defaults are the config's
@@ -209,6 +213,11 @@ class PDServeConfig(_Strict):
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("redis_url must start with redis://, rediss:// or unix://")
         return v
+
+    def decode_engine_process(self) -> bool:
+        """Whether decode replicas run their engine in a process of their own."""
+        choice = self.decode.engine_process
+        return choice == "on" or (choice == "auto" and self.mode == "aggregated")
 
     @model_validator(mode="after")
     def _pools(self) -> PDServeConfig:

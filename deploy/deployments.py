@@ -119,13 +119,14 @@ class PrefillServer(_WorkerReplica):
 class DecodeServer(_WorkerReplica):
     async def __init__(self, config: PDServeConfig) -> None:
         from decode_worker.service import serve as serve_decode
-        from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+        from decode_worker.split import build_decode_worker
+        from decode_worker.worker import DecodeWorkerConfig
 
         self.config = config
         host = _bind_host(config)
         environment.use_ucx_devices(None, host, override=False)
         t0 = time.perf_counter()
-        self.worker = DecodeWorker(
+        self.worker = build_decode_worker(
             DecodeWorkerConfig(
                 config.engine_for("decode").engine_config(config.model),
                 worker_id=f"decode-{_replica_id()}",
@@ -135,6 +136,7 @@ class DecodeServer(_WorkerReplica):
                 stream_interval=config.decode.stream_interval,
                 model_name=config.model_name,
                 redis_url=environment.require_redis_url(config.redis_url),
+                engine_process=config.decode_engine_process(),
             )
         )
         # Registers after connecting NIXL to every registered prefill worker, and keeps connecting to

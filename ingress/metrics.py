@@ -222,7 +222,7 @@ class _ClusterCollector:
                     spec_pos.add_metric([*ids, str(i)], n)
             if w.role == "prefill" and w.HasField("transfer_stats"):
                 texpired.add_metric([w.worker_id], w.transfer_stats.expired_leases)
-            if w.role == "decode":
+            if w.role == "decode" and w.HasField("transfer_stats"):
                 t = w.transfer_stats
                 tdesc.add_metric([w.worker_id], t.descriptors)
                 tstreamed.add_metric([w.worker_id], t.streamed_bytes)

@@ -256,7 +256,9 @@ class WorkerRuntime(ABC):
         """The GetState answer: identity, transfer metadata, engine and transfer statistics."""
 
         if self.engine is not None:
-            return worker_state_to_proto(self, self.address, await self.engine.stats())
+            t = self.transfer_stats()
+            stats = await self.engine.stats()
+            return worker_state_to_proto(self, self.address, stats, t.snapshot() if t is not None else None)
 
         def snapshot() -> tuple[EngineStats, TransferStats | None]:
             t = self.transfer_stats()

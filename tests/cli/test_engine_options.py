@@ -54,7 +54,7 @@ def test_defaults_agree_everywhere():
 
 
 def test_serve_flags_reach_the_application_config():
-    from cli.serve import config_from_args
+    from cli.serve_args import config_from_args
 
     args = _subparser("serve").parse_args(["--no-cuda-graphs", "--block-size", "32", "--swap-space", "1.5"])
     config = config_from_args(args, "some/model", tiny=False)
@@ -65,7 +65,7 @@ def test_serve_flags_reach_the_application_config():
 def test_the_stream_interval_reaches_the_decode_pool_and_must_be_positive():
     from pydantic import ValidationError
 
-    from cli.serve import config_from_args
+    from cli.serve_args import config_from_args
 
     parse = _subparser("serve").parse_args
     assert config_from_args(parse([]), "m", tiny=False).decode.stream_interval == 1
@@ -74,11 +74,24 @@ def test_the_stream_interval_reaches_the_decode_pool_and_must_be_positive():
         config_from_args(parse(["--stream-interval", "0"]), "m", tiny=False)
 
 
+def test_decode_replicas_run_their_engine_in_a_process_of_its_own_in_aggregated_mode():
+    from cli.serve_args import config_from_args
+
+    parse = _subparser("serve").parse_args
+    for flags, expected in (
+        ([], False),  # disaggregated: the decode workers pull KV, their engines stay in-process
+        (["--mode", "aggregated"], True),
+        (["--mode", "aggregated", "--engine-process", "off"], False),
+        (["--engine-process", "on"], True),
+    ):
+        assert config_from_args(parse(flags), "m", tiny=False).decode_engine_process() is expected, flags
+
+
 def test_a_local_cpu_cluster_shares_the_cores_out_among_its_workers():
     """Without --cpu-threads, each CPU engine of a cluster started here gets cores / workers torch
     threads (a Ray replica would otherwise get OMP_NUM_THREADS=1 and leave cores idle); a value given,
     a GPU engine or a remote cluster keep theirs."""
-    from cli.serve import config_from_args
+    from cli.serve_args import config_from_args
 
     def threads(*flags: str) -> int | None:
         args = _subparser("serve").parse_args(["--ray-cpus", "8", *flags])
@@ -98,7 +111,7 @@ def test_the_cores_shared_out_are_those_this_process_may_use(monkeypatch):
     not the host's: 3 usable cores of a 64-core host give an aggregated worker 3 threads, not 64."""
     import os
 
-    from cli.serve import config_from_args
+    from cli.serve_args import config_from_args
 
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9})
@@ -119,7 +132,7 @@ def test_serve_config_validates_with_the_engines_own_checks():
 def test_pools_override_engine_options_and_keep_the_kv_layout_shared():
     """Prefill and decode pools may run their own engine options (a smaller KV pool on prefill),
     checked like the shared ones; what their KV's layout depends on stays one value."""
-    from cli.serve import config_from_args
+    from cli.serve_args import config_from_args
 
     args = _subparser("serve").parse_args(
         ["--num-blocks", "900", "--prefill-engine", '{"num_blocks": 300, "max_num_seqs": 8}']
@@ -155,7 +168,7 @@ def test_kuberay_values_carry_engine_options_through_the_same_declaration():
 
 
 def test_speculative_config_flag_reaches_decode_workers_only():
-    from cli.serve import config_from_args
+    from cli.serve_args import config_from_args
 
     spec = '{"method": "ngram", "num_speculative_tokens": 5}'
     args = _subparser("serve").parse_args(["--speculative-config", spec])
@@ -174,7 +187,7 @@ def test_the_default_layout_is_the_router_serving_http_with_a_front_end_per_eigh
     measured); their count follows the cores (1 on a small machine), ``--frontends`` overrides it
     and counts ingress replicas in the other layouts."""
     import cli.host_share
-    from cli.serve import config_from_args
+    from cli.serve_args import config_from_args
 
     parse = _subparser("serve").parse_args
     monkeypatch.setattr(cli.host_share, "usable_cores", lambda: 2)

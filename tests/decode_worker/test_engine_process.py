@@ -257,6 +257,7 @@ def test_kv_handoffs_and_bad_requests_are_refused_at_the_edge(worker):
             assert ok[-1].finished.finish_reason == "length"
             state = await stub.GetState(pb.GetStateRequest())
             assert state.stats.num_free_blocks == BLOCKS and not state.HasField("transfer")
+            assert state.HasField("transfer_stats") and state.transfer_stats.completed == 0  # no pulls
         await server.stop(0)
 
     asyncio.run(run())
