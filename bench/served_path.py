@@ -65,7 +65,12 @@ RESULTS = Path(__file__).parent / "results"
 PROCESSES = (
     "engine", "minimal_server", "prefill_worker", "decode_worker", "engine_process", "router", "ingress", "redis"
 )  # fmt: skip
-SHORT = {"minimal_server": "minimal", "prefill_worker": "prefill", "decode_worker": "decode", "engine_process": "core"}
+SHORT = {
+    "minimal_server": "minimal",
+    "prefill_worker": "prefill",
+    "decode_worker": "decode",
+    "engine_process": "core",
+}
 LOADGEN = "load_generator"
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 TTFT_TOKENS = 4  # output tokens of the concurrency-1 TTFT requests
@@ -200,7 +205,9 @@ def stack_layout(
             workers["prefill_worker"] = procs.serve("prefill_worker", *engine, "--redis-url", url)
         transfer = "nixl" if disaggregated else "inprocess"
         flags = [*engine, "--redis-url", url, "--kv-transfer", transfer]
-        workers["decode_worker"] = procs.serve("decode_worker", *flags, *(["--engine-process"] * engine_process))
+        workers["decode_worker"] = procs.serve(
+            "decode_worker", *flags, *(["--engine-process"] * engine_process)
+        )
         router = procs.serve("router", "--redis-url", url)
         mode = "disaggregated" if disaggregated else "aggregated"
         flags = ["--router", router, "--model", model, "--mode", mode, "--port", "0"]
@@ -275,7 +282,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ttft-requests", type=int, help="requests one at a time for TTFT c=1 (16; 0: none)")
     p.add_argument("--disagg", action=argparse.BooleanOptionalAction, help="disagg too (default: on CPU)")
     p.add_argument(
-        "--layouts", default=None, help=f"comma-separated, of {', '.join(LAYOUTS)} (default: all; disagg per --disagg)"
+        "--layouts",
+        default=None,
+        help=f"comma-separated, of {', '.join(LAYOUTS)} (default: all; disagg per --disagg)",
     )
     p.add_argument("--redis-server", default=None, help="a redis-server binary (default: embedded Redis)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a process may take to serve")

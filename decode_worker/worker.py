@@ -111,7 +111,11 @@ class DecodeWorker(WorkerRuntime):
         self.pulls: KVPuller | None = None  # None: the engine runs in a process of its own
         if self.core is not None:
             self.pulls = KVPuller(
-                self.core, self.transfer, self.loop.publish, config.transfer_timeout_s, self.clocks.transferred
+                self.core,
+                self.transfer,
+                self.loop.publish,
+                config.transfer_timeout_s,
+                self.clocks.transferred,
             )
             self.loop.add_tick(self.pulls.tick)
             self.loop.add_hurry(self.pulls.landing)  # a hand-off read is landing

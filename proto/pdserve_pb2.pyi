@@ -727,18 +727,36 @@ class EngineOutput(_message.Message):
     has_prompt_logprobs: bool
     def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_logprobs: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., seed: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
+class EngineTokens(_message.Message):
+    __slots__ = ("request_ids", "sample_index", "num_tokens", "token_ids", "num_prompt_tokens", "num_cached_tokens")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    sample_index: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class EngineEvents(_message.Message):
-    __slots__ = ("replies", "outputs", "step_started", "failure", "kv_events", "load")
+    __slots__ = ("replies", "outputs", "tokens", "step_started", "failure", "kv_events", "load")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_STARTED_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[EngineReply]
     outputs: _containers.RepeatedCompositeFieldContainer[EngineOutput]
+    tokens: EngineTokens
     step_started: float
     failure: str
     kv_events: _containers.RepeatedCompositeFieldContainer[KVEventBatch]
     load: EngineLoad
-    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., tokens: _Optional[_Union[EngineTokens, _Mapping]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...

@@ -103,6 +103,47 @@ def config_from_json(text: str) -> EngineConfig:
     return EngineConfig(**json.loads(text))
 
 
+def outputs_to_proto(outputs: list[SequenceOutput], events: pb.EngineEvents) -> None:
+    """A step's outputs into ``events``: the plain ones (new tokens only) as columns, the rest whole."""
+    plain: list[SequenceOutput] = []
+    for out in outputs:
+        if (
+            out.finish_reason is None
+            and out.new_logprobs is None
+            and out.error is None
+            and out.prompt_logprobs is None
+            and out.seed is None
+        ):
+            plain.append(out)
+        else:
+            events.outputs.append(output_to_proto(out))
+    if plain:
+        t = events.tokens
+        t.request_ids.extend([o.request_id for o in plain])
+        t.sample_index.extend([o.sample_index for o in plain])
+        t.num_tokens.extend([len(o.new_token_ids) for o in plain])
+        t.token_ids.extend([tok for o in plain for tok in o.new_token_ids])
+        t.num_prompt_tokens.extend([o.num_prompt_tokens for o in plain])
+        t.num_cached_tokens.extend([o.num_cached_tokens for o in plain])
+
+
+def outputs_from_proto(events: pb.EngineEvents) -> list[SequenceOutput]:
+    """``outputs_to_proto`` undone: the whole outputs first, then the plain ones (a step has one
+    output per sequence, so no sequence's two outputs change order)."""
+    outs = [output_from_proto(o) for o in events.outputs]
+    t = events.tokens
+    if t.request_ids:
+        tokens, pos = t.token_ids, 0
+        for rid, sample, n, prompt, cached in zip(
+            t.request_ids, t.sample_index, t.num_tokens, t.num_prompt_tokens, t.num_cached_tokens
+        ):
+            outs.append(
+                SequenceOutput(rid, sample, list(tokens[pos : pos + n]), None, None, None, prompt, cached)
+            )
+            pos += n
+    return outs
+
+
 def output_to_proto(out: SequenceOutput) -> pb.EngineOutput:
     msg = pb.EngineOutput(
         request_id=out.request_id,

@@ -14,6 +14,7 @@ commands raise ``EngineLoopFailed``, the failure callbacks run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import itertools
 import logging
@@ -42,7 +43,7 @@ from worker.engine_channel import (
     FrameBuffer,
     config_to_json,
     facts_from_proto,
-    output_from_proto,
+    outputs_from_proto,
     read_frame,
     stats_from_proto,
     write_frame,
@@ -77,10 +78,8 @@ class EngineProcess:
         commands_r, self._commands_w = os.pipe()
         self._events_r, events_w = os.pipe()
         for fd in (commands_r, events_w):
-            try:
+            with contextlib.suppress(OSError):  # over the system's limit: the default only waits more
                 fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
-            except OSError:  # over the system's limit: the default buffer only means more waiting
-                pass
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.NamedTemporaryFile(prefix="pdserve-engine-clock-", dir=shm, delete=False) as f:
             f.write(b"\0" * CLOCK.size)
@@ -109,11 +108,15 @@ class EngineProcess:
             os.unlink(self._clock_path)
 
     def _handshake(self, config: EngineConfig) -> EngineFacts:
-        write_frame(self._commands_w, pb.EngineCommands(commands=[pb.EngineCommand(start=config_to_json(config))]))
+        write_frame(
+            self._commands_w, pb.EngineCommands(commands=[pb.EngineCommand(start=config_to_json(config))])
+        )
         events = read_frame(self._events_r, pb.EngineEvents)
         if events is None or not events.replies:
             code = self.process.wait()
-            raise EngineStartError(f"the engine process exited with status {code} before its engine was built")
+            raise EngineStartError(
+                f"the engine process exited with status {code} before its engine was built"
+            )
         reply = events.replies[0]
         if reply.error:
             self.process.wait()
@@ -202,8 +205,12 @@ class EngineProcess:
             self._die(f"the engine process is gone ({exc})")
         return fut
 
-    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> None:
-        add = pb.EngineAdd(request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), priority=priority)
+    async def add_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
+        add = pb.EngineAdd(
+            request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), priority=priority
+        )
         await self.send(pb.EngineCommand(add=add))
 
     async def abort(self, request_id: str) -> bool:
@@ -236,10 +243,8 @@ class EngineProcess:
         self._stopping = True
         with self._write_lock:
             if self._commands_w >= 0 and self.process.poll() is None:
-                try:
+                with contextlib.suppress(OSError):  # it is gone already
                     write_frame(self._commands_w, pb.EngineCommands(commands=[pb.EngineCommand(stop=True)]))
-                except OSError:
-                    pass
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -293,9 +298,9 @@ class EngineProcess:
                 fut.set_exception(ValueError(reply.error))
             else:
                 fut.set_exception(RuntimeError(f"{reply.error_type}: {reply.error}"))
-        if events.outputs:
+        if events.outputs or events.tokens.request_ids:
             self.step_started = events.step_started
-            self.publish([output_from_proto(o) for o in events.outputs])
+            self.publish(outputs_from_proto(events))
         if events.kv_events or events.HasField("load"):
             for kv_hook in self._kv_hooks:
                 kv_hook(events)
@@ -319,7 +324,9 @@ class EngineProcess:
                 fut.set_exception(failure)
         self._pending.clear()
         self._on_reply.clear()
-        self.publish([SequenceOutput(rid, 0, [], finish_reason="error", error=str(failure)) for rid in self._streams])
+        self.publish(
+            [SequenceOutput(rid, 0, [], finish_reason="error", error=str(failure)) for rid in self._streams]
+        )
         for hook in self._failure_hooks:
             try:
                 hook(failure)

@@ -41,7 +41,7 @@ from proto.convert import params_from_proto
 from worker.engine_channel import (
     FrameBuffer,
     config_from_json,
-    output_to_proto,
+    outputs_to_proto,
     read_frame,
     ready_to_proto,
     write_frame,
@@ -57,7 +57,9 @@ LOAD_INTERVAL_S = 0.25  # the registry's heartbeat (1 s) takes the latest load
 
 
 class EngineHost:
-    def __init__(self, core: EngineCore, commands_fd: int, events_fd: int, clock: mmap.mmap, idle_tick_s: float):
+    def __init__(
+        self, core: EngineCore, commands_fd: int, events_fd: int, clock: mmap.mmap, idle_tick_s: float
+    ):
         self.core = core
         self.commands_fd = commands_fd
         self.events_fd = events_fd
@@ -100,7 +102,7 @@ class EngineHost:
                 self.beat = time.monotonic()
                 self.recent_step_s = max(self.beat - step_started, self.recent_step_s * _STEP_DECAY)
             events = pb.EngineEvents(replies=replies, step_started=self.step_started)
-            events.outputs.extend(output_to_proto(o) for o in outputs)
+            outputs_to_proto(outputs, events)
             if self.watching:
                 self._add_kv_state(events)
             if replies or outputs or events.kv_events or events.HasField("load"):
@@ -202,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--idle-tick", type=float, default=0.005)
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     start = read_frame(args.commands, pb.EngineCommands)
     if start is None or not start.commands or start.commands[0].WhichOneof("kind") != "start":
         sys.exit("engine process: the first command must be start")
@@ -218,7 +222,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     compat = KVCompat.from_layout(args.model_name or str(config.model), core.layout)
     ready = ready_to_proto(core.limits, compat, core.prefix_salt)
-    write_frame(args.events, pb.EngineEvents(replies=[pb.EngineReply(command_id=cmd.command_id, ready=ready)]))
+    write_frame(
+        args.events, pb.EngineEvents(replies=[pb.EngineReply(command_id=cmd.command_id, ready=ready)])
+    )
     host = EngineHost(core, args.commands, args.events, clock, args.idle_tick)
     try:
         ok = host.serve()

@@ -23,12 +23,13 @@ from decode_worker.service import serve
 from decode_worker.split import SplitDecodeWorker, build_decode_worker
 from decode_worker.worker import DecodeWorkerConfig, Progress, WorkerUnavailableError
 from engine import LLM, EngineConfig, EngineCore, SamplingParams
+from engine.scheduler_output import SequenceOutput
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_to_proto
 from registry.cluster_view import ClusterView
 from registry.schema import connect, read_workers
-from worker.engine_channel import FrameBuffer, frame, read_frame
+from worker.engine_channel import FrameBuffer, frame, outputs_from_proto, outputs_to_proto, read_frame
 from worker.engine_process import CLOCK, EngineHost
 
 BLOCKS = 128
@@ -36,7 +37,10 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 CASES = [
     ([5, 9, 14, 3, 7, 22, 8], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
     ([11, 4, 4, 19, 30], SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True)),
-    ([2, 6, 40, 41, 42, 43, 44, 45, 46], SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)),
+    (
+        [2, 6, 40, 41, 42, 43, 44, 45, 46],
+        SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),
+    ),
     ([17, 18, 19], SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=8, ignore_eos=True)),
     ([9, 8, 7, 6, 5, 4], SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=2, ignore_eos=True)),
 ]
@@ -101,7 +105,9 @@ def test_outputs_equal_the_engine_alone_and_hf(worker, tiny_llama, hf_greedy):
     expected = []
     for prompt, params in CASES:
         res = llm.generate([prompt], params, use_tqdm=False)[0]
-        expected.append([(o.token_ids, o.logprobs or [], o.finish_reason, res.prompt_logprobs) for o in res.outputs])
+        expected.append(
+            [(o.token_ids, o.logprobs or [], o.finish_reason, res.prompt_logprobs) for o in res.outputs]
+        )
 
     async def run():
         await worker.serve(lambda server: None)
@@ -202,7 +208,9 @@ def test_a_failing_step_is_reported_and_ends_the_engine_loop(tiny_llama, monkeyp
 
 
 def test_frames_split_anywhere_reassemble():
-    msgs = [pb.EngineCommands(commands=[pb.EngineCommand(command_id=i, abort=f"r{i}" * i)]) for i in range(1, 6)]
+    msgs = [
+        pb.EngineCommands(commands=[pb.EngineCommand(command_id=i, abort=f"r{i}" * i)]) for i in range(1, 6)
+    ]
     data = b"".join(frame(m) for m in msgs)
     buf, got = FrameBuffer(pb.EngineCommands), []
     for i in range(0, len(data), 3):
@@ -220,7 +228,11 @@ def test_registers_publishes_its_cache_and_leaves_on_drain(tiny_llama, redis_ser
         await worker.serve(lambda server: None)
         await _until(lambda: list(read_workers(client)) == ["decode-0"], "registered")
         record = read_workers(client)["decode-0"]
-        assert record.num_blocks == BLOCKS and record.block_size == 4 and record.kv_compat == worker.compat.hash()
+        assert (
+            record.num_blocks == BLOCKS
+            and record.block_size == 4
+            and record.kv_compat == worker.compat.hash()
+        )
         assert record.kv_handoff == 0  # the router runs its requests aggregated
         await _collect(worker, "p", list(range(3, 23)), SamplingParams(temperature=0, max_tokens=2))
         await _until(lambda: len(view.index.blocks_of("decode-0")) >= 5, "its prompt's blocks are indexed")
@@ -244,16 +256,34 @@ def test_kv_handoffs_and_bad_requests_are_refused_at_the_edge(worker):
             params = params_to_proto(SamplingParams(temperature=0, max_tokens=4))
             handle = pb.KVHandle(request_id="h", agent_name="p-1", num_tokens=3, first_token=5)
             for request, expect in (
-                (pb.DecodeRequest(request_id="h", prompt_token_ids=[1, 2, 3], params=params, handle=handle), "no KV hand-offs"),
-                (pb.DecodeRequest(request_id="s", prompt_token_ids=[1, 2, 3], params=params, kv_source="x:1"), "no KV hand-offs"),
-                (pb.DecodeRequest(request_id="v", prompt_token_ids=[1, 10**6], params=params), "outside the vocabulary"),
+                (
+                    pb.DecodeRequest(
+                        request_id="h", prompt_token_ids=[1, 2, 3], params=params, handle=handle
+                    ),
+                    "no KV hand-offs",
+                ),
+                (
+                    pb.DecodeRequest(
+                        request_id="s", prompt_token_ids=[1, 2, 3], params=params, kv_source="x:1"
+                    ),
+                    "no KV hand-offs",
+                ),
+                (
+                    pb.DecodeRequest(request_id="v", prompt_token_ids=[1, 10**6], params=params),
+                    "outside the vocabulary",
+                ),
             ):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     async for _ in stub.Decode(request):
                         pass
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert expect in err.value.details()
-            ok = [m async for m in stub.Decode(pb.DecodeRequest(request_id="ok", prompt_token_ids=[1, 2, 3], params=params))]
+            ok = [
+                m
+                async for m in stub.Decode(
+                    pb.DecodeRequest(request_id="ok", prompt_token_ids=[1, 2, 3], params=params)
+                )
+            ]
             assert ok[-1].finished.finish_reason == "length"
             state = await stub.GetState(pb.GetStateRequest())
             assert state.stats.num_free_blocks == BLOCKS and not state.HasField("transfer")
@@ -275,3 +305,23 @@ def test_shutdown_hands_running_requests_off(worker):
         assert worker.engine.process.returncode == 0
 
     asyncio.run(run())
+
+
+def test_a_steps_outputs_cross_the_channel_unchanged():
+    """Plain outputs travel as columns, the others whole; every field comes back."""
+    outs = [
+        SequenceOutput("a", 0, [5], num_prompt_tokens=7, num_cached_tokens=4),
+        SequenceOutput("b", 1, [6, 7], num_prompt_tokens=3),
+        SequenceOutput("c", 0, [8], new_logprobs=[{8: -0.5, 2: -1.25}], num_prompt_tokens=2),
+        SequenceOutput("d", 0, [9], finish_reason="stop", stop_reason="\n\n", num_prompt_tokens=2),
+        SequenceOutput("e", 0, [], finish_reason="stop", stop_reason=2),
+        SequenceOutput("f", 0, [], finish_reason="error", error="grammar allows no token"),
+        SequenceOutput("g", 0, [1], seed=-3, prompt_logprobs=[None, {4: -0.75}]),
+    ]
+    events = pb.EngineEvents()
+    outputs_to_proto(outs, events)
+    data = frame(events)
+    (back,) = FrameBuffer(pb.EngineEvents).feed(data)
+    assert list(back.tokens.request_ids) == ["a", "b"]  # the plain ones, as columns
+    got = outputs_from_proto(back)
+    assert sorted(got, key=lambda o: o.request_id) == outs

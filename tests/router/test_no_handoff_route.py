@@ -18,7 +18,9 @@ from router.router import Router
 def test_a_worker_taking_no_handoffs_gets_aggregated_routes(redis_server, kv_handoff):
     url = redis_server.url
     for wid, role, extra in (("p0", "prefill", {}), ("d0", "decode", {"kv_handoff": kv_handoff})):
-        record = WorkerRecord(worker_id=wid, role=role, address=f"127.0.0.1:{9}", epoch=1, block_size=4, **extra)
+        record = WorkerRecord(
+            worker_id=wid, role=role, address=f"127.0.0.1:{9}", epoch=1, block_size=4, **extra
+        )
         WorkerRegistration(connect(url), record).register([])
     view = ClusterView(url, poll_s=0.05)
     view.start()
