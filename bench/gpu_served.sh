@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a bare GPU host (no Ray, no NIXL, no Redis server; Python 3.12 with torch, triton,
 # transformers, grpcio, aiohttp): the served path against the engine alone (bench.served_path,
-# aggregated, standalone processes, the in-process KV backend) on a tiny (~32M) and a ~0.3B
+# aggregated, standalone processes, the in-process KV backend; the decode worker's engine on a thread
+# of its process ("stack") and in a process of its own ("split")) on a tiny (~32M) and a ~0.3B
 # random-weight Llama, 128/128 and 16/16, 32 in flight. Well under 5 minutes on one H100.
 #
 # Here, first:  bash bench/gpu_wheels.sh      (cp312 wheels of what the host lacks, into .whl/)
@@ -34,7 +35,7 @@ for name, shape in (("tiny", LLAMA_32M), ("llama-0.3b", LLAMA_03B)):
 PYEOF
 for m in tiny llama-0.3b; do
   echo "== $m"
-  timeout 150 "$PY" -m bench.served_path --model "$MODELS/$m" --device cuda --dtype bfloat16 \
+  timeout 200 "$PY" -m bench.served_path --model "$MODELS/$m" --device cuda --dtype bfloat16 \
     --no-disagg --workloads 128/128,16/16 --num-requests 192 --concurrency 32 --num-blocks 4096 \
     --output "$DEST/served_path_gpu_$m.json"
 done
