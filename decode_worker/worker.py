@@ -204,11 +204,10 @@ class DecodeWorker(WorkerRuntime):
     # Requests ---------------------------------------------------------------------------------
 
     async def check_request(self, prompt: list[int], params: SamplingParams, *, handoff: bool) -> None:
-        """Raise ``ValueError`` for a request this worker can never serve (``handoff``: it comes with
-        a KV handle or source). A grammar compiles off the event loop and the engine thread."""
+        """``ValueError`` for a request it can never serve (``handoff``: with a KV handle or source)."""
         if params.structured is not None:
             await asyncio.to_thread(self.core.structured.compile, params.structured)
-        self.core.validate(prompt, params)  # static checks only (the grammar is cached now)
+        self.core.validate(prompt, params)  # the grammar compiled off the loop and engine thread
 
     async def decode(
         self,
