@@ -28,15 +28,21 @@ def run(args: argparse.Namespace) -> int:
     target = choose_target(args)
     if not args.json:
         print(f"{target.describe()}\n", flush=True)
+    from deploy.scaling import describe_replicas, replica_resources, replica_states
+
     connect(target)
     try:
         cluster, states = asyncio.run(_status(target))
+        replicas = replica_states(target.app_name)
+        line = describe_replicas(replicas, replica_resources(target.app_name), ray.available_resources())
     finally:
         ray.shutdown()
     if args.json:
-        print(json.dumps(status_json(target, cluster, states)))
+        out = status_json(target, cluster, states)
+        out["replicas"] = {name: {"running": r, "target": t} for name, (r, t) in replicas.items()}
+        print(json.dumps(out))
         return 0
-    print(format_status(cluster, states))
+    print(format_status(cluster, states) + "\n\n" + line)
     return 0
 
 

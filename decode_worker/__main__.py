@@ -40,8 +40,8 @@ def main() -> None:
     p.add_argument(
         "--engine-process",
         action="store_true",
-        help="run the engine in a process of its own, with nothing else on its GIL (aggregated serving: "
-        "the worker then takes no KV hand-offs)",
+        help="run the engine (and its KV pulls) in a process of its own, with nothing else on its GIL "
+        "(with --kv-transfer inprocess it takes no KV hand-offs: aggregated serving only)",
     )
     args = p.parse_args()
     prepare_process(args)
@@ -60,7 +60,8 @@ def main() -> None:
             "--kv-transfer inprocess: this worker cannot pull KV from prefill workers (other processes); "
             "serve it in aggregated mode (a disaggregated request falls back to --kv-failure-policy)"
         )
-    worker = build_decode_worker(config, transfer_factory=transfer_factory_from_args(args))
+    transfer = "nixl" if args.kv_transfer == "nixl" else "none"
+    worker = build_decode_worker(config, transfer=transfer, transfer_factory=transfer_factory_from_args(args))
     event_loop.run(serve_until_signal(worker, serve, args.host, args.port))
 
 

@@ -38,6 +38,8 @@ from engine.scheduler_output import SequenceOutput
 from engine.scheduler_transfer import NoKVRoomError
 from kv_transfer import KVTransferBackend, TransferHandle, TransferState, merge_block_runs
 from kv_transfer.stats import TransferStats
+from proto import pdserve_pb2 as pb
+from proto.convert import logprobs_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,21 @@ class PendingPull:
     @property
     def owner_id(self) -> str:
         return self.kv.owner_request_id or self.request_id
+
+
+def pulled_kv_from_handle(h: pb.KVHandle) -> PulledKV:
+    return PulledKV(
+        agent_name=h.agent_name,
+        address=h.address,
+        block_ids=list(h.block_ids),
+        num_tokens=h.num_tokens,
+        compat_hash=h.compat_hash,
+        first_token=h.first_token,
+        first_logprobs=logprobs_from_proto(h.first_logprobs),
+        seed=h.seed,
+        lease_expiry_unix=h.lease_expiry_unix,
+        owner_request_id=h.request_id,
+    )
 
 
 class KVPuller:

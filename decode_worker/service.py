@@ -14,14 +14,13 @@ import logging
 
 import grpc
 
-from decode_worker.kv_pull import KVTransferError, PulledKV
+from decode_worker.kv_pull import KVTransferError, pulled_kv_from_handle
 from decode_worker.worker import DecodeWorker, Progress, WorkerUnavailableError
 from engine.engine_loop import EngineLoopFailed
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedDecode
 from proto.convert import (
-    logprobs_from_proto,
     logprobs_to_proto,
     params_from_proto,
     prompt_logprobs_to_proto,
@@ -30,21 +29,6 @@ from proto.convert import (
 from worker.runtime import RequestFailed
 
 logger = logging.getLogger(__name__)
-
-
-def pulled_kv_from_handle(h: pb.KVHandle) -> PulledKV:
-    return PulledKV(
-        agent_name=h.agent_name,
-        address=h.address,
-        block_ids=list(h.block_ids),
-        num_tokens=h.num_tokens,
-        compat_hash=h.compat_hash,
-        first_token=h.first_token,
-        first_logprobs=logprobs_from_proto(h.first_logprobs),
-        seed=h.seed,
-        lease_expiry_unix=h.lease_expiry_unix,
-        owner_request_id=h.request_id,
-    )
 
 
 class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):

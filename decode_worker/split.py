@@ -1,89 +1,176 @@
 """A decode worker whose engine runs in a process of its own (``engine_process``).
 
-The worker process keeps the gRPC server, the streams (``--stream-interval``, keep-alive), admission
-and the edge's validation; the engine process (``worker.engine_process``) runs only the engine loop,
-so no gRPC or stream work ever delays a step (on a GPU host the step's host side is the GPU's
-critical path). The two talk over pipes: one message per command, one per step carrying every
-sequence's outputs.
+The worker process keeps the gRPC server, the streams (``--stream-interval``, keep-alive), admission,
+the edge's validation and what needs the network for a KV hand-off (a prefill worker's NIXL metadata
+from its GetState, a streamed prompt's watch); the engine process (``decode_worker.engine_host``)
+runs the engine loop and the KV pulls, whose NIXL agent is registered over the engine's memory there.
+No gRPC or stream work ever delays a step: on a GPU host the step's host side is the GPU's critical
+path. The two talk over pipes: one message per command, one per step carrying every sequence's
+outputs (``worker.engine_channel``).
 
-It serves requests whole (aggregated mode, and the router's migrations, which resume a request from
-its prompt and the tokens already streamed). It takes no KV hand-offs: its engine's KV memory lives
-in the other process, where no NIXL agent is registered, so a Decode with a KV handle or a
-``kv_source`` is refused (INVALID_ARGUMENT) naming the fix; serve disaggregated pools without
-``engine_process``.
+``transfer``: ``nixl`` (disaggregated and aggregated requests, as an in-process worker serves them)
+or ``none`` (aggregated only: the worker registers with ``kv_handoff=0`` so the router computes its
+prompts there, and a Decode with a KV handle or a ``kv_source`` is refused with INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from decode_worker.kv_pull import FailurePolicy, PulledKV
+from decode_worker.kv_pull import (
+    FailurePolicy,
+    IncompatibleKVError,
+    KVTransferError,
+    PeerUnreachableError,
+    PendingPull,
+    PulledKV,
+)
+from decode_worker.peers import fetch_prefill_peer
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SequenceOutput
+from kv_transfer import RemoteKVInfo
 from kv_transfer.stats import TransferStats
+from proto import pdserve_pb2 as pb
+from proto.convert import logprobs_to_proto, params_to_proto
+from worker.engine_client import quiet
 from worker.runtime import RequestFailed
+from worker.state import transfer_info_to_proto
 
+TRANSFERS = ("nixl", "none")
 NO_HANDOFF = (
-    "decode worker {wid} runs its engine in a process of its own and takes no KV hand-offs: serve it "
-    "aggregated (no prefill workers), or start it without --engine-process"
+    "decode worker {wid} runs its engine in a process of its own without a KV transfer agent and takes "
+    "no KV hand-offs: serve it aggregated (no prefill workers), or start it with --kv-transfer nixl"
 )
+_ERRORS = {e.__name__: e for e in (KVTransferError, PeerUnreachableError, IncompatibleKVError)}
 
 
 class SplitDecodeWorker(DecodeWorker):
-    def __init__(self, config: DecodeWorkerConfig) -> None:
+    def __init__(
+        self, config: DecodeWorkerConfig, transfer: str = "none", fetch_peer=fetch_prefill_peer
+    ) -> None:
         if not config.engine_process:
             raise ValueError("SplitDecodeWorker needs engine_process=True")
-        super().__init__(config, fetch_peer=None)
-        self._no_pulls = TransferStats()
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
+        self.transfer_kind = transfer  # read by engine_module, which the runtime calls
+        super().__init__(config, fetch_peer=fetch_peer if transfer != "none" else None)
+        self.engine.on_landed = self.clocks.transferred
+        self._pull_stats = TransferStats()  # the engine process's, as of the last stats reply
+
+    def engine_module(self) -> tuple[str, tuple[str, ...]]:
+        if self.transfer_kind == "none":
+            return "worker.engine_process", ()
+        agent = f"{self.worker_id}-{self.epoch}"  # a restarted worker is a new peer
+        timeout = str(self.config.transfer_timeout_s)
+        return "decode_worker.engine_host", (
+            "--transfer",
+            "nixl",
+            "--agent-name",
+            agent,
+            "--transfer-timeout",
+            timeout,
+        )
+
+    @property
+    def takes_handoffs(self) -> bool:
+        return self.engine.facts.transfer is not None
 
     async def check_request(self, prompt: list[int], params: SamplingParams, *, handoff: bool) -> None:
         """The engine's limits (a grammar compiles in the engine process, on its helper thread)."""
-        if handoff:
+        if handoff and not self.takes_handoffs:
             raise ValueError(NO_HANDOFF.format(wid=self.worker_id))
         self.limits.check(prompt, params)
 
     def transfer_stats(self) -> TransferStats:
-        return self._no_pulls
+        return self._pull_stats
 
     async def transfer_snapshot(self) -> TransferStats:
-        return self._no_pulls.snapshot()
+        await self.busy()  # refreshes the pull statistics
+        return self._pull_stats.snapshot()
 
     async def busy(self) -> int:
-        s = await self.engine.stats()
-        return s.num_running + s.num_waiting + s.num_swapped + len(self._provided)
+        reply = await self.engine.send(pb.EngineCommand(stats=True))
+        if reply.HasField("transfer_stats"):
+            self._pull_stats = _transfer_stats(reply.transfer_stats)
+        s = reply.stats
+        return (
+            s.num_running
+            + s.num_waiting
+            + s.num_swapped
+            + s.num_transferring
+            + reply.pending_pulls
+            + len(self._provided)
+        )
+
+    async def get_state(self) -> pb.WorkerState:
+        await self.busy()
+        return await super().get_state()
 
     async def before_register(self) -> None:
-        return None  # no NIXL peers to warm: it pulls no KV
+        if self.takes_handoffs:
+            await super().before_register()
 
     async def _admit(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        priority: int,
-        kv: PulledKV | None,
-        policy: FailurePolicy,
+        self, request_id, prompt, params, priority, kv: PulledKV | None, policy: FailurePolicy
     ) -> bool:
-        if kv is not None:
+        if kv is None:
+            await self.engine.add_request(request_id, prompt, params, priority)
+            self.clocks.ready(request_id)
+            return True
+        if not self.takes_handoffs:
             raise ValueError(NO_HANDOFF.format(wid=self.worker_id))
-        await self.engine.add_request(request_id, prompt, params, priority)
-        self.clocks.ready(request_id)
-        return True
+        return await super()._admit(request_id, prompt, params, priority, kv, policy)
 
     async def _admit_streamed(self, rid, prompt, params, priority, source, policy) -> bool:
-        raise ValueError(NO_HANDOFF.format(wid=self.worker_id))
+        if not self.takes_handoffs:
+            raise ValueError(NO_HANDOFF.format(wid=self.worker_id))
+        return await super()._admit_streamed(rid, prompt, params, priority, source, policy)
+
+    # The engine's side of the pulls, as commands to the engine process --------------------------
+
+    async def _add_peer(self, info: RemoteKVInfo) -> None:
+        await self.engine.send(pb.EngineCommand(add_peer=transfer_info_to_proto(info)))
+
+    async def _pull(self, pull: PendingPull, reachable: bool) -> bool:
+        return (await self.engine.send(pb.EngineCommand(pull=_pull_message(pull, reachable)))).started
+
+    async def _pull_early(self, pull: PendingPull) -> bool:
+        return (await self.engine.send(pb.EngineCommand(pull_early=_pull_message(pull, True)))).started
+
+    def _pull_extend(self, rid: str, block_ids: list[int], complete: bool) -> None:
+        extend = pb.EngineExtend(request_id=rid, block_ids=block_ids, complete=complete)
+        self.engine.send(pb.EngineCommand(pull_extend=extend)).add_done_callback(quiet)
+
+    async def _pull_finish(self, rid, prompt, params, priority, kv: PulledKV) -> bool | None:
+        pull = PendingPull(rid, prompt, params, priority, kv, FailurePolicy.RECOMPUTE)
+        reply = await self.engine.send(pb.EngineCommand(pull_finish=_pull_message(pull, True)))
+        return reply.started if reply.HasField("started") else None
+
+    async def _end_unstarted(self, rid: str) -> None:
+        if not await self.engine.abort(rid):  # no early pull there: nothing to settle
+            self.loop.publish([SequenceOutput(rid, 0, [], finish_reason="abort")])
 
     def _request_error(self, request_id: str, error: str) -> Exception:
-        return RequestFailed(error)
+        kind = _ERRORS.get(self.engine.error_kinds.pop(request_id, ""))
+        return kind(error) if kind is not None else RequestFailed(error)
 
     def _abort_soon(self, request_id: str) -> None:
         self.engine.abort_soon(request_id)
 
     async def abort(self, request_id: str) -> bool:
+        waiting = self._provided.get(request_id)
+        if waiting is not None and not waiting.done():  # the prompt is still computed elsewhere
+            waiting.set_result(None)
+            return True
         return await self.engine.abort(request_id)
 
     async def hand_off(self) -> int:
         self.handing_off = True
+        for rid, waiting in list(self._provided.items()):
+            if not waiting.done():
+                self._handed_off.add(rid)
+                waiting.set_result(None)
         if not self.engine.alive:
             return 0
         rids = self.loop.stream_ids()
@@ -92,6 +179,44 @@ class SplitDecodeWorker(DecodeWorker):
         return sum(1 for e in ended if e is True)
 
 
-def build_decode_worker(config: DecodeWorkerConfig, **kwargs) -> DecodeWorker:
-    """The decode worker ``config`` asks for: its engine in-process, or in a process of its own."""
-    return SplitDecodeWorker(config) if config.engine_process else DecodeWorker(config, **kwargs)
+def _pull_message(pull: PendingPull, reachable: bool) -> pb.EnginePull:
+    kv = pull.kv
+    request = pb.EngineAdd(
+        request_id=pull.request_id,
+        prompt_token_ids=pull.prompt,
+        params=params_to_proto(pull.params),
+        priority=pull.priority,
+    )
+    handle = pb.KVHandle(
+        request_id=kv.owner_request_id,
+        agent_name=kv.agent_name,
+        address=kv.address,
+        block_ids=kv.block_ids,
+        num_tokens=kv.num_tokens,
+        compat_hash=kv.compat_hash,
+        first_token=kv.first_token,
+        seed=kv.seed,
+        lease_expiry_unix=kv.lease_expiry_unix,
+    )
+    if kv.first_logprobs is not None:
+        handle.first_logprobs.CopyFrom(logprobs_to_proto(kv.first_logprobs))
+    return pb.EnginePull(request=request, handle=handle, policy=pull.policy.value, reachable=reachable)
+
+
+def _transfer_stats(msg: pb.KVTransferStats) -> TransferStats:
+    t = TransferStats()
+    for name in (
+        "bytes", "completed", "failures", "recomputed", "waited", "descriptors", "expired_leases",
+        "streamed", "streamed_bytes", "seconds_sum",
+    ):  # fmt: skip
+        setattr(t, name, getattr(msg, name))
+    t.bucket_counts = list(msg.bucket_counts)
+    return t
+
+
+def build_decode_worker(config: DecodeWorkerConfig, *, transfer: str = "nixl", **kwargs) -> DecodeWorker:
+    """The decode worker ``config`` asks for: its engine in-process, or in a process of its own
+    (``transfer``: nixl, or none for aggregated serving only)."""
+    if config.engine_process:
+        return SplitDecodeWorker(config, transfer=transfer)
+    return DecodeWorker(config, **kwargs)

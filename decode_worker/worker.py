@@ -39,7 +39,7 @@ from decode_worker.kv_pull import (
     PendingPull,
     PulledKV,
 )
-from decode_worker.peers import KVWatch, fetch_prefill_peer, registered_prefill_addresses
+from decode_worker.peers import KVWatch, PeerWarmup, fetch_prefill_peer
 from decode_worker.stream_output import StreamInterval, merge_outputs
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
@@ -90,7 +90,7 @@ class Progress:
     interval_s: float
 
 
-class DecodeWorker(WorkerRuntime):
+class DecodeWorker(PeerWarmup, WorkerRuntime):
     role = "decode"
 
     def __init__(
@@ -137,41 +137,7 @@ class DecodeWorker(WorkerRuntime):
     async def transfer_snapshot(self) -> TransferStats:
         return await self.loop.run(self.pulls.stats.snapshot)
 
-    # Lifecycle: peer warm-up ------------------------------------------------------------------
-
-    async def before_register(self) -> None:
-        """Connect to the registered prefill workers before becoming routable, then keep doing so."""
-        if not self.config.redis_url or self.fetch_peer is None:
-            return
-        try:
-            await self.warm_from_registry()
-        except Exception as exc:  # Redis away: pulls still connect lazily
-            logger.info("peer warm-up skipped: %s", exc)
-        self._warmer = asyncio.get_running_loop().create_task(self._keep_warm())
-
-    async def warm_from_registry(self) -> int:
-        addresses = await asyncio.to_thread(registered_prefill_addresses, self.config.redis_url)
-        new = [a for a in addresses if a not in self._warmed]
-        if not new:
-            return 0
-        added = await self.warm_peers(new)  # marks the ones it reached as warmed; the rest retry
-        logger.info("%s: NIXL connected to %d new prefill workers", self.worker_id, added)
-        return added
-
-    async def _keep_warm(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.warm_interval_s)
-            try:
-                await self.warm_from_registry()
-            except Exception as exc:  # Redis away: the pull path still connects lazily
-                logger.info("peer warm-up skipped: %s", exc)
-
-    def _stop_warmer(self) -> None:
-        task, self._warmer = self._warmer, None
-        if task is not None and not task.done():
-            loop = task.get_loop()
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(task.cancel)
+    # Lifecycle ----
 
     async def drain(self, timeout_s: float = 30.0, quiet_s: float = 1.0) -> bool:
         self._stop_warmer()
@@ -180,26 +146,6 @@ class DecodeWorker(WorkerRuntime):
     def stop(self) -> None:
         self._stop_warmer()
         super().stop()
-
-    async def warm_peers(self, addresses: list[str]) -> int:
-        """Connect NIXL to these prefill workers now (their metadata, UCX endpoints), so the first
-        pull from each pays no setup. Unreachable ones are skipped; returns how many were added."""
-        added = 0
-        for address in addresses:
-            if self.fetch_peer is None:
-                break
-            try:
-                info = await self.fetch_peer(address)
-            except (OSError, grpc.RpcError, ValueError) as exc:
-                logger.info("prefill worker %s not warmed (%s)", address, exc)
-                continue
-            self._warmed.add(address)
-            if info.agent_name in self._peers:
-                continue
-            await self.loop.run(lambda info=info: self.transfer.add_peer(info))
-            self._peers.add(info.agent_name)
-            added += 1
-        return added
 
     # Requests ---------------------------------------------------------------------------------
 
@@ -305,7 +251,7 @@ class DecodeWorker(WorkerRuntime):
             return True
         pull = PendingPull(request_id, prompt, params, priority, kv, policy)
         reachable = await self._connect_peer(pull)
-        return await self.loop.run(lambda: self.pulls.start(pull, reachable=reachable))
+        return await self._pull(pull, reachable)
 
     def provide_kv(self, request_id: str, kv: PulledKV) -> bool:
         """The complete KV handle of a streamed request; False when no such request waits for one."""
@@ -332,16 +278,11 @@ class DecodeWorker(WorkerRuntime):
             follow.cancel()  # its engine-thread calls either ran already or never will
             await asyncio.gather(follow, return_exceptions=True)
         if kv is None:  # aborted (or handed off) while the prompt was computed
-
-            def end() -> None:
-                if self.pulls.abort(rid) is None:  # no early pull: nothing to settle
-                    self.loop.publish([SequenceOutput(rid, 0, [], finish_reason="abort")])
-
-            await self.loop.run(end)
+            await self._end_unstarted(rid)
             return True
         if kv.num_tokens != len(prompt):
             raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}")
-        started = await self.loop.run(lambda: self.pulls.finish_early(rid, kv))
+        started = await self._pull_finish(rid, prompt, params, priority, kv)
         if started is not None:
             return started
         return await self._admit(rid, prompt, params, priority, kv, policy)
@@ -355,10 +296,10 @@ class DecodeWorker(WorkerRuntime):
                     pull = PendingPull(rid, prompt, params, priority, kv, policy)
                     if not await self._connect_peer(pull):
                         return
-                    if not await self.loop.run(lambda pull=pull: self.pulls.begin_early(pull)):
+                    if not await self._pull_early(pull):
                         return  # no room now: the pull starts whole from the complete handle
                     began = True
-                self.loop.call(lambda ids=block_ids, done=complete: self.pulls.extend(rid, ids, done))
+                self._pull_extend(rid, block_ids, complete)
         except (KVTransferError, ValueError, OSError, grpc.RpcError) as exc:
             logger.info("no early KV reads for %s from %s: %s", rid, source, exc)
 
@@ -437,8 +378,34 @@ class DecodeWorker(WorkerRuntime):
             raise PeerUnreachableError(
                 f"prefill worker at {kv.address} is now {info.agent_name}, not {kv.agent_name} (it restarted)"
             )
-        await self.loop.run(lambda: self.transfer.add_peer(info))
+        await self._add_peer(info)
         self._peers.add(kv.agent_name)
+
+    # The engine's side of the pulls (engine thread; ``decode_worker.split``: the engine process) ----
+
+    async def _add_peer(self, info: RemoteKVInfo) -> None:
+        await self.loop.run(lambda: self.transfer.add_peer(info))
+
+    async def _pull(self, pull: PendingPull, reachable: bool) -> bool:
+        return await self.loop.run(lambda: self.pulls.start(pull, reachable=reachable))
+
+    async def _pull_early(self, pull: PendingPull) -> bool:
+        return await self.loop.run(lambda: self.pulls.begin_early(pull))
+
+    def _pull_extend(self, rid: str, block_ids: list[int], complete: bool) -> None:
+        self.loop.call(lambda: self.pulls.extend(rid, block_ids, complete))
+
+    async def _pull_finish(self, rid, prompt, params, priority, kv: PulledKV) -> bool | None:
+        return await self.loop.run(lambda: self.pulls.finish_early(rid, kv))
+
+    async def _end_unstarted(self, rid: str) -> None:
+        """A streamed request aborted before its complete handle came: its early pull settles."""
+
+        def end() -> None:
+            if self.pulls.abort(rid) is None:  # no early pull: nothing to settle
+                self.loop.publish([SequenceOutput(rid, 0, [], finish_reason="abort")])
+
+        await self.loop.run(end)
 
     def _abort(self, rid: str) -> bool:
         """Engine thread. The request's stream (if still open) ends with finish reason ``abort``."""

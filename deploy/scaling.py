@@ -53,6 +53,42 @@ def replica_resources(app_name: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def replica_states(app_name: str) -> dict[str, tuple[int, int]]:
+    """Deployment name -> (running replicas, target replicas)."""
+    from ray.serve.context import _get_global_client
+
+    app = _get_global_client().get_serve_details().get("applications", {}).get(app_name) or {}
+    return {
+        name: (sum(1 for r in d.get("replicas", []) if r.get("state") == "RUNNING"), d["target_num_replicas"])
+        for name, d in app.get("deployments", {}).items()
+    }
+
+
+def describe_replicas(
+    states: dict[str, tuple[int, int]], per: dict[str, dict[str, float]], available: dict[str, float]
+) -> str:
+    """One line for ``pdserve status``: each deployment's running / target replicas, and for those
+    still waiting, whether the cluster has room for them (else Ray leaves them unscheduled) and the fix."""
+    parts, left = [], dict(available)
+    for name, (running, target) in sorted(states.items()):
+        part = f"{name} {running}/{target}"
+        waiting = target - running
+        if waiting > 0:
+            short = shortfall(per.get(name, {}), waiting, left)
+            if short:
+                what = ", ".join(f"{need:g} {res} (free: {free:g})" for res, (need, free) in short.items())
+                part += f" ({waiting} pending, unschedulable: they need {what})"
+            else:
+                part += f" ({waiting} starting)"
+                for res, amount in per.get(name, {}).items():
+                    left[res] = left.get(res, 0.0) - amount * waiting
+        parts.append(part)
+    line = "replicas running/target: " + ", ".join(parts)
+    if "unschedulable" in line:
+        line += "; give the cluster room (pdserve serve --ray-cpus N) or scale down (pdserve scale)"
+    return line
+
+
 def shortfall(
     per_replica: dict[str, float], added: int, available: dict[str, float]
 ) -> dict[str, tuple[float, float]]:

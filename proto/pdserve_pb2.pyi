@@ -602,7 +602,7 @@ class HopSummary(_message.Message):
     def __init__(self, hop: _Optional[str] = ..., count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ...) -> None: ...
 
 class EngineCommand(_message.Message):
-    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop")
+    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop", "add_peer", "pull", "pull_early", "pull_extend", "pull_finish")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
@@ -611,6 +611,11 @@ class EngineCommand(_message.Message):
     WATCH_KV_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    ADD_PEER_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PULL_EARLY_FIELD_NUMBER: _ClassVar[int]
+    PULL_EXTEND_FIELD_NUMBER: _ClassVar[int]
+    PULL_FINISH_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     start: str
     add: EngineAdd
@@ -619,7 +624,34 @@ class EngineCommand(_message.Message):
     watch_kv: bool
     snapshot: bool
     stop: bool
-    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ...) -> None: ...
+    add_peer: KVTransferInfo
+    pull: EnginePull
+    pull_early: EnginePull
+    pull_extend: EngineExtend
+    pull_finish: EnginePull
+    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ..., add_peer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., pull: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_early: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_extend: _Optional[_Union[EngineExtend, _Mapping]] = ..., pull_finish: _Optional[_Union[EnginePull, _Mapping]] = ...) -> None: ...
+
+class EnginePull(_message.Message):
+    __slots__ = ("request", "handle", "policy", "reachable")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    request: EngineAdd
+    handle: KVHandle
+    policy: str
+    reachable: bool
+    def __init__(self, request: _Optional[_Union[EngineAdd, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., policy: _Optional[str] = ..., reachable: _Optional[bool] = ...) -> None: ...
+
+class EngineExtend(_message.Message):
+    __slots__ = ("request_id", "block_ids", "complete")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    complete: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class EngineCommands(_message.Message):
     __slots__ = ("commands",)
@@ -660,7 +692,7 @@ class EngineLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineReady(_message.Message):
-    __slots__ = ("layout", "num_blocks", "max_model_len", "vocab_size", "max_num_seqs", "cache_salt", "pid")
+    __slots__ = ("layout", "num_blocks", "max_model_len", "vocab_size", "max_num_seqs", "cache_salt", "pid", "transfer")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -668,6 +700,7 @@ class EngineReady(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayoutInfo
     num_blocks: int
     max_model_len: int
@@ -675,10 +708,11 @@ class EngineReady(_message.Message):
     max_num_seqs: int
     cache_salt: str
     pid: int
-    def __init__(self, layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    transfer: KVTransferInfo
+    def __init__(self, layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., pid: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ...) -> None: ...
 
 class EngineReply(_message.Message):
-    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes")
+    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes", "started", "transfer_stats", "pending_pulls")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -686,6 +720,9 @@ class EngineReply(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     CACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_STATS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PULLS_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     error: str
     error_type: str
@@ -693,10 +730,13 @@ class EngineReply(_message.Message):
     aborted: bool
     ready: EngineReady
     cached_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    started: bool
+    transfer_stats: KVTransferStats
+    pending_pulls: int
+    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ..., started: _Optional[bool] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pending_pulls: _Optional[int] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
-    __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "has_logprobs", "finish_reason", "stop_string", "stop_token", "num_prompt_tokens", "num_cached_tokens", "error", "seed", "prompt_logprobs", "has_prompt_logprobs")
+    __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "has_logprobs", "finish_reason", "stop_string", "stop_token", "num_prompt_tokens", "num_cached_tokens", "error", "seed", "prompt_logprobs", "has_prompt_logprobs", "error_type")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -711,6 +751,7 @@ class EngineOutput(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -725,7 +766,8 @@ class EngineOutput(_message.Message):
     seed: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     has_prompt_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_logprobs: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., seed: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    error_type: str
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_logprobs: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., seed: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ..., error_type: _Optional[str] = ...) -> None: ...
 
 class EngineTokens(_message.Message):
     __slots__ = ("request_ids", "sample_index", "num_tokens", "token_ids", "num_prompt_tokens", "num_cached_tokens")
@@ -744,7 +786,7 @@ class EngineTokens(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineEvents(_message.Message):
-    __slots__ = ("replies", "outputs", "tokens", "step_started", "failure", "kv_events", "load")
+    __slots__ = ("replies", "outputs", "tokens", "step_started", "failure", "kv_events", "load", "landed")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -752,6 +794,7 @@ class EngineEvents(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[EngineReply]
     outputs: _containers.RepeatedCompositeFieldContainer[EngineOutput]
     tokens: EngineTokens
@@ -759,4 +802,13 @@ class EngineEvents(_message.Message):
     failure: str
     kv_events: _containers.RepeatedCompositeFieldContainer[KVEventBatch]
     load: EngineLoad
-    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., tokens: _Optional[_Union[EngineTokens, _Mapping]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+    landed: _containers.RepeatedCompositeFieldContainer[KVLanded]
+    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., tokens: _Optional[_Union[EngineTokens, _Mapping]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., landed: _Optional[_Iterable[_Union[KVLanded, _Mapping]]] = ...) -> None: ...
+
+class KVLanded(_message.Message):
+    __slots__ = ("request_id", "seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -20,10 +20,11 @@ from engine.config import EngineConfig
 from engine.limits import RequestLimits
 from engine.scheduler_output import SequenceOutput
 from engine.stats import EngineStats
-from kv_transfer import KVCompat
+from kv_transfer import KVCompat, RemoteKVInfo
 from kv_transfer.compat import dtype_name
 from proto import pdserve_pb2 as pb
 from proto.convert import logprobs_from_proto, logprobs_to_proto
+from worker.state import transfer_info_from_proto
 
 M = TypeVar("M", bound=Message)
 _LEN = struct.Struct("<I")
@@ -222,6 +223,7 @@ class EngineFacts:
     compat: KVCompat
     prefix_salt: str
     pid: int
+    transfer: RemoteKVInfo | None = None  # how peers read its KV (None: no transfer agent)
 
     @property
     def max_model_len(self) -> int:
@@ -264,4 +266,5 @@ def facts_from_proto(msg: pb.EngineReady) -> EngineFacts:
         block_size=lay.block_size,
         num_blocks=msg.num_blocks,
     )
-    return EngineFacts(limits, compat, msg.cache_salt, msg.pid)
+    transfer = transfer_info_from_proto(msg.transfer) if msg.HasField("transfer") else None
+    return EngineFacts(limits, compat, msg.cache_salt, msg.pid, transfer)

@@ -61,12 +61,24 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig, *, model_name: str = "", idle_tick_s: float = 0.005) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model_name: str = "",
+        idle_tick_s: float = 0.005,
+        module: str = "worker.engine_process",
+        role_args: tuple[str, ...] = (),
+    ) -> None:
+        """``module``: the process's entry point (a role's, e.g. ``decode_worker.engine_host``, with
+        ``role_args``)."""
         self._ids = itertools.count(1)
         self._write_lock = threading.Lock()
         self._pending: dict[int, asyncio.Future] = {}
         self._on_reply: dict[int, Callable[[pb.EngineReply], None]] = {}
         self._kv_hooks: list[Callable[[pb.EngineEvents], None]] = []
+        self.on_landed: Callable[[str, float], None] | None = None  # a pull's KV landed (its seconds)
+        self.error_kinds: dict[str, str] = {}  # request id -> its failed pull's error kind
         self._streams: dict[str, asyncio.Queue] = {}
         self._output_hooks: list[Callable[[SequenceOutput], None]] = []
         self._failure_hooks: list[Callable[[EngineLoopFailed], None]] = []
@@ -89,9 +101,10 @@ class EngineProcess:
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.process = subprocess.Popen(
             [
-                sys.executable, "-m", "worker.engine_process",
+                sys.executable, "-m", module,
                 "--commands", str(commands_r), "--events", str(events_w), "--clock", self._clock_path,
                 "--model-name", model_name, "--idle-tick", str(idle_tick_s), "--log-level", str(level),
+                *role_args,
             ],
             pass_fds=(commands_r, events_w),
             stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else subprocess.DEVNULL,
@@ -220,7 +233,7 @@ class EngineProcess:
     def abort_soon(self, request_id: str) -> None:
         """``abort`` without waiting for the answer (a stream's clean-up)."""
         if self.failure is None:
-            self.send(pb.EngineCommand(abort=request_id)).add_done_callback(_quiet)
+            self.send(pb.EngineCommand(abort=request_id)).add_done_callback(quiet)
 
     async def stats(self) -> EngineStats:
         return stats_from_proto((await self.send(pb.EngineCommand(stats=True))).stats)
@@ -229,13 +242,13 @@ class EngineProcess:
         """From now on the engine sends its prefix cache's events and its load; ``hook`` gets every
         message that carries them (after its replies and outputs)."""
         self._kv_hooks.append(hook)
-        self.send(pb.EngineCommand(watch_kv=True)).add_done_callback(_quiet)
+        self.send(pb.EngineCommand(watch_kv=True)).add_done_callback(quiet)
 
     def snapshot(self, on_reply: Callable[[list[bytes]], None]) -> None:
         """Every cached block's hash, given to ``on_reply`` as the reply is read (events read after it
         are newer than the snapshot; those before it are in it)."""
         done = self.send(pb.EngineCommand(snapshot=True), lambda r: on_reply(list(r.cached_hashes)))
-        done.add_done_callback(_quiet)
+        done.add_done_callback(quiet)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the engine process to exit (any thread), and wait; kill it if it does not. Its end of
@@ -298,6 +311,12 @@ class EngineProcess:
                 fut.set_exception(ValueError(reply.error))
             else:
                 fut.set_exception(RuntimeError(f"{reply.error_type}: {reply.error}"))
+        if self.on_landed is not None:
+            for landed in events.landed:
+                self.on_landed(landed.request_id, landed.seconds)
+        for out in events.outputs:
+            if out.error_type:
+                self.error_kinds[out.request_id] = out.error_type
         if events.outputs or events.tokens.request_ids:
             self.step_started = events.step_started
             self.publish(outputs_from_proto(events))
@@ -334,7 +353,7 @@ class EngineProcess:
                 logger.exception("engine failure hook failed")
 
 
-def _quiet(fut: asyncio.Future) -> None:
+def quiet(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()  # retrieved: a clean-up abort that failed with its engine says nothing
 

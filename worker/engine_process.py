@@ -32,6 +32,7 @@ import signal
 import struct
 import sys
 import time
+from collections.abc import Callable
 
 from engine.engine_core import EngineCore
 from engine.scheduler_output import SequenceOutput
@@ -56,11 +57,51 @@ _STEP_DECAY = 0.99  # as engine.engine_loop: a long step is remembered for a few
 LOAD_INTERVAL_S = 0.25  # the registry's heartbeat (1 s) takes the latest load
 
 
+class EngineRole:
+    """What a worker role adds to its engine process (``decode_worker.engine_host``: the KV pulls,
+    which must run where the engine's KV memory is). Every method runs on the engine's thread."""
+
+    def ready(self, msg: pb.EngineReady) -> None:
+        """Add what peers need to the ready message."""
+
+    def run(self, cmd: pb.EngineCommand, reply: pb.EngineReply) -> bool:
+        """Run a command of the role's; False: not one of them."""
+        return False
+
+    def abort(self, request_id: str) -> bool | None:
+        """End a request the role holds (publishing its outputs): whether it was there, or None to
+        leave it to the engine's own abort."""
+        return None
+
+    def tick(self) -> None:
+        """After every command batch, before the step."""
+
+    def hurry(self) -> bool:
+        """True: poll again without waiting for a command (something is about to land)."""
+        return False
+
+    def stats(self, reply: pb.EngineReply) -> None:
+        """Add the role's statistics to a stats reply."""
+
+    def finish(self, events: pb.EngineEvents, outputs: list[SequenceOutput]) -> dict[str, str]:
+        """Add the role's part to an iteration's message; returns the error kind of outputs whose
+        error is the role's (request id -> e.g. "KVTransferError")."""
+        return {}
+
+
 class EngineHost:
     def __init__(
-        self, core: EngineCore, commands_fd: int, events_fd: int, clock: mmap.mmap, idle_tick_s: float
+        self,
+        core: EngineCore,
+        commands_fd: int,
+        events_fd: int,
+        clock: mmap.mmap,
+        idle_tick_s: float,
+        role: EngineRole | None = None,
     ):
         self.core = core
+        self.role = role or EngineRole()
+        self.published: list[SequenceOutput] = []  # outputs made between steps (``publish``)
         self.commands_fd = commands_fd
         self.events_fd = events_fd
         self.clock = clock
@@ -81,14 +122,15 @@ class EngineHost:
         while not self.stopping:
             self.beat = time.monotonic()
             self._tick_clock()
-            busy = core.has_work() or bool(self.compiling)
+            busy = core.has_work() or bool(self.compiling) or self.role.hurry()
             if not busy:
                 select.select([self.commands_fd], [], [], self.idle_tick_s)
             replies: list[pb.EngineReply] = []
-            outputs: list[SequenceOutput] = []
+            outputs = self.published
             for cmd in self._read_commands():
                 replies.append(self._run(cmd, outputs))
             self._land_compiled(replies)
+            self.role.tick()
             step_started = time.monotonic()
             if core.has_work():
                 self.step_started = self.beat = step_started
@@ -101,13 +143,21 @@ class EngineHost:
                     return False
                 self.beat = time.monotonic()
                 self.recent_step_s = max(self.beat - step_started, self.recent_step_s * _STEP_DECAY)
+            self.published = []
             events = pb.EngineEvents(replies=replies, step_started=self.step_started)
+            kinds = self.role.finish(events, outputs)
             outputs_to_proto(outputs, events)
+            for out in events.outputs if kinds else ():
+                out.error_type = kinds.get(out.request_id, "")
             if self.watching:
                 self._add_kv_state(events)
-            if replies or outputs or events.kv_events or events.HasField("load"):
+            if replies or outputs or events.kv_events or events.HasField("load") or events.landed:
                 write_frame(self.events_fd, events)
         return True
+
+    def publish(self, outputs: list[SequenceOutput]) -> None:
+        """Outputs made outside a step (a role's failed pull): sent with this iteration's."""
+        self.published.extend(outputs)
 
     def _add_kv_state(self, events: pb.EngineEvents) -> None:
         for kind, hashes in event_batches(self.core.drain_kv_events()):
@@ -149,11 +199,10 @@ class EngineHost:
                     return None
                 self._add(cmd.add, params)
             elif kind == "abort":
-                outs = self._abort(cmd.abort)
-                outputs.extend(outs)
-                reply.aborted = bool(outs)
+                reply.aborted = self._abort(cmd.abort, outputs)
             elif kind == "stats":
                 reply.stats.CopyFrom(stats_to_proto(self.core.stats()))
+                self.role.stats(reply)
             elif kind == "watch_kv":
                 self.watching, self.next_load = True, 0.0
             elif kind == "snapshot":
@@ -161,7 +210,7 @@ class EngineHost:
                 reply.cached_hashes.extend(self.core.kv.pool.cached_hashes())
             elif kind == "stop":
                 self.stopping = True
-            else:
+            elif not self.role.run(cmd, reply):
                 raise ValueError(f"unknown engine command {kind!r}")
         except Exception as exc:  # the caller gets it; the engine goes on
             reply.error, reply.error_type = str(exc), type(exc).__name__
@@ -170,13 +219,20 @@ class EngineHost:
     def _add(self, add: pb.EngineAdd, params) -> None:
         self.core.add_request(add.request_id, list(add.prompt_token_ids), params, priority=add.priority)
 
-    def _abort(self, request_id: str) -> list[SequenceOutput]:
+    def _abort(self, request_id: str, outputs: list[SequenceOutput]) -> bool:
+        """End the request (its stream gets finish reason abort); False when it was not here."""
         for i, (fut, cmd) in enumerate(self.compiling):
             if cmd.add.request_id == request_id:  # not added yet: it never will be
                 fut.cancel()
                 del self.compiling[i]
-                return [SequenceOutput(request_id, 0, [], finish_reason="abort")]
-        return self.core.abort_request(request_id)
+                outputs.append(SequenceOutput(request_id, 0, [], finish_reason="abort"))
+                return True
+        held = self.role.abort(request_id)  # its outputs published through ``publish``
+        if held is not None:
+            return held
+        outs = self.core.abort_request(request_id)
+        outputs.extend(outs)
+        return bool(outs)
 
     def _land_compiled(self, replies: list[pb.EngineReply | None]) -> None:
         """Adds whose grammar compiled meanwhile join now, in arrival order."""
@@ -195,7 +251,12 @@ class EngineHost:
         write_frame(self.events_fd, pb.EngineEvents(failure=reason))
 
 
-def main(argv: list[str] | None = None) -> None:
+RoleFactory = Callable[[EngineHost, KVCompat, list[str]], EngineRole]
+
+
+def main(argv: list[str] | None = None, role: RoleFactory | None = None) -> None:
+    """``role``: builds the worker role's part from the host, the KV compatibility and the
+    arguments this parser does not know (``decode_worker.engine_host``)."""
     p = argparse.ArgumentParser(prog="python -m worker.engine_process", description=__doc__)
     p.add_argument("--commands", type=int, required=True, help="descriptor to read EngineCommands from")
     p.add_argument("--events", type=int, required=True, help="descriptor to write EngineEvents to")
@@ -203,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-name", default="", help="the name peers check KV compatibility against")
     p.add_argument("--idle-tick", type=float, default=0.005)
     p.add_argument("--log-level", default="WARNING")
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra and role is None:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -221,11 +284,14 @@ def main(argv: list[str] | None = None) -> None:
         write_frame(args.events, pb.EngineEvents(replies=[reply]))
         sys.exit(1)
     compat = KVCompat.from_layout(args.model_name or str(config.model), core.layout)
+    host = EngineHost(core, args.commands, args.events, clock, args.idle_tick)
+    if role is not None:
+        host.role = role(host, compat, extra)
     ready = ready_to_proto(core.limits, compat, core.prefix_salt)
+    host.role.ready(ready)
     write_frame(
         args.events, pb.EngineEvents(replies=[pb.EngineReply(command_id=cmd.command_id, ready=ready)])
     )
-    host = EngineHost(core, args.commands, args.events, clock, args.idle_tick)
     try:
         ok = host.serve()
     except BrokenPipeError:  # the worker went away mid-write
@@ -233,9 +299,14 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(0 if ok else 1)
 
 
-if __name__ == "__main__":
-    # A signal to the worker's process group (Ctrl-C, a supervisor's SIGTERM) is the worker's to
-    # handle: it drains, then stops this process; if it dies instead, the command pipe's end says so.
+def run(role: RoleFactory | None = None) -> None:
+    """The process's entry point: a signal to the worker's process group (Ctrl-C, a supervisor's
+    SIGTERM) is the worker's to handle: it drains, then stops this process; if the worker dies
+    instead, the command pipe's end says so."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    main()
+    main(role=role)
+
+
+if __name__ == "__main__":
+    run()

@@ -74,8 +74,11 @@ class WorkerRuntime(ABC):
         self.engine: EngineProcess | None = None
         self.core: EngineCore | None = None
         self.transfer: KVTransferBackend | None = None
-        if config.engine_process:  # the engine in a process of its own; no KV hand-offs
-            self.engine = EngineProcess(config.engine, model_name=config.served_model)
+        if config.engine_process:  # the engine in a process of its own (a role's, with its args)
+            module, role_args = self.engine_module()
+            self.engine = EngineProcess(
+                config.engine, model_name=config.served_model, module=module, role_args=role_args
+            )
             self.compat = self.engine.facts.compat
             self.loop: EngineLoop | EngineProcess = self.engine
         else:
@@ -109,6 +112,10 @@ class WorkerRuntime(ABC):
         """Engine thread only: this role's KV-pull statistics, if it pulls."""
         return None
 
+    def engine_module(self) -> tuple[str, tuple[str, ...]]:
+        """The engine process's entry point and its role's arguments (the plain engine by default)."""
+        return "worker.engine_process", ()
+
     @property
     def limits(self) -> RequestLimits:
         return self.engine.facts.limits if self.engine is not None else self.core.limits
@@ -126,7 +133,7 @@ class WorkerRuntime(ABC):
             self.compat,
             self.limits,
             self.prefix_salt,
-            kv_handoff=self.engine is None,  # an engine in another process has no NIXL agent over its KV
+            kv_handoff=self.transfer_info() is not None,  # an agent over its KV: it takes hand-offs
         )
 
     # Lifecycle --------------------------------------------------------------------------------
@@ -245,6 +252,8 @@ class WorkerRuntime(ABC):
 
     def transfer_info(self) -> RemoteKVInfo | None:
         """How a peer reads this worker's KV (None: it takes part in no hand-off)."""
+        if self.engine is not None:
+            return self.engine.facts.transfer
         return self.transfer.local_info() if self.transfer is not None else None
 
     async def stats(self) -> EngineStats:

@@ -1,5 +1,5 @@
 """The served-path benchmark runs every layout from standalone processes (engine alone, minimal
-server, decode worker + router + ingress) and reports each one's rate and each process's CPU per
+server, decode worker + router + ingress, the same with the engine in its own process) and reports each one's rate and each process's CPU per
 streamed token, with every request's tokens delivered and every KV block given back."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
 
     result = json.loads(out.read_text())
     layouts = result["workloads"]["8/8"]
-    assert list(layouts) == ["engine", "minimal", "stack"]
+    assert list(layouts) == ["engine", "minimal", "stack", "split"]
     for name, run in layouts.items():
         assert run["requests_per_s"] > 0, name
         assert run["complete"], name
@@ -47,6 +47,12 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
     assert stack["load_generator_cpu_ms_per_token"] > 0
     blocks = stack["kv_blocks"]["decode_worker"]
     assert blocks["free_after"] == blocks["free_before"] > 0
+    split = layouts["split"]  # the decode worker's engine in its own process, measured apart
+    assert set(split["cpu_ms_per_token"]) == {"decode_worker", "engine_process", "router", "ingress"}
+    assert (
+        split["kv_blocks"]["decode_worker"]["free_after"]
+        == split["kv_blocks"]["decode_worker"]["free_before"]
+    )
     assert set(layouts["minimal"]["cpu_ms_per_token"]) == {"minimal_server"}
     assert layouts["minimal"]["cpu_over_minimal"] == pytest.approx(1.0)
     assert layouts["engine"]["over_engine"] == pytest.approx(1.0)

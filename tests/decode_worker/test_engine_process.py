@@ -93,7 +93,7 @@ class _Consumer:
 
 @pytest.fixture
 def worker(tiny_llama):
-    w = build_decode_worker(_config(tiny_llama))
+    w = build_decode_worker(_config(tiny_llama), transfer="none")
     assert isinstance(w, SplitDecodeWorker) and w.core is None and w.engine.process.pid != os.getpid()
     yield w
     w.stop()
@@ -219,7 +219,7 @@ def test_frames_split_anywhere_reassemble():
 
 
 def test_registers_publishes_its_cache_and_leaves_on_drain(tiny_llama, redis_server):
-    worker = build_decode_worker(_config(tiny_llama, redis_server.url))
+    worker = build_decode_worker(_config(tiny_llama, redis_server.url), transfer="none")
     view = ClusterView(redis_server.url)
     view.start()
 

@@ -85,6 +85,7 @@ def test_scale_prefill_up_and_down_under_load(serve_model, module_redis_server, 
         status = svc.cli("status")
         assert status.startswith(f"service {svc.name!r} (endpoint {svc.base}")
         assert all(w in status for w in workers)  # both registered and visible to operators
+        assert "replicas running/target: " in status and "Prefill 2/2" in status, status
 
         # Scale down while 8 streams run: every stream completes with the right text.
         texts = asyncio.run(streams(name, prompts, 48, during=lambda: svc.cli("scale", "--prefill", "1")))

@@ -33,3 +33,14 @@ def test_room_is_counted_across_pools_and_per_resource(service):
 
 def test_scaling_down_or_staying_needs_no_room(service):
     scaling.check_room("pdserve", {"prefill": 0, "decode": 1}, {})
+
+
+def test_status_says_which_replicas_wait_and_whether_they_can_ever_be_placed():
+    per = {"Prefill": {"CPU": 1.0}, "Decode": {"CPU": 1.0}, "Router": {"CPU": 0.1}}
+    line = scaling.describe_replicas(
+        {"Decode": (1, 1), "Prefill": (1, 3), "Router": (1, 1)}, per, {"CPU": 0.8}
+    )
+    assert "Prefill 1/3 (2 pending, unschedulable: they need 2 CPU (free: 0.8))" in line
+    assert "Decode 1/1," in line and "--ray-cpus" in line
+    line = scaling.describe_replicas({"Prefill": (1, 2)}, per, {"CPU": 4.0})  # room: merely starting
+    assert line == "replicas running/target: Prefill 1/2 (1 starting)"

@@ -1,0 +1,74 @@
+"""Decode workers whose engine runs in a process of its own (``--engine-process``), over the real
+path: worker processes, real NIXL between the prefill worker and the decode worker's engine process
+(where its KV memory is), real gRPC and Redis, the router in front. Disaggregated output equals the
+engine alone and HF, KV streamed while the prompt is computed too; the pulls are counted; every
+block is free after. Started with ``--kv-transfer inprocess`` the worker takes no hand-offs and the
+router computes its prompts there, the prefill worker untouched."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pd_client import state
+from test_router import Cluster
+
+from engine import LLM
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [list(range(100, 140)), [5, 9, 9, 17, 3, 3, 3, 40] * 3, [7, 8], list(range(200, 300))]
+
+
+def _engine_alone(tiny_llama) -> list[list[int]]:
+    alone = LLM(str(tiny_llama), num_blocks=128, block_size=8)
+    return [alone.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+def test_disaggregated_through_an_engine_process_equals_the_engine_alone(
+    workers, redis_server, tiny_llama, hf_greedy
+):
+    want = _engine_alone(tiny_llama)
+    assert want[0] == hf_greedy(tiny_llama, PROMPTS[0], 10)
+    cluster = Cluster(workers, redis_server, 1, decode_flags=("--engine-process",))
+
+    async def run():
+        await cluster.start()
+        try:
+            cluster.router.local_prefill_tokens = 0  # every prompt prefilled on the prefill worker
+            cluster.router.kv_streaming_tokens = 64  # the 100-token prompt streams its KV
+            got = await asyncio.gather(*(cluster.generate(f"q{i}", p, GREEDY) for i, p in enumerate(PROMPTS)))
+            assert got == want
+            assert all(cluster.routes[f"q{i}"].prefill_worker == "p0" for i in range(len(PROMPTS)))
+            decode = await state(cluster.decode.address, "decode")
+            assert decode.transfer.agent_name.startswith("d0-")  # its engine process's NIXL agent
+            t = decode.transfer_stats
+            assert t.completed >= len(PROMPTS) and t.bytes > 0 and t.recomputed == 0
+            assert t.streamed >= 1
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def test_without_a_transfer_agent_the_router_computes_its_prompts_there(workers, redis_server, tiny_llama):
+    want = _engine_alone(tiny_llama)
+    cluster = Cluster(
+        workers, redis_server, 1, decode_flags=("--engine-process", "--kv-transfer", "inprocess")
+    )
+
+    async def run():
+        await cluster.start()
+        try:
+            cluster.router.local_prefill_tokens = 0
+            got = [await cluster.generate(f"a{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+            assert got == want
+            routes = [cluster.routes.get(f"a{i}") for i in range(len(PROMPTS))]
+            assert all(r is None or not r.prefill_worker for r in routes)  # none prefilled elsewhere
+            prefill = await state(cluster.prefills[0].address, "prefill")
+            assert prefill.stats.prompt_tokens == 0  # never asked
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
