@@ -40,8 +40,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--engine-process",
         default="auto",
         choices=["auto", "on", "off"],
-        help="decode replicas run their engine in a process of its own, with nothing else on its GIL; such "
-        "a worker takes no KV hand-offs (auto: on in aggregated mode)",
+        help="decode replicas run their engine and its KV pulls in a process of their own, with nothing else "
+        "on its GIL (auto: on in aggregated mode, where it was measured)",
     )
     s.add_argument(
         "--local-prefill-tokens",

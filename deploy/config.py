@@ -138,9 +138,9 @@ class DecodeOptions(_WorkerPoolOptions):
     # Tokens a stream holds before it sends them (first and last never wait): fewer messages through
     # gRPC, the router and HTTP per token, burstier streams (decode_worker/stream_output.py).
     stream_interval: int = Field(1, ge=1)
-    # The engine in a process of its own (decode_worker/split.py): nothing else on its GIL, the gRPC
-    # and stream work in the replica's process. Such a worker takes no KV hand-offs (the router runs
-    # its requests aggregated). auto: on in aggregated mode, off in disaggregated mode.
+    # The engine and its KV pulls in a process of their own (decode_worker/split.py): nothing else on
+    # its GIL, the gRPC and stream work in the replica's process. auto: on in aggregated mode (where
+    # it was measured), off in disaggregated mode.
     engine_process: Literal["auto", "on", "off"] = "auto"
 
 
