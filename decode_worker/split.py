@@ -35,7 +35,12 @@ from proto import pdserve_pb2 as pb
 from proto.convert import logprobs_to_proto, params_to_proto
 from worker.engine_client import quiet
 from worker.runtime import RequestFailed
-from worker.state import transfer_info_to_proto
+from worker.state import (
+    stats_from_proto,
+    transfer_info_to_proto,
+    transfer_stats_from_proto,
+    worker_state_to_proto,
+)
 
 TRANSFERS = ("nixl", "none")
 NO_HANDOFF = (
@@ -86,26 +91,25 @@ class SplitDecodeWorker(DecodeWorker):
         return self._pull_stats
 
     async def transfer_snapshot(self) -> TransferStats:
-        await self.busy()  # refreshes the pull statistics
+        await self._engine_stats()
         return self._pull_stats.snapshot()
 
-    async def busy(self) -> int:
+    async def _engine_stats(self) -> pb.EngineReply:
+        """The engine's statistics (its pulls' kept for ``transfer_stats``)."""
         reply = await self.engine.send(pb.EngineCommand(stats=True))
         if reply.HasField("transfer_stats"):
-            self._pull_stats = _transfer_stats(reply.transfer_stats)
+            self._pull_stats = transfer_stats_from_proto(reply.transfer_stats)
+        return reply
+
+    async def busy(self) -> int:
+        reply = await self._engine_stats()
         s = reply.stats
-        return (
-            s.num_running
-            + s.num_waiting
-            + s.num_swapped
-            + s.num_transferring
-            + reply.pending_pulls
-            + len(self._provided)
-        )
+        waiting = reply.pending_pulls + len(self._provided)
+        return s.num_running + s.num_waiting + s.num_swapped + s.num_transferring + waiting
 
     async def get_state(self) -> pb.WorkerState:
-        await self.busy()
-        return await super().get_state()
+        reply = await self._engine_stats()
+        return worker_state_to_proto(self, self.address, stats_from_proto(reply.stats), self._pull_stats)
 
     async def before_register(self) -> None:
         if self.takes_handoffs:
@@ -201,17 +205,6 @@ def _pull_message(pull: PendingPull, reachable: bool) -> pb.EnginePull:
     if kv.first_logprobs is not None:
         handle.first_logprobs.CopyFrom(logprobs_to_proto(kv.first_logprobs))
     return pb.EnginePull(request=request, handle=handle, policy=pull.policy.value, reachable=reachable)
-
-
-def _transfer_stats(msg: pb.KVTransferStats) -> TransferStats:
-    t = TransferStats()
-    for name in (
-        "bytes", "completed", "failures", "recomputed", "waited", "descriptors", "expired_leases",
-        "streamed", "streamed_bytes", "seconds_sum",
-    ):  # fmt: skip
-        setattr(t, name, getattr(msg, name))
-    t.bucket_counts = list(msg.bucket_counts)
-    return t
 
 
 def build_decode_worker(config: DecodeWorkerConfig, *, transfer: str = "nixl", **kwargs) -> DecodeWorker:

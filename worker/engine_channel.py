@@ -19,7 +19,6 @@ from google.protobuf.message import Message
 from engine.config import EngineConfig
 from engine.limits import RequestLimits
 from engine.scheduler_output import SequenceOutput
-from engine.stats import EngineStats
 from kv_transfer import KVCompat, RemoteKVInfo
 from kv_transfer.compat import dtype_name
 from proto import pdserve_pb2 as pb
@@ -188,29 +187,6 @@ def output_from_proto(msg: pb.EngineOutput) -> SequenceOutput:
             if msg.has_prompt_logprobs
             else None
         ),
-    )
-
-
-def stats_from_proto(s: pb.EngineStats) -> EngineStats:
-    return EngineStats(
-        num_running=s.num_running,
-        num_waiting=s.num_waiting,
-        num_swapped=s.num_swapped,
-        num_blocks=s.num_blocks,
-        num_free_blocks=s.num_free_blocks,
-        kv_usage=s.kv_usage,
-        prefix_cache_queries=s.prefix_cache_queries,
-        prefix_cache_hits=s.prefix_cache_hits,
-        num_preemptions=s.num_preemptions,
-        num_swap_outs=0,
-        prompt_tokens=s.prompt_tokens,
-        generation_tokens=s.generation_tokens,
-        num_held=s.num_held_requests,
-        num_transferring=s.num_transferring,
-        spec_num_drafts=s.spec_num_drafts,
-        spec_draft_tokens=s.spec_draft_tokens,
-        spec_accepted_tokens=s.spec_accepted_tokens,
-        spec_accepted_per_position=tuple(s.spec_accepted_per_position),
     )
 
 

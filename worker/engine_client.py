@@ -45,10 +45,10 @@ from worker.engine_channel import (
     facts_from_proto,
     outputs_from_proto,
     read_frame,
-    stats_from_proto,
     write_frame,
 )
 from worker.engine_process import CLOCK
+from worker.state import stats_from_proto
 
 logger = logging.getLogger(__name__)
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
+from engine.stats import EngineStats
 from kv_transfer import KVCompat, RemoteKVInfo
+from kv_transfer.stats import TRANSFER_SECONDS_BUCKETS, TransferStats
 from proto import pdserve_pb2 as pb
-
-if TYPE_CHECKING:
-    from engine.engine_core import EngineStats
-    from kv_transfer.stats import TransferStats
 
 
 def transfer_info_to_proto(info: RemoteKVInfo) -> pb.KVTransferInfo:
@@ -77,8 +74,47 @@ def stats_to_proto(s: EngineStats) -> pb.EngineStats:
     )
 
 
+def stats_from_proto(s: pb.EngineStats) -> EngineStats:
+    return EngineStats(
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        num_swapped=s.num_swapped,
+        num_blocks=s.num_blocks,
+        num_free_blocks=s.num_free_blocks,
+        kv_usage=s.kv_usage,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        num_preemptions=s.num_preemptions,
+        num_swap_outs=0,
+        prompt_tokens=s.prompt_tokens,
+        generation_tokens=s.generation_tokens,
+        num_held=s.num_held_requests,
+        num_transferring=s.num_transferring,
+        spec_num_drafts=s.spec_num_drafts,
+        spec_draft_tokens=s.spec_draft_tokens,
+        spec_accepted_tokens=s.spec_accepted_tokens,
+        spec_accepted_per_position=tuple(s.spec_accepted_per_position),
+    )
+
+
+def transfer_stats_from_proto(t: pb.KVTransferStats) -> TransferStats:
+    """``transfer_stats_to_proto`` undone (an engine process's pull statistics, in its worker)."""
+    return TransferStats(
+        bytes=t.bytes,
+        completed=t.completed,
+        failures=t.failures,
+        recomputed=t.recomputed,
+        waited=t.waited,
+        descriptors=t.descriptors,
+        expired_leases=t.expired_leases,
+        streamed=t.streamed,
+        streamed_bytes=t.streamed_bytes,
+        seconds_sum=t.seconds_sum,
+        bucket_counts=list(t.bucket_counts),
+    )
+
+
 def transfer_stats_to_proto(t: TransferStats) -> pb.KVTransferStats:
-    from kv_transfer.stats import TRANSFER_SECONDS_BUCKETS
 
     return pb.KVTransferStats(
         bytes=t.bytes,
