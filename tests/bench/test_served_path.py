@@ -38,7 +38,10 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
         assert run["requests_per_s"] > 0, name
         assert run["complete"], name
         assert run["streamed_tokens"] == 8 * 8, name
-        assert all(cpu > 0 for cpu in run["cpu_ms_per_token"].values()), name
+        # /proc counts CPU in 10 ms ticks: on 64 tokens a light process (the split worker's
+        # gRPC side) may read zero, but the layout as a whole cannot.
+        assert all(cpu >= 0 for cpu in run["cpu_ms_per_token"].values()), name
+        assert sum(run["cpu_ms_per_token"].values()) > 0, name
         assert run["ttft_c1_p50_ms"] > 0, name  # one request at a time
     stack = layouts["stack"]
     assert set(stack["cpu_ms_per_token"]) == {"decode_worker", "router", "ingress"}
