@@ -14,6 +14,7 @@ import os
 import sys
 
 from cli import bench, generate, manifests, scale, serve, status, train_tiny
+from cli.supervise import supervise
 
 COMMANDS = (generate, serve, status, scale, bench, manifests, train_tiny)
 
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    if args.command == "serve":  # the service runs in a session of its own (cli/supervise.py)
+        code = supervise(argv if argv is not None else sys.argv[1:])
+        if code is not None:
+            return code
     try:
         code = args.func(args)
         sys.stdout.flush()  # inside the try: a reader that left (``| head``) surfaces here

@@ -98,6 +98,8 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
             log_to_driver=args.verbose,
         )
     _on_signals(stop)  # NOTE: again: ray.init replaces the SIGTERM handler with a plain exit
+    if not args.verbose:  # Serve's own INFO lines name its proxy's default port, not the endpoint
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     base = f"http://{_display_host(config.ingress.host)}:{config.ingress.port}"
     record = new_record(args.name, config.app_name, base, *cluster_identity())
     write_record(record)  # from now on `pdserve status --service NAME` finds this cluster
@@ -138,8 +140,6 @@ def _stop_serve(serve, config: PDServeConfig, joined: bool) -> None:
     controller and proxy then go with ``ray.shutdown``: ``serve.shutdown()`` would kill the controller
     under the driver's in-flight calls to it, and Ray prints each as a failed task ("Task
     ServeController.graceful_shutdown failed ...") on an otherwise clean exit."""
-    if not logging.getLogger().isEnabledFor(logging.DEBUG):
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # "Deleting app [...]"
     serve.delete(config.app_name)
     if joined:  # someone else's cluster: leave nothing of ours running there
         serve.shutdown()

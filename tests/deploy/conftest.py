@@ -69,10 +69,14 @@ class ServeProcess:
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + 240
+        self.sessions = {self.proc.pid}  # the CLI's, and its supervised child's (cli/supervise.py)
         while not self._ready.wait(0.5):
+            self.sessions |= _children(self.proc.pid)
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 pytest.fail("pdserve serve did not come up:\n" + "".join(self.lines[-60:]))
+        self.sessions |= _children(self.proc.pid)
+        assert len(self.sessions) == 2, "pdserve serve runs the service as one supervised child"
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -172,11 +176,11 @@ class ServeProcess:
         pids = {w["workerId"]: w["pid"] for w in status["workers"] if w["role"] == role}
         for worker, pid in pids.items():
             try:
-                own = os.getsid(pid) == self.proc.pid
+                own = os.getsid(pid) in self.sessions
             except ProcessLookupError:
                 own = False
             assert own, (
-                f"{worker} (pid {pid}) is not a process of this test's service (session {self.proc.pid})"
+                f"{worker} (pid {pid}) is not a process of this test's service (sessions {self.sessions})"
             )
         return pids
 
@@ -210,16 +214,27 @@ class ServeProcess:
             pytest.fail("pdserve serve did not stop after SIGTERM:\n" + self.output[-4000:])
 
     def leftover_processes(self) -> list[str]:
-        """Processes still in the CLI's session (Ray's raylet, GCS, workers would be here)."""
+        """Processes still in the service's sessions (Ray's raylet, GCS, workers would be here)."""
         out = subprocess.run(["ps", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout
-        sid = str(self.proc.pid)
-        return [line for line in out.splitlines()[1:] if line.split(None, 2)[1] == sid]
+        sids = {str(sid) for sid in self.sessions}
+        return [line for line in out.splitlines()[1:] if line.split(None, 2)[1] in sids]
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        for sid in getattr(self, "sessions", {self.proc.pid}):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(sid, signal.SIGKILL)
         with contextlib.suppress(OSError):  # its serve cannot remove the record any more
             self.record_path().unlink()
+
+
+def _children(pid: int) -> set[int]:
+    """The processes ``pid`` started, while it runs (``/proc/<pid>/task/*/children``)."""
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
 
 
 @pytest.fixture(scope="module")
