@@ -10,6 +10,7 @@ cached hashes is recorded as an event for the global prefix index.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
@@ -44,6 +45,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self._events: list[KVEvent] = []
+        # Called with (block, hash) as a cached block is evicted, before it is handed out (a host tier
+        # copies its content out: engine/kv_host_tier.py).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -125,3 +129,5 @@ class BlockPool:
             if self._cached.get(h) == block_id:
                 del self._cached[h]
                 self._events.append(BlockRemoved([h]))
+                if self.on_evict is not None:
+                    self.on_evict(block_id, h)

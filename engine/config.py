@@ -83,6 +83,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int = option(1 << 30, "bytes of KV cache on CPU")
     gpu_memory_utilization: float = option(0.9, "fraction of free GPU memory for the KV cache on CUDA")
     swap_space: float = option(0.0, "GiB of CPU blocks for swap preemption (0: preempt by recompute)")
+    kv_host_cache_gib: float = option(
+        0.0,
+        "GiB of host memory that keeps prefix blocks evicted from the KV pool, loaded back on a prefix hit "
+        "instead of recomputed (0: off)",
+    )
     enable_prefix_caching: bool = option(
         True, "reuse cached prompt blocks across requests", flag="--prefix-caching"
     )
@@ -137,6 +142,8 @@ class EngineConfig:
             _positive("cpu_threads", self.cpu_threads)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_host_cache_gib < 0:
+            raise ValueError(f"kv_host_cache_gib must be >= 0 GiB, got {self.kv_host_cache_gib}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.async_scheduling not in ASYNC_SCHEDULING:

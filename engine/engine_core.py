@@ -23,6 +23,7 @@ from engine.core_transfer import TransferMixin
 from engine.cpu_threads import apply_thread_policy
 from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_host_tier import attach_host_tier
 from engine.kv_quant import first_blocks, storage_dtype
 from engine.limits import RequestLimits
 from engine.model_runner import ModelRunner
@@ -90,6 +91,9 @@ class EngineCore(TransferMixin):
             num_cpu_blocks=num_cpu_blocks,
             salt=self.prefix_salt,
         )
+        if config.kv_host_cache_gib and config.enable_prefix_caching:
+            slots = attach_host_tier(self.kv, kv_cache, config.kv_host_cache_gib)
+            logger.info("KV host tier: %d blocks (%.2f GiB)", slots, config.kv_host_cache_gib)
         self.scheduler = Scheduler(
             self.kv,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -364,7 +368,19 @@ class EngineCore(TransferMixin):
             num_transferring=len(s.transferring),
             prompt_tokens=s.num_prompt_tokens,
             generation_tokens=self._generation_tokens,
+            **self._host_tier_stats(),
             **self._spec_stats(),
+        )
+
+    def _host_tier_stats(self) -> dict:
+        tier = self.kv.host_tier
+        if tier is None:
+            return {}
+        return dict(
+            host_cache_blocks=tier.num_slots,
+            host_cache_used=len(tier),
+            prefix_cache_hits_host=self.kv.prefix_hits_host,
+            host_offloaded_blocks=tier.counters.offloaded_blocks,
         )
 
     def _spec_stats(self) -> dict:

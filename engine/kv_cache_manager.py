@@ -5,20 +5,28 @@ sequence get slots for ``k`` more tokens (and with what safety margin), fork a s
 for a parallel sample, copy-on-write a shared block before it is written, swap a sequence's blocks
 to the CPU pool and back, and free. Block operations the model runner must apply to the KV tensor
 (copies, swaps) are returned as (src, dst) pairs.
+
+With a host tier (engine/kv_host_tier.py), a cached block the pool evicts is copied out to host memory
+as it is evicted, and a prompt's prefix hit continues from the device's blocks into the host tier's:
+those blocks are copied back into fresh device blocks when the request is admitted (the copies are
+issued then, on the device's stream, ahead of the step that reads them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool
+from engine.kv_host_tier import HostBlocks, HostTier
 from engine.request import Request
 
 
 @dataclass(slots=True)
 class PrefixHit:
-    block_ids: list[int]
-    num_tokens: int
+    block_ids: list[int]  # device blocks, in prompt order
+    num_tokens: int  # tokens of both runs
+    host_slots: list[int] = field(default_factory=list)  # the host tier's blocks that follow them
 
 
 class KVCacheManager:
@@ -47,6 +55,14 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.prefix_hits_host = 0  # of prefix_hits: tokens loaded from the host tier
+        self.host_tier: HostTier | None = None
+        self.host_blocks: HostBlocks | None = None
+
+    def attach_host_tier(self, tier: HostTier, blocks: HostBlocks) -> None:
+        """Keep evicted prefix blocks in ``tier`` (bookkeeping) / ``blocks`` (memory and copies)."""
+        self.host_tier, self.host_blocks = tier, blocks
+        self.pool.on_evict = self._offload
 
     @property
     def num_blocks(self) -> int:
@@ -62,8 +78,9 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_prefix_hit(self, req: Request) -> PrefixHit:
-        """Longest run of the prompt's full blocks already in the cache.
+    def find_prefix_hit(self, req: Request, host: bool = True) -> PrefixHit:
+        """Longest run of the prompt's full blocks already in the cache: on the device, then (``host``)
+        continued in the host tier.
 
         NOTE: at least the prompt's last token is always recomputed: its logits give the first token.
         A request that wants its prompt's logprobs computes every position (no hit).
@@ -78,11 +95,19 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
-        return PrefixHit(hit, len(hit) * self.block_size)
+        slots: list[int] = []
+        if host and self.host_tier is not None:
+            for h in req.block_hashes[len(hit) : max_blocks]:
+                slot = self.host_tier.lookup(h)
+                if slot is None:
+                    break
+                slots.append(slot)
+        return PrefixHit(hit, (len(hit) + len(slots)) * self.block_size, slots)
 
-    def record_prefix_query(self, req: Request, hit_tokens: int) -> None:
+    def record_prefix_query(self, req: Request, hit_tokens: int, host_tokens: int = 0) -> None:
         self.prefix_queries += req.prompt_len
         self.prefix_hits += hit_tokens
+        self.prefix_hits_host += host_tokens
 
     def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None, margin: int) -> bool:
         table = self.tables.get(req.request_id, [])
@@ -106,6 +131,9 @@ class KVCacheManager:
             self.pool.touch(hit.block_ids)
             table.extend(hit.block_ids)
             self._num_cached_blocks[req.request_id] = len(hit.block_ids)
+        if hit and hit.host_slots:
+            table.extend(self._load_from_host(req, len(table), hit.host_slots))
+            self._num_cached_blocks[req.request_id] = len(table)
         copies = self._copy_on_write(req, table)
         total = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
         if total > len(table):
@@ -167,6 +195,8 @@ class KVCacheManager:
         self._num_cached_blocks[req.request_id] = len(hit.block_ids)
         fresh = self.pool.allocate(self.blocks_needed(num_tokens) - len(table))
         table.extend(fresh)
+        if self.host_blocks is not None:
+            self.host_blocks.settle()  # evicted blocks copied out before the peer's RDMA writes them
         return fresh
 
     def commit_transfer(self, req: Request) -> None:
@@ -219,6 +249,37 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(req, table, req.num_computed_tokens)
         return list(zip(cpu, table))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, in the host tier too; only possible when no block is in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        return True
+
+    # Host tier ------------------------------------------------------------------------------
+
+    def _offload(self, block_id: int, block_hash: BlockHash) -> None:
+        """The pool is about to reuse a cached block: its content goes to the host tier first."""
+        slot = self.host_tier.store(block_hash)
+        if slot is not None:
+            self.host_blocks.offload([(block_id, slot)])
+
+    def _load_from_host(self, req: Request, first: int, slots: list[int]) -> list[int]:
+        """Fresh device blocks holding the host tier's ``slots`` (blocks ``first``... of ``req``),
+        registered in the prefix cache under their hashes."""
+        self.host_tier.pin(slots)  # the allocation's own evictions must not take these slots
+        try:
+            blocks = self.pool.allocate(len(slots))
+            self.host_blocks.load(list(zip(slots, blocks)))
+        finally:
+            self.host_tier.unpin(slots)
+        hashes = req.block_hashes[first : first + len(slots)]
+        for b, h in zip(blocks, hashes):
+            self.pool.cache(b, h)
+        self.host_tier.loaded(hashes)
+        return blocks
 
     # Internals ------------------------------------------------------------------------------
 

@@ -249,7 +249,7 @@ class Scheduler(TransferQueue, StepResults):
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
                 self.num_prompt_tokens += req.prompt_len
-                self.kv.record_prefix_query(req, hit.num_tokens)
+                self.kv.record_prefix_query(req, hit.num_tokens, len(hit.host_slots) * self.kv.block_size)
             out.blocks_to_copy.extend(self.kv.allocate(req, num_new, hit))
             req.status = RequestStatus.RUNNING
             self.running.append(req)

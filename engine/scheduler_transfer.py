@@ -37,7 +37,7 @@ class TransferQueue:
         table); blocks before it are local prefix-cache hits. Raises ``NoKVRoomError`` when the pool
         cannot hold the prompt now (the caller may fall back to recompute or retry).
         """
-        hit = self.kv.find_prefix_hit(req)
+        hit = self.kv.find_prefix_hit(req, host=False)  # the peer sends what the device lacks
         needed = self.kv.blocks_needed(num_prompt_tokens) - len(hit.block_ids)
         reclaimed = sum(1 for b in hit.block_ids if self.kv.pool.is_free(b))
         if needed > self.kv.num_free_blocks - reclaimed:

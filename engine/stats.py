@@ -21,6 +21,12 @@ class EngineStats:
     generation_tokens: int
     num_held: int = 0
     num_transferring: int = 0
+    # The host tier of the prefix cache (0 when off): its size, its use, the prompt tokens served from
+    # it (counted in prefix_cache_hits too) and the blocks copied into it.
+    host_cache_blocks: int = 0
+    host_cache_used: int = 0
+    prefix_cache_hits_host: int = 0
+    host_offloaded_blocks: int = 0
     # Speculative decoding (0 / empty when off): a draft is one sequence's proposal in one step.
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0

@@ -76,7 +76,9 @@ class ServeProcess:
                 self.kill()
                 pytest.fail("pdserve serve did not come up:\n" + "".join(self.lines[-60:]))
         self.sessions |= _children(self.proc.pid)
-        assert len(self.sessions) == 2, "pdserve serve runs the service as one supervised child"
+        if len(self.sessions) != 2:
+            self.kill()
+            pytest.fail(f"pdserve serve should run the service as one supervised child: {self.sessions}")
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -220,9 +222,13 @@ class ServeProcess:
         return [line for line in out.splitlines()[1:] if line.split(None, 2)[1] in sids]
 
     def kill(self) -> None:
-        for sid in getattr(self, "sessions", {self.proc.pid}):
+        """SIGKILL every process of the service's sessions (Serve replicas lead process groups of their
+        own, so a group kill would miss them)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for line in self.leftover_processes():
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(sid, signal.SIGKILL)
+                os.kill(int(line.split()[0]), signal.SIGKILL)
         with contextlib.suppress(OSError):  # its serve cannot remove the record any more
             self.record_path().unlink()
 

@@ -1,0 +1,157 @@
+"""The host tier of the prefix cache: blocks evicted from the device pool, kept in host memory.
+
+When the device pool hands out a free block that still holds a cached prefix block (lazy eviction,
+engine/block_pool.py), the block's content is copied into this tier first, under the same chained hash.
+A later prompt whose prefix continues past the device's hits into this tier gets those blocks copied
+back into fresh device blocks instead of recomputing them (``KVCacheManager.find_prefix_hit``). The tier
+is LRU over its slots; a slot being read back is pinned so no offload of the same step overwrites it.
+
+Copies run on the device's stream in the order they are issued, so a copy issued while scheduling
+step N lands before step N's forward reads or writes the blocks, and an offload into a slot lands after
+an earlier load out of it. Nothing here costs anything while the working set fits the device pool: a
+block is copied out only when the pool evicts it (write-back), and only once (a block loaded back
+keeps its host copy, so evicting it again is a recency update).
+
+This module is the bookkeeping (slots, LRU, pins, events, counters); ``HostBlocks`` holds the memory.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_hash import BlockHash
+from engine.block_pool import BlockRemoved, BlockStored, KVEvent
+from engine.kv_quant import block_rows
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Totals since start (monotonic): what ``EngineStats`` and /metrics report per tier."""
+
+    offloaded_blocks: int = 0  # device -> host copies
+    loaded_blocks: int = 0  # host -> device copies (prefix hits served from this tier)
+    evicted_blocks: int = 0  # dropped from the tier for room
+    dropped_offloads: int = 0  # evictions not kept: every slot pinned by loads of the same step
+
+
+class HostTier:
+    """LRU of ``num_slots`` host blocks keyed by block hash (no memory: see ``HostBlocks``)."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"the host tier needs at least one block, got {num_slots}")
+        self.num_slots = num_slots
+        self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # oldest first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._pinned: set[int] = set()
+        self._events: list[KVEvent] = []
+        self.counters = TierCounters()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._slots
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        return self._slots.get(block_hash)
+
+    def hashes(self) -> list[BlockHash]:
+        return list(self._slots)
+
+    def store(self, block_hash: BlockHash) -> int | None:
+        """A slot for ``block_hash``'s content, or None when it is held already (its recency is
+        refreshed: no copy needed) or no slot can be freed (all pinned)."""
+        if block_hash in self._slots:
+            self._slots.move_to_end(block_hash)
+            return None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = self._evict_one()
+            if slot is None:
+                self.counters.dropped_offloads += 1
+                return None
+        self._slots[block_hash] = slot
+        self._events.append(BlockStored([block_hash]))
+        self.counters.offloaded_blocks += 1
+        return slot
+
+    def pin(self, slots: list[int]) -> None:
+        """Keep ``slots`` from reuse while their loads are issued (until ``unpin``)."""
+        self._pinned.update(slots)
+
+    def unpin(self, slots: list[int]) -> None:
+        self._pinned.difference_update(slots)
+
+    def loaded(self, hashes: list[BlockHash]) -> None:
+        """``hashes`` were copied back to the device: most recently used, and counted."""
+        for h in hashes:
+            self._slots.move_to_end(h)
+        self.counters.loaded_blocks += len(hashes)
+
+    def clear(self) -> None:
+        if self._slots:
+            self._events.append(BlockRemoved(list(self._slots)))
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._slots.clear()
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _evict_one(self) -> int | None:
+        for h, slot in self._slots.items():
+            if slot not in self._pinned:
+                del self._slots[h]
+                self._events.append(BlockRemoved([h]))
+                self.counters.evicted_blocks += 1
+                return slot
+        return None
+
+
+def attach_host_tier(kv, kv_cache, gib: float) -> int:
+    """Give ``kv`` (a ``KVCacheManager``) a host tier of ``gib`` GiB for the pool ``kv_cache``; returns
+    its size in blocks."""
+    rows = block_rows(kv_cache)
+    slots = HostBlocks.slots_for_budget(rows, gib)
+    if slots < 1:
+        raise ValueError(
+            f"kv_host_cache_gib={gib} holds no block of {rows[0].numel() * rows.element_size()} bytes"
+        )
+    kv.attach_host_tier(HostTier(slots), HostBlocks(rows, slots))
+    return slots
+
+
+class HostBlocks:
+    """The host tier's memory: rows shaped like the device pool's block rows (pinned on a GPU host, so
+    copies are asynchronous DMA), and the copies between the two."""
+
+    def __init__(self, device_rows: torch.Tensor, num_slots: int) -> None:
+        self.device_rows = device_rows
+        pin = device_rows.device.type == "cuda"
+        self.rows = torch.empty((num_slots, *device_rows.shape[1:]), dtype=device_rows.dtype, pin_memory=pin)
+
+    @staticmethod
+    def slots_for_budget(device_rows: torch.Tensor, gib: float) -> int:
+        row_bytes = device_rows[0].numel() * device_rows.element_size()
+        return int(gib * (1 << 30)) // row_bytes
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host slot): copy each block out before the pool reuses it."""
+        for block, slot in pairs:
+            self.rows[slot].copy_(self.device_rows[block], non_blocking=True)
+
+    def load(self, pairs: list[tuple[int, int]]) -> None:
+        """(host slot, device block): copy each block back."""
+        for slot, block in pairs:
+            self.device_rows[block].copy_(self.rows[slot], non_blocking=True)
+
+    def settle(self) -> None:
+        """Wait for the copies issued so far (before someone outside the stream writes the blocks: a
+        KV transfer's RDMA)."""
+        if self.device_rows.device.type == "cuda":
+            torch.cuda.current_stream(self.device_rows.device).synchronize()
