@@ -126,12 +126,37 @@ def format_status(cluster, states) -> str:
             )
         )
     out = f"{head}\n{_table(rows)}"
+    tiers = format_cache_tiers(states)
+    if tiers:
+        out += "\n\n" + tiers
     spec = format_speculation(states)
     if spec:
         out += "\n\n" + spec
     if cluster.hop_timing:
         out += "\n\n" + format_hops(cluster.hop_timing)
     return out
+
+
+def format_cache_tiers(states) -> str:
+    """Per worker with a host tier: prompt tokens served by each tier, the tier's use and offloads."""
+    rows = [("WORKER", "PROMPT TOKENS", "DEVICE HITS", "HOST HITS", "HOST TIER USED", "OFFLOADED")]
+    for w in sorted(states, key=lambda w: w.worker_id):
+        s = w.stats
+        if not s.host_cache_blocks:
+            continue
+        queries = max(s.prefix_cache_queries, 1)
+        device = s.prefix_cache_hits - s.prefix_cache_hits_host
+        rows.append(
+            (
+                w.worker_id,
+                str(s.prefix_cache_queries),
+                f"{device} ({device / queries:.0%})",
+                f"{s.prefix_cache_hits_host} ({s.prefix_cache_hits_host / queries:.0%})",
+                f"{s.host_cache_used}/{s.host_cache_blocks}",
+                str(s.host_offloaded_blocks),
+            )
+        )
+    return f"prefix cache by tier:\n{_table(rows)}" if len(rows) > 1 else ""
 
 
 def format_speculation(states) -> str:

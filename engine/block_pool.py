@@ -15,15 +15,19 @@ from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
 
+DEVICE, HOST = "device", "host"  # the prefix cache's tiers: the KV pool, the host tier under it
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     block_hashes: list[BlockHash]
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: list[BlockHash]
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True, slots=True)

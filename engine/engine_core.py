@@ -37,6 +37,7 @@ from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
+PREFILL_STEP_TOKENS = 64  # a step this large is mostly prompt work: it measures prefill cost per token
 
 
 class EngineCore(TransferMixin):
@@ -150,6 +151,7 @@ class EngineCore(TransferMixin):
         # peer; those steps run without overlap (they are prompt compute, which keeps a GPU busy).
         self._serves_prefill_only = False
         self._generation_tokens = 0
+        self._prefill_s_per_token: float | None = None
 
     @property
     def prefix_salt(self) -> str:
@@ -325,8 +327,13 @@ class EngineCore(TransferMixin):
             req = self.scheduler.requests.get(seq_id)
             if req is not None:
                 outs.extend(self._finish_group(req.group_id, RequestStatus.FINISHED_ERROR, error))
+        seconds = time.perf_counter() - t0
         if self.scheduler.batching is not None:  # the fair policy sizes later steps from this one's time
-            self.scheduler.batching.observe(sched.total_num_scheduled_tokens, time.perf_counter() - t0)
+            self.scheduler.batching.observe(sched.total_num_scheduled_tokens, seconds)
+        if sched.total_num_scheduled_tokens >= PREFILL_STEP_TOKENS:  # mostly prompt: its cost per token
+            per_token = seconds / sched.total_num_scheduled_tokens
+            old = self._prefill_s_per_token
+            self._prefill_s_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
         self._generation_tokens += sum(len(o.new_token_ids) for o in outs)
         return outs
 
@@ -349,7 +356,27 @@ class EngineCore(TransferMixin):
         )
 
     def drain_kv_events(self) -> list[KVEvent]:
-        return self.kv.pool.drain_events()
+        """The prefix cache's block events since the last call: the device pool's, then the host
+        tier's (each tier's in order; the tiers are independent sets)."""
+        events = self.kv.pool.drain_events()
+        if self.kv.host_tier is not None:
+            events += self.kv.host_tier.drain_events()
+        return events
+
+    def host_hit_cost_pct(self) -> int:
+        """What a prompt block found in the host tier costs, in % of computing it: the measured load
+        time per block over the measured prefill time of a block's tokens (steps of at least
+        ``PREFILL_STEP_TOKENS``); 100 (worth no more than a miss) without a tier or a measurement."""
+        blocks = self.kv.host_blocks
+        if blocks is None or blocks.load_s_per_block is None or not self._prefill_s_per_token:
+            return 100
+        block_s = self._prefill_s_per_token * self.kv.block_size
+        return max(0, min(100, round(100 * blocks.load_s_per_block / block_s)))
+
+    def cached_hashes(self) -> tuple[list[bytes], list[bytes]]:
+        """Every hash in the prefix cache: (device pool, host tier), a snapshot for the registry."""
+        host = self.kv.host_tier.hashes() if self.kv.host_tier is not None else []
+        return self.kv.pool.cached_hashes(), host
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -17,13 +17,14 @@ This module is the bookkeeping (slots, LRU, pins, events, counters); ``HostBlock
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from engine.block_hash import BlockHash
-from engine.block_pool import BlockRemoved, BlockStored, KVEvent
+from engine.block_pool import HOST, BlockRemoved, BlockStored, KVEvent
 from engine.kv_quant import block_rows
 
 
@@ -76,7 +77,7 @@ class HostTier:
                 self.counters.dropped_offloads += 1
                 return None
         self._slots[block_hash] = slot
-        self._events.append(BlockStored([block_hash]))
+        self._events.append(BlockStored([block_hash], HOST))
         self.counters.offloaded_blocks += 1
         return slot
 
@@ -95,7 +96,7 @@ class HostTier:
 
     def clear(self) -> None:
         if self._slots:
-            self._events.append(BlockRemoved(list(self._slots)))
+            self._events.append(BlockRemoved(list(self._slots), HOST))
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._slots.clear()
 
@@ -107,7 +108,7 @@ class HostTier:
         for h, slot in self._slots.items():
             if slot not in self._pinned:
                 del self._slots[h]
-                self._events.append(BlockRemoved([h]))
+                self._events.append(BlockRemoved([h], HOST))
                 self.counters.evicted_blocks += 1
                 return slot
         return None
@@ -122,7 +123,9 @@ def attach_host_tier(kv, kv_cache, gib: float) -> int:
         raise ValueError(
             f"kv_host_cache_gib={gib} holds no block of {rows[0].numel() * rows.element_size()} bytes"
         )
-    kv.attach_host_tier(HostTier(slots), HostBlocks(rows, slots))
+    blocks = HostBlocks(rows, slots)
+    blocks.calibrate()
+    kv.attach_host_tier(HostTier(slots), blocks)
     return slots
 
 
@@ -134,6 +137,20 @@ class HostBlocks:
         self.device_rows = device_rows
         pin = device_rows.device.type == "cuda"
         self.rows = torch.empty((num_slots, *device_rows.shape[1:]), dtype=device_rows.dtype, pin_memory=pin)
+        self.load_s_per_block: float | None = None  # measured: what a host hit costs the router's model
+
+    def calibrate(self, rounds: int = 3) -> None:
+        """Time copying a few blocks back, waiting for them (at start, while every device block is
+        free: what they held does not matter). The best of ``rounds`` is the load cost per block."""
+        n = min(8, len(self.rows), len(self.device_rows))
+        pairs = [(i, i) for i in range(n)]
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            self.load(pairs)
+            self.settle()
+            best = min(best, time.perf_counter() - t0)
+        self.load_s_per_block = best / n
 
     @staticmethod
     def slots_for_budget(device_rows: torch.Tensor, gib: float) -> int:

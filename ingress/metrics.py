@@ -148,6 +148,22 @@ class _ClusterCollector:
         hits = CounterMetricFamily(
             "pdserve_prefix_cache_hits", "Prompt tokens found in the engine's prefix cache", labels=labels
         )
+        tier_hits = CounterMetricFamily(
+            "pdserve_prefix_cache_tier_hits",
+            "Prompt tokens found in the prefix cache, by the tier that held them (device, host)",
+            labels=[*labels, "tier"],
+        )
+        host_blocks = GaugeMetricFamily(
+            "pdserve_kv_host_blocks", "Blocks of the prefix cache's host tier", labels=labels
+        )
+        host_used = GaugeMetricFamily(
+            "pdserve_kv_host_blocks_used", "Host-tier blocks holding an evicted prefix block", labels=labels
+        )
+        host_offloaded = CounterMetricFamily(
+            "pdserve_kv_host_offloaded_blocks",
+            "Blocks copied from the KV pool to the host tier",
+            labels=labels,
+        )
         spec_drafts = CounterMetricFamily(
             "pdserve_spec_decode_drafts", "Speculative proposals (one sequence, one step)", labels=labels
         )
@@ -212,6 +228,12 @@ class _ClusterCollector:
             preempt.add_metric(ids, s.num_preemptions)
             queries.add_metric(ids, s.prefix_cache_queries)
             hits.add_metric(ids, s.prefix_cache_hits)
+            tier_hits.add_metric([*ids, "device"], s.prefix_cache_hits - s.prefix_cache_hits_host)
+            if s.host_cache_blocks:
+                tier_hits.add_metric([*ids, "host"], s.prefix_cache_hits_host)
+                host_blocks.add_metric(ids, s.host_cache_blocks)
+                host_used.add_metric(ids, s.host_cache_used)
+                host_offloaded.add_metric(ids, s.host_offloaded_blocks)
             if s.spec_num_drafts:
                 spec_drafts.add_metric(ids, s.spec_num_drafts)
                 spec_tokens.add_metric(ids, s.spec_draft_tokens)
@@ -235,6 +257,7 @@ class _ClusterCollector:
                 tsec.add_metric([w.worker_id], buckets, t.seconds_sum)
         yield from (running, waiting, kv, free, total, hit, preempt, queries, hits, tbytes, tfail, tsec)
         yield from (spec_drafts, spec_tokens, spec_accepted, spec_rate, spec_len, spec_pos, tdesc, texpired)
+        yield from (tier_hits, host_blocks, host_used, host_offloaded)
         yield tstreamed
         if self.cluster is not None:
             c = self.cluster

@@ -1,4 +1,5 @@
-"""The router's in-process replica of the global prefix index: block hash -> workers holding it.
+"""The router's in-process replica of the global prefix index: block hash -> workers holding it,
+in their KV pool (device) or in their host tier.
 
 Fed by the workers' KV events (``registry.schema``). Per worker it tracks the incarnation (epoch)
 and the last applied sequence number: an event that skips a number, or a new incarnation that does
@@ -12,13 +13,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection, Iterable, Mapping
 
-from registry.schema import CLEARED, REMOVED, RESYNCED, STORED, KVEventRecord
+from registry.schema import CLEARED, HOST_REMOVED, HOST_STORED, REMOVED, RESYNCED, STORED, KVEventRecord
 
 
 class PrefixIndex:
     def __init__(self) -> None:
         self._holders: dict[bytes, set[str]] = {}
         self._blocks: dict[str, set[bytes]] = {}
+        self._host = PrefixIndex._Tier()  # the host tiers' blocks, kept apart
         self._epoch: dict[str, int] = {}
         self._seq: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -48,18 +50,26 @@ class PrefixIndex:
             self._add(w, ev.hashes)
         elif ev.kind == REMOVED:
             self._remove(w, ev.hashes)
-        else:  # CLEARED / RESYNCED: the event carries the whole set
+        elif ev.kind == HOST_STORED:
+            self._host.add(w, ev.hashes)
+        elif ev.kind == HOST_REMOVED:
+            self._host.remove(w, ev.hashes)
+        else:  # CLEARED / RESYNCED: the event carries the whole set (both tiers)
             self._drop(w)
             self._add(w, ev.hashes)
+            self._host.add(w, ev.host_hashes)
         self._seq[w] = ev.seq
         return True
 
-    def replace(self, worker_id: str, epoch: int, seq: int, hashes: Iterable[bytes]) -> None:
+    def replace(
+        self, worker_id: str, epoch: int, seq: int, hashes: Iterable[bytes], host: Iterable[bytes] = ()
+    ) -> None:
         """Resynchronise one worker from its snapshot (state after its events 1..seq)."""
         self._drop(worker_id)
         self._epoch[worker_id] = epoch
         self._seq[worker_id] = seq
         self._add(worker_id, hashes)
+        self._host.add(worker_id, host)
 
     def drop(self, worker_id: str) -> None:
         self._drop(worker_id)
@@ -100,6 +110,40 @@ class PrefixIndex:
             lengths[w] = depth
         return lengths
 
+    def match_tiers(
+        self,
+        hashes: Iterable[bytes],
+        workers: Iterable[str],
+        also: Mapping[bytes, Collection[str]] | None = None,
+    ) -> dict[str, tuple[int, int]]:
+        """For each worker: (leading blocks of ``hashes`` in its KV pool, blocks after those in its
+        host tier), the two runs a request's prefix hit there would take (``match``'s rules)."""
+        holders, host = self._holders, self._host.holders
+        device_run = dict.fromkeys(workers, True)
+        lengths = {w: [0, 0] for w in device_run}
+        live = set(device_run)
+        for h in hashes:
+            held = holders.get(h, ())
+            if also:
+                extra = also.get(h)
+                if extra:
+                    held = set(held).union(extra)
+            in_host = host.get(h, ())
+            for w in list(live):
+                if device_run[w] and w in held:
+                    lengths[w][0] += 1
+                elif w in in_host:
+                    device_run[w] = False
+                    lengths[w][1] += 1
+                else:
+                    live.discard(w)
+            if not live:
+                break
+        return {w: (d, t) for w, (d, t) in lengths.items()}
+
+    def num_host_blocks_of(self, worker_id: str) -> int:
+        return len(self._host.blocks.get(worker_id, ()))
+
     def num_blocks_of(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))
 
@@ -114,8 +158,8 @@ class PrefixIndex:
 
     @property
     def size(self) -> int:
-        """Indexed (block, worker) entries."""
-        return sum(len(b) for b in self._blocks.values())
+        """Indexed (block, worker) entries, both tiers."""
+        return sum(len(b) for b in self._blocks.values()) + sum(len(b) for b in self._host.blocks.values())
 
     # Internals --------------------------------------------------------------------------------
 
@@ -143,6 +187,40 @@ class PrefixIndex:
         mine = self._blocks.pop(w, None)
         if mine:
             self._remove_all(w, mine)
+        self._host.drop(w)
+
+    class _Tier:
+        """One more tier's block -> holders map (the host tiers): add, remove, drop a worker."""
+
+        def __init__(self) -> None:
+            self.holders: dict[bytes, set[str]] = {}
+            self.blocks: dict[str, set[bytes]] = {}
+
+        def add(self, w: str, hashes: Iterable[bytes]) -> None:
+            mine = self.blocks.setdefault(w, set())
+            for h in hashes:
+                if h not in mine:
+                    mine.add(h)
+                    self.holders.setdefault(h, set()).add(w)
+
+        def remove(self, w: str, hashes: Iterable[bytes]) -> None:
+            mine = self.blocks.get(w)
+            if not mine:
+                return
+            for h in hashes:
+                if h in mine:
+                    mine.discard(h)
+                    held = self.holders[h]
+                    held.discard(w)
+                    if not held:
+                        del self.holders[h]
+
+        def drop(self, w: str) -> None:
+            for h in self.blocks.pop(w, ()):
+                held = self.holders[h]
+                held.discard(w)
+                if not held:
+                    del self.holders[h]
 
     def _remove_all(self, w: str, hashes: set[bytes]) -> None:
         for h in hashes:

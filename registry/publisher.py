@@ -70,8 +70,9 @@ class RegistryPublisher:
             return True
         return False
 
-    def offer_snapshot(self, cached_hashes: list[bytes]) -> None:
-        self._queue.put(("snapshot", cached_hashes))
+    def offer_snapshot(self, cached_hashes: list[bytes], host_hashes: list[bytes] = ()) -> None:
+        """The whole prefix cache: the KV pool's hashes and the host tier's."""
+        self._queue.put(("snapshot", (cached_hashes, host_hashes)))
 
     def offer_events(self, batches: list[tuple[str, list[bytes]]]) -> None:
         """Block events as ``(kind, hashes)`` batches in order (kinds ``STORED``/``REMOVED``/``CLEARED``)."""
@@ -106,7 +107,7 @@ class RegistryPublisher:
                 if reg.client is None:
                     reg.client = connect(self.redis_url)
                 if kind == "snapshot":
-                    reg.register(payload)
+                    reg.register(*payload)
                     awaiting_snapshot = False
                     self.connected = True
                 elif kind == "events" and not awaiting_snapshot:

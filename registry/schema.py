@@ -5,14 +5,16 @@ Schema (all keys under ``pdserve:``; the wire format both the workers and the ro
   fields; expires ``ttl_s`` after the last heartbeat. ``workers`` SET lists ids ever registered.
 - ``kv_events`` STREAM — one entry per batch of a worker's block events: ``w`` worker id, ``e``
   epoch, ``s`` sequence number (per worker and epoch, from 1, no gaps), ``k`` kind (``S`` stored,
-  ``R`` removed, ``C`` cleared, ``Z`` resynced), ``h`` the 16-byte block hashes concatenated.
+  ``R`` removed, ``C`` cleared, ``Z`` resynced; ``s`` / ``r`` stored in / removed from the worker's
+  host tier), ``h`` the 16-byte block hashes concatenated; a ``Z`` entry's ``x``: the host tier's.
 - ``left:{id}`` STRING — set (with a TTL) when a worker deregisters on purpose: readers drop it at
   once instead of waiting out the grace period they give a record that merely vanished.
 - ``draining`` STRING — present while the application is shutting down (set by ``pdserve serve``
   on SIGTERM, with a TTL): routers refuse new requests and let the running ones finish.
 - ``kv:{id}`` SET of the worker's cached block hashes and ``kvmeta:{id}`` HASH {epoch, seq}: the
-  snapshot a reader resynchronises from. A worker updates the snapshot and appends the stream
-  entry in one MULTI/EXEC, so a snapshot at seq N is exactly the state after events 1..N.
+  snapshot a reader resynchronises from, with ``kvhost:{id}`` SET the blocks in its host tier. A
+  worker updates the snapshot and appends the stream entry in one MULTI/EXEC, so a snapshot at seq N
+  is exactly the state after events 1..N.
 A worker that restarts registers a new epoch: its snapshot is replaced and a ``C`` event tells
 readers to drop the previous incarnation's entries.
 
@@ -37,6 +39,7 @@ LEFT_MARKER_TTL_MS = 120_000  # longer than any reader's grace period for a vani
 HASH_BYTES = 16
 
 STORED, REMOVED, CLEARED, RESYNCED = "S", "R", "C", "Z"
+HOST_STORED, HOST_REMOVED = "s", "r"  # the same for the worker's host tier (engine/kv_host_tier.py)
 
 
 def worker_key(worker_id: str) -> str:
@@ -49,6 +52,10 @@ def left_key(worker_id: str) -> str:
 
 def snapshot_key(worker_id: str) -> str:
     return f"{PREFIX}kv:{worker_id}"
+
+
+def host_snapshot_key(worker_id: str) -> str:
+    return f"{PREFIX}kvhost:{worker_id}"
 
 
 def snapshot_meta_key(worker_id: str) -> str:
@@ -72,6 +79,7 @@ class KVEventRecord:
     seq: int
     kind: str
     hashes: list[bytes]
+    host_hashes: list[bytes] = ()  # RESYNCED: the host tier's whole set
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> KVEventRecord:
@@ -81,6 +89,7 @@ class KVEventRecord:
             seq=int(fields[b"s"]),
             kind=fields[b"k"].decode(),
             hashes=unpack_hashes(fields.get(b"h", b"")),
+            host_hashes=unpack_hashes(fields.get(b"x", b"")),
         )
 
 
@@ -103,6 +112,7 @@ class WorkerRecord:
     beat: int = 0  # heartbeats so far: a reader sees the worker alive while it rises
     load_age_ms: int = 0  # how old the engine's last load report was at the heartbeat (a hung engine)
     step_ms: int = 0  # the engine's longest recent step (a stall deadline scales with it)
+    host_hit_cost_pct: int = 100  # a host-tier hit's measured cost, in % of computing the block
     kv_handoff: int = 1  # 0: a decode worker that takes no KV hand-offs (it computes its prompts itself)
 
     def to_fields(self) -> dict[str, str | int]:
@@ -123,6 +133,7 @@ class WorkerRecord:
             "load_age_ms",
             "step_ms",
             "kv_handoff",
+            "host_hit_cost_pct",
         )
         return cls(**{k: (int(v) if k in ints else v) for k, v in d.items() if k in cls.__slots__})
 
@@ -149,24 +160,25 @@ class WorkerRegistration:
         self.ttl_ms = int(ttl_s * 1000)
         self.seq = 0
 
-    def register(self, cached_hashes: list[bytes]) -> None:
-        """(Re)start this incarnation: record, fresh snapshot, and a CLEARED event for readers."""
+    def register(self, cached_hashes: list[bytes], host_hashes: list[bytes] = ()) -> None:
+        """(Re)start this incarnation: record, fresh snapshot (both tiers), and a CLEARED (nothing
+        cached) or RESYNCED event for readers."""
         wid = self.record.worker_id
         self.seq += 1
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(worker_key(wid), mapping=self.record.to_fields())
         pipe.pexpire(worker_key(wid), self.ttl_ms)
         pipe.sadd(WORKERS_SET, wid)
-        pipe.delete(snapshot_key(wid), left_key(wid))
+        pipe.delete(snapshot_key(wid), host_snapshot_key(wid), left_key(wid))
         if cached_hashes:
             pipe.sadd(snapshot_key(wid), *cached_hashes)
+        if host_hashes:
+            pipe.sadd(host_snapshot_key(wid), *host_hashes)
         pipe.hset(snapshot_meta_key(wid), mapping={"epoch": self.record.epoch, "seq": self.seq})
-        pipe.xadd(
-            EVENTS_STREAM,
-            self._entry(CLEARED if not cached_hashes else RESYNCED, cached_hashes),
-            maxlen=STREAM_MAXLEN,
-            approximate=True,
-        )
+        entry = self._entry(RESYNCED if cached_hashes or host_hashes else CLEARED, cached_hashes)
+        if host_hashes:
+            entry["x"] = pack_hashes(list(host_hashes))
+        pipe.xadd(EVENTS_STREAM, entry, maxlen=STREAM_MAXLEN, approximate=True)
         pipe.execute()
 
     def heartbeat(self, **load: int) -> bool:
@@ -196,8 +208,12 @@ class WorkerRegistration:
             pipe.sadd(snapshot_key(wid), *hashes)
         elif kind == REMOVED:
             pipe.srem(snapshot_key(wid), *hashes)
+        elif kind == HOST_STORED:
+            pipe.sadd(host_snapshot_key(wid), *hashes)
+        elif kind == HOST_REMOVED:
+            pipe.srem(host_snapshot_key(wid), *hashes)
         else:
-            pipe.delete(snapshot_key(wid))
+            pipe.delete(snapshot_key(wid), host_snapshot_key(wid))
         pipe.hset(snapshot_meta_key(wid), mapping={"epoch": self.record.epoch, "seq": self.seq})
         pipe.xadd(EVENTS_STREAM, self._entry(kind, hashes), maxlen=STREAM_MAXLEN, approximate=True)
         pipe.execute()
@@ -207,7 +223,7 @@ class WorkerRegistration:
         grace period they give a worker whose record merely vanished (a Redis restarted empty)."""
         wid = self.record.worker_id
         pipe = self.client.pipeline(transaction=True)
-        pipe.delete(worker_key(wid), snapshot_key(wid), snapshot_meta_key(wid))
+        pipe.delete(worker_key(wid), snapshot_key(wid), host_snapshot_key(wid), snapshot_meta_key(wid))
         pipe.srem(WORKERS_SET, wid)
         pipe.set(left_key(wid), self.record.epoch, px=LEFT_MARKER_TTL_MS)
         pipe.execute()
@@ -217,13 +233,14 @@ class WorkerRegistration:
         return {"w": r.worker_id, "e": r.epoch, "s": self.seq, "k": kind, "h": pack_hashes(hashes)}
 
 
-def read_snapshot(client: redis.Redis, worker_id: str) -> tuple[int, int, set[bytes]]:
-    """(epoch, seq, cached hashes) of a worker, read atomically."""
+def read_snapshot(client: redis.Redis, worker_id: str) -> tuple[int, int, set[bytes], set[bytes]]:
+    """(epoch, seq, cached hashes, host-tier hashes) of a worker, read atomically."""
     pipe = client.pipeline(transaction=True)
     pipe.hgetall(snapshot_meta_key(worker_id))
     pipe.smembers(snapshot_key(worker_id))
-    meta, members = pipe.execute()
-    return int(meta.get(b"epoch", 0)), int(meta.get(b"seq", 0)), set(members)
+    pipe.smembers(host_snapshot_key(worker_id))
+    meta, members, host = pipe.execute()
+    return int(meta.get(b"epoch", 0)), int(meta.get(b"seq", 0)), set(members), set(host)
 
 
 def read_workers(client: redis.Redis) -> dict[str, WorkerRecord]:

@@ -8,6 +8,8 @@ worker wins until its queue costs more than the recompute elsewhere, so a hot te
 second worker instead of piling up on one (llm-d's prefix + queue scorers, with the weights fixed
 by both terms being tokens of work); a new prefix goes where the cache has the most room. A decode
 worker is chosen by running requests and free KV blocks, its own cached prefix breaking ties.
+A prefix block in a worker's host tier (engine/kv_host_tier.py) counts between a device hit and a
+miss: it saves the compute of its tokens less the load the worker measured (``host_hit_cost_pct``).
 
 Load is the router's exact count of what it has in flight on a worker, plus what the worker's
 heartbeat shows beyond that (other router replicas' work). The heartbeat alone is up to a period
@@ -117,9 +119,10 @@ class CacheAware(LeastLoad):
     def choose(self, inp: RoutingInput, index: PrefixIndex) -> Route:
         workers = [w.worker_id for w in inp.prefills] + [w.worker_id for w in inp.decodes]
         with index.lock:
-            hits = index.match(inp.hashes, workers, inp.routed)
+            tiers = index.match_tiers(inp.hashes, workers, inp.routed)
             cached = {w.worker_id: index.num_blocks_of(w.worker_id) for w in inp.prefills}
         bs = inp.block_size
+        hits = {w: device + host for w, (device, host) in tiers.items()}
         prefill = None
         if inp.prefills:
             # Ties (e.g. a new prefix on idle workers) go where the cache has the most room, which
@@ -127,7 +130,7 @@ class CacheAware(LeastLoad):
             prefill = min(
                 inp.prefills,
                 key=lambda w: (
-                    inp.prompt_len - hits.get(w.worker_id, 0) * bs + self._queued_tokens(inp, w),
+                    inp.prompt_len - _saved_blocks(w, tiers) * bs + self._queued_tokens(inp, w),
                     -hits.get(w.worker_id, 0),
                     cached[w.worker_id],
                     w.worker_id,
@@ -135,6 +138,13 @@ class CacheAware(LeastLoad):
             )
         decode = self._decode(inp, hits)
         return Route(prefill, decode, hits.get(prefill.worker_id, 0) * bs if prefill else 0)
+
+
+def _saved_blocks(w: WorkerRecord, tiers: Mapping[str, tuple[int, int]]) -> float:
+    """Prompt blocks a worker need not compute: its device hits, and its host-tier hits weighed by
+    what loading one costs there (measured by the worker: ``host_hit_cost_pct`` of computing it)."""
+    device, host = tiers.get(w.worker_id, (0, 0))
+    return device + host * (100 - min(100, w.host_hit_cost_pct)) / 100
 
 
 def make_policy(name: str) -> Policy:

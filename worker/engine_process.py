@@ -170,6 +170,7 @@ class EngineHost:
             events.load.num_waiting = s.num_waiting
             events.load.num_free_blocks = s.num_free_blocks
             events.load.queued_prompt_tokens = self.core.pending_prompt_tokens()
+            events.load.host_hit_cost_pct = self.core.host_hit_cost_pct()
 
     def _tick_clock(self) -> None:
         CLOCK.pack_into(self.clock, 0, self.beat, self.step_started, self.recent_step_s)
@@ -207,7 +208,9 @@ class EngineHost:
                 self.watching, self.next_load = True, 0.0
             elif kind == "snapshot":
                 self.core.drain_kv_events()  # the snapshot holds what they say
-                reply.cached_hashes.extend(self.core.kv.pool.cached_hashes())
+                device, host = self.core.cached_hashes()
+                reply.cached_hashes.extend(device)
+                reply.host_hashes.extend(host)
             elif kind == "stop":
                 self.stopping = True
             elif not self.role.run(cmd, reply):

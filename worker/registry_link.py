@@ -9,14 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.block_pool import HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from engine.engine_core import EngineCore
 from engine.limits import RequestLimits
 from kv_transfer import KVCompat
 from registry.publisher import RegistryPublisher
-from registry.schema import CLEARED, REMOVED, STORED, WorkerRecord, connect, read_workers
+from registry.schema import (
+    CLEARED,
+    HOST_REMOVED,
+    HOST_STORED,
+    REMOVED,
+    STORED,
+    WorkerRecord,
+    connect,
+    read_workers,
+)
 
 _KINDS = {BlockStored: STORED, BlockRemoved: REMOVED, AllBlocksCleared: CLEARED}
+_HOST_KINDS = {BlockStored: HOST_STORED, BlockRemoved: HOST_REMOVED}
 
 
 class RegistryLink:
@@ -35,7 +45,7 @@ class RegistryLink:
         core, pub = self.core, self.publisher
         events = core.drain_kv_events()
         if pub.snapshot_wanted():
-            pub.offer_snapshot(core.kv.pool.cached_hashes())
+            pub.offer_snapshot(*core.cached_hashes())
         else:
             pub.offer_events(event_batches(events))
         if pub.load_due():
@@ -46,6 +56,7 @@ class RegistryLink:
                 num_free_blocks=s.num_free_blocks,
                 queued_prompt_tokens=core.pending_prompt_tokens(),
                 step_ms=int(self.recent_step_s() * 1000),
+                host_hit_cost_pct=core.host_hit_cost_pct(),
             )
 
     def stop(self) -> None:
@@ -57,7 +68,7 @@ def event_batches(events: list) -> list[tuple[str, list[bytes]]]:
     """The engine's block events as registry batches: consecutive events of one kind merged, order kept."""
     out: list[tuple[str, list[bytes]]] = []
     for ev in events:
-        kind = _KINDS[type(ev)]
+        kind = (_HOST_KINDS if getattr(ev, "tier", None) == HOST else _KINDS)[type(ev)]
         hashes = [] if kind == CLEARED else list(ev.block_hashes)
         if out and out[-1][0] == kind and kind != CLEARED:
             out[-1][1].extend(hashes)

@@ -71,6 +71,10 @@ def stats_to_proto(s: EngineStats) -> pb.EngineStats:
         spec_draft_tokens=s.spec_draft_tokens,
         spec_accepted_tokens=s.spec_accepted_tokens,
         spec_accepted_per_position=s.spec_accepted_per_position,
+        prefix_cache_hits_host=s.prefix_cache_hits_host,
+        host_cache_blocks=s.host_cache_blocks,
+        host_cache_used=s.host_cache_used,
+        host_offloaded_blocks=s.host_offloaded_blocks,
     )
 
 
@@ -94,6 +98,10 @@ def stats_from_proto(s: pb.EngineStats) -> EngineStats:
         spec_draft_tokens=s.spec_draft_tokens,
         spec_accepted_tokens=s.spec_accepted_tokens,
         spec_accepted_per_position=tuple(s.spec_accepted_per_position),
+        prefix_cache_hits_host=s.prefix_cache_hits_host,
+        host_cache_blocks=s.host_cache_blocks,
+        host_cache_used=s.host_cache_used,
+        host_offloaded_blocks=s.host_offloaded_blocks,
     )
 
 

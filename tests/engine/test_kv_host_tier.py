@@ -7,6 +7,7 @@ hits served from host memory, and every block back in its pool.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -110,7 +111,7 @@ def test_the_tier_is_lru_and_reports_what_it_drops():
     assert tier.store(b"h1") is None  # held already: only its recency moves
     s3 = tier.store(b"h3")  # evicts h2, the least recently used
     assert s3 == s2 and b"h2" not in tier and b"h1" in tier
-    assert BlockRemoved([b"h2"]) in tier.drain_events()
+    assert BlockRemoved([b"h2"], "host") in tier.drain_events()
     tier.pin([tier.lookup(b"h1"), tier.lookup(b"h3")])
     assert tier.store(b"h4") is None and tier.counters.dropped_offloads == 1
 
@@ -132,10 +133,10 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def test_engine_serves_an_overflowing_working_set_from_the_host_tier(tiny_llama, hf_greedy):
-    """Six 40-token prompts (5 blocks each) against a pool of 16 blocks: every second round recomputes
+    """Six 72-token prompts (9 blocks each) against a pool of 16 blocks: every second round recomputes
     everything without the tier; with it, the prefixes come back from host memory. Output equals HF's
     and the tierless engine's either way."""
-    prompts = _prompts(6, 40, seed=7)
+    prompts = _prompts(6, 72, seed=7)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     common = dict(block_size=8, num_blocks=16, max_num_seqs=1)
     plain = LLM(str(tiny_llama), **common)
@@ -147,11 +148,70 @@ def test_engine_serves_an_overflowing_working_set_from_the_host_tier(tiny_llama,
                 assert o.token_ids == hf_greedy(tiny_llama, p, 6), round_
     plain_stats, stats = plain.stats(), tiered.stats()
     assert plain_stats.prefix_cache_hits == 0  # the pool cannot keep them
-    assert stats.prefix_cache_hits_host == stats.prefix_cache_hits == 6 * 32  # 4 of 5 blocks each
+    assert stats.prefix_cache_hits_host == stats.prefix_cache_hits == 6 * 64  # 8 of 9 blocks each
     assert stats.host_offloaded_blocks > 0 and 0 < stats.host_cache_used <= stats.host_cache_blocks
     assert stats.num_free_blocks == stats.num_blocks
+    # What the router weighs a host hit by: measured here (a memcpy is far cheaper than a forward);
+    # without a tier a host hit is worth nothing.
+    assert 0 <= tiered.core.host_hit_cost_pct() < 100 and plain.core.host_hit_cost_pct() == 100
+
+
+def test_the_registry_hears_of_both_tiers(tiny_llama):
+    """The engine's block events as the worker publishes them: device kinds and host-tier kinds, and
+    a snapshot of each tier that matches what the tiers hold."""
+    from registry.schema import HOST_STORED, REMOVED, STORED
+    from worker.registry_link import event_batches
+
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=16, max_num_seqs=1, kv_host_cache_gib=0.001)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate(_prompts(6, 40, seed=5), params, use_tqdm=False)
+    kinds = {kind for kind, _ in event_batches(llm.core.drain_kv_events())}
+    assert {STORED, REMOVED, HOST_STORED} <= kinds
+    device, host = llm.core.cached_hashes()
+    assert set(host) == set(llm.core.kv.host_tier.hashes()) and len(host) == len(llm.core.kv.host_tier)
+    assert device and not set(device) & set(host) - set(device)
 
 
 def test_host_tier_option_is_validated():
     with pytest.raises(ValueError, match="kv_host_cache_gib"):
         EngineConfig(model="m", kv_host_cache_gib=-1)
+
+
+def test_hits_per_tier_reach_status_and_metrics(tiny_llama):
+    """A real engine's host-tier figures through the worker's protobuf state into ``pdserve status``
+    and /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cli.status import format_status
+    from ingress.metrics import IngressMetrics
+    from proto import pdserve_pb2 as pb
+    from worker.state import stats_from_proto, stats_to_proto
+
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=16, max_num_seqs=1, kv_host_cache_gib=0.001)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompts = _prompts(6, 40, seed=3)
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats_from_proto(stats_to_proto(stats)) == dataclasses.replace(stats, num_swap_outs=0)
+    worker = pb.WorkerState(role="decode", worker_id="d0", stats=stats_to_proto(stats))
+
+    text = format_status(pb.ClusterState(policy="cache_aware"), [worker])
+    lines = text.splitlines()
+    row = lines[lines.index("prefix cache by tier:") + 2].split()
+    assert row[0] == "d0" and row[1] == str(stats.prefix_cache_queries)
+    assert row[4] == str(stats.prefix_cache_hits_host)
+    assert row[6] == f"{stats.host_cache_used}/{stats.host_cache_blocks}"
+
+    rendered = IngressMetrics("m").render(None, [worker], ("i0", 0, 0)).decode()
+    samples = {
+        (s.name, s.labels.get("tier")): s.value
+        for f in text_string_to_metric_families(rendered)
+        for s in f.samples
+        if s.labels.get("worker") == "d0"
+    }
+    assert samples[("pdserve_prefix_cache_tier_hits_total", "host")] == stats.prefix_cache_hits_host > 0
+    assert samples[("pdserve_prefix_cache_tier_hits_total", "device")] == (
+        stats.prefix_cache_hits - stats.prefix_cache_hits_host
+    )
+    assert samples[("pdserve_kv_host_blocks_used", None)] == stats.host_cache_used

@@ -218,3 +218,22 @@ def test_a_worker_falls_silent_when_its_heartbeats_or_its_engines_reports_stop(v
     stopped.stop(deregister=False)  # the process stops: its record stays until its TTL
     wait_until(lambda: view.silent_for("p1") > 0.5, "p1's heartbeats have stopped")
     assert "p1" in view.workers and view.workers["p1"].load_age_ms < 500  # silent by its beats alone
+
+
+def test_host_tier_blocks_travel_through_redis_and_a_new_routers_snapshot(views, publishers):
+    """A worker's host-tier blocks (its snapshot's second set, then ``s``/``r`` events) reach a
+    running view, and a view started later reads them from the snapshot; the device set is apart."""
+    from registry.schema import HOST_REMOVED, HOST_STORED
+
+    def tiers(view: ClusterView) -> tuple[int, int]:
+        with view.index.lock:
+            return view.index.match_tiers(H[:6], ["p0"])["p0"]
+
+    view = views()
+    pub = publishers("p0")
+    pub.offer_snapshot([H[0]], [H[1], H[2]])  # a reconnect's snapshot: both tiers
+    wait_until(lambda: tiers(view) == (1, 2), "the view holds 1 device and 2 host blocks")
+    pub.offer_events([(HOST_STORED, [H[3], H[4]]), (HOST_REMOVED, [H[1]]), (STORED, [H[1]])])
+    wait_until(lambda: tiers(view) == (2, 3), "the host events moved block 1 to the device")
+    assert view.index.gaps_detected == 0
+    assert tiers(views()) == (2, 3)  # from the snapshot in Redis

@@ -41,3 +41,30 @@ def test_a_new_incarnation_drops_the_old_ones_entries():
     assert idx.apply(ev("a", 1, 2, STORED, 3))  # the old incarnation's late event is ignored
     assert idx.blocks_of("a") == set()
     assert not idx.apply(ev("b", 5, 4, STORED, 1))  # first sight of a worker mid-stream: resync
+
+
+def test_host_tier_events_are_indexed_apart_and_matched_after_the_device_run():
+    from registry.schema import HOST_REMOVED, HOST_STORED
+
+    idx = PrefixIndex()
+    assert idx.apply(KVEventRecord("a", 1, 1, RESYNCED, [H[0]], [H[1], H[2]]))
+    assert idx.apply(ev("a", 1, 2, HOST_STORED, 3))
+    assert idx.apply(ev("b", 1, 1, RESYNCED, 0, 1))
+    assert idx.apply(ev("c", 1, 1, CLEARED))
+    assert idx.apply(ev("c", 1, 2, HOST_STORED, 0, 1, 2, 3, 4))
+    chain = [H[i] for i in range(6)]
+    # a: 1 on device then 3 in its host tier; b: 2 on device; c: nothing on device, 5 in host.
+    assert idx.match_tiers(chain, ["a", "b", "c", "d"]) == {
+        "a": (1, 3),
+        "b": (2, 0),
+        "c": (0, 5),
+        "d": (0, 0),
+    }
+    assert idx.match(chain, ["a", "b"]) == {"a": 1, "b": 2}  # the device-only view is unchanged
+    assert idx.num_host_blocks_of("a") == 3 and idx.size == 1 + 3 + 2 + 5
+    assert idx.apply(ev("a", 1, 3, HOST_REMOVED, 2))
+    assert idx.match_tiers(chain, ["a"]) == {"a": (1, 1)}  # the host run stops at the hole
+    idx.drop("c")
+    assert idx.match_tiers(chain, ["c"]) == {"c": (0, 0)} and idx.num_host_blocks_of("c") == 0
+    assert idx.apply(ev("a", 2, 1, CLEARED))  # a new incarnation: both tiers forgotten
+    assert idx.match_tiers(chain, ["a"]) == {"a": (0, 0)} and idx.size == 2

@@ -182,3 +182,23 @@ def test_router_hashes_the_prompt_with_the_workers_block_size_and_salt():
     index = index_of({"p0": hash_blocks(PROMPT[:24], bs, salt), "p1": hash_blocks(PROMPT, bs)})
     route = Router(_View(workers, index)).route(PROMPT)
     assert (route.prefill.worker_id, route.predicted_hit_tokens) == ("p0", 24)
+
+
+# cache tiers -------------------------------------------------------------------------------------
+
+
+def test_a_host_tier_hit_counts_between_a_device_hit_and_a_miss_by_its_measured_cost():
+    """p0 holds the prompt's 8 blocks in its host tier, p1 nothing; p1 has 20 tokens less queued.
+    A cheap load (10% of computing a block) makes p0 the faster place for the first token; a load
+    that measured as dear as computing (100%) is worth no more than a miss, and the queue decides."""
+    idx = index_of({"p1": []})
+    assert idx.apply(KVEventRecord("p0", 1, 1, RESYNCED, [], HASHES[:8]))
+    for cost, expected in ((10, "p0"), (100, "p1")):
+        ps = [prefill("p0", queued_prompt_tokens=20, host_hit_cost_pct=cost), prefill("p1")]
+        route = choose("cache_aware", ps, [decode("d0")], idx)
+        assert route.prefill.worker_id == expected, cost
+    # Against a device hit of the same blocks, a host hit loses however cheap its load.
+    dev = index_of({"p1": HASHES[:8]})
+    assert dev.apply(KVEventRecord("p0", 1, 1, RESYNCED, [], HASHES[:8]))
+    ps = [prefill("p0", host_hit_cost_pct=1), prefill("p1")]
+    assert choose("cache_aware", ps, [decode("d0")], dev).prefill.worker_id == "p1"

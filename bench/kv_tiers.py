@@ -1,0 +1,227 @@
+"""KV cache tiers: a multi-tenant multi-turn workload with and without the host tier (issue 33, item 5).
+
+Each of ``--tenants`` conversations starts from a system prompt of its own and adds a user turn and
+the model's reply per round; every round visits all conversations in turn (closed loop, ``--concurrency``
+in flight), so a conversation's prefix is reused one round later, after every other conversation ran.
+Its working set (every conversation's context) is sized against the engine's KV pool: the
+*overflowing* run holds several times the pool, the *fitting* one less than the pool. Each runs on the
+same engine configuration without a host tier and with one (``kv_host_cache_gib``), in this process;
+the reply tokens are greedy, so both configurations see the same prompts and must give the same
+tokens (checked and printed).
+
+Reported per run: TTFT p50/p90 (engine time from submission to the first token, queueing included),
+requests/s, prompt tokens served from each tier, and the ratios tier / no tier.
+
+    python -m bench.kv_tiers [--quick] [--output bench/results/kv_tiers.json]
+
+On this CPU machine the "device" pool is the engine's KV pool in RAM and the host tier a separate RAM
+buffer, so a load is a memcpy where a GPU pays a PCIe copy; run it on a GPU host (``--device cuda``)
+for that figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] if xs else 0.0
+
+
+def run_workload(
+    core, tenants: int, rounds: int, system: int, user: int, reply: int, concurrency: int
+) -> dict:
+    """Drive ``core`` through the conversations; TTFTs, throughput and every reply's tokens."""
+    from engine import SamplingParams
+
+    rng = random.Random(0)
+    vocab = core.spec.vocab_size
+    contexts = [[rng.randrange(3, vocab) for _ in range(system)] for _ in range(tenants)]
+    params = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
+    ttfts: list[float] = []
+    replies: list[list[int]] = []
+    t0 = time.perf_counter()
+    done = 0
+    for r in range(rounds):
+        queue = list(range(tenants))
+        started: dict[str, tuple[int, float]] = {}
+        first: set[str] = set()
+        outputs: dict[str, list[int]] = {}
+        while queue or started:
+            while queue and len(started) < concurrency:
+                c = queue.pop(0)
+                contexts[c] = contexts[c] + [rng.randrange(3, vocab) for _ in range(user)]
+                rid = f"r{r}-c{c}"
+                core.add_request(rid, contexts[c], params)
+                started[rid] = (c, time.perf_counter())
+                outputs[rid] = []
+            for out in core.step():
+                now = time.perf_counter()
+                rid = out.request_id
+                outputs[rid].extend(out.new_token_ids)
+                if rid not in first and out.new_token_ids:
+                    first.add(rid)
+                    ttfts.append(now - started[rid][1])
+                if out.finish_reason is not None:
+                    c, _ = started.pop(rid)
+                    contexts[c] = contexts[c] + outputs[rid]
+                    replies.append(outputs[rid])
+                    done += 1
+        _progress(r + 1, rounds)
+    elapsed = time.perf_counter() - t0
+    stats = core.stats()
+    return {
+        "requests": done,
+        "requests_per_s": done / elapsed,
+        "ttft_ms_p50": _pct(ttfts, 50) * 1000,
+        "ttft_ms_p90": _pct(ttfts, 90) * 1000,
+        "ttft_ms": [t * 1000 for t in ttfts],
+        "prompt_tokens": stats.prompt_tokens,
+        "prefix_hit_tokens": stats.prefix_cache_hits,
+        "host_hit_tokens": stats.prefix_cache_hits_host,
+        "host_offloaded_blocks": stats.host_offloaded_blocks,
+        "blocks_free_after": stats.num_free_blocks == stats.num_blocks,
+        "replies": replies,
+    }
+
+
+def _progress(done: int, total: int) -> None:
+    bar = "#" * (20 * done // total)
+    print(f"\r    rounds [{bar:<20}] {done}/{total}", end="\n" if done == total else "", flush=True)
+
+
+def compare(args) -> dict:
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+
+    model = args.model or str(_demo_model())
+    block = 16
+    results: dict = {"args": vars(args), "model": model, "workloads": {}}
+    workloads = {"overflowing": args.tenants, "fitting": max(1, args.tenants // args.overflow)}
+    for name, tenants in workloads.items():
+        context = args.system + args.rounds * (args.user + args.reply)
+        working_set = tenants * -(-context // block)
+        print(
+            f"\n== {name}: {tenants} conversations, working set {working_set} blocks, pool {args.num_blocks}"
+        )
+        runs = {}
+        for label, gib in (("no_tier", 0.0), ("host_tier", args.host_gib)):
+            print(f"  {label} ...", flush=True)
+            core = EngineCore(
+                EngineConfig(
+                    model=model,
+                    device=args.device,
+                    num_blocks=args.num_blocks,
+                    block_size=block,
+                    kv_host_cache_gib=gib,
+                    max_num_seqs=args.concurrency,
+                )
+            )
+            runs[label] = run_workload(
+                core, tenants, args.rounds, args.system, args.user, args.reply, args.concurrency
+            )
+            del core
+        same = runs["no_tier"].pop("replies") == runs["host_tier"].pop("replies")
+        base, tier = runs["no_tier"], runs["host_tier"]
+        results["workloads"][name] = {
+            "conversations": tenants,
+            "working_set_blocks": working_set,
+            "pool_blocks": args.num_blocks,
+            "working_set_over_pool": working_set / args.num_blocks,
+            "runs": runs,
+            "identical_outputs": same,
+            "ttft_p50_ratio": base["ttft_ms_p50"] / tier["ttft_ms_p50"],
+            "ttft_p90_ratio": base["ttft_ms_p90"] / tier["ttft_ms_p90"],
+            "throughput_ratio": tier["requests_per_s"] / base["requests_per_s"],
+        }
+    return results
+
+
+def _demo_model() -> Path:
+    from cli.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def _print(out: dict) -> None:
+    print(
+        "\n| workload | working set / pool | tier | TTFT p50 ms | TTFT p90 ms | req/s | hit tokens (host) |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for name, w in out["workloads"].items():
+        for label, r in w["runs"].items():
+            print(
+                f"| {name} | {w['working_set_over_pool']:.1f}x | {label} | {r['ttft_ms_p50']:.1f} | "
+                f"{r['ttft_ms_p90']:.1f} | {r['requests_per_s']:.2f} | "
+                f"{r['prefix_hit_tokens']} ({r['host_hit_tokens']}) |"
+            )
+    for name, w in out["workloads"].items():
+        print(
+            f"{name}: host tier / none: TTFT p50 {w['ttft_p50_ratio']:.2f}x lower, p90 "
+            f"{w['ttft_p90_ratio']:.2f}x lower, throughput {w['throughput_ratio']:.2f}x; identical "
+            f"outputs: {'yes' if w['identical_outputs'] else 'NO'}"
+        )
+
+
+def _plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(out["workloads"]), figsize=(11, 4))
+    for ax, (name, w) in zip(axes, out["workloads"].items()):
+        for label, r in w["runs"].items():
+            xs = sorted(r["ttft_ms"])
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label.replace("_", " "))
+        ax.set_title(f"{name}: working set {w['working_set_over_pool']:.1f}x the KV pool")
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_xscale("log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint (default: the demo tiny Llama)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tenants", type=int, default=24, help="conversations of the overflowing workload")
+    p.add_argument("--overflow", type=int, default=6, help="the fitting workload has tenants / this")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--system", type=int, default=384, help="system prompt tokens per conversation")
+    p.add_argument("--user", type=int, default=32, help="user tokens per turn")
+    p.add_argument("--reply", type=int, default=16, help="reply tokens per turn")
+    p.add_argument("--num-blocks", type=int, default=160, help="the engine's KV pool (blocks of 16)")
+    p.add_argument("--host-gib", type=float, default=0.5, help="host tier size")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="a smoke run (tiny sizes)")
+    p.add_argument("--output", type=Path, default=RESULTS / "kv_tiers.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tenants, args.rounds, args.system, args.num_blocks, args.overflow = 6, 2, 64, 24, 3
+    out = compare(args)
+    _print(out)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(out, indent=1, default=str))
+    plot = args.output.with_suffix(".png")
+    _plot(out, plot)
+    print(f"wrote {args.output} and {plot}")
+    ok = all(
+        w["identical_outputs"] and all(r["blocks_free_after"] for r in w["runs"].values())
+        for w in out["workloads"].values()
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""bench.kv_tiers in its quick form: both workloads, both configurations, same tokens, blocks back."""
+
+from __future__ import annotations
+
+import json
+
+from bench import kv_tiers
+
+
+def test_quick_run_compares_tiers_on_an_overflowing_and_a_fitting_workload(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "kv_tiers.json"
+    assert kv_tiers.main(["--quick", "--model", str(tiny_llama), "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    over, fit = result["workloads"]["overflowing"], result["workloads"]["fitting"]
+    assert over["working_set_over_pool"] > 1 > fit["working_set_over_pool"]
+    for w in (over, fit):
+        assert w["identical_outputs"]
+        assert set(w["runs"]) == {"no_tier", "host_tier"}
+        assert all(r["blocks_free_after"] and r["requests"] > 0 for r in w["runs"].values())
+        assert w["runs"]["no_tier"]["host_hit_tokens"] == 0
+    # Overflowing: the second round's prefixes were evicted; only the tier serves them.
+    assert over["runs"]["host_tier"]["host_hit_tokens"] > 0
+    assert over["runs"]["host_tier"]["prefix_hit_tokens"] > over["runs"]["no_tier"]["prefix_hit_tokens"]
+    # Fitting: nothing is evicted, so the tier is never touched.
+    assert fit["runs"]["host_tier"]["host_offloaded_blocks"] == 0
+    assert (tmp_path / "kv_tiers.png").exists()
+    assert "identical outputs: yes" in capsys.readouterr().out
