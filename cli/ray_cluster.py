@@ -37,6 +37,8 @@ def connect(target: Target) -> None:
     """``ray.init`` into ``target``'s cluster; ConnectionError (one line, no secret) if that fails."""
     if not address_reachable(target.ray_address, timeout_s=3.0):
         raise ConnectionError(f"cannot reach {target.describe()}: nothing answers at {target.ray_address}")
+    if environment.is_loopback(target.ray_address.rsplit(":", 1)[0]):
+        environment.keep_ray_on_loopback()  # else Ray takes this client for another machine's
     _use_token(target.record.auth_token if target.record else None)
     import ray
 

@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -> int:
+    if _loopback_cluster(args, config):
+        environment.keep_ray_on_loopback()
     import ray
     from ray import serve
 
@@ -133,6 +135,14 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
             set_draining(connect(redis_url), False)
     print("pdserve stopped")
     return 0
+
+
+def _loopback_cluster(args, config: PDServeConfig) -> bool:
+    """A local cluster listens on 127.0.0.1 unless the endpoint is for other machines (``--host``);
+    a joined one (``--address``) is reached as it is (on loopback if its address is)."""
+    if args.address:
+        return environment.is_loopback(args.address.rsplit(":", 1)[0])
+    return environment.is_loopback(config.ingress.host)
 
 
 def _stop_serve(serve, config: PDServeConfig, joined: bool) -> None:

@@ -17,9 +17,11 @@ import time
 from ray import serve
 
 from deploy.config import PDServeConfig
+from deploy.replica_grpc import keep_replica_grpc_on_loopback
 from settings import environment
 
 logger = logging.getLogger(__name__)
+keep_replica_grpc_on_loopback()  # in each replica's process, before Serve starts its gRPC server
 
 
 def _bind_host(config: PDServeConfig) -> str:

@@ -17,6 +17,7 @@ NOTE: imports nothing of the project, so every layer may use it.
 from __future__ import annotations
 
 import os
+import sys
 
 REDIS_URL = "PDSERVE_REDIS_URL"
 API_KEY = "PDSERVE_API_KEY"
@@ -28,6 +29,23 @@ RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 PYTHONPATH = "PYTHONPATH"
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# Ray (2.60) has no bind-address option: its processes listen on the node's address, which it resolves
+# to the host's routable IP even when told 127.0.0.1 -- unless "clusters" are off, as on macOS and
+# Windows. Off, the node address is 127.0.0.1 and the GCS, raylet, workers and agents all listen on
+# loopback only (read when ray is imported, inherited by every process of the cluster).
+RAY_CLUSTERS = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_ray_on_loopback() -> None:
+    """A Ray cluster this process starts or joins lives on 127.0.0.1 (before ``ray.init``)."""
+    os.environ[RAY_CLUSTERS] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # NOTE: ray read the variable when imported: tell it what it missed
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK or host.startswith("127.")
 
 
 def redis_url() -> str | None:

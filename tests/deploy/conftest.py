@@ -11,6 +11,7 @@ started.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -217,9 +218,28 @@ class ServeProcess:
 
     def leftover_processes(self) -> list[str]:
         """Processes still in the service's sessions (Ray's raylet, GCS, workers would be here)."""
-        out = subprocess.run(["ps", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout
+        out = subprocess.run(["ps", "-ww", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout
         sids = {str(sid) for sid in self.sessions}
         return [line for line in out.splitlines()[1:] if line.split(None, 2)[1] in sids]
+
+    def listening_sockets(self) -> list[tuple[str, str]]:
+        """(local address, process) of every TCP socket a process of the service listens on."""
+        listening: dict[str, str] = {}  # socket inode -> address
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for row in Path(table).read_text().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A":  # LISTEN
+                    listening[fields[9]] = _address(fields[1])
+        found = []
+        for line in self.leftover_processes():
+            pid, _, args = line.split(None, 2)
+            with contextlib.suppress(OSError):  # a process that just ended
+                for fd in Path(f"/proc/{pid}/fd").iterdir():
+                    link = os.readlink(fd)
+                    if link.startswith("socket:[") and link[8:-1] in listening:
+                        program, _, rest = args.partition(" ")
+                        found.append((listening[link[8:-1]], f"{Path(program).name} {rest}"[:80]))
+        return found
 
     def kill(self) -> None:
         """SIGKILL every process of the service's sessions (Serve replicas lead process groups of their
@@ -231,6 +251,16 @@ class ServeProcess:
                 os.kill(int(line.split()[0]), signal.SIGKILL)
         with contextlib.suppress(OSError):  # its serve cannot remove the record any more
             self.record_path().unlink()
+
+
+def _address(hex_address: str) -> str:
+    """``/proc/net/tcp{,6}``'s ``0100007F:1F90`` (little-endian words) as ``127.0.0.1:8080``."""
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words)
+    mapped = getattr(ip, "ipv4_mapped", None)  # a dual-stack socket's IPv4 address
+    return f"{mapped or ip}:{int(port, 16)}"
 
 
 def _children(pid: int) -> set[int]:

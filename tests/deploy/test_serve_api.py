@@ -353,3 +353,14 @@ def test_pdserve_bench_measures_the_service(service, tmp_path):
         assert level["p99_itl_ms"] == r["p99_itl_ms"]
     assert (tmp_path / "b_latency_cdf.png").stat().st_size > 0 and (tmp_path / "b_sweep.png").exists()
     service.wait_idle()
+
+
+def test_every_socket_of_the_service_listens_on_loopback(service):
+    """Without --host, nothing of the service is reachable from another machine: the endpoint, the
+    workers' gRPC and KV ports, and Ray's own GCS, raylet, workers and agents (issue 32)."""
+    sockets = service.listening_sockets()
+    assert any(address.endswith(f":{service.port}") for address, _ in sockets), sockets
+    assert any("gcs_server" in process for _, process in sockets), sockets  # Ray's are seen too
+    loopback = ("127.0.0.1:", "::1:")
+    exposed = [(a, p) for a, p in sockets if not a.startswith(loopback)]
+    assert exposed == [], exposed
