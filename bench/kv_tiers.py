@@ -3,8 +3,8 @@
 Each of ``--tenants`` conversations starts from a system prompt of its own and adds a user turn and
 the model's reply per round; every round visits all conversations in turn (closed loop, ``--concurrency``
 in flight), so a conversation's prefix is reused one round later, after every other conversation ran.
-Its working set (every conversation's context) is sized against the engine's KV pool: the
-*overflowing* run holds several times the pool, the *fitting* one less than the pool. Each runs on the
+Its working set (every conversation's context) is several times the engine's KV pool in the
+*overflowing* run; the *fitting* run is the same conversations on a pool that holds them all. Each runs on the
 same engine configuration without a host tier and with one (``kv_host_cache_gib``), in this process;
 the reply tokens are greedy, so both configurations see the same prompts and must give the same
 tokens (checked and printed).
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -110,37 +111,47 @@ def compare(args) -> dict:
     model = args.model or str(_demo_model())
     block = 16
     results: dict = {"args": vars(args), "model": model, "workloads": {}}
-    workloads = {"overflowing": args.tenants, "fitting": max(1, args.tenants // args.overflow)}
-    for name, tenants in workloads.items():
-        context = args.system + args.rounds * (args.user + args.reply)
-        working_set = tenants * -(-context // block)
-        print(
-            f"\n== {name}: {tenants} conversations, working set {working_set} blocks, pool {args.num_blocks}"
-        )
-        runs = {}
-        for label, gib in (("no_tier", 0.0), ("host_tier", args.host_gib)):
-            print(f"  {label} ...", flush=True)
-            core = EngineCore(
-                EngineConfig(
-                    model=model,
-                    device=args.device,
-                    num_blocks=args.num_blocks,
-                    block_size=block,
-                    kv_host_cache_gib=gib,
-                    max_num_seqs=args.concurrency,
+    tenants = args.tenants
+    context_blocks = -(-(args.system + args.rounds * (args.user + args.reply)) // block)
+    working_set = tenants * context_blocks
+    # The same conversations twice: on the given pool, and on one that holds them all (plus the
+    # blocks of the requests in flight), where a tier cannot help and must cost nothing.
+    workloads = {
+        "overflowing": args.num_blocks,
+        "fitting": working_set + (args.concurrency + 1) * context_blocks,
+    }
+    for name, pool in workloads.items():
+        print(f"\n== {name}: {tenants} conversations, working set {working_set} blocks, pool {pool}")
+        configs = {"no_tier": 0.0, "host_tier": args.host_gib}
+        reps: dict[str, list[dict]] = {label: [] for label in configs}
+        for rep in range(args.repeats):  # alternating order, so drift of the machine hits both
+            for label in list(configs)[:: 1 if rep % 2 == 0 else -1]:
+                print(f"  {label} ({rep + 1}/{args.repeats}) ...", flush=True)
+                core = EngineCore(
+                    EngineConfig(
+                        model=model,
+                        device=args.device,
+                        num_blocks=pool,
+                        block_size=block,
+                        kv_host_cache_gib=configs[label],
+                        max_num_seqs=args.concurrency,
+                    )
                 )
-            )
-            runs[label] = run_workload(
-                core, tenants, args.rounds, args.system, args.user, args.reply, args.concurrency
-            )
-            del core
-        same = runs["no_tier"].pop("replies") == runs["host_tier"].pop("replies")
+                reps[label].append(
+                    run_workload(
+                        core, tenants, args.rounds, args.system, args.user, args.reply, args.concurrency
+                    )
+                )
+                del core
+        first = reps["no_tier"][0]["replies"]
+        same = all(r.pop("replies") == first for runs_ in reps.values() for r in runs_)
+        runs = {label: _median_run(rs) for label, rs in reps.items()}
         base, tier = runs["no_tier"], runs["host_tier"]
         results["workloads"][name] = {
             "conversations": tenants,
             "working_set_blocks": working_set,
-            "pool_blocks": args.num_blocks,
-            "working_set_over_pool": working_set / args.num_blocks,
+            "pool_blocks": pool,
+            "working_set_over_pool": working_set / pool,
             "runs": runs,
             "identical_outputs": same,
             "ttft_p50_ratio": base["ttft_ms_p50"] / tier["ttft_ms_p50"],
@@ -148,6 +159,18 @@ def compare(args) -> dict:
             "throughput_ratio": tier["requests_per_s"] / base["requests_per_s"],
         }
     return results
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """One configuration's repeats: the median of each figure, every TTFT kept (for the plot)."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in runs)
+    out["ttft_ms"] = [t for r in runs for t in r["ttft_ms"]]
+    out["blocks_free_after"] = all(r["blocks_free_after"] for r in runs)
+    out["repeats"] = len(runs)
+    return out
 
 
 def _demo_model() -> Path:
@@ -201,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="checkpoint (default: the demo tiny Llama)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--tenants", type=int, default=24, help="conversations of the overflowing workload")
-    p.add_argument("--overflow", type=int, default=6, help="the fitting workload has tenants / this")
     p.add_argument("--rounds", type=int, default=4, help="turns per conversation (the first is warm-up)")
     p.add_argument("--system", type=int, default=384, help="system prompt tokens per conversation")
     p.add_argument("--user", type=int, default=32, help="user tokens per turn")
@@ -209,11 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=160, help="the engine's KV pool (blocks of 16)")
     p.add_argument("--host-gib", type=float, default=0.5, help="host tier size")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (medians reported)")
     p.add_argument("--quick", action="store_true", help="a smoke run (tiny sizes)")
     p.add_argument("--output", type=Path, default=RESULTS / "kv_tiers.json")
     args = p.parse_args(argv)
     if args.quick:
-        args.tenants, args.rounds, args.system, args.num_blocks, args.overflow = 6, 2, 64, 24, 3
+        args.tenants, args.rounds, args.system, args.num_blocks = 6, 2, 64, 24
+        args.repeats = 1
     out = compare(args)
     _print(out)
     args.output.parent.mkdir(parents=True, exist_ok=True)
