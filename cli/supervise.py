@@ -21,6 +21,9 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+from settings import environment
 
 SUPERVISOR_PID = "PDSERVE_SUPERVISOR_PID"  # set in the child: the supervisor it must die with
 _PR_SET_PDEATHSIG = 1
@@ -35,18 +38,29 @@ def supervise(argv: list[str]) -> int | None:
         return None
     if os.name != "posix":
         return None
-    env = dict(os.environ, **{SUPERVISOR_PID: str(os.getpid())})
-    sys.stdout.flush()
-    child = subprocess.Popen([sys.executable, "-m", "cli", *argv], env=env, start_new_session=True)
+    # The child imports this checkout, never a ``cli`` package of the directory it is started in
+    # (-P: no current directory on sys.path; the checkout on PYTHONPATH instead).
+    env = environment.python_path_env(str(Path(__file__).resolve().parents[1]))
+    env[SUPERVISOR_PID] = str(os.getpid())
+    pending: list[int] = []  # signals that came before the child existed
+    children: list[subprocess.Popen] = []
     for sig, sent in FORWARDED.items():
-        signal.signal(sig, lambda *_, sent=sent: _forward(child, sent))
+        signal.signal(sig, lambda *_, sent=sent: _forward(children, pending, sent))
+    sys.stdout.flush()
+    child = subprocess.Popen([sys.executable, "-P", "-m", "cli", *argv], env=env, start_new_session=True)
+    children.append(child)
+    for sig in pending:
+        _forward(children, [], sig)
     code = child.wait()  # PEP 475: the handlers run and the wait goes on
     return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
 
 
-def _forward(child: subprocess.Popen, sig: int) -> None:
+def _forward(children: list[subprocess.Popen], pending: list[int], sig: int) -> None:
+    if not children:
+        pending.append(sig)
+        return
     with contextlib.suppress(ProcessLookupError):
-        child.send_signal(sig)  # the child alone: its session (the Ray cluster) stays up to drain
+        children[0].send_signal(sig)  # the child alone: its session (the Ray cluster) stays up to drain
 
 
 def _die_with(supervisor: int) -> None:

@@ -49,6 +49,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self._events: list[KVEvent] = []
+        self.recording = True  # off: no events kept (an engine nobody subscribed to: EngineCore)
         # Called with (block, hash) as a cached block is evicted, before it is handed out (a host tier
         # copies its content out: engine/kv_host_tier.py).
         self.on_evict: Callable[[int, BlockHash], None] | None = None
@@ -110,7 +111,7 @@ class BlockPool:
             return
         self.block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
-        self._events.append(BlockStored([block_hash]))
+        self._record(BlockStored([block_hash]))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
@@ -119,8 +120,12 @@ class BlockPool:
         for b in self._cached.values():
             self.block_hash[b] = None
         self._cached.clear()
-        self._events.append(AllBlocksCleared())
+        self._record(AllBlocksCleared())
         return True
+
+    def _record(self, event: KVEvent) -> None:
+        if self.recording:
+            self._events.append(event)
 
     def drain_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
@@ -132,6 +137,6 @@ class BlockPool:
             self.block_hash[block_id] = None
             if self._cached.get(h) == block_id:
                 del self._cached[h]
-                self._events.append(BlockRemoved([h]))
+                self._record(BlockRemoved([h]))
                 if self.on_evict is not None:
                     self.on_evict(block_id, h)

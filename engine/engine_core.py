@@ -95,6 +95,8 @@ class EngineCore(TransferMixin):
         if config.kv_host_cache_gib and config.enable_prefix_caching:
             slots = attach_host_tier(self.kv, kv_cache, config.kv_host_cache_gib)
             logger.info("KV host tier: %d blocks (%.2f GiB)", slots, config.kv_host_cache_gib)
+            self.kv.host_tier.recording = False
+        self.kv.pool.recording = False  # until someone reads the events (drain_kv_events)
         self.scheduler = Scheduler(
             self.kv,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -270,6 +272,7 @@ class EngineCore(TransferMixin):
         sequence that stops computes one token more, which is dropped."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t_launch = time.perf_counter()  # the scheduling (and host-tier copies on CPU) are behind
         overlap = self.overlap and not self._needs_host_tokens(sched)
         outs: list[SequenceOutput] = []
         if not overlap and self._inflight is not None:
@@ -286,7 +289,18 @@ class EngineCore(TransferMixin):
             self._inflight = (sched, launch, t0)
         else:
             outs.extend(self._finish(sched, self.runner.collect(launch), t0))
+            self._observe_prefill(sched, time.perf_counter() - t_launch)
         return outs
+
+    def _observe_prefill(self, sched, seconds: float) -> None:
+        """The prefill cost per token a host-tier hit is weighed against, from steps that are mostly
+        prompt tokens (their forward and sampling, not the scheduling before it)."""
+        total = sched.total_num_scheduled_tokens
+        prompt = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
+        if prompt < PREFILL_STEP_TOKENS or prompt < 0.75 * total:
+            return
+        old = self._prefill_s_per_token
+        self._prefill_s_per_token = seconds / total if old is None else 0.8 * old + 0.2 * seconds / total
 
     @property
     def overlap(self) -> bool:
@@ -327,13 +341,8 @@ class EngineCore(TransferMixin):
             req = self.scheduler.requests.get(seq_id)
             if req is not None:
                 outs.extend(self._finish_group(req.group_id, RequestStatus.FINISHED_ERROR, error))
-        seconds = time.perf_counter() - t0
         if self.scheduler.batching is not None:  # the fair policy sizes later steps from this one's time
-            self.scheduler.batching.observe(sched.total_num_scheduled_tokens, seconds)
-        if sched.total_num_scheduled_tokens >= PREFILL_STEP_TOKENS:  # mostly prompt: its cost per token
-            per_token = seconds / sched.total_num_scheduled_tokens
-            old = self._prefill_s_per_token
-            self._prefill_s_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
+            self.scheduler.batching.observe(sched.total_num_scheduled_tokens, time.perf_counter() - t0)
         self._generation_tokens += sum(len(o.new_token_ids) for o in outs)
         return outs
 
@@ -357,16 +366,20 @@ class EngineCore(TransferMixin):
 
     def drain_kv_events(self) -> list[KVEvent]:
         """The prefix cache's block events since the last call: the device pool's, then the host
-        tier's (each tier's in order; the tiers are independent sets)."""
-        events = self.kv.pool.drain_events()
-        if self.kv.host_tier is not None:
-            events += self.kv.host_tier.drain_events()
+        tier's (each tier's in order; the tiers are independent sets). The first call subscribes:
+        an engine nobody reads the events of keeps none (an offline run would hold every one), so
+        a subscriber takes a snapshot (``cached_hashes``) for what came before."""
+        tiers = [self.kv.pool] + ([self.kv.host_tier] if self.kv.host_tier is not None else [])
+        events: list[KVEvent] = []
+        for tier in tiers:
+            events += tier.drain_events()
+            tier.recording = True
         return events
 
     def host_hit_cost_pct(self) -> int:
         """What a prompt block found in the host tier costs, in % of computing it: the measured load
-        time per block over the measured prefill time of a block's tokens (steps of at least
-        ``PREFILL_STEP_TOKENS``); 100 (worth no more than a miss) without a tier or a measurement."""
+        time per block over the measured prefill time of a block's tokens (``_observe_prefill``);
+        100 (worth no more than a miss) without a tier or a measurement."""
         blocks = self.kv.host_blocks
         if blocks is None or blocks.load_s_per_block is None or not self._prefill_s_per_token:
             return 100

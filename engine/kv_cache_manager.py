@@ -58,6 +58,7 @@ class KVCacheManager:
         self.prefix_hits_host = 0  # of prefix_hits: tokens loaded from the host tier
         self.host_tier: HostTier | None = None
         self.host_blocks: HostBlocks | None = None
+        self._unsettled = False  # copies to the host tier issued since the last settle
 
     def attach_host_tier(self, tier: HostTier, blocks: HostBlocks) -> None:
         """Keep evicted prefix blocks in ``tier`` (bookkeeping) / ``blocks`` (memory and copies)."""
@@ -195,8 +196,9 @@ class KVCacheManager:
         self._num_cached_blocks[req.request_id] = len(hit.block_ids)
         fresh = self.pool.allocate(self.blocks_needed(num_tokens) - len(table))
         table.extend(fresh)
-        if self.host_blocks is not None:
+        if self.host_blocks is not None and self._unsettled:
             self.host_blocks.settle()  # evicted blocks copied out before the peer's RDMA writes them
+            self._unsettled = False
         return fresh
 
     def commit_transfer(self, req: Request) -> None:
@@ -265,6 +267,7 @@ class KVCacheManager:
         slot = self.host_tier.store(block_hash)
         if slot is not None:
             self.host_blocks.offload([(block_id, slot)])
+            self._unsettled = True
 
     def _load_from_host(self, req: Request, first: int, slots: list[int]) -> list[int]:
         """Fresh device blocks holding the host tier's ``slots`` (blocks ``first``... of ``req``),

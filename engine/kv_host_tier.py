@@ -49,6 +49,7 @@ class HostTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()
         self._events: list[KVEvent] = []
+        self.recording = True  # as the block pool's
         self.counters = TierCounters()
 
     def __len__(self) -> int:
@@ -77,7 +78,7 @@ class HostTier:
                 self.counters.dropped_offloads += 1
                 return None
         self._slots[block_hash] = slot
-        self._events.append(BlockStored([block_hash], HOST))
+        self._record(BlockStored([block_hash], HOST))
         self.counters.offloaded_blocks += 1
         return slot
 
@@ -96,9 +97,13 @@ class HostTier:
 
     def clear(self) -> None:
         if self._slots:
-            self._events.append(BlockRemoved(list(self._slots), HOST))
+            self._record(BlockRemoved(list(self._slots), HOST))
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._slots.clear()
+
+    def _record(self, event: KVEvent) -> None:
+        if self.recording:
+            self._events.append(event)
 
     def drain_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
@@ -108,7 +113,7 @@ class HostTier:
         for h, slot in self._slots.items():
             if slot not in self._pinned:
                 del self._slots[h]
-                self._events.append(BlockRemoved([h], HOST))
+                self._record(BlockRemoved([h], HOST))
                 self.counters.evicted_blocks += 1
                 return slot
         return None

@@ -54,10 +54,11 @@ class PrefixIndex:
             self._host.add(w, ev.hashes)
         elif ev.kind == HOST_REMOVED:
             self._host.remove(w, ev.hashes)
-        else:  # CLEARED / RESYNCED: the event carries the whole set (both tiers)
+        elif ev.kind in (CLEARED, RESYNCED):  # the event carries the whole set (both tiers)
             self._drop(w)
             self._add(w, ev.hashes)
             self._host.add(w, ev.host_hashes)
+        # else: a kind of a newer worker (a tier this router does not know): its sequence still counts
         self._seq[w] = ev.seq
         return True
 

@@ -119,7 +119,7 @@ class CacheAware(LeastLoad):
     def choose(self, inp: RoutingInput, index: PrefixIndex) -> Route:
         workers = [w.worker_id for w in inp.prefills] + [w.worker_id for w in inp.decodes]
         with index.lock:
-            tiers = index.match_tiers(inp.hashes, workers, inp.routed)
+            tiers = _capped(inp, index.match_tiers(inp.hashes, workers, inp.routed))
             cached = {w.worker_id: index.num_blocks_of(w.worker_id) for w in inp.prefills}
         bs = inp.block_size
         hits = {w: device + host for w, (device, host) in tiers.items()}
@@ -136,8 +136,17 @@ class CacheAware(LeastLoad):
                     w.worker_id,
                 ),
             )
-        decode = self._decode(inp, hits)
+        # A decode worker's pulled KV lands on its device hits only (its host tier serves prompts
+        # it computes itself), so those break its ties.
+        decode = self._decode(inp, {w: device for w, (device, _) in tiers.items()})
         return Route(prefill, decode, hits.get(prefill.worker_id, 0) * bs if prefill else 0)
+
+
+def _capped(inp: RoutingInput, tiers: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """Hits as the engine takes them: at most the prompt's full blocks before its last token (that
+    token is always computed: its logits give the first output token)."""
+    cap = max(0, (inp.prompt_len - 1) // inp.block_size)
+    return {w: (min(d, cap), min(h, cap - min(d, cap))) for w, (d, h) in tiers.items()}
 
 
 def _saved_blocks(w: WorkerRecord, tiers: Mapping[str, tuple[int, int]]) -> float:
@@ -157,4 +166,5 @@ def _hit_tokens(inp: RoutingInput, index: PrefixIndex, w: WorkerRecord | None) -
     if w is None:
         return 0
     with index.lock:
-        return index.match(inp.hashes, [w.worker_id], inp.routed).get(w.worker_id, 0) * inp.block_size
+        tiers = _capped(inp, index.match_tiers(inp.hashes, [w.worker_id], inp.routed))
+    return sum(tiers.get(w.worker_id, (0, 0))) * inp.block_size

@@ -164,6 +164,8 @@ def test_the_registry_hears_of_both_tiers(tiny_llama):
 
     llm = LLM(str(tiny_llama), block_size=8, num_blocks=16, max_num_seqs=1, kv_host_cache_gib=0.001)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate(_prompts(2, 40, seed=4), params, use_tqdm=False)
+    assert llm.core.drain_kv_events() == []  # nobody subscribed: nothing was kept
     llm.generate(_prompts(6, 40, seed=5), params, use_tqdm=False)
     kinds = {kind for kind, _ in event_batches(llm.core.drain_kv_events())}
     assert {STORED, REMOVED, HOST_STORED} <= kinds
