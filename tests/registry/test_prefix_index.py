@@ -68,3 +68,11 @@ def test_host_tier_events_are_indexed_apart_and_matched_after_the_device_run():
     assert idx.match_tiers(chain, ["c"]) == {"c": (0, 0)} and idx.num_host_blocks_of("c") == 0
     assert idx.apply(ev("a", 2, 1, CLEARED))  # a new incarnation: both tiers forgotten
     assert idx.match_tiers(chain, ["a"]) == {"a": (0, 0)} and idx.size == 2
+
+
+def test_an_event_kind_of_a_newer_worker_is_skipped_not_taken_for_a_resync():
+    idx = PrefixIndex()
+    assert idx.apply(ev("a", 1, 1, RESYNCED, 0, 1))
+    assert idx.apply(ev("a", 1, 2, "q", 5))  # a tier this router does not know
+    assert idx.apply(ev("a", 1, 3, STORED, 2))  # its sequence number still counted: no gap
+    assert idx.blocks_of("a") == {H[0], H[1], H[2]} and idx.gaps_detected == 0
