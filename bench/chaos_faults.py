@@ -58,15 +58,27 @@ class RedisProcess:
 
 
 def replica_pids(session: int, role: str) -> list[int]:
-    """Live replica processes of ``role`` among the processes of one session (one service)."""
-    out = subprocess.run(["ps", "-eo", "pid,sid,stat,args"], capture_output=True, text=True).stdout
+    """Live replica processes of ``role`` of one service: ``session`` is its ``pdserve serve``
+    (started in a session of its own), whose supervised child leads the session the cluster's
+    processes are in (cli/supervise.py)."""
+    sessions = {session} | _children(session)
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,sid,stat,args"], capture_output=True, text=True).stdout
     title = f"ray::ServeReplica:pdserve:{DEPLOYMENT[role]}"
     pids = []
     for line in out.splitlines()[1:]:
         pid, sid, stat, args = line.split(None, 3)
-        if int(sid) == session and args.startswith(title) and not stat.startswith("Z"):
+        if int(sid) in sessions and args.startswith(title) and not stat.startswith("Z"):
             pids.append(int(pid))
     return sorted(pids)
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
 
 
 async def registered_workers(session, base: str) -> dict[str, dict[str, float]]:

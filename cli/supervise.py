@@ -25,7 +25,6 @@ from pathlib import Path
 
 from settings import environment
 
-SUPERVISOR_PID = "PDSERVE_SUPERVISOR_PID"  # set in the child: the supervisor it must die with
 _PR_SET_PDEATHSIG = 1
 FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
 
@@ -33,15 +32,16 @@ FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signa
 def supervise(argv: list[str]) -> int | None:
     """Run ``pdserve <argv>`` as a supervised child and return its exit code; None when this process
     is that child already (or the platform has no sessions), so the caller serves itself."""
-    if SUPERVISOR_PID in os.environ:
-        _die_with(int(os.environ.pop(SUPERVISOR_PID)))
+    supervisor = environment.take_supervisor_pid()
+    if supervisor is not None:
+        _die_with(supervisor)
         return None
     if os.name != "posix":
         return None
     # The child imports this checkout, never a ``cli`` package of the directory it is started in
     # (-P: no current directory on sys.path; the checkout on PYTHONPATH instead).
     env = environment.python_path_env(str(Path(__file__).resolve().parents[1]))
-    env[SUPERVISOR_PID] = str(os.getpid())
+    env[environment.SUPERVISOR_PID] = str(os.getpid())
     pending: list[int] = []  # signals that came before the child existed
     children: list[subprocess.Popen] = []
     for sig, sent in FORWARDED.items():

@@ -11,14 +11,12 @@ rewritten and tests/deploy's socket check reports the open port.
 
 from __future__ import annotations
 
-import os
-
 from settings import environment
 
 
 def keep_replica_grpc_on_loopback() -> bool:
     """Rewrite Serve's replica gRPC bind address when the cluster is on loopback; True if it did."""
-    if os.environ.get(environment.RAY_CLUSTERS) != "0":
+    if not environment.ray_on_loopback():
         return False
     try:
         from ray.serve._private import replica

@@ -36,6 +36,21 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RAY_CLUSTERS = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+def ray_on_loopback() -> bool:
+    """Whether this process's Ray cluster is kept on 127.0.0.1 (``keep_ray_on_loopback``, inherited)."""
+    return os.environ.get(RAY_CLUSTERS) == "0"
+
+
+SUPERVISOR_PID = "PDSERVE_SUPERVISOR_PID"  # in a supervised ``pdserve serve``: the supervisor's pid
+
+
+def take_supervisor_pid() -> int | None:
+    """The pid of the supervisor this process runs under (cli/supervise.py), once: it is removed from
+    the environment so the processes this one starts do not take it for theirs."""
+    pid = os.environ.pop(SUPERVISOR_PID, None)
+    return int(pid) if pid else None
+
+
 def keep_ray_on_loopback() -> None:
     """A Ray cluster this process starts or joins lives on 127.0.0.1 (before ``ray.init``)."""
     os.environ[RAY_CLUSTERS] = "0"
