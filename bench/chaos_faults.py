@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.standalone_stack import child_pids
+
 FAULTS = ("kill_decode", "stop_decode", "kill_prefill", "stop_prefill", "restart_redis")
 DEPLOYMENT = {"decode": "Decode", "prefill": "Prefill"}
 
@@ -61,7 +63,7 @@ def replica_pids(session: int, role: str) -> list[int]:
     """Live replica processes of ``role`` of one service: ``session`` is its ``pdserve serve``
     (started in a session of its own), whose supervised child leads the session the cluster's
     processes are in (cli/supervise.py)."""
-    sessions = {session} | _children(session)
+    sessions = {session, *child_pids(session)}
     out = subprocess.run(["ps", "-ww", "-eo", "pid,sid,stat,args"], capture_output=True, text=True).stdout
     title = f"ray::ServeReplica:pdserve:{DEPLOYMENT[role]}"
     pids = []
@@ -70,15 +72,6 @@ def replica_pids(session: int, role: str) -> list[int]:
         if int(sid) in sessions and args.startswith(title) and not stat.startswith("Z"):
             pids.append(int(pid))
     return sorted(pids)
-
-
-def _children(pid: int) -> set[int]:
-    found: set[int] = set()
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                found |= {int(c) for c in (task / "children").read_text().split()}
-    return found
 
 
 async def registered_workers(session, base: str) -> dict[str, dict[str, float]]:

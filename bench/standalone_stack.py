@@ -39,10 +39,13 @@ def accepts(port: int) -> bool:
 
 
 def child_pids(pid: int) -> list[int]:
-    """The processes ``pid`` started (``/proc/<pid>/task/*/children``): a worker's engine process."""
+    """The processes ``pid`` started (``/proc/<pid>/task/*/children``): a worker's engine process, a
+    supervised ``pdserve serve``'s service. Empty once ``pid`` is gone."""
     out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that just ended
+                out += [int(c) for c in (task / "children").read_text().split()]
     return out
 
 

@@ -22,9 +22,9 @@ from cli.service_record import (
     remove_record,
     stale_reason,
 )
+from settings import environment
 
 DEFAULT_APP = "pdserve"
-_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def _norm_endpoint(url: str) -> str:
         url = "http://" + url
     scheme, rest = url.split("://", 1)
     host, _, port = rest.rpartition(":")
-    if host in _LOOPBACK or host == "0.0.0.0":
+    if environment.is_loopback(host) or host == "0.0.0.0":  # the same server, asked by its local name
         host = "127.0.0.1"
     return f"{scheme}://{host}:{port}" if host else f"{scheme}://{rest}"
 
@@ -151,4 +151,4 @@ def _same_address(recorded: str, given: str) -> bool:
     if recorded == given:
         return True
     host, _, port = given.rpartition(":")
-    return host in _LOOPBACK and recorded.rpartition(":")[2] == port
+    return environment.is_loopback(host) and recorded.rpartition(":")[2] == port

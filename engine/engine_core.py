@@ -289,7 +289,8 @@ class EngineCore(TransferMixin):
             self._inflight = (sched, launch, t0)
         else:
             outs.extend(self._finish(sched, self.runner.collect(launch), t0))
-            self._observe_prefill(sched, time.perf_counter() - t_launch)
+            if self.kv.host_blocks is not None:  # only a host tier's cost model reads it
+                self._observe_prefill(sched, time.perf_counter() - t_launch)
         return outs
 
     def _observe_prefill(self, sched, seconds: float) -> None:

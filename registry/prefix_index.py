@@ -120,6 +120,8 @@ class PrefixIndex:
         """For each worker: (leading blocks of ``hashes`` in its KV pool, blocks after those in its
         host tier), the two runs a request's prefix hit there would take (``match``'s rules)."""
         holders, host = self._holders, self._host.holders
+        if not host:  # no host tier anywhere: the device run alone, by the faster set walk
+            return {w: (n, 0) for w, n in self.match(hashes, workers, also).items()}
         device_run = dict.fromkeys(workers, True)
         lengths = {w: [0, 0] for w in device_run}
         live = set(device_run)

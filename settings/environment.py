@@ -60,6 +60,8 @@ def keep_ray_on_loopback() -> None:
 
 
 def is_loopback(host: str) -> bool:
+    """``host`` (a name or address, IPv6 bracketed or not) is this machine's loopback."""
+    host = host.strip("[]")
     return host in LOOPBACK or host.startswith("127.")
 
 

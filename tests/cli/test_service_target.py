@@ -123,3 +123,13 @@ def test_the_command_line_errors_are_one_line(tmp_path, gcs, monkeypatch, capsys
         f"error: cannot reach Ray cluster {closed}, application 'pdserve' (no pdserve record): "
         f"nothing answers at {closed}"
     ]
+
+
+def test_an_endpoint_or_address_asked_by_any_loopback_name_is_the_recorded_one():
+    from cli.service_target import _same_address, _same_endpoint
+    from settings.environment import is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.1.1", "localhost", "::1", "[::1]"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "", "192.0.2.2", "[::]"))
+    assert _same_endpoint("http://127.0.0.1:8000", "http://[::1]:8000/v1")
+    assert _same_address("127.0.0.1:6380", "[::1]:6380") and not _same_address("127.0.0.1:6380", "[::1]:6381")

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.standalone_stack import child_pids
+
 API_KEY = "test-key-0123456789"  # a test credential, given through the environment as in production
 
 
@@ -72,11 +74,11 @@ class ServeProcess:
         deadline = time.monotonic() + 240
         self.sessions = {self.proc.pid}  # the CLI's, and its supervised child's (cli/supervise.py)
         while not self._ready.wait(0.5):
-            self.sessions |= _children(self.proc.pid)
+            self.sessions.update(child_pids(self.proc.pid))
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 pytest.fail("pdserve serve did not come up:\n" + "".join(self.lines[-60:]))
-        self.sessions |= _children(self.proc.pid)
+        self.sessions.update(child_pids(self.proc.pid))
         if len(self.sessions) != 2:
             self.kill()
             pytest.fail(f"pdserve serve should run the service as one supervised child: {self.sessions}")
@@ -261,16 +263,6 @@ def _address(hex_address: str) -> str:
     ip = ipaddress.ip_address(words)
     mapped = getattr(ip, "ipv4_mapped", None)  # a dual-stack socket's IPv4 address
     return f"{mapped or ip}:{int(port, 16)}"
-
-
-def _children(pid: int) -> set[int]:
-    """The processes ``pid`` started, while it runs (``/proc/<pid>/task/*/children``)."""
-    found: set[int] = set()
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                found |= {int(c) for c in (task / "children").read_text().split()}
-    return found
 
 
 @pytest.fixture(scope="module")
