@@ -7,5 +7,7 @@ PY=${PY:-.venv/bin/python}
 "$PY" -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any -d .whl \
-  fastapi uvicorn uvloop httptools pydantic redis fakeredis prometheus-client pyyaml
+  fastapi uvicorn uvloop httptools pydantic redis fakeredis prometheus-client pyyaml \
+  "grpcio==$("$PY" -c "import grpc; print(grpc.__version__)")" \
+  "protobuf==$("$PY" -c "import google.protobuf as p; print(p.__version__)")"
 du -sh .whl

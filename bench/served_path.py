@@ -47,6 +47,7 @@ from bench.standalone_stack import (
     Processes,
     check_blocks,
     child_pids,
+    engine_stats,
     free_blocks,
     free_port,
     redis,
@@ -110,8 +111,11 @@ def prompts(workload: Workload, n: int, vocab: int, seed: int) -> list[list[int]
     return [r.prompt_token_ids for r in reqs]
 
 
-def measure(base: str, model: str, w: Workload, a: argparse.Namespace, vocab: int, pids: dict) -> dict:
-    """Warm-up, then the measured closed loop with every process's CPU read around it."""
+def measure(
+    base: str, model: str, w: Workload, a: argparse.Namespace, vocab: int, pids: dict, stats=None
+) -> dict:
+    """Warm-up, then the measured closed loop with every process's CPU (and, given ``stats``, a
+    callable that reads the serving engine's, its step counts) read around it."""
     load_args = bench_args(base_url=base, model=model, ignore_eos=True, warmup=0, no_progress=True)
 
     def run(n: int, seed: int) -> dict:
@@ -120,9 +124,10 @@ def measure(base: str, model: str, w: Workload, a: argparse.Namespace, vocab: in
 
     run(a.warmup, seed=1)
     pids = {**pids, LOADGEN: os.getpid()}
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    before, counted = {name: cpu_seconds(pid) for name, pid in pids.items()}, stats and stats()
     summary = run(a.num_requests, seed=0)
     spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    steps = step_counts(stats(), counted, a.num_requests) if stats else {}
     tokens = round(summary["output_token_throughput"] * summary["duration_s"])
     per_token = {name: s * 1e3 / max(tokens, 1) for name, s in spent.items()}
     complete = summary["completed"] == a.num_requests and tokens == a.num_requests * w.output_len
@@ -141,7 +146,7 @@ def measure(base: str, model: str, w: Workload, a: argparse.Namespace, vocab: in
         "cpu_ms_per_token": {n: v for n, v in per_token.items() if n != LOADGEN},
         "load_generator_cpu_ms_per_token": per_token[LOADGEN],
         "load": summary,
-    }
+    } | steps
 
 
 def engine_ttft(core: EngineCore, measured: list[list[int]]) -> float | None:
@@ -161,18 +166,28 @@ def engine_ttft(core: EngineCore, measured: list[list[int]]) -> float | None:
     return statistics.median(ttfts) if ttfts else None
 
 
+def step_counts(stats, before, num_requests: int) -> dict:
+    """Engine steps per measured request and the share replayed from a CUDA graph: a served engine
+    fed one request at a time runs more mixed (prompt + decode) steps than a closed loop in one
+    process, and a GPU runs those eagerly."""
+    steps = stats.num_steps - before.num_steps
+    graphs = stats.num_graph_steps - before.num_graph_steps
+    return {"steps_per_request": steps / num_requests, "graph_step_share": graphs / steps if steps else 0.0}
+
+
 def engine_layout(a: argparse.Namespace, model: str, vocab: int) -> dict:
     engine = {"device": a.device, "dtype": a.dtype, "num_blocks": a.num_blocks, "cpu_threads": a.cpu_threads}
-    config = EngineConfig(model=model, **engine)
+    config = EngineConfig(model=model, prefill_hold_steps=a.prefill_hold_steps, **engine)
     core, out = EngineCore(config), {}
     for w in a.workloads:
         params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
         engine_closed_loop(core, prompts(w, a.warmup, vocab, seed=1), params, concurrency=a.concurrency)
         measured, tokens = prompts(w, a.num_requests, vocab, seed=0), a.num_requests * w.output_len
-        t0 = time.process_time()
+        t0, before = time.process_time(), core.stats()
         rps = engine_closed_loop(core, measured, params, concurrency=a.concurrency)
         cpu_ms = (time.process_time() - t0) * 1e3 / tokens
         out[w.name] = {"requests_per_s": rps, "ttft_p50_ms": None, "streamed_tokens": tokens}
+        out[w.name] |= step_counts(core.stats(), before, a.num_requests)
         out[w.name]["ttft_c1_p50_ms"] = engine_ttft(core, prompts(w, a.ttft_requests, vocab, seed=2))
         out[w.name] |= {"complete": True, "cpu_ms_per_token": {"engine": cpu_ms}}
         print(f"  engine {w.name}: {rps:.1f} req/s, {cpu_ms:.3f} CPU ms/token", flush=True)
@@ -199,6 +214,8 @@ def stack_layout(
 ) -> dict:
     engine = ["--model", model, "--device", a.device, "--dtype", a.dtype, "--num-blocks", str(a.num_blocks)]
     engine += ["--cpu-threads", str(a.cpu_threads)]
+    if a.prefill_hold_steps is not None:
+        engine += ["--prefill-hold-steps", str(a.prefill_hold_steps)]
     with redis(a.redis_server, a.start_timeout) as (url, redis_pid), Processes(a.start_timeout) as procs:
         workers: dict[str, str] = {}
         if disaggregated:  # first, so the decode worker warms its NIXL connection to it
@@ -219,7 +236,9 @@ def stack_layout(
             (pids["engine_process"],) = child_pids(pids["decode_worker"])
         out = {}
         for w in a.workloads:
-            out[w.name] = measure(base, served, w, a, vocab, pids)
+            # Disaggregated, the decode worker's engine runs no prompt: its mixed steps mean nothing.
+            stats = None if disaggregated else functools.partial(engine_stats, workers["decode_worker"])
+            out[w.name] = measure(base, served, w, a, vocab, pids, stats)
             out[w.name]["kv_blocks"] = check_blocks(procs, workers, before)
         return out
 
@@ -250,17 +269,20 @@ def _num(x: float | None, spec: str = ".3f") -> str:
 
 def print_table(workload: str, layouts: dict, a: argparse.Namespace) -> None:
     procs = [p for p in PROCESSES if any(p in r["cpu_ms_per_token"] for r in layouts.values())]
-    head = ["layout", "req/s", "÷engine", "TTFT p50 ms", "TTFT c=1", *(SHORT.get(p, p) for p in procs)]
-    rows = [[*head, "total", "÷minimal", "loadgen"]]
+    head = ["layout", "req/s", "÷engine", "TTFT p50 ms", "TTFT c=1", "steps/req", "graph"]
+    rows = [[*head, *(SHORT.get(p, p) for p in procs), "total", "÷minimal", "loadgen"]]
     for name, r in layouts.items():
         rate = [_num(r["requests_per_s"], ".1f"), _num(r["over_engine"], ".2f")]
         rate.append(_num(r["ttft_p50_ms"], ".1f"))
         rate.append(_num(r.get("ttft_c1_p50_ms"), ".1f"))
+        rate.append(_num(r.get("steps_per_request"), ".2f"))
+        share = r.get("graph_step_share")
+        rate.append("-" if share is None else f"{share:.0%}")
         cpu = [_num(r["cpu_ms_per_token"].get(p)) for p in procs]
         totals = [_num(r["stack_cpu_ms_per_token"]), _num(r["cpu_over_minimal"], ".2f")]
         rows.append([name, *rate, *cpu, *totals, _num(r.get("load_generator_cpu_ms_per_token"))])
     where = f"{a.num_requests} requests, {a.concurrency} in flight, {a.device}"
-    print(f"\n== {workload} tokens in/out ({where}); CPU ms per streamed token from column 6 on ==")
+    print(f"\n== {workload} tokens in/out ({where}); CPU ms per streamed token from column 8 on ==")
     widths = [max(len(x) for x in col) for col in zip(*rows)]
     for row in rows:
         print("  ".join(x.rjust(wd) if i else x.ljust(wd) for i, (x, wd) in enumerate(zip(row, widths))))
@@ -278,7 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", type=parse_workloads, help="INPUT/OUTPUT tokens, comma-separated")
     p.add_argument("--num-requests", type=int, help="measured requests per workload (192)")
     p.add_argument("--concurrency", type=int, help="requests in flight (32)")
-    p.add_argument("--warmup", type=int, help="warm-up requests per workload, not counted (8)")
+    p.add_argument("--warmup", type=int, help="warm-up requests per workload, not counted (--concurrency)")
+    p.add_argument("--prefill-hold-steps", type=int, help="every engine's prefill_hold_steps (their default)")
     p.add_argument("--ttft-requests", type=int, help="requests one at a time for TTFT c=1 (16; 0: none)")
     p.add_argument("--disagg", action=argparse.BooleanOptionalAction, help="disagg too (default: on CPU)")
     p.add_argument(
@@ -295,7 +318,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.num_requests = a.num_requests or (24 if a.quick else 192)
     a.concurrency = a.concurrency or (8 if a.quick else 32)
     a.ttft_requests = a.ttft_requests if a.ttft_requests is not None else (4 if a.quick else 16)
-    a.warmup = a.warmup if a.warmup is not None else (4 if a.quick else 8)
+    # A full batch's worth: a GPU engine compiles its kernels for each shape it first meets.
+    a.warmup = a.warmup if a.warmup is not None else (4 if a.quick else a.concurrency)
     a.disagg = a.device == "cpu" if a.disagg is None else a.disagg
     a.layouts = a.layouts.split(",") if a.layouts else [n for n in LAYOUTS if n != "disagg" or a.disagg]
     unknown = set(a.layouts) - set(LAYOUTS)

@@ -155,10 +155,14 @@ def wait_http(base: str, procs: Processes) -> str:
     return model
 
 
-def free_blocks(address: str, role: str) -> int:
+def engine_stats(address: str, role: str = "decode_worker") -> pb.EngineStats:
     stub_cls = pb_grpc.PrefillWorkerStub if role == "prefill_worker" else pb_grpc.DecodeWorkerStub
     with grpc.insecure_channel(address) as channel:
-        return stub_cls(channel).GetState(pb.GetStateRequest(), timeout=10).stats.num_free_blocks
+        return stub_cls(channel).GetState(pb.GetStateRequest(), timeout=10).stats
+
+
+def free_blocks(address: str, role: str) -> int:
+    return engine_stats(address, role).num_free_blocks
 
 
 def check_blocks(procs: Processes, workers: dict[str, str], before: dict[str, int]) -> dict:

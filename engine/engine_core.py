@@ -18,7 +18,7 @@ import torch
 
 from engine.attention import get_attention_backend
 from engine.block_pool import KVEvent
-from engine.config import EngineConfig
+from engine.config import PREFILL_HOLD_STEPS_GRAPHS, EngineConfig
 from engine.core_transfer import TransferMixin
 from engine.cpu_threads import apply_thread_policy
 from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
@@ -33,7 +33,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SequenceOutput
 from engine.spec_decode import attach_cache, build_speculator, draft_block_bytes
-from engine.stats import EngineStats
+from engine.stats import EngineStats, host_tier_stats, spec_stats
 from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,10 @@ class EngineCore(TransferMixin):
             except RuntimeError as exc:  # e.g. an op that cannot be captured: correct, just slower
                 logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
                 self.runner.decode_graphs = None
+        hold, graphs = config.prefill_hold_steps, self.runner.decode_graphs is not None
+        self.scheduler.prefill_hold_steps = (
+            (PREFILL_HOLD_STEPS_GRAPHS if graphs else 0) if hold is None else hold
+        )
         self._rng = random.Random(config.seed)
         self._inflight = None  # overlapped scheduling: (sched, launch, t0) of the step on the device
         # A prefill worker's engine: a request ends at its first token, which then holds its KV for a
@@ -409,30 +413,10 @@ class EngineCore(TransferMixin):
             num_transferring=len(s.transferring),
             prompt_tokens=s.num_prompt_tokens,
             generation_tokens=self._generation_tokens,
-            **self._host_tier_stats(),
-            **self._spec_stats(),
-        )
-
-    def _host_tier_stats(self) -> dict:
-        tier = self.kv.host_tier
-        if tier is None:
-            return {}
-        return dict(
-            host_cache_blocks=tier.num_slots,
-            host_cache_used=len(tier),
-            prefix_cache_hits_host=self.kv.prefix_hits_host,
-            host_offloaded_blocks=tier.counters.offloaded_blocks,
-        )
-
-    def _spec_stats(self) -> dict:
-        if self.speculator is None:
-            return {}
-        st = self.speculator.stats
-        return dict(
-            spec_num_drafts=st.num_drafts,
-            spec_draft_tokens=st.num_draft_tokens,
-            spec_accepted_tokens=st.num_accepted_tokens,
-            spec_accepted_per_position=tuple(st.accepted_per_position),
+            num_steps=self.runner.num_forwards,
+            num_graph_steps=self.runner.num_graph_forwards,
+            **host_tier_stats(self.kv),
+            **spec_stats(self.speculator),
         )
 
 

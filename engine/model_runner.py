@@ -78,6 +78,10 @@ class ModelRunner:
         self._sync_seqs: set[str] = set()  # sequences whose steps need host tokens (see needs_host_tokens)
         self._special: set[str] = set()  # with logprobs or processed logits
         self._random: set[str] = set()  # sampled at random (not greedy)
+        # Forward passes run, and those replayed from a CUDA graph (the others launch every kernel
+        # from Python: on a GPU a mixed prefill + decode step costs the host several times a decode's).
+        self.num_forwards = 0
+        self.num_graph_forwards = 0
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its tokens."""
@@ -101,7 +105,9 @@ class ModelRunner:
         order = self._batch_order(sched, drafts)
         input_ids, positions, meta, sample_rows, spec_rows, plan = self._prepare(sched, order, drafts)
         masks = self._grammar_masks(sample_rows) if self._grammar_seqs else None  # filled during the forward
+        self.num_forwards += 1
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+            self.num_graph_forwards += 1
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)

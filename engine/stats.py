@@ -19,6 +19,9 @@ class EngineStats:
     num_swap_outs: int
     prompt_tokens: int
     generation_tokens: int
+    # Steps that ran a forward pass, and those replayed from a CUDA graph (pure decode on a GPU).
+    num_steps: int = 0
+    num_graph_steps: int = 0
     num_held: int = 0
     num_transferring: int = 0
     # The host tier of the prefix cache (0 when off): its size, its use, the prompt tokens served from
@@ -45,3 +48,29 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def host_tier_stats(kv) -> dict:
+    """The host tier's fields of ``EngineStats`` (none when the KV cache has no host tier)."""
+    tier = kv.host_tier
+    if tier is None:
+        return {}
+    return dict(
+        host_cache_blocks=tier.num_slots,
+        host_cache_used=len(tier),
+        prefix_cache_hits_host=kv.prefix_hits_host,
+        host_offloaded_blocks=tier.counters.offloaded_blocks,
+    )
+
+
+def spec_stats(speculator) -> dict:
+    """Speculative decoding's fields of ``EngineStats`` (none when the engine does not speculate)."""
+    if speculator is None:
+        return {}
+    st = speculator.stats
+    return dict(
+        spec_num_drafts=st.num_drafts,
+        spec_draft_tokens=st.num_draft_tokens,
+        spec_accepted_tokens=st.num_accepted_tokens,
+        spec_accepted_per_position=tuple(st.accepted_per_position),
+    )

@@ -398,7 +398,7 @@ class KVTransferInfo(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., memory_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_blocks", "num_free_blocks", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "num_held_requests", "num_transferring", "spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_position", "prefix_cache_hits_host", "host_cache_blocks", "host_cache_used", "host_offloaded_blocks")
+    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_blocks", "num_free_blocks", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "num_held_requests", "num_transferring", "spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_position", "prefix_cache_hits_host", "host_cache_blocks", "host_cache_used", "host_offloaded_blocks", "num_steps", "num_graph_steps")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +420,8 @@ class EngineStats(_message.Message):
     HOST_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHE_USED_FIELD_NUMBER: _ClassVar[int]
     HOST_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GRAPH_STEPS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_swapped: int
@@ -441,7 +443,9 @@ class EngineStats(_message.Message):
     host_cache_blocks: int
     host_cache_used: int
     host_offloaded_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., num_transferring: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., prefix_cache_hits_host: _Optional[int] = ..., host_cache_blocks: _Optional[int] = ..., host_cache_used: _Optional[int] = ..., host_offloaded_blocks: _Optional[int] = ...) -> None: ...
+    num_steps: int
+    num_graph_steps: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., num_transferring: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., prefix_cache_hits_host: _Optional[int] = ..., host_cache_blocks: _Optional[int] = ..., host_cache_used: _Optional[int] = ..., host_offloaded_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_graph_steps: _Optional[int] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
     __slots__ = ("bytes", "completed", "failures", "recomputed", "seconds_sum", "bucket_bounds", "bucket_counts", "waited", "descriptors", "expired_leases", "streamed", "streamed_bytes")

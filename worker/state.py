@@ -75,6 +75,8 @@ def stats_to_proto(s: EngineStats) -> pb.EngineStats:
         host_cache_blocks=s.host_cache_blocks,
         host_cache_used=s.host_cache_used,
         host_offloaded_blocks=s.host_offloaded_blocks,
+        num_steps=s.num_steps,
+        num_graph_steps=s.num_graph_steps,
     )
 
 
@@ -102,6 +104,8 @@ def stats_from_proto(s: pb.EngineStats) -> EngineStats:
         host_cache_blocks=s.host_cache_blocks,
         host_cache_used=s.host_cache_used,
         host_offloaded_blocks=s.host_offloaded_blocks,
+        num_steps=s.num_steps,
+        num_graph_steps=s.num_graph_steps,
     )
 
 

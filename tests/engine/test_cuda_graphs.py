@@ -66,7 +66,10 @@ def test_static_decode_path_is_token_identical(tiny_llama, capture):
     core.runner.decode_graphs = graphs
     assert _generate(core, prompts, params) == expected
     assert 3 in used  # the three-sequence decode batch ran padded to the bucket of 4
-    assert core.stats().num_free_blocks == 48
+    stats = core.stats()
+    assert stats.num_free_blocks == 48
+    # Every graph replay is counted as one, and the prompt steps (eager) as steps only.
+    assert stats.num_graph_steps == len(used) and stats.num_steps > len(used)
     pad = with_pad[48]  # [layers, K/V, block_size, heads, head_dim]
     assert torch.isfinite(pad[:, :, 0]).all()  # the padded row wrote its K/V into slot 0 of the pad block
     assert torch.isnan(pad[:, :, 1:]).all()  # and nothing else wrote there
