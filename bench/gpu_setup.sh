@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sourced by the GPU serving scripts (gpu_served.sh, gpu_prefill_hold.sh): installs the carried wheels
+# Sourced by the GPU serving scripts (gpu_served.sh): installs the carried wheels
 # (.whl/, from bench/gpu_wheels.sh) on a bare GPU host and creates the two random-weight Llamas the
 # runs serve, a tiny (~32M) and a ~0.3B, under $MODELS.
 PY=${PY:-python3}

@@ -177,7 +177,7 @@ def step_counts(stats, before, num_requests: int) -> dict:
 
 def engine_layout(a: argparse.Namespace, model: str, vocab: int) -> dict:
     engine = {"device": a.device, "dtype": a.dtype, "num_blocks": a.num_blocks, "cpu_threads": a.cpu_threads}
-    config = EngineConfig(model=model, prefill_hold_steps=a.prefill_hold_steps, **engine)
+    config = EngineConfig(model=model, **engine)
     core, out = EngineCore(config), {}
     for w in a.workloads:
         params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
@@ -214,8 +214,6 @@ def stack_layout(
 ) -> dict:
     engine = ["--model", model, "--device", a.device, "--dtype", a.dtype, "--num-blocks", str(a.num_blocks)]
     engine += ["--cpu-threads", str(a.cpu_threads)]
-    if a.prefill_hold_steps is not None:
-        engine += ["--prefill-hold-steps", str(a.prefill_hold_steps)]
     with redis(a.redis_server, a.start_timeout) as (url, redis_pid), Processes(a.start_timeout) as procs:
         workers: dict[str, str] = {}
         if disaggregated:  # first, so the decode worker warms its NIXL connection to it
@@ -301,7 +299,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, help="measured requests per workload (192)")
     p.add_argument("--concurrency", type=int, help="requests in flight (32)")
     p.add_argument("--warmup", type=int, help="warm-up requests per workload, not counted (--concurrency)")
-    p.add_argument("--prefill-hold-steps", type=int, help="every engine's prefill_hold_steps (their default)")
     p.add_argument("--ttft-requests", type=int, help="requests one at a time for TTFT c=1 (16; 0: none)")
     p.add_argument("--disagg", action=argparse.BooleanOptionalAction, help="disagg too (default: on CPU)")
     p.add_argument(

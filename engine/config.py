@@ -19,8 +19,6 @@ SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority", "fair")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ASYNC_SCHEDULING = ("off", "on")
-# prefill_hold_steps when decode steps replay CUDA graphs (bench/README.md, served path on a GPU).
-PREFILL_HOLD_STEPS_GRAPHS = 4
 _DTYPE_ALIASES = {
     "float32": "float32",
     "fp32": "float32",
@@ -99,12 +97,6 @@ class EngineConfig:
     itl_target_ms: float = option(
         100.0, "fair policy: step time (ms) a step carrying decodes is sized to stay within"
     )
-    prefill_hold_steps: int | None = option(
-        None,
-        "decode steps a new prompt may wait for others to join it while sequences decode, so that a GPU "
-        "replays more steps from its decode graphs and computes prompts together (default: "
-        f"{PREFILL_HOLD_STEPS_GRAPHS} with CUDA graphs, else 0: off)",
-    )
     admission_margin: float = option(0.01, "fraction of KV blocks kept free when admitting new requests")
     attention_backend: str = option(
         "auto", "attention kernels (auto: Triton on CUDA, torch elsewhere)", ATTENTION_BACKENDS
@@ -148,10 +140,6 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.cpu_threads is not None:
             _positive("cpu_threads", self.cpu_threads)
-        if self.prefill_hold_steps is not None and (
-            not isinstance(self.prefill_hold_steps, int) or self.prefill_hold_steps < 0
-        ):
-            raise ValueError(f"prefill_hold_steps must be an integer >= 0, got {self.prefill_hold_steps!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_host_cache_gib < 0:

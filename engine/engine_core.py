@@ -18,7 +18,7 @@ import torch
 
 from engine.attention import get_attention_backend
 from engine.block_pool import KVEvent
-from engine.config import PREFILL_HOLD_STEPS_GRAPHS, EngineConfig
+from engine.config import EngineConfig
 from engine.core_transfer import TransferMixin
 from engine.cpu_threads import apply_thread_policy
 from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
@@ -147,10 +147,6 @@ class EngineCore(TransferMixin):
             except RuntimeError as exc:  # e.g. an op that cannot be captured: correct, just slower
                 logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
                 self.runner.decode_graphs = None
-        hold, graphs = config.prefill_hold_steps, self.runner.decode_graphs is not None
-        self.scheduler.prefill_hold_steps = (
-            (PREFILL_HOLD_STEPS_GRAPHS if graphs else 0) if hold is None else hold
-        )
         self._rng = random.Random(config.seed)
         self._inflight = None  # overlapped scheduling: (sched, launch, t0) of the step on the device
         # A prefill worker's engine: a request ends at its first token, which then holds its KV for a

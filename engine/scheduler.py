@@ -49,7 +49,6 @@ class Scheduler(TransferQueue, StepResults):
         itl_target_ms: float = 100.0,
         num_spec_tokens: int = 0,
         spec_max_batch: int | None = None,
-        prefill_hold_steps: int = 0,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,10 +62,6 @@ class Scheduler(TransferQueue, StepResults):
             FairBatching(max_num_batched_tokens, itl_target_ms / 1e3) if policy == "fair" else None
         )
         self.margin_blocks = int(admission_margin * kv.num_blocks)
-        # New prompts may wait up to this many pure-decode steps for others to join them (0: never):
-        # each step that admits a prompt is a mixed step, which a GPU runs eagerly (no decode graph).
-        self.prefill_hold_steps = prefill_hold_steps
-        self._held_steps = 0
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}
         self.waiting: deque[Request] = deque()
@@ -133,10 +128,6 @@ class Scheduler(TransferQueue, StepResults):
         prefills: list[Request] = []
         for r in self.running:
             (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
-        if self.prefill_hold_steps and self._hold_prompts(decodes, prefills):
-            self._schedule_running(decodes, out, budget, scheduled)
-            out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget[0]
-            return out
         if self.policy == "priority":
             decodes.sort(key=_priority_key)
             prefills.sort(key=_priority_key)
@@ -160,24 +151,6 @@ class Scheduler(TransferQueue, StepResults):
             self._schedule_waiting(out, budget, scheduled)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget[0]
         return out
-
-    def _hold_prompts(self, decodes: list[Request], prefills: list[Request]) -> bool:
-        """Whether this step leaves the waiting prompts waiting, so that the step stays pure decode
-        and the prompts that arrive meanwhile are computed together in one mixed step: only while
-        sequences decode and nothing else would make the step mixed (a prompt chunk in progress, a
-        sequence to swap in), for at most ``prefill_hold_steps`` steps in a row, and not once the
-        waiting prompts would take every free sequence slot."""
-        if not self.waiting or not decodes or prefills or self.swapped or self.policy == "prefill_first":
-            self._held_steps = 0
-            return False
-        if self._held_steps >= self.prefill_hold_steps:
-            self._held_steps = 0
-            return False
-        if len(self.waiting) >= self.max_num_seqs - len(self.running):
-            self._held_steps = 0
-            return False
-        self._held_steps += 1
-        return True
 
     def _schedule_running(
         self, candidates: list[Request], out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]
