@@ -11,6 +11,7 @@ ignored, greedy), after a few warm-up requests that are not counted:
              (column "core"), nothing else on its GIL
     disagg   ``python -m prefill_worker`` + ``python -m decode_worker`` (NIXL), router, ingress
              ``--mode disaggregated`` (default on for CPU; ``--no-disagg`` leaves it out)
+    disagg_split  the same with ``--engine-process`` on both workers (columns "p.core", "core")
 Standalone processes only (no Ray), all bound to 127.0.0.1, so it runs on a bare GPU host too;
 Redis is embedded in this process (fakeredis) unless ``--redis-server PATH`` runs a real one.
 
@@ -64,13 +65,15 @@ from loadgen.workloads import random_workload
 RESULTS = Path(__file__).parent / "results"
 # The report's columns, in this order; the load generator (this process) is shown apart.
 PROCESSES = (
-    "engine", "minimal_server", "prefill_worker", "decode_worker", "engine_process", "router", "ingress", "redis"
+    "engine", "minimal_server", "prefill_worker", "prefill_engine_process", "decode_worker", "engine_process",
+    "router", "ingress", "redis",
 )  # fmt: skip
 SHORT = {
     "minimal_server": "minimal",
     "prefill_worker": "prefill",
     "decode_worker": "decode",
     "engine_process": "core",
+    "prefill_engine_process": "p.core",
 }
 LOADGEN = "load_generator"
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -216,13 +219,12 @@ def stack_layout(
     engine += ["--cpu-threads", str(a.cpu_threads)]
     with redis(a.redis_server, a.start_timeout) as (url, redis_pid), Processes(a.start_timeout) as procs:
         workers: dict[str, str] = {}
+        split = ["--engine-process"] * engine_process
         if disaggregated:  # first, so the decode worker warms its NIXL connection to it
-            workers["prefill_worker"] = procs.serve("prefill_worker", *engine, "--redis-url", url)
+            workers["prefill_worker"] = procs.serve("prefill_worker", *engine, "--redis-url", url, *split)
         transfer = "nixl" if disaggregated else "inprocess"
         flags = [*engine, "--redis-url", url, "--kv-transfer", transfer]
-        workers["decode_worker"] = procs.serve(
-            "decode_worker", *flags, *(["--engine-process"] * engine_process)
-        )
+        workers["decode_worker"] = procs.serve("decode_worker", *flags, *split)
         router = procs.serve("router", "--redis-url", url)
         mode = "disaggregated" if disaggregated else "aggregated"
         flags = ["--router", router, "--model", model, "--mode", mode, "--port", "0"]
@@ -232,6 +234,8 @@ def stack_layout(
         pids = procs.pids() | ({"redis": redis_pid} if redis_pid else {})
         if engine_process:
             (pids["engine_process"],) = child_pids(pids["decode_worker"])
+            if disaggregated:
+                (pids["prefill_engine_process"],) = child_pids(pids["prefill_worker"])
         out = {}
         for w in a.workloads:
             # Disaggregated, the decode worker's engine runs no prompt: its mixed steps mean nothing.
@@ -247,6 +251,7 @@ LAYOUTS: dict[str, Callable[[argparse.Namespace, str, int], dict]] = {
     "stack": functools.partial(stack_layout, disaggregated=False),
     "split": functools.partial(stack_layout, disaggregated=False, engine_process=True),
     "disagg": functools.partial(stack_layout, disaggregated=True),
+    "disagg_split": functools.partial(stack_layout, disaggregated=True, engine_process=True),
 }
 
 
@@ -318,7 +323,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # A full batch's worth: a GPU engine compiles its kernels for each shape it first meets.
     a.warmup = a.warmup if a.warmup is not None else (4 if a.quick else a.concurrency)
     a.disagg = a.device == "cpu" if a.disagg is None else a.disagg
-    a.layouts = a.layouts.split(",") if a.layouts else [n for n in LAYOUTS if n != "disagg" or a.disagg]
+    a.layouts = a.layouts.split(",") if a.layouts else [n for n in LAYOUTS if "disagg" not in n or a.disagg]
     unknown = set(a.layouts) - set(LAYOUTS)
     if unknown:
         p.error(f"unknown layouts {sorted(unknown)}; choose from {', '.join(LAYOUTS)}")

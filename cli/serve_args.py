@@ -40,8 +40,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--engine-process",
         default="auto",
         choices=["auto", "on", "off"],
-        help="decode replicas run their engine and its KV pulls in a process of their own, with nothing else "
-        "on its GIL (auto: on in aggregated mode, where it was measured)",
+        help="prefill and decode replicas run their engine and its KV transfer agent in a process of their "
+        "own, with nothing else on its GIL (auto: on)",
     )
     s.add_argument(
         "--local-prefill-tokens",
@@ -147,7 +147,12 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
         tiny_model=tiny,
         mode=args.mode,
         engine=engine_kwargs_from_args(args) | {"cpu_threads": local_cpu_threads(args)},
-        prefill={**worker, "num_replicas": args.prefill, "engine": args.prefill_engine},
+        prefill={
+            **worker,
+            "num_replicas": args.prefill,
+            "engine": args.prefill_engine,
+            "engine_process": args.engine_process,
+        },
         decode={
             **worker,
             "num_replicas": args.decode,

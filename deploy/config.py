@@ -125,6 +125,10 @@ class _WorkerPoolOptions(ReplicaOptions):
     # decode instances with their own engine arguments. Checked with the shared ones in
     # ``PDServeConfig.engine_for``.
     engine: dict[str, Any] = Field(default_factory=dict)
+    # The engine (and its KV transfer agent) in a process of its own (worker/engine_process.py):
+    # nothing else on its GIL, the gRPC work in the replica's process. auto: see
+    # ``PDServeConfig.engine_process``.
+    engine_process: Literal["auto", "on", "off"] = "auto"
 
 
 class PrefillOptions(_WorkerPoolOptions):
@@ -138,10 +142,6 @@ class DecodeOptions(_WorkerPoolOptions):
     # Tokens a stream holds before it sends them (first and last never wait): fewer messages through
     # gRPC, the router and HTTP per token, burstier streams (decode_worker/stream_output.py).
     stream_interval: int = Field(1, ge=1)
-    # The engine and its KV pulls in a process of their own (decode_worker/split.py): nothing else on
-    # its GIL, the gRPC and stream work in the replica's process. auto: on in aggregated mode (where
-    # it was measured), off in disaggregated mode.
-    engine_process: Literal["auto", "on", "off"] = "auto"
 
 
 _MIGRATION = MigrationOptions()  # its defaults are the config's
@@ -214,10 +214,11 @@ class PDServeConfig(_Strict):
             raise ValueError("redis_url must start with redis://, rediss:// or unix://")
         return v
 
-    def decode_engine_process(self) -> bool:
-        """Whether decode replicas run their engine in a process of their own."""
-        choice = self.decode.engine_process
-        return choice == "on" or (choice == "auto" and self.mode == "aggregated")
+    def engine_process(self, role: str) -> bool:
+        """Whether ``role``'s replicas (prefill, decode) run their engine in a process of their own;
+        auto: on for both pools in either mode (bench/README.md, the served path)."""
+        choice = (self.prefill if role == "prefill" else self.decode).engine_process
+        return choice != "off"
 
     @model_validator(mode="after")
     def _pools(self) -> PDServeConfig:

@@ -93,19 +93,21 @@ class _WorkerReplica:
 class PrefillServer(_WorkerReplica):
     async def __init__(self, config: PDServeConfig) -> None:
         from prefill_worker.service import serve as serve_prefill
-        from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+        from prefill_worker.split import build_prefill_worker
+        from prefill_worker.worker import PrefillWorkerConfig
 
         self.config = config
         host = _bind_host(config)
         environment.use_ucx_devices(None, host, override=False)
         t0 = time.perf_counter()
-        self.worker = PrefillWorker(
+        self.worker = build_prefill_worker(
             PrefillWorkerConfig(
                 config.engine_for("prefill").engine_config(config.model),
                 worker_id=f"prefill-{_replica_id()}",
                 lease_seconds=config.prefill.lease_seconds,
                 model_name=config.model_name,
                 redis_url=environment.require_redis_url(config.redis_url),
+                engine_process=config.engine_process("prefill"),
             )
         )
         await serve_prefill(self.worker, host, 0)
@@ -138,7 +140,7 @@ class DecodeServer(_WorkerReplica):
                 stream_interval=config.decode.stream_interval,
                 model_name=config.model_name,
                 redis_url=environment.require_redis_url(config.redis_url),
-                engine_process=config.decode_engine_process(),
+                engine_process=config.engine_process("decode"),
             )
         )
         # Registers after connecting NIXL to every registered prefill worker, and keeps connecting to

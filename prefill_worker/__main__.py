@@ -9,7 +9,8 @@ import argparse
 
 from engine.args import add_engine_args, engine_config_from_args
 from prefill_worker.service import serve
-from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from prefill_worker.split import build_prefill_worker
+from prefill_worker.worker import PrefillWorkerConfig
 from settings import event_loop
 from worker.process import add_worker_args, prepare_process, serve_until_signal, transfer_factory_from_args
 
@@ -19,6 +20,12 @@ def main() -> None:
     add_engine_args(p)
     add_worker_args(p, "prefill")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="held KV is freed after this long")
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine, its NIXL agent and the held prompts' leases in a process of its own, with "
+        "nothing else on its GIL",
+    )
     args = p.parse_args()
     if args.kv_transfer == "inprocess":
         # The in-process fabric joins engines of one process; a prefill worker's KV is read by decode
@@ -33,8 +40,9 @@ def main() -> None:
         worker_id=args.worker_id,
         redis_url=args.redis_url,
         lease_seconds=args.lease_seconds,
+        engine_process=args.engine_process,
     )
-    worker = PrefillWorker(config, transfer_factory=transfer_factory_from_args(args))
+    worker = build_prefill_worker(config, transfer_factory=transfer_factory_from_args(args))
     event_loop.run(serve_until_signal(worker, serve, args.host, args.port))
 
 

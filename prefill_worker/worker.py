@@ -85,9 +85,10 @@ class PrefillWorker(WorkerRuntime):
             raise ValueError(f"lease_seconds must be positive, got {config.lease_seconds}")
         super().__init__(config, transfer_factory)
         self.config: PrefillWorkerConfig = config
-        self.loop.add_output_hook(self._on_output)
-        self.loop.add_tick(self._tick)
-        self.loop.add_tick(self._expose)
+        if self.core is not None:  # else the engine process's role does this (prefill_worker/split.py)
+            self.loop.add_output_hook(self._on_output)
+            self.loop.add_tick(self._tick)
+            self.loop.add_tick(self._expose)
         self.leases: dict[str, _Lease] = {}  # engine thread only
         self.released = {"notification": 0, "release": 0, "expiry": 0, "abandoned": 0}
         self._transfer = TransferStats()  # the prefill side's share: leases that expired unread
@@ -128,6 +129,9 @@ class PrefillWorker(WorkerRuntime):
             self.clocks.forget(request_id)
         if out.held_block_ids is None:  # nothing held: no reader may rely on its exposed blocks
             self.loop.call(lambda: self.core.unpin(request_id))
+        return self._result(request_id, prompt, out, clock, lease.expiry_unix if lease else 0.0)
+
+    def _result(self, request_id: str, prompt: list[int], out: SequenceOutput, clock, expiry_unix: float):
         if out.error:  # the loop's own failure fails every stream: the worker's, not the request's
             raise RuntimeError(out.error) if self.loop.failure is not None else RequestFailed(out.error)
         if out.finish_reason is not None and not out.new_token_ids:
@@ -140,7 +144,7 @@ class PrefillWorker(WorkerRuntime):
             num_tokens=len(prompt),
             seed=out.seed if out.seed is not None else 0,
             num_cached_tokens=out.num_cached_tokens,
-            lease_expiry_unix=lease.expiry_unix if lease else 0.0,
+            lease_expiry_unix=expiry_unix,
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
             queue_s=clock.queue_s,

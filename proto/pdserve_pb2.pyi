@@ -614,7 +614,7 @@ class HopSummary(_message.Message):
     def __init__(self, hop: _Optional[str] = ..., count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ...) -> None: ...
 
 class EngineCommand(_message.Message):
-    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop", "add_peer", "pull", "pull_early", "pull_extend", "pull_finish")
+    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop", "add_peer", "pull", "pull_early", "pull_extend", "pull_finish", "release", "watch", "unwatch")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
@@ -628,6 +628,9 @@ class EngineCommand(_message.Message):
     PULL_EARLY_FIELD_NUMBER: _ClassVar[int]
     PULL_EXTEND_FIELD_NUMBER: _ClassVar[int]
     PULL_FINISH_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    WATCH_FIELD_NUMBER: _ClassVar[int]
+    UNWATCH_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     start: str
     add: EngineAdd
@@ -641,7 +644,38 @@ class EngineCommand(_message.Message):
     pull_early: EnginePull
     pull_extend: EngineExtend
     pull_finish: EnginePull
-    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ..., add_peer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., pull: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_early: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_extend: _Optional[_Union[EngineExtend, _Mapping]] = ..., pull_finish: _Optional[_Union[EnginePull, _Mapping]] = ...) -> None: ...
+    release: str
+    watch: EngineWatch
+    unwatch: str
+    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ..., add_peer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., pull: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_early: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_extend: _Optional[_Union[EngineExtend, _Mapping]] = ..., pull_finish: _Optional[_Union[EnginePull, _Mapping]] = ..., release: _Optional[str] = ..., watch: _Optional[_Union[EngineWatch, _Mapping]] = ..., unwatch: _Optional[str] = ...) -> None: ...
+
+class EngineWatch(_message.Message):
+    __slots__ = ("request_id", "wait_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    wait_s: float
+    def __init__(self, request_id: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class EngineExposed(_message.Message):
+    __slots__ = ("request_id", "block_ids", "complete", "end")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    complete: bool
+    end: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., complete: _Optional[bool] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class EngineLease(_message.Message):
+    __slots__ = ("request_id", "expiry_unix")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    expiry_unix: float
+    def __init__(self, request_id: _Optional[str] = ..., expiry_unix: _Optional[float] = ...) -> None: ...
 
 class EnginePull(_message.Message):
     __slots__ = ("request", "handle", "policy", "reachable")
@@ -672,16 +706,18 @@ class EngineCommands(_message.Message):
     def __init__(self, commands: _Optional[_Iterable[_Union[EngineCommand, _Mapping]]] = ...) -> None: ...
 
 class EngineAdd(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "prefill_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    prefill_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("kind", "hashes")
@@ -726,7 +762,14 @@ class EngineReady(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., pid: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ...) -> None: ...
 
 class EngineReply(_message.Message):
-    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes", "started", "transfer_stats", "pending_pulls", "host_hashes")
+    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes", "started", "transfer_stats", "pending_pulls", "host_hashes", "released", "num_leases", "releases")
+    class ReleasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -738,6 +781,9 @@ class EngineReply(_message.Message):
     TRANSFER_STATS_FIELD_NUMBER: _ClassVar[int]
     PENDING_PULLS_FIELD_NUMBER: _ClassVar[int]
     HOST_HASHES_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     error: str
     error_type: str
@@ -749,10 +795,13 @@ class EngineReply(_message.Message):
     transfer_stats: KVTransferStats
     pending_pulls: int
     host_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ..., started: _Optional[bool] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pending_pulls: _Optional[int] = ..., host_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    released: bool
+    num_leases: int
+    releases: _containers.ScalarMap[str, int]
+    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ..., started: _Optional[bool] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pending_pulls: _Optional[int] = ..., host_hashes: _Optional[_Iterable[bytes]] = ..., released: _Optional[bool] = ..., num_leases: _Optional[int] = ..., releases: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
-    __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "has_logprobs", "finish_reason", "stop_string", "stop_token", "num_prompt_tokens", "num_cached_tokens", "error", "seed", "prompt_logprobs", "has_prompt_logprobs", "error_type")
+    __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "has_logprobs", "finish_reason", "stop_string", "stop_token", "num_prompt_tokens", "num_cached_tokens", "error", "seed", "prompt_logprobs", "has_prompt_logprobs", "error_type", "held", "held_block_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -768,6 +817,8 @@ class EngineOutput(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -783,7 +834,9 @@ class EngineOutput(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     has_prompt_logprobs: bool
     error_type: str
-    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_logprobs: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., seed: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ..., error_type: _Optional[str] = ...) -> None: ...
+    held: bool
+    held_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_logprobs: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., seed: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ..., error_type: _Optional[str] = ..., held: _Optional[bool] = ..., held_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineTokens(_message.Message):
     __slots__ = ("request_ids", "sample_index", "num_tokens", "token_ids", "num_prompt_tokens", "num_cached_tokens")
@@ -802,7 +855,7 @@ class EngineTokens(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineEvents(_message.Message):
-    __slots__ = ("replies", "outputs", "tokens", "step_started", "failure", "kv_events", "load", "landed")
+    __slots__ = ("replies", "outputs", "tokens", "step_started", "failure", "kv_events", "load", "landed", "leases", "exposed")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -811,6 +864,8 @@ class EngineEvents(_message.Message):
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     LANDED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[EngineReply]
     outputs: _containers.RepeatedCompositeFieldContainer[EngineOutput]
     tokens: EngineTokens
@@ -819,7 +874,9 @@ class EngineEvents(_message.Message):
     kv_events: _containers.RepeatedCompositeFieldContainer[KVEventBatch]
     load: EngineLoad
     landed: _containers.RepeatedCompositeFieldContainer[KVLanded]
-    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., tokens: _Optional[_Union[EngineTokens, _Mapping]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., landed: _Optional[_Iterable[_Union[KVLanded, _Mapping]]] = ...) -> None: ...
+    leases: _containers.RepeatedCompositeFieldContainer[EngineLease]
+    exposed: _containers.RepeatedCompositeFieldContainer[EngineExposed]
+    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., tokens: _Optional[_Union[EngineTokens, _Mapping]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., landed: _Optional[_Iterable[_Union[KVLanded, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[EngineLease, _Mapping]]] = ..., exposed: _Optional[_Iterable[_Union[EngineExposed, _Mapping]]] = ...) -> None: ...
 
 class KVLanded(_message.Message):
     __slots__ = ("request_id", "seconds")

@@ -113,6 +113,7 @@ def outputs_to_proto(outputs: list[SequenceOutput], events: pb.EngineEvents) -> 
             and out.error is None
             and out.prompt_logprobs is None
             and out.seed is None
+            and out.held_block_ids is None
         ):
             plain.append(out)
         else:
@@ -166,6 +167,9 @@ def output_to_proto(out: SequenceOutput) -> pb.EngineOutput:
     if out.prompt_logprobs is not None:
         msg.has_prompt_logprobs = True
         msg.prompt_logprobs.extend(logprobs_to_proto(e) for e in out.prompt_logprobs[1:])
+    if out.held_block_ids is not None:
+        msg.held = True
+        msg.held_block_ids.extend(out.held_block_ids)
     return msg
 
 
@@ -181,6 +185,7 @@ def output_from_proto(msg: pb.EngineOutput) -> SequenceOutput:
         num_prompt_tokens=msg.num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
         error=msg.error or None,
+        held_block_ids=list(msg.held_block_ids) if msg.held else None,
         seed=msg.seed if msg.HasField("seed") else None,
         prompt_logprobs=(
             [None, *(logprobs_from_proto(e) or {} for e in msg.prompt_logprobs)]

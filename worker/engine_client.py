@@ -77,6 +77,8 @@ class EngineProcess:
         self._pending: dict[int, asyncio.Future] = {}
         self._on_reply: dict[int, Callable[[pb.EngineReply], None]] = {}
         self._kv_hooks: list[Callable[[pb.EngineEvents], None]] = []
+        # A role's part of each message (the prefill role's leases and exposed blocks), before outputs.
+        self._role_hooks: list[Callable[[pb.EngineEvents], None]] = []
         self.on_landed: Callable[[str, float], None] | None = None  # a pull's KV landed (its seconds)
         self.error_kinds: dict[str, str] = {}  # request id -> its failed pull's error kind
         self._streams: dict[str, asyncio.Queue] = {}
@@ -152,6 +154,10 @@ class EngineProcess:
         """Run ``fn`` for every output, before it is delivered (on the event loop)."""
         self._output_hooks.append(fn)
 
+    def add_role_hook(self, fn: Callable[[pb.EngineEvents], None]) -> None:
+        """``fn`` gets every message, after its replies and before its outputs are delivered."""
+        self._role_hooks.append(fn)
+
     def on_failure(self, fn: Callable[[EngineLoopFailed], None]) -> None:
         self._failure_hooks.append(fn)
 
@@ -219,10 +225,19 @@ class EngineProcess:
         return fut
 
     async def add_request(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        prefill_only: bool = False,
     ) -> None:
         add = pb.EngineAdd(
-            request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), priority=priority
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params_to_proto(params),
+            priority=priority,
+            prefill_only=prefill_only,
         )
         await self.send(pb.EngineCommand(add=add))
 
@@ -319,6 +334,8 @@ class EngineProcess:
         for out in events.outputs:
             if out.error_type:
                 self.error_kinds[out.request_id] = out.error_type
+        for role_hook in self._role_hooks:
+            role_hook(events)
         if events.outputs or events.tokens.request_ids:
             self.step_started = events.step_started
             self.publish(outputs_from_proto(events))

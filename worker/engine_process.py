@@ -151,7 +151,15 @@ class EngineHost:
                 out.error_type = kinds.get(out.request_id, "")
             if self.watching:
                 self._add_kv_state(events)
-            if replies or outputs or events.kv_events or events.HasField("load") or events.landed:
+            if (
+                replies
+                or outputs
+                or events.kv_events
+                or events.HasField("load")
+                or events.landed
+                or events.leases
+                or events.exposed
+            ):
                 write_frame(self.events_fd, events)
         return True
 
@@ -220,7 +228,13 @@ class EngineHost:
         return reply
 
     def _add(self, add: pb.EngineAdd, params) -> None:
-        self.core.add_request(add.request_id, list(add.prompt_token_ids), params, priority=add.priority)
+        self.core.add_request(
+            add.request_id,
+            list(add.prompt_token_ids),
+            params,
+            priority=add.priority,
+            prefill_only=add.prefill_only,
+        )
 
     def _abort(self, request_id: str, outputs: list[SequenceOutput]) -> bool:
         """End the request (its stream gets finish reason abort); False when it was not here."""

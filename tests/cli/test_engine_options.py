@@ -74,17 +74,19 @@ def test_the_stream_interval_reaches_the_decode_pool_and_must_be_positive():
         config_from_args(parse(["--stream-interval", "0"]), "m", tiny=False)
 
 
-def test_decode_replicas_run_their_engine_in_a_process_of_its_own_in_aggregated_mode():
+def test_worker_replicas_run_their_engine_in_a_process_of_its_own_by_default():
     from cli.serve_args import config_from_args
 
     parse = _subparser("serve").parse_args
     for flags, expected in (
-        ([], False),  # disaggregated: the decode workers pull KV, their engines stay in-process
+        ([], True),  # disaggregated: both pools (measured faster with a model that computes)
         (["--mode", "aggregated"], True),
         (["--mode", "aggregated", "--engine-process", "off"], False),
-        (["--engine-process", "on"], True),
+        (["--engine-process", "off"], False),
     ):
-        assert config_from_args(parse(flags), "m", tiny=False).decode_engine_process() is expected, flags
+        config = config_from_args(parse(flags), "m", tiny=False)
+        assert config.engine_process("decode") is expected, flags
+        assert config.engine_process("prefill") is expected, flags
 
 
 def test_a_local_cpu_cluster_shares_the_cores_out_among_its_workers():

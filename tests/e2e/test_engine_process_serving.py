@@ -72,3 +72,42 @@ def test_without_a_transfer_agent_the_router_computes_its_prompts_there(workers,
             await cluster.stop()
 
     asyncio.run(run())
+
+
+def test_prefill_worker_with_an_engine_process_hands_off_over_nixl(workers, redis_server, tiny_llama):
+    """The prefill worker's engine, NIXL agent and leases in a process of its own: decode workers
+    (one in-process, one split) read its held prompts there, whole and streamed, and their
+    notifications free them; output equals the engine alone, every block free after."""
+    want = _engine_alone(tiny_llama)
+    cluster = Cluster(
+        workers,
+        redis_server,
+        1,
+        num_decode=2,
+        decode_flags=((), ("--engine-process",)),
+        prefill_flags=("--engine-process", "--max-num-batched-tokens", "32"),  # long prompts: chunks
+    )
+
+    async def run():
+        await cluster.start()
+        try:
+            cluster.router.local_prefill_tokens = 0
+            cluster.router.kv_streaming_tokens = 64  # the 100-token prompt streams its KV (WatchKV)
+            prompts = PROMPTS * 2
+            got = await asyncio.gather(*(cluster.generate(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)))
+            assert got == want * 2
+            assert {cluster.routes[f"r{i}"].decode_worker for i in range(len(prompts))} <= {"d0", "d1"}
+            prefill = await state(cluster.prefills[0].address, "prefill")
+            assert prefill.transfer.agent_name.startswith("p0-")  # its engine process's agent
+            assert prefill.stats.num_held_requests == 0 and prefill.transfer_stats.expired_leases == 0
+            streamed = 0
+            for d in cluster.decodes:
+                t = (await state(d.address, "decode")).transfer_stats
+                assert t.recomputed == 0
+                streamed += t.streamed
+            assert streamed >= 1
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())

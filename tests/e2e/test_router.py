@@ -37,6 +37,7 @@ class Cluster:
         num_decode: int = 1,
         decode_flags: tuple[str, ...] = (),
         kv_flags: tuple[str, ...] = (),
+        prefill_flags: tuple[str, ...] = (),
         **spawn_kw,
     ) -> None:
         url = redis_server.url
@@ -50,13 +51,23 @@ class Cluster:
                 "--lease-seconds",
                 "5",
                 *kv_flags,
+                *prefill_flags,
                 **spawn_kw,
             )
             for i in range(num_prefill)
         ]
+        # decode_flags: every decode worker's, or one tuple per worker
+        per_decode = decode_flags if decode_flags and isinstance(decode_flags[0], tuple) else None
         self.decodes = [
             workers(
-                "decode", "--redis-url", url, "--worker-id", f"d{i}", *kv_flags, *decode_flags, **spawn_kw
+                "decode",
+                "--redis-url",
+                url,
+                "--worker-id",
+                f"d{i}",
+                *kv_flags,
+                *(per_decode[i] if per_decode else decode_flags),
+                **spawn_kw,
             )
             for i in range(num_decode)
         ]
