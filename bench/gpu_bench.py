@@ -150,6 +150,27 @@ def decode_step(core, batch: int, context: int, steps: int) -> tuple[float, floa
     return seconds, tokens / steps, mean_ctx
 
 
+def mixed_step(core, batch: int, context: int, steps: int, prompt_len: int = 16) -> tuple[float, float]:
+    """(wall, host CPU) seconds per step of ``batch - 1`` decoding sequences plus one new
+    ``prompt_len``-token prompt each step (a request that ends at its first token), the step a served
+    engine runs when requests arrive one at a time: a GPU runs it eagerly (no decode graph).
+    ``prompt_len`` 0: ``batch`` decodes alone, timed the same way."""
+    from engine import SamplingParams
+
+    _start_decodes(core, batch - 1 if prompt_len else batch, context, steps)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(steps):
+        if prompt_len:
+            prompt = [(11 * i + j) % 1000 + 10 for j in range(prompt_len)]
+            core.add_request(f"m{batch}-{context}-{i}", prompt, one)
+        core.step()
+    _sync(str(core.device))
+    wall, cpu = (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+    _abort_all(core)
+    return wall, cpu
+
+
 def profile_decode(core, batch: int, context: int, steps: int, top: int = 12) -> dict:
     """torch.profiler over ``steps`` decode steps: GPU kernel time by kernel, and the share of the
     step's wall time the GPU spends in any kernel (the rest is host work the GPU waits on); then
@@ -304,6 +325,20 @@ def main() -> None:
                     f"{100 * moved / s / bw:>10.0f}%"
                 )
         out["decode"] = rows
+        # Decode steps again with their host CPU, then the same batch with one new prompt a step
+        # (CPU time includes the host's wait for the GPU: a CUDA sync spins by default).
+        mixed_rows = []
+        print(f"\nmixed steps (batch - 1 decodes + one 16-token prompt) at context {contexts[0]}:")
+        print(f"{'batch':>6}{'decode ms':>11}{'cpu ms':>8}{'mixed ms':>10}{'cpu ms':>8}{'mixed/decode':>14}")
+        for b in [b for b in batches if b > 1 and b * (contexts[0] + 64) <= num_blocks * 16]:
+            n = 5 if quick else 30
+            d_wall, d_cpu = mixed_step(core, b, contexts[0], n, prompt_len=0)
+            m_wall, m_cpu = mixed_step(core, b, contexts[0], n)
+            mixed_rows.append({"batch": b, "context": contexts[0], "decode_s": d_wall, "mixed_s": m_wall,
+                               "mixed_cpu_s": m_cpu, "decode_cpu_s": d_cpu})  # fmt: skip
+            print(f"{b:>6}{d_wall * 1e3:>11.2f}{d_cpu * 1e3:>8.2f}{m_wall * 1e3:>10.2f}{m_cpu * 1e3:>8.2f}"
+                  f"{m_wall / d_wall:>13.2f}x")  # fmt: skip
+        out["mixed"] = mixed_rows
         prefill_rows = []
         print("\nprefill:")
         for length in [128] if quick else [512, 2048]:
