@@ -37,6 +37,12 @@ class SplitPrefillWorker(PrefillWorker):
         self._stats = TransferStats()  # the engine process's, as of the last stats reply
         self.released = dict.fromkeys(RELEASES, 0)
         self.engine.add_role_hook(self._on_events)
+        self.engine.on_failure(self._end_watches)  # nothing more will be announced
+
+    def _end_watches(self, _failure=None) -> None:
+        watches, self._split_watches = self._split_watches, {}
+        for watch in watches.values():
+            watch.end()
 
     def engine_module(self) -> tuple[str, tuple[str, ...]]:
         agent = f"{self.worker_id}-{self.epoch}"  # a restarted worker is a new peer

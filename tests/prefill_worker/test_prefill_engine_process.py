@@ -5,13 +5,15 @@ tests/e2e/test_engine_process_serving.py).
 The first token equals the engine alone's and the prompt's blocks are held under a lease; release,
 lease expiry and a leaving caller (held or mid-prefill) free every block, counted by why; a watched
 prompt's blocks are announced as its chunks are computed, then the rest with the handle; a watch of
-a request that never comes ends empty; a request its first token ends holds nothing.
+a request that never comes ends empty; a request its first token ends holds nothing; a dead
+engine process ends the open watches at once and fails new prefills.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 
 import pytest
@@ -154,3 +156,31 @@ def test_a_watch_for_a_request_that_never_comes_ends_empty(make_worker):
         assert [item async for item in worker.watch_kv("never")] == []
 
     asyncio.run(run())
+
+
+def test_a_dead_engine_process_ends_open_watches_and_fails_new_prefills(make_worker):
+    worker = make_worker()
+    worker.config.watch_wait_s = 600
+
+    async def run():
+        worker.start()
+        watching = asyncio.ensure_future(_collect_watch(worker, "waiting"))
+        await _until(_sent(worker, "waiting"), "the watch reached the engine process")
+        os.kill(worker.engine.process.pid, signal.SIGKILL)
+        assert await asyncio.wait_for(watching, 30) == []  # ended, not left hanging
+        with pytest.raises(RuntimeError):
+            await worker.prefill("late", _prompt(5), GREEDY)
+
+    asyncio.run(run())
+
+
+async def _collect_watch(worker, rid: str) -> list:
+    return [item async for item in worker.watch_kv(rid)]
+
+
+def _sent(worker, rid: str):
+    async def cond() -> bool:  # the watch command was answered: the engine process has the watch
+        await worker.stats()
+        return rid in worker._split_watches
+
+    return cond
