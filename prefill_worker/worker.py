@@ -89,10 +89,11 @@ class PrefillWorker(WorkerRuntime):
             self.loop.add_output_hook(self._on_output)
             self.loop.add_tick(self._tick)
             self.loop.add_tick(self._expose)
+            self.loop.on_failure(lambda _failure: [w.end() for w in self._watches.values()])
         self.leases: dict[str, _Lease] = {}  # engine thread only
         self.released = {"notification": 0, "release": 0, "expiry": 0, "abandoned": 0}
         self._transfer = TransferStats()  # the prefill side's share: leases that expired unread
-        self._watches: dict[str, _KVWatch] = {}  # engine thread only
+        self._watches: dict[str, _KVWatch] = {}  # engine thread only (a failing loop ends them)
 
     def transfer_stats(self) -> TransferStats:
         """Engine thread only: leases that expired before a decode worker read the blocks."""

@@ -251,3 +251,30 @@ def test_caller_cancelled_mid_prefill_frees_everything(make_worker):
         assert await worker.busy() == 0
 
     asyncio.run(run())
+
+
+def test_a_failed_engine_loop_ends_open_watches(make_worker):
+    """A KV watch does not outlive its engine: the decode worker following it falls back at once."""
+    worker = make_worker()
+    worker.config.watch_wait_s = 600
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    async def run():
+        watching = asyncio.ensure_future(_collect_watch(worker, "waiting"))
+        await wait_until(lambda: _watched(worker, "waiting"), "the watch is registered")
+        worker.core.step = broken_step
+        with pytest.raises(RuntimeError):
+            await worker.prefill("r", _prompt(5), GREEDY)
+        assert await asyncio.wait_for(watching, 30) == []
+
+    asyncio.run(run())
+
+
+async def _collect_watch(worker, rid: str) -> list:
+    return [item async for item in worker.watch_kv(rid)]
+
+
+async def _watched(worker, rid: str) -> bool:
+    return await worker.loop.run(lambda: rid in worker._watches)
