@@ -66,13 +66,12 @@ class PrefillEngineRole(EngineRole):
 
     def abort(self, request_id: str) -> bool:
         """The caller left: a held prompt is freed, a running one aborted (``_release`` unpinned its
-        exposed blocks first, so the abort frees them all)."""
+        exposed blocks first, so the abort frees them all). Its abort outputs are not sent: nobody
+        reads them, and a retry under the same id must not get them."""
         self._end_watch(request_id)
         if self._release(request_id, "abandoned"):
             return True
-        outs = self.core.abort_request(request_id)
-        self.publish(outs)
-        return bool(outs)
+        return bool(self.core.abort_request(request_id))
 
     def tick(self) -> None:
         for _peer, msg in self.transfer.get_notifications():

@@ -86,24 +86,44 @@ class SplitPrefillWorker(PrefillWorker):
         return self._result(request_id, prompt, out, clock, expiry)
 
     async def release(self, request_id: str) -> bool:
-        return (await self.engine.send(pb.EngineCommand(release=request_id))).released
+        released = (await self.engine.send(pb.EngineCommand(release=request_id))).released
+        self.released["release"] += released  # the engine's count, until its next stats reply
+        return released
 
     async def watch_kv(self, request_id: str) -> AsyncIterator[tuple[list[int], bool]]:
+        """One reader per request, the newer one winning. A reader is registered when its watch
+        command's reply is read: what the engine announced before that was for the older reader (the
+        engine starts each reader from the prompt's first block), and the reply precedes the blocks
+        announced after it in the same message."""
         watch = _KVWatch(asyncio.get_running_loop(), asyncio.Queue(), None)
-        old = self._split_watches.get(request_id)
+        old = self._split_watches.pop(request_id, None)
         if old is not None:
-            old.end()  # one reader per request: the newer one wins
-        self._split_watches[request_id] = watch
-        start = pb.EngineWatch(request_id=request_id, wait_s=self.config.watch_wait_s)
-        await self.engine.send(pb.EngineCommand(watch=start))
+            old.end()
+        closed = False
+
+        def register(_reply: pb.EngineReply) -> None:
+            if closed:  # the reader left before the engine had its watch
+                self._unwatch(request_id)
+                return
+            newer = self._split_watches.get(request_id)
+            if newer is not None:
+                newer.end()
+            self._split_watches[request_id] = watch
+
         try:
+            start = pb.EngineWatch(request_id=request_id, wait_s=self.config.watch_wait_s)
+            await self.engine.send(pb.EngineCommand(watch=start), register)
             while (item := await watch.queue.get()) is not None:
                 yield item
         finally:
+            closed = True
             if self._split_watches.get(request_id) is watch:
                 del self._split_watches[request_id]
-                if self.engine.failure is None:
-                    self.engine.send(pb.EngineCommand(unwatch=request_id)).add_done_callback(quiet)
+                self._unwatch(request_id)
+
+    def _unwatch(self, request_id: str) -> None:
+        if self.engine.failure is None:
+            self.engine.send(pb.EngineCommand(unwatch=request_id)).add_done_callback(quiet)
 
     async def _engine_stats(self) -> pb.EngineReply:
         reply = await self.engine.send(pb.EngineCommand(stats=True))

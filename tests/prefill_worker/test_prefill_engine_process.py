@@ -184,3 +184,56 @@ def _sent(worker, rid: str):
         return rid in worker._split_watches
 
     return cond
+
+
+def test_a_newer_reader_of_a_prompt_gets_every_block_once(make_worker):
+    """A second WatchKV of a prompt being computed (a decode worker taking over) replaces the first:
+    the first ends without the handle, the second gets each block once, in order, then the handle."""
+    worker = make_worker(max_num_batched_tokens=BLOCK)
+    prompt = _prompt(16 * BLOCK + 1)
+
+    async def run():
+        worker.start()
+        first: list = []
+        second: list = []
+
+        async def read(into: list, rid: str) -> None:
+            async for item in worker.watch_kv(rid):
+                into.append(item)
+
+        async def first_has_blocks() -> bool:
+            return bool(first)
+
+        a = asyncio.ensure_future(read(first, "r"))
+        task = asyncio.ensure_future(worker.prefill("r", prompt, GREEDY))
+        await _until(first_has_blocks, "the first reader has blocks")
+        b = asyncio.ensure_future(read(second, "r"))
+        res = await task
+        await asyncio.wait_for(asyncio.gather(a, b), 30)
+        assert not any(done for _, done in first)
+        assert second[-1][1] and [blk for ids, _ in second for blk in ids] == res.block_ids
+        assert await worker.release("r") and worker.released["release"] == 1
+        assert await _all_free(worker)
+
+    asyncio.run(run())
+
+
+def test_a_retry_under_the_same_id_after_its_caller_left_is_served(make_worker, tiny_llama):
+    """The abandoned request's abort is nobody's output: a retry of the same id, sent right after its
+    caller left mid-prefill, gets its own first token."""
+    worker = make_worker(max_num_batched_tokens=BLOCK)
+    prompt = _prompt(10 * BLOCK + 1, 7)
+    want = LLM(str(tiny_llama), block_size=BLOCK, num_blocks=64).generate([prompt], GREEDY, use_tqdm=False)
+
+    async def run():
+        worker.start()
+        task = asyncio.ensure_future(worker.prefill("x", prompt, GREEDY))
+        await _until(lambda: _mid_prefill(worker), "the prompt is partly computed")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        res = await worker.prefill("x", prompt, GREEDY)
+        assert res.first_token == want[0].token_ids[0] and res.finish_reason is None
+        assert await worker.release("x") and await _all_free(worker)
+
+    asyncio.run(run())
