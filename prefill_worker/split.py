@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from engine.sampling_params import SamplingParams
 from kv_transfer.stats import TransferStats
-from prefill_worker.engine_host import RELEASES
+from prefill_worker.held import RELEASES
 from prefill_worker.worker import PrefillResult, PrefillWorker, PrefillWorkerConfig, _KVWatch
 from proto import pdserve_pb2 as pb
 from worker.engine_client import quiet
@@ -95,7 +95,7 @@ class SplitPrefillWorker(PrefillWorker):
         command's reply is read: what the engine announced before that was for the older reader (the
         engine starts each reader from the prompt's first block), and the reply precedes the blocks
         announced after it in the same message."""
-        watch = _KVWatch(asyncio.get_running_loop(), asyncio.Queue(), None)
+        watch = _KVWatch(asyncio.get_running_loop(), asyncio.Queue())
         old = self._split_watches.pop(request_id, None)
         if old is not None:
             old.end()
