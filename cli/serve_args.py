@@ -8,11 +8,14 @@ import json
 from cli.host_share import frontend_count, local_cpu_threads, positive_int
 from deploy.config import PDServeConfig
 from engine.args import add_engine_args, engine_kwargs_from_args
+from ingress.options import add_ingress_flags
 from router.decode_relay import KV_STREAMING_TOKENS
 from settings import environment
 
 TINY_MODEL_NAME = "pdserve-tiny-random"
 TRAINED_MODEL_NAME = "pdserve-tiny-python"
+# The ingress's request limits, flags of their own (their default and help from ``IngressOptions``).
+REQUEST_LIMITS = ("max_body_bytes", "max_n", "max_prompt_chars", "max_logprobs", "request_timeout_s")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -88,6 +91,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="requests that may wait (default: twice the above)",
     )
+    add_ingress_flags(s, only=REQUEST_LIMITS)
     s.add_argument(
         "--http-server",
         default="router",
@@ -174,6 +178,7 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
             "port": args.port,
             "max_concurrent_requests": args.max_concurrent_requests,
             "max_queued_requests": args.max_queued_requests,
+            **{name: getattr(args, name) for name in REQUEST_LIMITS},
             "http_server": args.http_server,
         },
     )

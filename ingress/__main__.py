@@ -11,19 +11,9 @@ import argparse
 import asyncio
 import logging
 import signal
-import typing
 
-from ingress.options import IngressOptions
+from ingress.options import IngressOptions, add_ingress_flags
 from settings import event_loop
-
-
-def _add_option_flags(p: argparse.ArgumentParser) -> None:
-    for name, f in IngressOptions.model_fields.items():
-        args = typing.get_args(f.annotation)
-        typ = next((a for a in args if a is not type(None)), f.annotation) if args else f.annotation
-        p.add_argument(
-            "--" + name.replace("_", "-"), dest=name, type=typ, default=f.default, help=f.description
-        )
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -78,7 +68,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "aggregated"])
     p.add_argument("--log-level", default="WARNING")
-    _add_option_flags(p)
+    add_ingress_flags(p)
     args = p.parse_args()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

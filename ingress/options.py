@@ -6,6 +6,9 @@ flags from these fields); ``deploy.config`` adds the replica options (count, CPU
 
 from __future__ import annotations
 
+import argparse
+import typing
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -31,3 +34,16 @@ class IngressOptions(BaseModel):
     max_logprobs: int = Field(20, ge=0, description="largest logprobs / top_logprobs per request")
     request_timeout_s: float = Field(600.0, gt=0, description="deadline of one request at the router")
     api_key_file: str | None = Field(None, description="file holding the API key (else PDSERVE_API_KEY)")
+
+
+def add_ingress_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """One flag per ``IngressOptions`` field (``max_n`` -> ``--max-n``), its default and help from the
+    field; ``only`` limits it to those fields (a command that declares the others itself)."""
+    for name, f in IngressOptions.model_fields.items():
+        if only is not None and name not in only:
+            continue
+        args = typing.get_args(f.annotation)
+        typ = next((a for a in args if a is not type(None)), f.annotation) if args else f.annotation
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, type=typ, default=f.default, help=f.description
+        )

@@ -207,3 +207,21 @@ def test_the_default_layout_is_the_router_serving_http_with_a_front_end_per_eigh
 def test_generate_submits_each_prompt_once_by_default():
     """Two prompts are two requests (``--repeat`` is for load, not the default)."""
     assert _subparser("generate").parse_args([]).repeat == 1
+
+
+def test_the_request_limits_are_serve_flags_that_reach_the_ingress():
+    """The limits the docs cite (``--max-n``, ``--max-logprobs``, ...) exist and set the ingress."""
+    from pydantic import ValidationError
+
+    from cli.serve_args import config_from_args
+
+    parse = _subparser("serve").parse_args
+    defaults = config_from_args(parse([]), "m", tiny=False).ingress
+    assert (defaults.max_n, defaults.max_logprobs, defaults.request_timeout_s) == (16, 20, 600.0)
+    flags = ["--max-n", "4", "--max-logprobs", "5", "--max-body-bytes", "65536"]
+    flags += ["--max-prompt-chars", "1000", "--request-timeout-s", "30"]
+    ingress = config_from_args(parse(flags), "m", tiny=False).ingress
+    assert (ingress.max_n, ingress.max_logprobs, ingress.max_body_bytes) == (4, 5, 65536)
+    assert (ingress.max_prompt_chars, ingress.request_timeout_s) == (1000, 30.0)
+    with pytest.raises(ValidationError, match="max_n"):
+        config_from_args(parse(["--max-n", "0"]), "m", tiny=False)
