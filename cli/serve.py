@@ -57,10 +57,8 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key:
         environment.export_secret(environment.API_KEY, args.api_key)  # the local Ray cluster inherits it
     embedded = None
-    if args.redis_url:
-        environment.export_secret(environment.REDIS_URL, args.redis_url)  # may carry a password
-        redis_url = args.redis_url
-    else:
+    redis_url, config = registry_url(args.redis_url, config)
+    if redis_url is None:
         from cli.embedded_redis import EmbeddedRedis
 
         embedded = EmbeddedRedis().start()
@@ -74,6 +72,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if embedded is not None:
             embedded.stop()
+
+
+def registry_url(flag: str | None, config: PDServeConfig) -> tuple[str | None, PDServeConfig]:
+    """The registry's URL: ``--redis-url`` (or PDSERVE_REDIS_URL), else the config file's
+    ``redis_url``, else None (an embedded server). A flag's URL may carry a password: it reaches the
+    replicas through the environment, never the application's config (which Serve shows)."""
+    if flag:
+        environment.export_secret(environment.REDIS_URL, flag)
+        return flag, config.model_copy(update={"redis_url": None})
+    return config.redis_url, config
 
 
 def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -> int:
