@@ -3,7 +3,8 @@
 ``generate``: the offline engine. ``serve``: the OpenAI-compatible service on Ray Serve (``--demo``:
 a few requests through it, then exit). ``status`` and ``scale``: a running service. ``bench``:
 load-test any OpenAI-compatible server. ``manifests``: render the KubeRay manifests. ``train-tiny``: a
-small trained model and draft (for what random weights cannot show).
+small trained model and draft (for what random weights cannot show). ``docs-reference``: regenerate
+docs/reference/ from the parsers and config declarations.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import logging
 import os
 import sys
 
-from cli import bench, generate, manifests, scale, serve, status, train_tiny
+from cli import bench, docs_reference, generate, manifests, scale, serve, status, train_tiny
 from cli.supervise import supervise
 
-COMMANDS = (generate, serve, status, scale, bench, manifests, train_tiny)
+COMMANDS = (generate, serve, status, scale, bench, manifests, train_tiny, docs_reference)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
+    # docs-reference documents this whole tree (it cannot import this module: that is a cycle)
+    sub.choices[docs_reference.COMMAND].set_defaults(root=parser)
     return parser
 
 

@@ -19,7 +19,7 @@ from worker.process import add_worker_args, prepare_process, serve_until_signal,
 logger = logging.getLogger(__name__)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m decode_worker", description=__doc__)
     add_engine_args(p)
     add_worker_args(p, "decode")
@@ -43,7 +43,11 @@ def main() -> None:
         help="run the engine (and its KV pulls) in a process of its own, with nothing else on its GIL "
         "(with --kv-transfer inprocess it takes no KV hand-offs: aggregated serving only)",
     )
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     prepare_process(args)
     config = DecodeWorkerConfig(
         engine_config_from_args(args),

@@ -58,7 +58,7 @@ async def _serve(args: argparse.Namespace) -> None:
         raise server.task.exception()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ingress", description=__doc__)
     p.add_argument(
         "--model", required=True, help="checkpoint directory or Hugging Face id (for the tokenizer)"
@@ -69,7 +69,11 @@ def main() -> None:
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "aggregated"])
     p.add_argument("--log-level", default="WARNING")
     add_ingress_flags(p)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -15,7 +15,7 @@ from settings import event_loop
 from worker.process import add_worker_args, prepare_process, serve_until_signal, transfer_factory_from_args
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m prefill_worker", description=__doc__)
     add_engine_args(p)
     add_worker_args(p, "prefill")
@@ -26,6 +26,11 @@ def main() -> None:
         help="run the engine, its NIXL agent and the held prompts' leases in a process of its own, with "
         "nothing else on its GIL",
     )
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     if args.kv_transfer == "inprocess":
         # The in-process fabric joins engines of one process; a prefill worker's KV is read by decode

@@ -49,7 +49,7 @@ async def _main(args: argparse.Namespace) -> None:
     view.stop()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m router", description=__doc__)
     p.add_argument(
         "--redis-url",
@@ -100,7 +100,11 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--log-level", default="WARNING")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

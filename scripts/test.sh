@@ -11,4 +11,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# The documentation site: broken links, missing pages or a stale nav fail the build (offline).
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
 .venv/bin/python -m pytest "$@"
