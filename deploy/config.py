@@ -66,12 +66,20 @@ EngineOptions = create_model(
 class AutoscalingOptions(_Strict):
     """Ray Serve autoscaling bounds for one pool (the P/D policy reads its own signals)."""
 
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(4, ge=1)
-    initial_replicas: int | None = Field(None, ge=0)
-    target_ongoing_requests: float = Field(8.0, gt=0)
-    upscale_delay_s: float = Field(10.0, ge=0)
-    downscale_delay_s: float = Field(120.0, ge=0)
+    min_replicas: int = Field(1, ge=0, description="fewest replicas Serve scales the deployment down to")
+    max_replicas: int = Field(4, ge=1, description="most replicas Serve scales the deployment up to")
+    initial_replicas: int | None = Field(
+        None, ge=0, description="replicas at deploy time (default: `min_replicas`)"
+    )
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="requests in flight per replica that Serve scales toward"
+    )
+    upscale_delay_s: float = Field(
+        10.0, ge=0, description="seconds the load must ask for more replicas before Serve adds them"
+    )
+    downscale_delay_s: float = Field(
+        120.0, ge=0, description="seconds the load must ask for fewer replicas before Serve removes them"
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingOptions:
@@ -83,12 +91,30 @@ class AutoscalingOptions(_Strict):
 class ReplicaOptions(_Strict):
     """How many replicas of a deployment run, and what each one reserves."""
 
-    num_replicas: int = Field(1, ge=0)
-    autoscaling: AutoscalingOptions | None = None
-    num_cpus: float = Field(0.5, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"prefill_gpu": 1}
-    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    num_replicas: int = Field(
+        1,
+        ge=0,
+        description="replicas to run when `autoscaling` is not set; prefill and decode counts change in "
+        "place with `pdserve scale` or the P/D policy",
+    )
+    autoscaling: AutoscalingOptions | None = Field(
+        None,
+        description="Ray Serve autoscaling for this deployment instead of a fixed `num_replicas`; set on "
+        "any deployment, it turns off external scaling (`pdserve scale`, the P/D policy) for the application",
+    )
+    num_cpus: float = Field(0.5, ge=0, description="CPUs each replica reserves in Ray")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves in Ray (fractions allowed)")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each replica reserves, which keeps it on nodes that advertise "
+        'them, e.g. `{"prefill_gpu": 1}`',
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="on scale-down, redeploy or shutdown: seconds a replica has to drain (a worker leaves "
+        "the registry and finishes its running requests, a router its open streams) before Serve kills it",
+    )
 
     def ray_actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus}
@@ -120,56 +146,109 @@ _SHARED_ENGINE_OPTIONS = frozenset(
 
 
 class _WorkerPoolOptions(ReplicaOptions):
-    # Engine options of this pool that differ from the shared ``engine`` section (e.g. a smaller
-    # KV pool on prefill GPUs, another max_num_batched_tokens on decode), as vLLM runs prefill and
-    # decode instances with their own engine arguments. Checked with the shared ones in
-    # ``PDServeConfig.engine_for``.
-    engine: dict[str, Any] = Field(default_factory=dict)
-    # The engine (and its KV transfer agent) in a process of its own (worker/engine_process.py):
-    # nothing else on its GIL, the gRPC work in the replica's process. auto: see
-    # ``PDServeConfig.engine_process``.
-    engine_process: Literal["auto", "on", "off"] = "auto"
+    # Each pool may tune its engine, as vLLM's prefill and decode instances take their own arguments;
+    # ``PDServeConfig.engine_for`` merges and checks them.
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="engine options of this pool that differ from the shared `engine` section (e.g. a "
+        "smaller KV pool on prefill GPUs, another `max_num_batched_tokens` on decode); options that shape "
+        "the KV blocks or the context length must stay shared",
+    )
+    engine_process: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="run the engine and its KV transfer agent in a process of its own "
+        "(worker/engine_process.py): nothing else on its GIL, the gRPC work in the replica's process; "
+        "`auto`: on",
+    )
 
 
 class PrefillOptions(_WorkerPoolOptions):
-    lease_seconds: float = Field(30.0, gt=0)
+    lease_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a prefill worker holds a prompt's KV for its decode worker to read; "
+        "freed after that if no read completed",
+    )
 
 
 class DecodeOptions(_WorkerPoolOptions):
-    kv_failure_policy: Literal["recompute", "fail"] = "recompute"
-    transfer_timeout_s: float = Field(10.0, gt=0)
-    keepalive_s: float = Field(0.5, ge=0)  # Progress messages on a quiet stream (the router's stall watch)
-    # Tokens a stream holds before it sends them (first and last never wait): fewer messages through
-    # gRPC, the router and HTTP per token, burstier streams (decode_worker/stream_output.py).
-    stream_interval: int = Field(1, ge=1)
+    kv_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="when a KV read fails or times out: `recompute` prefills the prompt on the decode "
+        "worker, `fail` ends the request with an error",
+    )
+    transfer_timeout_s: float = Field(10.0, gt=0, description="seconds before a KV read counts as failed")
+    keepalive_s: float = Field(
+        0.5,
+        ge=0,
+        description="seconds between Progress messages on a quiet stream, which the router's stall watch "
+        "reads (0: none)",
+    )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="tokens a stream holds before it sends them (first and last never wait): fewer "
+        "messages through gRPC, the router and HTTP per token, burstier streams "
+        "(decode_worker/stream_output.py)",
+    )
 
 
 _MIGRATION = MigrationOptions()  # its defaults are the config's
 
 
 class RouterOptions(ReplicaOptions):
-    policy: Literal["round_robin", "least_load", "cache_aware"] = "cache_aware"
-    # Conditional disaggregation: prompts whose part the decode worker has not cached is at most this
-    # many tokens are prefilled on the decode worker (0: always disaggregate).
-    local_prefill_tokens: int = Field(0, ge=0)
-    # KV streaming: a prompt with at least this many uncached tokens has its KV read by the decode
-    # worker while it is prefilled (0: the KV moves after the prefill).
-    kv_streaming_tokens: int = Field(KV_STREAMING_TOKENS, ge=0)
-    # Request migration (router/migration.py): moves per request when its decode worker is lost (0:
-    # off); the stall deadline (fixed, or max(floor, multiple x the worker's longest recent step));
-    # how long a stalled or failed worker gets no new requests.
-    max_migrations: int = Field(_MIGRATION.max_migrations, ge=0)
-    stall_timeout_s: float | None = Field(_MIGRATION.stall_timeout_s, gt=0)
-    stall_floor_s: float = Field(_MIGRATION.stall_floor_s, gt=0)
-    stall_step_multiple: float = Field(_MIGRATION.stall_step_multiple, gt=0)
-    suspect_s: float = Field(_MIGRATION.suspect_s, ge=0)
+    policy: Literal["round_robin", "least_load", "cache_aware"] = Field(
+        "cache_aware",
+        description="how the router picks a request's prefill and decode workers (router/policies.py): "
+        "`cache_aware` where the first token comes soonest (uncached prompt tokens plus the queue), "
+        "`least_load` the least loaded, `round_robin` in turn",
+    )
+    local_prefill_tokens: int = Field(
+        0,
+        ge=0,
+        description="conditional disaggregation: a prompt with at most this many tokens the decode "
+        "worker has not cached is prefilled on the decode worker (0: always disaggregate)",
+    )
+    kv_streaming_tokens: int = Field(
+        KV_STREAMING_TOKENS,
+        ge=0,
+        description="KV streaming: a prompt with at least this many uncached tokens has its KV read by "
+        "the decode worker while it is prefilled (0: the KV moves after the prefill)",
+    )
+    # Request migration (router/migration.py).
+    max_migrations: int = Field(
+        _MIGRATION.max_migrations,
+        ge=0,
+        description="times a request may move to another decode worker when its worker is lost "
+        "mid-stream (0: migration off)",
+    )
+    stall_timeout_s: float | None = Field(
+        _MIGRATION.stall_timeout_s,
+        gt=0,
+        description="fixed stall deadline: a stream silent this long counts its decode worker as lost "
+        "(null: max(`stall_floor_s`, `stall_step_multiple` x the worker's longest recent step))",
+    )
+    stall_floor_s: float = Field(
+        _MIGRATION.stall_floor_s, gt=0, description="shortest stall deadline derived from step times"
+    )
+    stall_step_multiple: float = Field(
+        _MIGRATION.stall_step_multiple,
+        gt=0,
+        description="derived stall deadline: this x the worker's longest recent engine step",
+    )
+    suspect_s: float = Field(
+        _MIGRATION.suspect_s,
+        ge=0,
+        description="seconds a decode worker that stalled or failed gets no new requests while "
+        "others are live",
+    )
 
     def migration(self) -> MigrationOptions:
         return MigrationOptions(
             **self.model_dump(include={f.name for f in dataclasses.fields(MigrationOptions)})
         )
 
-    num_cpus: float = Field(0.1, ge=0)
+    num_cpus: float = Field(0.1, ge=0, description="CPUs each router replica reserves in Ray")
 
 
 class IngressDeploymentOptions(ReplicaOptions, IngressOptions):
@@ -186,26 +265,65 @@ class IngressDeploymentOptions(ReplicaOptions, IngressOptions):
     config files and manifests keep ``serve_proxy``; ``pdserve serve``'s flags default to ``router``.
     """
 
-    num_cpus: float = Field(0.1, ge=0)
-    http_server: Literal["serve_proxy", "direct", "router"] = "serve_proxy"
+    num_cpus: float = Field(0.1, ge=0, description="CPUs each ingress replica reserves in Ray")
+    http_server: Literal["serve_proxy", "direct", "router"] = Field(
+        "serve_proxy",
+        description="what serves HTTP: `serve_proxy` Serve's proxy in front of the ingress replicas, "
+        "`direct` each ingress replica on `host:port`, `router` each router replica (no ingress replicas)",
+    )
 
 
 class PDServeConfig(_Strict):
-    model: str
-    served_model_name: str | None = None
-    tiny_model: bool = False  # the model is a random-weight demo model: say so everywhere
-    mode: Literal["disaggregated", "aggregated"] = "disaggregated"
-    redis_url: str | None = None  # else PDSERVE_REDIS_URL (which may carry a password)
-    worker_host: str = "127.0.0.1"  # gRPC/NIXL bind address of workers; "auto": the Ray node's IP
-    app_name: str = "pdserve"
-    engine_stuck_timeout_s: float = Field(120.0, gt=0)  # health check fails past this without progress
-    engine: EngineOptions = Field(default_factory=EngineOptions)
-    prefill: PrefillOptions = Field(default_factory=PrefillOptions)
-    decode: DecodeOptions = Field(default_factory=DecodeOptions)
-    router: RouterOptions = Field(default_factory=RouterOptions)
-    ingress: IngressDeploymentOptions = Field(default_factory=IngressDeploymentOptions)
-    # The P/D policy (deploy/pd_autoscaler.py); None: counts change only by `pdserve scale`.
-    autoscaling: PDAutoscalingConfig | None = None
+    model: str = Field(
+        ..., description="checkpoint directory, Hugging Face id or built-in name (`pdserve/zero-cost`)"
+    )
+    served_model_name: str | None = Field(
+        None, description="the model name clients send and `/v1/models` lists (default: `model`)"
+    )
+    tiny_model: bool = Field(
+        False,
+        description="the model is a random-weight demo model: `/v1/models` says its text is meaningless",
+    )
+    mode: Literal["disaggregated", "aggregated"] = Field(
+        "disaggregated",
+        description="`disaggregated`: prefill and decode pools; `aggregated`: no prefill deployment, decode "
+        "replicas prefill their own prompts (the `prefill` section is unused)",
+    )
+    redis_url: str | None = Field(
+        None,
+        description="Redis holding the registry and prefix index (`redis://`, `rediss://` or `unix://`); "
+        "default: PDSERVE_REDIS_URL, the place for a URL with a password",
+    )
+    worker_host: str = Field(
+        "127.0.0.1",
+        description="address the prefill, decode and router replicas bind gRPC and NIXL to; `auto`: the "
+        "Ray node's IP (needed when replicas run on several nodes)",
+    )
+    app_name: str = Field(
+        "pdserve",
+        description="the Serve application's name (what `--app` of `pdserve status` / `scale` names)",
+    )
+    engine_stuck_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="a prefill or decode replica fails its health check (and Serve replaces it) when its "
+        "engine loop has had work this many seconds without finishing a step",
+    )
+    engine: EngineOptions = Field(
+        default_factory=EngineOptions,
+        description="engine options of both pools (`prefill.engine` / `decode.engine` override some)",
+    )
+    prefill: PrefillOptions = Field(default_factory=PrefillOptions, description="the prefill pool")
+    decode: DecodeOptions = Field(default_factory=DecodeOptions, description="the decode pool")
+    router: RouterOptions = Field(default_factory=RouterOptions, description="the router deployment")
+    ingress: IngressDeploymentOptions = Field(
+        default_factory=IngressDeploymentOptions, description="the HTTP ingress deployment"
+    )
+    autoscaling: PDAutoscalingConfig | None = Field(
+        None,
+        description="the P/D autoscaling policy (deploy/pd_autoscaler.py); null: prefill and decode counts "
+        "change only by `pdserve scale`",
+    )
 
     @field_validator("redis_url")
     @classmethod
@@ -236,6 +354,11 @@ class PDServeConfig(_Strict):
             if self.prefill.autoscaling is not None or self.decode.autoscaling is not None:
                 raise ValueError(
                     "give either the P/D autoscaling policy or Serve autoscaling per pool, not both"
+                )
+            if not self.external_scaler_enabled:  # Serve would refuse every count the policy sets
+                raise ValueError(
+                    "the P/D autoscaling policy sets replica counts, which Serve refuses while any "
+                    "deployment (router, ingress) uses Serve autoscaling: drop one of them"
                 )
         return self
 

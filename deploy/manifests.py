@@ -34,48 +34,109 @@ class _Values(BaseModel):
 
 
 class GPUGroup(_Values):
-    replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(4, ge=1)  # worker pods KubeRay may add for autoscaled replicas
-    gpus: int = Field(1, ge=1)  # per pod = per replica
-    cpus: int = Field(8, ge=1)
-    memory: str = "64Gi"
-    gpu_product: str  # the node label nvidia.com/gpu.product to land on
+    replicas: int = Field(
+        1,
+        ge=0,
+        description="the pool's replicas at deploy, one per pod; also the group's `minReplicas`: KubeRay "
+        "never removes its pods below this count",
+    )
+    max_replicas: int = Field(
+        4,
+        ge=1,
+        description="most pods of the group (`maxReplicas`, raised to `replicas` if lower): KubeRay adds "
+        "pods up to it for replicas that wait for room",
+    )
+    gpus: int = Field(1, ge=1, description="GPUs per pod and per replica (one replica per pod)")
+    cpus: int = Field(8, ge=1, description="CPUs per pod (request = limit)")
+    memory: str = Field("64Gi", description="memory per pod (request = limit)")
+    gpu_product: str = Field(
+        ..., description="value of the node label `nvidia.com/gpu.product` the pods are scheduled on"
+    )
     tolerations: list[dict[str, Any]] = Field(
-        default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        description="the pods' tolerations (default: the `nvidia.com/gpu` NoSchedule taint)",
     )
 
 
 class ModelSource(_Values):
-    hf_id: str | None = None  # pulled at start (HF_TOKEN from the Secret hf_token_secret, if set)
-    pvc: str | None = None  # a PersistentVolumeClaim holding the checkpoint
-    path_in_pvc: str = ""  # the checkpoint directory inside the claim
-    served_model_name: str | None = None
-    hf_token_secret: str | None = None
+    hf_id: str | None = Field(
+        None, description="Hugging Face id, downloaded at start (with `HF_TOKEN` if `hf_token_secret` is set)"
+    )
+    pvc: str | None = Field(
+        None,
+        description="PersistentVolumeClaim holding the checkpoint, mounted read-only at /models on every "
+        "pod; takes precedence over `hf_id`",
+    )
+    path_in_pvc: str = Field("", description="the checkpoint directory inside the claim")
+    served_model_name: str | None = Field(
+        None, description="the model name clients send (default: `hf_id` or the checkpoint path)"
+    )
+    hf_token_secret: str | None = Field(
+        None,
+        description="Secret whose key `token` becomes `HF_TOKEN` in every Ray container; the pods do not "
+        "start while it is missing; null: no token",
+    )
 
 
 class ClusterValues(_Values):
-    name: str = "pdserve"
-    image: str = "ghcr.io/pdserve/pdserve:0.1.0"
-    ray_version: str = "2.60.0"
-    model: ModelSource
-    engine: dict[str, Any] = Field(default_factory=dict)  # EngineOptions fields
-    prefill: GPUGroup
-    decode: GPUGroup
-    head_cpus: int = 4
-    head_memory: str = "16Gi"
-    api_key_secret: str | None = "pdserve-api-key"  # Secret with key "api-key"; None: no auth
-    redis_secret: str = "pdserve-redis"  # Secret with key "password" (and "url" if external)
-    redis_external: bool = False  # True: the Secret's "url" points at your Redis; none is deployed
-    redis_storage: str = "1Gi"
-    router_policy: str = "cache_aware"
-    router_local_prefill_tokens: int = 0  # conditional disaggregation threshold (0: always disaggregate)
-    router_kv_streaming_tokens: int = KV_STREAMING_TOKENS  # KV read while prefilled from this many tokens
-    autoscaling: PDAutoscalingConfig | None = None
-    # Listen addresses inside the pods: loopback unless the values ask for more. A Kubernetes
-    # Service reaches the Serve proxy, and the KubeRay operator the dashboard, only on the pod IP,
-    # so the shipped values.yaml opts in with 0.0.0.0 (the dashboard stays behind token auth).
-    serve_host: str = "127.0.0.1"
-    dashboard_host: str = "127.0.0.1"
+    name: str = Field(
+        "pdserve",
+        description="name of the RayService and the Serve application; the Redis Service is `<name>-redis`",
+    )
+    image: str = Field(
+        "ghcr.io/pdserve/pdserve:0.1.0", description="image of every Ray pod (deploy/Dockerfile)"
+    )
+    ray_version: str = Field("2.60.0", description="the cluster's `rayVersion`: the image's Ray version")
+    model: ModelSource = Field(..., description="where the model comes from")
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="engine options of both pools (EngineOptions fields); `device: cuda` and `dtype: "
+        "bfloat16` unless set here",
+    )
+    prefill: GPUGroup = Field(..., description="the prefill GPU worker group (`prefill-gpu`)")
+    decode: GPUGroup = Field(..., description="the decode GPU worker group (`decode-gpu`)")
+    head_cpus: int = Field(4, description="CPUs of the head pod (request = limit, and Ray's `num-cpus`)")
+    head_memory: str = Field("16Gi", description="memory of the head pod (request = limit)")
+    api_key_secret: str | None = Field(
+        "pdserve-api-key",
+        description="Secret whose key `api-key` becomes `PDSERVE_API_KEY` in every Ray container; null: "
+        "no API key",
+    )
+    redis_secret: str = Field(
+        "pdserve-redis",
+        description="Secret with key `password` (the deployed Redis's AUTH), or `url` with `redis_external`",
+    )
+    redis_external: bool = Field(
+        False, description="true: the Secret's `url` points at your Redis, and none is deployed"
+    )
+    redis_storage: str = Field("1Gi", description="size of the deployed Redis's volume")
+    router_policy: str = Field(
+        "cache_aware", description="the router's policy: `cache_aware`, `least_load` or `round_robin`"
+    )
+    router_local_prefill_tokens: int = Field(
+        0,
+        description="prompts with at most this many uncached tokens are prefilled on the decode worker "
+        "(0: always disaggregate)",
+    )
+    router_kv_streaming_tokens: int = Field(
+        KV_STREAMING_TOKENS,
+        description="prompts with at least this many uncached tokens have their KV read while they are "
+        "prefilled (0: off)",
+    )
+    autoscaling: PDAutoscalingConfig | None = Field(
+        None,
+        description="the P/D autoscaling policy; null: fixed counts, changed by `pdserve scale`",
+    )
+    serve_host: str = Field(
+        "127.0.0.1",
+        description="where Serve's HTTP proxy listens in the head pod; the Kubernetes Service reaches it "
+        "only on the pod IP, so the shipped values set 0.0.0.0",
+    )
+    dashboard_host: str = Field(
+        "127.0.0.1",
+        description="where the Ray dashboard listens on the head; the KubeRay operator reaches it only on "
+        "the pod IP, so the shipped values set 0.0.0.0 (it stays behind token auth)",
+    )
 
 
 def serve_config(v: ClusterValues) -> dict[str, Any]:

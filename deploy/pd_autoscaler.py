@@ -26,11 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class PoolScaling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(4, ge=1)
-    upscale_delay_s: float = Field(15.0, ge=0)
-    downscale_delay_s: float = Field(120.0, ge=0)
-    cooldown_s: float = Field(60.0, ge=0)
+    min_replicas: int = Field(1, ge=0, description="fewest replicas the policy sets")
+    max_replicas: int = Field(4, ge=1, description="most replicas the policy sets, the P:D ratio included")
+    upscale_delay_s: float = Field(
+        15.0, ge=0, description="seconds a scale-up must be wanted at every evaluation before it is made"
+    )
+    downscale_delay_s: float = Field(
+        120.0, ge=0, description="seconds a scale-down must be wanted at every evaluation before it is made"
+    )
+    cooldown_s: float = Field(60.0, ge=0, description="seconds after a change of this pool before the next")
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolScaling:
@@ -44,15 +48,47 @@ class PDAutoscalingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    interval_s: float = Field(5.0, gt=0)
-    tolerance: float = Field(0.2, ge=0, lt=1)
-    prefill: PoolScaling = Field(default_factory=PoolScaling)
-    decode: PoolScaling = Field(default_factory=PoolScaling)
-    target_pending_prompt_tokens: int = Field(8192, ge=1)  # per prefill replica
-    target_kv_usage: float = Field(0.7, gt=0, le=1)  # per decode replica, mean
-    target_running_requests: int = Field(64, ge=1)  # per decode replica
-    min_pd_ratio: float = Field(0.1, gt=0)  # prefill replicas per decode replica
-    max_pd_ratio: float = Field(4.0, gt=0)
+    interval_s: float = Field(5.0, gt=0, description="seconds between evaluations of the policy")
+    tolerance: float = Field(
+        0.2,
+        ge=0,
+        lt=1,
+        description="hysteresis: a pool grows only when its load asks for more than replicas x (1 + "
+        "tolerance), shrinks only below replicas x (1 - tolerance)",
+    )
+    prefill: PoolScaling = Field(
+        default_factory=PoolScaling, description="the prefill pool's bounds and delays"
+    )
+    decode: PoolScaling = Field(
+        default_factory=PoolScaling, description="the decode pool's bounds and delays"
+    )
+    target_pending_prompt_tokens: int = Field(
+        8192,
+        ge=1,
+        description="prompt tokens waiting per prefill replica (queued in the engines plus in flight from "
+        "the router) that prefill scales toward",
+    )
+    target_kv_usage: float = Field(
+        0.7, gt=0, le=1, description="mean KV-cache usage per decode replica that decode scales toward"
+    )
+    target_running_requests: int = Field(
+        64,
+        ge=1,
+        description="running plus waiting requests per decode replica that decode scales toward (decode "
+        "takes the larger of this and the KV-usage count)",
+    )
+    min_pd_ratio: float = Field(
+        0.1,
+        gt=0,
+        description="fewest prefill replicas per decode replica; below it prefill is raised (up to its "
+        "`max_replicas`)",
+    )
+    max_pd_ratio: float = Field(
+        4.0,
+        gt=0,
+        description="most prefill replicas per decode replica; above it decode is raised (up to its "
+        "`max_replicas`)",
+    )
 
     @model_validator(mode="after")
     def _ratio(self) -> PDAutoscalingConfig:

@@ -96,3 +96,15 @@ def test_config_validation():
         PDAutoscalingConfig(min_pd_ratio=3, max_pd_ratio=1)
     with pytest.raises(ValidationError):
         PDAutoscalingConfig(target_kv_usage=1.5)
+
+
+def test_the_policy_with_serve_autoscaling_on_a_front_end_is_refused():
+    """Serve refuses every replica count set from outside while any deployment autoscales itself:
+    the policy would only log warnings, so the config says so at once."""
+    from deploy.config import PDServeConfig
+
+    serve_autoscaling = {"min_replicas": 1, "max_replicas": 2}
+    assert PDServeConfig(model="m", autoscaling={}).external_scaler_enabled
+    for pool in ("router", "ingress"):
+        with pytest.raises(ValidationError, match="Serve refuses"):
+            PDServeConfig(model="m", autoscaling={}, **{pool: {"autoscaling": serve_autoscaling}})
