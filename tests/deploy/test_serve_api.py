@@ -355,6 +355,17 @@ def test_pdserve_bench_measures_the_service(service, tmp_path):
     service.wait_idle()
 
 
+def test_the_router_replicas_serve_http_and_status_reads_their_counts(service, client, model_name):
+    """The default ``--http-server router``: no ingress replica runs, the router replica serves the
+    OpenAI API (every test here goes through it), and ``pdserve status`` reads that router's counts."""
+    replicas = "\n".join(service.leftover_processes())
+    assert "pdserve:Router" in replicas and "pdserve:Ingress" not in replicas, replicas
+    before = service.status()["cluster"]["requestsRouted"]
+    for prompt in PROMPTS[:3]:
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=2, **GREEDY)
+    assert service.status()["cluster"]["requestsRouted"] == before + 3
+
+
 def test_every_socket_of_the_service_listens_on_loopback(service):
     """Without --host, nothing of the service is reachable from another machine: the endpoint, the
     workers' gRPC and KV ports, and Ray's own GCS, raylet, workers and agents (issue 32)."""
