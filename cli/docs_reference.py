@@ -12,25 +12,23 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import dataclasses
 import inspect
 import io
 import json
-import os
 import re
 import textwrap
 import tokenize
 import types
 import typing
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from deploy.config import _SHARED_ENGINE_OPTIONS, EngineOptions, PDServeConfig
+from deploy.config import SHARED_ENGINE_OPTIONS, EngineOptions, PDServeConfig
 from deploy.manifests import ClusterValues, default_values
 from engine.args import add_engine_args, engine_options
 from engine.spec_config import SPEC_METHODS, SpeculativeConfig
@@ -81,7 +79,7 @@ def render_pages(root: argparse.ArgumentParser) -> dict[str, str]:
     from prefill_worker.__main__ import build_parser as prefill_worker
     from router.__main__ import build_parser as router
 
-    with _plain_environment():
+    with environment.without(*_HIDDEN_ENV):
         processes = [build() for build in (ingress, router, prefill_worker, decode_worker)]
     pages = {
         "configuration.md": configuration_page(_subparsers(root).choices["serve"]),
@@ -89,15 +87,6 @@ def render_pages(root: argparse.ArgumentParser) -> dict[str, str]:
     }
     home = re.escape(str(Path.home()).rstrip("/")) + "(?=/)"  # e.g. train-tiny's cache directory
     return {name: re.sub(home, "~", text) for name, text in pages.items()}
-
-
-@contextlib.contextmanager
-def _plain_environment() -> Iterator[None]:
-    saved = {k: os.environ.pop(k) for k in _HIDDEN_ENV if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
 
 
 def _text(s: str | None) -> str:
@@ -327,7 +316,7 @@ def _engine_section() -> str:
         "## Engine options\n\nDeclared once in `engine/config.py` (`EngineConfig`). Each is a flag of "
         "`pdserve serve`, `pdserve generate` and the standalone workers, and a field of the Serve "
         "config's `engine` section (`model` is at its top level); `prefill.engine` and `decode.engine` "
-        f"override it for one pool, except {_codes(sorted(_SHARED_ENGINE_OPTIONS))}, which both pools "
+        f"override it for one pool, except {_codes(sorted(SHARED_ENGINE_OPTIONS))}, which both pools "
         "share.\n\n"
         + _table(("Option", "CLI flag", "Default", "Choices", "Description"), rows)
         + "\n### speculative_config\n\nIts keys (`engine/spec_config.py`):\n\n"

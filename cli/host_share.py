@@ -14,14 +14,23 @@ CORES_PER_FRONTEND = 8
 
 
 def local_cpu_threads(args: argparse.Namespace) -> int | None:
-    """The torch threads of each CPU engine of a cluster started here: ``--ray-cpus``, else the cores
-    this process may use, shared out among the workers. Without it a replica gets Ray's OMP_NUM_THREADS (its reserved CPUs, 1 by
-    default), which leaves cores idle when there are fewer workers than cores. None: not ours to pick
-    (given, a GPU engine, or a cluster elsewhere)."""
+    """The torch threads of each CPU engine of a cluster started here: the cores this process may use
+    (or ``--ray-cpus``, when fewer), shared out among the workers. Without it a replica gets Ray's
+    OMP_NUM_THREADS (its reserved CPUs, 1 by default), which leaves cores idle when there are fewer
+    workers than cores. ``--ray-cpus`` above the cores (room for more replicas) adds no threads:
+    more threads than cores make OpenMP's teams wait on each other (measured on 2 cores: a
+    speculating decode worker's test ran 5x slower with 2 threads per engine than with 1). None: not
+    ours to pick (given, a GPU engine, or a cluster elsewhere)."""
     if args.cpu_threads is not None or args.device != "cpu" or args.address:
         return args.cpu_threads
     workers = args.decode + (args.prefill if args.mode == "disaggregated" else 0)
-    return max(1, (args.ray_cpus or usable_cores()) // max(1, workers))
+    return max(1, local_cores(args) // max(1, workers))
+
+
+def local_cores(args: argparse.Namespace) -> int:
+    """The cores a local cluster's processes share: those this process may use, or ``--ray-cpus``
+    when fewer (Ray CPUs above the cores are room for replicas, not cores to run on)."""
+    return min(args.ray_cpus or usable_cores(), usable_cores())
 
 
 def usable_cores() -> int:
@@ -42,7 +51,7 @@ def frontend_count(args: argparse.Namespace) -> int:
     machine, where a second HTTP process only takes cores from the engine)."""
     if args.frontends is not None:
         return args.frontends
-    return max(1, (args.ray_cpus or usable_cores()) // CORES_PER_FRONTEND)
+    return max(1, local_cores(args) // CORES_PER_FRONTEND)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -140,7 +140,7 @@ class ReplicaOptions(_Strict):
 
 # Options both pools must share: the KV blocks a prefill worker ships are laid out by them, and the
 # ingress checks prompts against the one context length.
-_SHARED_ENGINE_OPTIONS = frozenset(
+SHARED_ENGINE_OPTIONS = frozenset(
     {"tokenizer", "dtype", "kv_cache_dtype", "max_model_len", "block_size", "cache_salt"}
 )
 
@@ -379,7 +379,7 @@ class PDServeConfig(_Strict):
             overrides = {**overrides, "speculative_config": None}
         if not overrides:
             return self.engine
-        shared = sorted(_SHARED_ENGINE_OPTIONS & overrides.keys())
+        shared = sorted(SHARED_ENGINE_OPTIONS & overrides.keys())
         if shared:
             raise ValueError(
                 f"{', '.join(shared)} must be the same for prefill and decode (their KV and the ingress's "

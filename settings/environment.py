@@ -16,8 +16,10 @@ NOTE: imports nothing of the project, so every layer may use it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 REDIS_URL = "PDSERVE_REDIS_URL"
 API_KEY = "PDSERVE_API_KEY"
@@ -115,3 +117,14 @@ def use_ray_auth_token(token: str | None, ray_has_token: bool) -> None:
         os.environ.pop(RAY_AUTH_TOKEN_PATH, None)
     elif ray_has_token and RAY_AUTH_MODE not in os.environ:
         os.environ[RAY_AUTH_MODE] = "token"
+
+
+@contextlib.contextmanager
+def without(*names: str) -> Iterator[None]:
+    """The environment without ``names`` for the block (a parser whose defaults read them, rendered
+    the same on every machine: ``cli.docs_reference``)."""
+    saved = {k: os.environ.pop(k) for k in names if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+# One torch thread per engine unless a test asks for more (before torch is imported; the workers the
+# tests start inherit it). Tests run several engine processes at once on a 2-core machine, and more
+# OpenMP threads than cores wait on each other: the speculating decode worker's end-to-end test took
+# 159 s with torch's default of 2 threads and 30 s with 1 on a loaded machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import redis

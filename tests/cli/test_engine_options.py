@@ -89,11 +89,14 @@ def test_worker_replicas_run_their_engine_in_a_process_of_its_own_by_default():
         assert config.engine_process("prefill") is expected, flags
 
 
-def test_a_local_cpu_cluster_shares_the_cores_out_among_its_workers():
+def test_a_local_cpu_cluster_shares_the_cores_out_among_its_workers(monkeypatch):
     """Without --cpu-threads, each CPU engine of a cluster started here gets cores / workers torch
     threads (a Ray replica would otherwise get OMP_NUM_THREADS=1 and leave cores idle); a value given,
     a GPU engine or a remote cluster keep theirs."""
+    import cli.host_share
     from cli.serve_args import config_from_args
+
+    monkeypatch.setattr(cli.host_share, "usable_cores", lambda: 8)
 
     def threads(*flags: str) -> int | None:
         args = _subparser("serve").parse_args(["--ray-cpus", "8", *flags])
@@ -225,3 +228,25 @@ def test_the_request_limits_are_serve_flags_that_reach_the_ingress():
     assert (ingress.max_prompt_chars, ingress.request_timeout_s) == (1000, 30.0)
     with pytest.raises(ValidationError, match="max_n"):
         config_from_args(parse(["--max-n", "0"]), "m", tiny=False)
+
+
+def test_engine_threads_share_the_usable_cores_whatever_the_ray_cpus(monkeypatch):
+    """``--ray-cpus`` beyond the cores makes room for replicas, not threads: each CPU engine of a
+    local cluster gets its share of the cores this process may use, and the HTTP front ends follow
+    the cores too."""
+    import cli.host_share
+    from cli.serve_args import config_from_args
+
+    parse = _subparser("serve").parse_args
+    monkeypatch.setattr(cli.host_share, "usable_cores", lambda: 2)
+    threads = {
+        flags: config_from_args(parse(list(flags)), "m", tiny=False).engine.cpu_threads
+        for flags in ((), ("--ray-cpus", "8"), ("--ray-cpus", "8", "--decode", "3"), ("--ray-cpus", "1"))
+    }
+    assert list(threads.values()) == [1, 1, 1, 1]
+    assert config_from_args(parse(["--ray-cpus", "64"]), "m", tiny=False).router.num_replicas == 1
+    monkeypatch.setattr(cli.host_share, "usable_cores", lambda: 16)
+    assert config_from_args(parse(["--ray-cpus", "64"]), "m", tiny=False).engine.cpu_threads == 8
+    assert config_from_args(parse(["--ray-cpus", "4"]), "m", tiny=False).engine.cpu_threads == 2
+    given = parse(["--ray-cpus", "64", "--cpu-threads", "3"])
+    assert config_from_args(given, "m", tiny=False).engine.cpu_threads == 3
