@@ -1,4 +1,4 @@
-"""KV cache tiers: a multi-tenant multi-turn workload with and without the host tier (issue 33, item 5).
+"""KV cache tiers: a multi-tenant multi-turn workload with and without the host and disk tiers (issue 33).
 
 Each of ``--tenants`` conversations starts from a system prompt of its own and adds a user turn and
 the model's reply per round; every round visits all conversations in turn (closed loop, ``--concurrency``
@@ -6,8 +6,11 @@ in flight), so a conversation's prefix is reused one round later, after every ot
 Its working set (every conversation's context) is several times the engine's KV pool in the
 *overflowing* run; the *fitting* run is the same conversations on a pool that holds them all. Each runs on the
 same engine configuration without a host tier and with one (``kv_host_cache_gib``), in this process;
-the reply tokens are greedy, so both configurations see the same prompts and must give the same
-tokens (checked and printed).
+the reply tokens are greedy, so every configuration sees the same prompts and must give the same
+tokens (checked and printed). With ``--disk-gib`` (default 1), two more: a host tier too small for the
+working set (``--small-host-share`` of it) with a disk tier under it (``kv_disk_cache_gib``, a file in
+``--disk-dir``, default a temporary directory), and, on the overflowing workload, that small host tier
+alone (what the disk tier adds).
 
 Reported per run, over the returning turns (every round after the first: a conversation's first turn
 is a miss in any system, so it is the warm-up): TTFT p50/p90 (engine time from submission to the
@@ -94,6 +97,8 @@ def run_workload(
         "prefix_hit_tokens": stats.prefix_cache_hits,
         "host_hit_tokens": stats.prefix_cache_hits_host,
         "host_offloaded_blocks": stats.host_offloaded_blocks,
+        "disk_hit_tokens": stats.prefix_cache_hits_disk,
+        "disk_written_blocks": stats.disk_written_blocks,
         "blocks_free_after": stats.num_free_blocks == stats.num_blocks,
         "replies": replies,
     }
@@ -120,9 +125,15 @@ def compare(args) -> dict:
         "overflowing": args.num_blocks,
         "fitting": working_set + (args.concurrency + 1) * context_blocks,
     }
+    small_host = args.small_host_share * working_set * _block_bytes(model, block) / 2**30
+    workloads = {name: pool for name, pool in workloads.items() if name in args.workloads}
     for name, pool in workloads.items():
         print(f"\n== {name}: {tenants} conversations, working set {working_set} blocks, pool {pool}")
-        configs = {"no_tier": 0.0, "host_tier": args.host_gib}
+        configs = {"no_tier": (0.0, 0.0), "host_tier": (args.host_gib, 0.0)}  # (host GiB, disk GiB)
+        if args.disk_gib:
+            if name == "overflowing":  # on the fitting one no tier is touched: the same as host_tier
+                configs["small_host"] = (small_host, 0.0)
+            configs["small_host_disk"] = (small_host, args.disk_gib)
         reps: dict[str, list[dict]] = {label: [] for label in configs}
         for rep in range(args.repeats):  # alternating order, so drift of the machine hits both
             for label in list(configs)[:: 1 if rep % 2 == 0 else -1]:
@@ -133,7 +144,9 @@ def compare(args) -> dict:
                         device=args.device,
                         num_blocks=pool,
                         block_size=block,
-                        kv_host_cache_gib=configs[label],
+                        kv_host_cache_gib=configs[label][0],
+                        kv_disk_cache_gib=configs[label][1],
+                        kv_disk_cache_dir=args.disk_dir if configs[label][1] else None,
                         max_num_seqs=args.concurrency,
                     )
                 )
@@ -142,6 +155,7 @@ def compare(args) -> dict:
                         core, tenants, args.rounds, args.system, args.user, args.reply, args.concurrency
                     )
                 )
+                core.close()  # the disk tier's file
                 del core
         first = reps["no_tier"][0]["replies"]
         same = all(r.pop("replies") == first for runs_ in reps.values() for r in runs_)
@@ -157,8 +171,27 @@ def compare(args) -> dict:
             "ttft_p50_ratio": base["ttft_ms_p50"] / tier["ttft_ms_p50"],
             "ttft_p90_ratio": base["ttft_ms_p90"] / tier["ttft_ms_p90"],
             "throughput_ratio": tier["requests_per_s"] / base["requests_per_s"],
+            "ratios": {  # every configuration against no tier: TTFT x lower, throughput x higher
+                label: {
+                    "ttft_p50": base["ttft_ms_p50"] / r["ttft_ms_p50"],
+                    "ttft_p90": base["ttft_ms_p90"] / r["ttft_ms_p90"],
+                    "throughput": r["requests_per_s"] / base["requests_per_s"],
+                }
+                for label, r in runs.items()
+                if label != "no_tier"
+            },
+            "tier_gib": configs,
         }
     return results
+
+
+def _block_bytes(model: str, block: int) -> int:
+    """Bytes of one KV block of ``model`` (float32, as the engine runs it here)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return config["num_hidden_layers"] * 2 * block * kv_heads * head_dim * 4
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -181,7 +214,7 @@ def _demo_model() -> Path:
 
 def _print(out: dict) -> None:
     print(
-        "\n| workload | working set / pool | tier | TTFT p50 ms | TTFT p90 ms | req/s | hit tokens (host) |"
+        "\n| workload | working set / pool | tier | TTFT p50 ms | TTFT p90 ms | req/s | hit tokens (host, disk) |"
     )
     print("|---|---:|---|---:|---:|---:|---:|")
     for name, w in out["workloads"].items():
@@ -189,14 +222,15 @@ def _print(out: dict) -> None:
             print(
                 f"| {name} | {w['working_set_over_pool']:.1f}x | {label} | {r['ttft_ms_p50']:.1f} | "
                 f"{r['ttft_ms_p90']:.1f} | {r['requests_per_s']:.2f} | "
-                f"{r['prefix_hit_tokens']} ({r['host_hit_tokens']}) |"
+                f"{r['prefix_hit_tokens']} ({r['host_hit_tokens']}, {r['disk_hit_tokens']}) |"
             )
     for name, w in out["workloads"].items():
-        print(
-            f"{name}: host tier / none: TTFT p50 {w['ttft_p50_ratio']:.2f}x lower, p90 "
-            f"{w['ttft_p90_ratio']:.2f}x lower, throughput {w['throughput_ratio']:.2f}x; identical "
-            f"outputs: {'yes' if w['identical_outputs'] else 'NO'}"
-        )
+        for label, ratio in w["ratios"].items():
+            print(
+                f"{name}: {label} / none: TTFT p50 {ratio['ttft_p50']:.2f}x lower, p90 "
+                f"{ratio['ttft_p90']:.2f}x lower, throughput {ratio['throughput']:.2f}x"
+            )
+        print(f"{name}: identical outputs: {'yes' if w['identical_outputs'] else 'NO'}")
 
 
 def _plot(out: dict, path: Path) -> None:
@@ -205,8 +239,9 @@ def _plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(out["workloads"]), figsize=(11, 4))
-    for ax, (name, w) in zip(axes, out["workloads"].items()):
+    n = len(out["workloads"])
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False)
+    for ax, (name, w) in zip(axes[0], out["workloads"].items()):
         for label, r in w["runs"].items():
             xs = sorted(r["ttft_ms"])
             ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label.replace("_", " "))
@@ -230,8 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reply", type=int, default=16, help="reply tokens per turn")
     p.add_argument("--num-blocks", type=int, default=160, help="the engine's KV pool (blocks of 16)")
     p.add_argument("--host-gib", type=float, default=0.5, help="host tier size")
+    p.add_argument("--disk-gib", type=float, default=1.0, help="disk tier size (0: no disk runs)")
+    p.add_argument("--disk-dir", help="the disk tier's directory (default: a temporary one)")
+    p.add_argument(
+        "--small-host-share", type=float, default=0.25, help="the disk runs' host tier, in working sets"
+    )
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (medians reported)")
+    p.add_argument(
+        "--workloads", nargs="+", default=["overflowing", "fitting"], choices=["overflowing", "fitting"]
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run (tiny sizes)")
     p.add_argument("--output", type=Path, default=RESULTS / "kv_tiers.json")
     args = p.parse_args(argv)

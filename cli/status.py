@@ -138,14 +138,23 @@ def format_status(cluster, states) -> str:
 
 
 def format_cache_tiers(states) -> str:
-    """Per worker with a host tier: prompt tokens served by each tier, the tier's use and offloads."""
-    rows = [("WORKER", "PROMPT TOKENS", "DEVICE HITS", "HOST HITS", "HOST TIER USED", "OFFLOADED")]
+    """Per worker with a host tier: prompt tokens served by each tier, the tiers' use and the blocks
+    copied into them (a disk tier's columns read ``-`` on a worker without one)."""
+    host = ("HOST HITS", "HOST TIER USED", "OFFLOADED")
+    rows = [("WORKER", "PROMPT TOKENS", "DEVICE HITS", *host, "DISK HITS", "DISK TIER USED", "WRITTEN")]
     for w in sorted(states, key=lambda w: w.worker_id):
         s = w.stats
         if not s.host_cache_blocks:
             continue
         queries = max(s.prefix_cache_queries, 1)
-        device = s.prefix_cache_hits - s.prefix_cache_hits_host
+        device = s.prefix_cache_hits - s.prefix_cache_hits_host - s.prefix_cache_hits_disk
+        disk = ("-", "-", "-")
+        if s.disk_cache_blocks:
+            disk = (
+                f"{s.prefix_cache_hits_disk} ({s.prefix_cache_hits_disk / queries:.0%})",
+                f"{s.disk_cache_used}/{s.disk_cache_blocks}",
+                str(s.disk_written_blocks),
+            )
         rows.append(
             (
                 w.worker_id,
@@ -154,6 +163,7 @@ def format_cache_tiers(states) -> str:
                 f"{s.prefix_cache_hits_host} ({s.prefix_cache_hits_host / queries:.0%})",
                 f"{s.host_cache_used}/{s.host_cache_blocks}",
                 str(s.host_offloaded_blocks),
+                *disk,
             )
         )
     return f"prefix cache by tier:\n{_table(rows)}" if len(rows) > 1 else ""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
 
-DEVICE, HOST = "device", "host"  # the prefix cache's tiers: the KV pool, the host tier under it
+DEVICE, HOST, DISK = "device", "host", "disk"  # the prefix cache's tiers: the KV pool, host memory, a file
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,16 @@ class EngineConfig:
         "GiB of host memory that keeps prefix blocks evicted from the KV pool, loaded back on a prefix hit "
         "instead of recomputed (0: off)",
     )
+    kv_disk_cache_gib: float = option(
+        0.0,
+        "GiB of a file in kv_disk_cache_dir that keeps prefix blocks evicted from the host tier, read back "
+        "on a prefix hit instead of recomputed (0: off; needs kv_host_cache_gib)",
+    )
+    kv_disk_cache_dir: str | None = option(
+        None,
+        "local directory of the disk tier's file, used as is (default: a fresh temporary directory); the "
+        "file is removed at shutdown",
+    )
     enable_prefix_caching: bool = option(
         True, "reuse cached prompt blocks across requests", flag="--prefix-caching"
     )
@@ -144,6 +154,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_host_cache_gib < 0:
             raise ValueError(f"kv_host_cache_gib must be >= 0 GiB, got {self.kv_host_cache_gib}")
+        if self.kv_disk_cache_gib < 0:
+            raise ValueError(f"kv_disk_cache_gib must be >= 0 GiB, got {self.kv_disk_cache_gib}")
+        if self.kv_disk_cache_gib and not self.kv_host_cache_gib:
+            raise ValueError("kv_disk_cache_gib needs a host tier above it: set kv_host_cache_gib too")
+        if self.kv_disk_cache_dir is not None and not self.kv_disk_cache_gib:
+            raise ValueError("kv_disk_cache_dir is set but the disk tier is off: set kv_disk_cache_gib")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.async_scheduling not in ASYNC_SCHEDULING:

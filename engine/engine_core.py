@@ -23,6 +23,7 @@ from engine.core_transfer import TransferMixin
 from engine.cpu_threads import apply_thread_policy
 from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_disk_tier import attach_disk_tier
 from engine.kv_host_tier import attach_host_tier
 from engine.kv_quant import first_blocks, storage_dtype
 from engine.limits import RequestLimits
@@ -33,7 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SequenceOutput
 from engine.spec_decode import attach_cache, build_speculator, draft_block_bytes
-from engine.stats import EngineStats, host_tier_stats, spec_stats
+from engine.stats import EngineStats, disk_tier_stats, host_tier_stats, spec_stats
 from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class EngineCore(TransferMixin):
             slots = attach_host_tier(self.kv, kv_cache, config.kv_host_cache_gib)
             logger.info("KV host tier: %d blocks (%.2f GiB)", slots, config.kv_host_cache_gib)
             self.kv.host_tier.recording = False
+            if config.kv_disk_cache_gib:
+                attach_disk_tier(self.kv, kv_cache, config.kv_disk_cache_gib, config.kv_disk_cache_dir)
+                self.kv.disk_tier.recording = False
         self.kv.pool.recording = False  # until someone reads the events (drain_kv_events)
         self.scheduler = Scheduler(
             self.kv,
@@ -367,12 +371,12 @@ class EngineCore(TransferMixin):
 
     def drain_kv_events(self) -> list[KVEvent]:
         """The prefix cache's block events since the last call: the device pool's, then the host
-        tier's (each tier's in order; the tiers are independent sets). The first call subscribes:
-        an engine nobody reads the events of keeps none (an offline run would hold every one), so
-        a subscriber takes a snapshot (``cached_hashes``) for what came before."""
-        tiers = [self.kv.pool] + ([self.kv.host_tier] if self.kv.host_tier is not None else [])
+        tier's, then the disk tier's (each tier's in order; the tiers are independent sets). The
+        first call subscribes: an engine nobody reads the events of keeps none (an offline run would
+        hold every one), so a subscriber takes a snapshot (``cached_hashes``) for what came before."""
+        tiers = [self.kv.pool, self.kv.host_tier, self.kv.disk_tier]
         events: list[KVEvent] = []
-        for tier in tiers:
+        for tier in (t for t in tiers if t is not None):
             events += tier.drain_events()
             tier.recording = True
         return events
@@ -381,16 +385,27 @@ class EngineCore(TransferMixin):
         """What a prompt block found in the host tier costs, in % of computing it: the measured load
         time per block over the measured prefill time of a block's tokens (``_observe_prefill``);
         100 (worth no more than a miss) without a tier or a measurement."""
-        blocks = self.kv.host_blocks
+        return self._load_cost_pct(self.kv.host_blocks)
+
+    def disk_hit_cost_pct(self) -> int:
+        """The same for a block found in the disk tier (its measured read time per block)."""
+        return self._load_cost_pct(self.kv.disk_blocks)
+
+    def _load_cost_pct(self, blocks) -> int:
         if blocks is None or blocks.load_s_per_block is None or not self._prefill_s_per_token:
             return 100
         block_s = self._prefill_s_per_token * self.kv.block_size
         return max(0, min(100, round(100 * blocks.load_s_per_block / block_s)))
 
-    def cached_hashes(self) -> tuple[list[bytes], list[bytes]]:
-        """Every hash in the prefix cache: (device pool, host tier), a snapshot for the registry."""
-        host = self.kv.host_tier.hashes() if self.kv.host_tier is not None else []
-        return self.kv.pool.cached_hashes(), host
+    def cached_hashes(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
+        """Every hash in the prefix cache: (device pool, host tier, disk tier), a snapshot for the
+        registry."""
+        tiers = (self.kv.host_tier, self.kv.disk_tier)
+        return self.kv.pool.cached_hashes(), *(t.hashes() if t is not None else [] for t in tiers)
+
+    def close(self) -> None:
+        """Release what the engine holds outside its memory (the disk tier's file). Idempotent."""
+        self.kv.close()
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -412,6 +427,7 @@ class EngineCore(TransferMixin):
             num_steps=self.runner.num_forwards,
             num_graph_steps=self.runner.num_graph_forwards,
             **host_tier_stats(self.kv),
+            **disk_tier_stats(self.kv),
             **spec_stats(self.speculator),
         )
 

@@ -9,24 +9,31 @@ to the CPU pool and back, and free. Block operations the model runner must apply
 With a host tier (engine/kv_host_tier.py), a cached block the pool evicts is copied out to host memory
 as it is evicted, and a prompt's prefix hit continues from the device's blocks into the host tier's:
 those blocks are copied back into fresh device blocks when the request is admitted (the copies are
-issued then, on the device's stream, ahead of the step that reads them).
+issued then, on the device's stream, ahead of the step that reads them). With a disk tier under the host
+tier (engine/kv_disk_tier.py), a block the host tier evicts is written to disk, and the hit continues
+from the host tier's blocks into the disk tier's, read straight into fresh device blocks at admission.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool
+from engine.kv_disk_tier import DiskBlocks, DiskTier
 from engine.kv_host_tier import HostBlocks, HostTier
 from engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class PrefixHit:
     block_ids: list[int]  # device blocks, in prompt order
-    num_tokens: int  # tokens of both runs
+    num_tokens: int  # tokens of every run
     host_slots: list[int] = field(default_factory=list)  # the host tier's blocks that follow them
+    disk_slots: list[int] = field(default_factory=list)  # the disk tier's blocks that follow those
 
 
 class KVCacheManager:
@@ -56,14 +63,29 @@ class KVCacheManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.prefix_hits_host = 0  # of prefix_hits: tokens loaded from the host tier
+        self.prefix_hits_disk = 0  # of prefix_hits: tokens read from the disk tier
         self.host_tier: HostTier | None = None
         self.host_blocks: HostBlocks | None = None
+        self.disk_tier: DiskTier | None = None
+        self.disk_blocks: DiskBlocks | None = None
         self._unsettled = False  # copies to the host tier issued since the last settle
 
     def attach_host_tier(self, tier: HostTier, blocks: HostBlocks) -> None:
         """Keep evicted prefix blocks in ``tier`` (bookkeeping) / ``blocks`` (memory and copies)."""
         self.host_tier, self.host_blocks = tier, blocks
         self.pool.on_evict = self._offload
+
+    def attach_disk_tier(self, tier: DiskTier, blocks: DiskBlocks) -> None:
+        """Keep blocks the host tier evicts in ``tier`` / ``blocks`` (the file); needs a host tier."""
+        if self.host_tier is None:
+            raise ValueError("a disk tier goes under a host tier: set kv_host_cache_gib too")
+        self.disk_tier, self.disk_blocks = tier, blocks
+        self.host_tier.on_evict = self._spill
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise: the disk tier's file."""
+        if self.disk_blocks is not None:
+            self.disk_blocks.close()
 
     @property
     def num_blocks(self) -> int:
@@ -80,8 +102,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def find_prefix_hit(self, req: Request, host: bool = True) -> PrefixHit:
-        """Longest run of the prompt's full blocks already in the cache: on the device, then (``host``)
-        continued in the host tier.
+        """Longest run of the prompt's full blocks already in the cache: on the device, then (``host``:
+        the tiers under it) continued in the host tier, then in the disk tier.
 
         NOTE: at least the prompt's last token is always recomputed: its logits give the first token.
         A request that wants its prompt's logprobs computes every position (no hit).
@@ -96,19 +118,21 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
-        slots: list[int] = []
-        if host and self.host_tier is not None:
-            for h in req.block_hashes[len(hit) : max_blocks]:
-                slot = self.host_tier.lookup(h)
-                if slot is None:
-                    break
-                slots.append(slot)
-        return PrefixHit(hit, (len(hit) + len(slots)) * self.block_size, slots)
+        runs: list[list[int]] = []
+        if host:
+            start = len(hit)
+            for tier in (self.host_tier, self.disk_tier):
+                run = _run(tier, req.block_hashes[start:max_blocks]) if tier is not None else []
+                runs.append(run)
+                start += len(run)
+        slots, disk = runs or ([], [])
+        return PrefixHit(hit, (len(hit) + len(slots) + len(disk)) * self.block_size, slots, disk)
 
-    def record_prefix_query(self, req: Request, hit_tokens: int, host_tokens: int = 0) -> None:
+    def record_prefix_query(self, req: Request, hit: PrefixHit) -> None:
         self.prefix_queries += req.prompt_len
-        self.prefix_hits += hit_tokens
-        self.prefix_hits_host += host_tokens
+        self.prefix_hits += hit.num_tokens
+        self.prefix_hits_host += len(hit.host_slots) * self.block_size
+        self.prefix_hits_disk += len(hit.disk_slots) * self.block_size
 
     def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None, margin: int) -> bool:
         table = self.tables.get(req.request_id, [])
@@ -126,15 +150,16 @@ class KVCacheManager:
 
         Returns block copies (src, dst) owed to copy-on-write. Blocks that these tokens fill are
         registered in the prefix cache now: the step that computes them runs before any reader.
+        NOTE: a disk-tier block of ``hit`` that fails its check shortens ``hit`` and the request's
+        computed tokens to what was served; the tokens from there on are computed by this step.
         """
         table = self.tables.setdefault(req.request_id, [])
         if hit and hit.block_ids:
             self.pool.touch(hit.block_ids)
             table.extend(hit.block_ids)
             self._num_cached_blocks[req.request_id] = len(hit.block_ids)
-        if hit and hit.host_slots:
-            table.extend(self._load_from_host(req, len(table), hit.host_slots))
-            self._num_cached_blocks[req.request_id] = len(table)
+        if hit and (hit.host_slots or hit.disk_slots):
+            table.extend(self._load_from_tiers(req, len(table), hit))
         copies = self._copy_on_write(req, table)
         total = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
         if total > len(table):
@@ -253,11 +278,12 @@ class KVCacheManager:
         return list(zip(cpu, table))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash, in the host tier too; only possible when no block is in use."""
+        """Forget every cached hash, in the tiers under the pool too; only when no block is in use."""
         if not self.pool.reset_prefix_cache():
             return False
-        if self.host_tier is not None:
-            self.host_tier.clear()
+        for tier in (self.host_tier, self.disk_tier):
+            if tier is not None:
+                tier.clear()
         return True
 
     # Host tier ------------------------------------------------------------------------------
@@ -269,20 +295,65 @@ class KVCacheManager:
             self.host_blocks.offload([(block_id, slot)])
             self._unsettled = True
 
-    def _load_from_host(self, req: Request, first: int, slots: list[int]) -> list[int]:
-        """Fresh device blocks holding the host tier's ``slots`` (blocks ``first``... of ``req``),
-        registered in the prefix cache under their hashes."""
-        self.host_tier.pin(slots)  # the allocation's own evictions must not take these slots
+    def _spill(self, block_hash: BlockHash, slot: int) -> None:
+        """The host tier is about to reuse ``slot``: its block goes to the disk tier first."""
+        disk_slot = self.disk_tier.store(block_hash)
+        if disk_slot is None:
+            return
+        if self._unsettled:  # the host row may still be on its way from the device
+            self.host_blocks.settle()
+            self._unsettled = False
         try:
-            blocks = self.pool.allocate(len(slots))
-            self.host_blocks.load(list(zip(slots, blocks)))
+            self.disk_blocks.write(disk_slot, block_hash, self.host_blocks.rows[slot])
+        except OSError as exc:
+            logger.warning("disk tier: a block was not kept (%s)", exc)
+            self.disk_tier.discard(block_hash)
+
+    def _load_from_tiers(self, req: Request, first: int, hit: PrefixHit) -> list[int]:
+        """Fresh device blocks holding the hit's host-tier then disk-tier blocks (blocks ``first``...
+        of ``req``), registered in the prefix cache under their hashes. A disk block that fails its
+        check ends the hit there: it and the blocks after it are recomputed by this step."""
+        host, disk = hit.host_slots, hit.disk_slots
+        # NOTE: the allocation's own evictions cascade (device -> host -> disk): pinned slots are not
+        # reused by them, so the slots read here still hold what the hit found.
+        self._pin_tiers(host, disk, True)
+        try:
+            blocks = self.pool.allocate(len(host) + len(disk))
+            self.host_blocks.load(list(zip(host, blocks)))
+            served = len(host) + self._read_from_disk(req, first + len(host), disk, blocks[len(host) :])
         finally:
-            self.host_tier.unpin(slots)
-        hashes = req.block_hashes[first : first + len(slots)]
+            self._pin_tiers(host, disk, False)
+        hashes = req.block_hashes[first : first + served]
         for b, h in zip(blocks, hashes):
             self.pool.cache(b, h)
-        self.host_tier.loaded(hashes)
+        self.host_tier.loaded(hashes[: len(host)])
+        if served < len(blocks):  # the rest is computed now, from the first block that failed
+            lost = (len(blocks) - served) * self.block_size
+            req.num_computed_tokens -= lost
+            hit.num_tokens -= lost
+            del hit.disk_slots[served - len(host) :]
+        self._num_cached_blocks[req.request_id] = first + served
         return blocks
+
+    def _read_from_disk(self, req: Request, first: int, slots: list[int], blocks: list[int]) -> int:
+        """Read ``slots`` (blocks ``first``... of ``req``) into ``blocks``; how many leading ones hold
+        what their hash says."""
+        hashes = req.block_hashes[first : first + len(slots)]
+        for i, (slot, h, b) in enumerate(zip(slots, hashes, blocks)):
+            if not self.disk_blocks.read(slot, h, b):
+                logger.error("disk tier: slot %d does not hold block %s: recomputing it", slot, h.hex())
+                self.disk_tier.counters.rejected_blocks += 1
+                self.disk_tier.discard(h)
+                hashes = hashes[:i]
+                break
+        if hashes:
+            self.disk_tier.loaded(hashes)
+        return len(hashes)
+
+    def _pin_tiers(self, host: list[int], disk: list[int], on: bool) -> None:
+        for tier, slots in ((self.host_tier, host), (self.disk_tier, disk)):
+            if tier is not None and slots:
+                (tier.pin if on else tier.unpin)(slots)
 
     # Internals ------------------------------------------------------------------------------
 
@@ -314,3 +385,14 @@ class KVCacheManager:
         for i in range(done, full):
             self.pool.cache(table[i], req.block_hashes[i])
         self._num_cached_blocks[req.request_id] = full
+
+
+def _run(tier: HostTier, hashes: list[BlockHash]) -> list[int]:
+    """The slots of ``tier`` holding the leading ``hashes``, up to the first it lacks."""
+    slots: list[int] = []
+    for h in hashes:
+        slot = tier.lookup(h)
+        if slot is None:
+            break
+        slots.append(slot)
+    return slots

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,18 +33,22 @@ from engine.kv_quant import block_rows
 class TierCounters:
     """Totals since start (monotonic): what ``EngineStats`` and /metrics report per tier."""
 
-    offloaded_blocks: int = 0  # device -> host copies
-    loaded_blocks: int = 0  # host -> device copies (prefix hits served from this tier)
+    offloaded_blocks: int = 0  # copies into this tier (device -> host; host -> disk)
+    loaded_blocks: int = 0  # copies back to the device (prefix hits served from this tier)
     evicted_blocks: int = 0  # dropped from the tier for room
     dropped_offloads: int = 0  # evictions not kept: every slot pinned by loads of the same step
+    rejected_blocks: int = 0  # found but not served: the content failed its check (disk tier)
 
 
 class HostTier:
-    """LRU of ``num_slots`` host blocks keyed by block hash (no memory: see ``HostBlocks``)."""
+    """LRU of ``num_slots`` host blocks keyed by block hash (no memory: see ``HostBlocks``). The disk
+    tier keeps the same bookkeeping under its own name (engine/kv_disk_tier.py)."""
+
+    TIER = HOST  # the tier its events name
 
     def __init__(self, num_slots: int) -> None:
         if num_slots <= 0:
-            raise ValueError(f"the host tier needs at least one block, got {num_slots}")
+            raise ValueError(f"the {self.TIER} tier needs at least one block, got {num_slots}")
         self.num_slots = num_slots
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # oldest first
         self._free = list(range(num_slots - 1, -1, -1))
@@ -51,6 +56,9 @@ class HostTier:
         self._events: list[KVEvent] = []
         self.recording = True  # as the block pool's
         self.counters = TierCounters()
+        # Called with (hash, slot) as a block is evicted for room, before the slot is reused (a disk
+        # tier under this one writes the block out: engine/kv_disk_tier.py).
+        self.on_evict: Callable[[BlockHash, int], None] | None = None
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -78,7 +86,7 @@ class HostTier:
                 self.counters.dropped_offloads += 1
                 return None
         self._slots[block_hash] = slot
-        self._record(BlockStored([block_hash], HOST))
+        self._record(BlockStored([block_hash], self.TIER))
         self.counters.offloaded_blocks += 1
         return slot
 
@@ -95,9 +103,16 @@ class HostTier:
             self._slots.move_to_end(h)
         self.counters.loaded_blocks += len(hashes)
 
+    def discard(self, block_hash: BlockHash) -> None:
+        """Forget ``block_hash`` (its content failed a check, or could not be written): a miss from now on."""
+        slot = self._slots.pop(block_hash, None)
+        if slot is not None:
+            self._free.append(slot)
+            self._record(BlockRemoved([block_hash], self.TIER))
+
     def clear(self) -> None:
         if self._slots:
-            self._record(BlockRemoved(list(self._slots), HOST))
+            self._record(BlockRemoved(list(self._slots), self.TIER))
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._slots.clear()
 
@@ -113,8 +128,10 @@ class HostTier:
         for h, slot in self._slots.items():
             if slot not in self._pinned:
                 del self._slots[h]
-                self._record(BlockRemoved([h], HOST))
+                self._record(BlockRemoved([h], self.TIER))
                 self.counters.evicted_blocks += 1
+                if self.on_evict is not None:
+                    self.on_evict(h, slot)
                 return slot
         return None
 

@@ -38,6 +38,10 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    def close(self) -> None:
+        """Remove what the engine keeps outside memory (the disk tier's file); also done at exit."""
+        self.core.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -246,11 +246,11 @@ class Scheduler(TransferQueue, StepResults):
                 return
             reserved += 1 + req.pending_forks
             self.waiting.popleft()
+            out.blocks_to_copy.extend(self.kv.allocate(req, num_new, hit))  # may shorten the hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
                 self.num_prompt_tokens += req.prompt_len
-                self.kv.record_prefix_query(req, hit.num_tokens, len(hit.host_slots) * self.kv.block_size)
-            out.blocks_to_copy.extend(self.kv.allocate(req, num_new, hit))
+                self.kv.record_prefix_query(req, hit)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._sent_to_runner.discard(req.request_id)

@@ -45,7 +45,7 @@ class TransferQueue:
         fresh = self.kv.allocate_for_transfer(req, hit, num_prompt_tokens)
         req.num_cached_tokens = hit.num_tokens
         self.num_prompt_tokens += req.prompt_len
-        self.kv.record_prefix_query(req, hit.num_tokens)
+        self.kv.record_prefix_query(req, hit)
         req.status = RequestStatus.TRANSFERRING
         self.requests[req.request_id] = req
         self.groups.setdefault(req.group_id, []).append(req.request_id)

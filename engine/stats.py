@@ -30,6 +30,13 @@ class EngineStats:
     host_cache_used: int = 0
     prefix_cache_hits_host: int = 0
     host_offloaded_blocks: int = 0
+    # The disk tier under it (0 when off): the same, the blocks written to it, and the blocks read
+    # back that failed their content check (recomputed instead).
+    disk_cache_blocks: int = 0
+    disk_cache_used: int = 0
+    prefix_cache_hits_disk: int = 0
+    disk_written_blocks: int = 0
+    disk_rejected_blocks: int = 0
     # Speculative decoding (0 / empty when off): a draft is one sequence's proposal in one step.
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
@@ -60,6 +67,20 @@ def host_tier_stats(kv) -> dict:
         host_cache_used=len(tier),
         prefix_cache_hits_host=kv.prefix_hits_host,
         host_offloaded_blocks=tier.counters.offloaded_blocks,
+    )
+
+
+def disk_tier_stats(kv) -> dict:
+    """The disk tier's fields of ``EngineStats`` (none when the KV cache has no disk tier)."""
+    tier = kv.disk_tier
+    if tier is None:
+        return {}
+    return dict(
+        disk_cache_blocks=tier.num_slots,
+        disk_cache_used=len(tier),
+        prefix_cache_hits_disk=kv.prefix_hits_disk,
+        disk_written_blocks=tier.counters.offloaded_blocks,
+        disk_rejected_blocks=tier.counters.rejected_blocks,
     )
 
 

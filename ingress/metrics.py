@@ -150,7 +150,7 @@ class _ClusterCollector:
         )
         tier_hits = CounterMetricFamily(
             "pdserve_prefix_cache_tier_hits",
-            "Prompt tokens found in the prefix cache, by the tier that held them (device, host)",
+            "Prompt tokens found in the prefix cache, by the tier that held them (device, host, disk)",
             labels=[*labels, "tier"],
         )
         host_blocks = GaugeMetricFamily(
@@ -162,6 +162,22 @@ class _ClusterCollector:
         host_offloaded = CounterMetricFamily(
             "pdserve_kv_host_offloaded_blocks",
             "Blocks copied from the KV pool to the host tier",
+            labels=labels,
+        )
+        disk_blocks = GaugeMetricFamily(
+            "pdserve_kv_disk_blocks", "Blocks of the prefix cache's disk tier", labels=labels
+        )
+        disk_used = GaugeMetricFamily(
+            "pdserve_kv_disk_blocks_used", "Disk-tier blocks holding an evicted prefix block", labels=labels
+        )
+        disk_written = CounterMetricFamily(
+            "pdserve_kv_disk_written_blocks",
+            "Blocks written from the host tier to the disk tier",
+            labels=labels,
+        )
+        disk_rejected = CounterMetricFamily(
+            "pdserve_kv_disk_rejected_blocks",
+            "Disk-tier blocks read back that failed their content check (recomputed)",
             labels=labels,
         )
         spec_drafts = CounterMetricFamily(
@@ -228,12 +244,19 @@ class _ClusterCollector:
             preempt.add_metric(ids, s.num_preemptions)
             queries.add_metric(ids, s.prefix_cache_queries)
             hits.add_metric(ids, s.prefix_cache_hits)
-            tier_hits.add_metric([*ids, "device"], s.prefix_cache_hits - s.prefix_cache_hits_host)
+            lower = s.prefix_cache_hits_host + s.prefix_cache_hits_disk
+            tier_hits.add_metric([*ids, "device"], s.prefix_cache_hits - lower)
             if s.host_cache_blocks:
                 tier_hits.add_metric([*ids, "host"], s.prefix_cache_hits_host)
                 host_blocks.add_metric(ids, s.host_cache_blocks)
                 host_used.add_metric(ids, s.host_cache_used)
                 host_offloaded.add_metric(ids, s.host_offloaded_blocks)
+            if s.disk_cache_blocks:
+                tier_hits.add_metric([*ids, "disk"], s.prefix_cache_hits_disk)
+                disk_blocks.add_metric(ids, s.disk_cache_blocks)
+                disk_used.add_metric(ids, s.disk_cache_used)
+                disk_written.add_metric(ids, s.disk_written_blocks)
+                disk_rejected.add_metric(ids, s.disk_rejected_blocks)
             if s.spec_num_drafts:
                 spec_drafts.add_metric(ids, s.spec_num_drafts)
                 spec_tokens.add_metric(ids, s.spec_draft_tokens)
@@ -258,6 +281,7 @@ class _ClusterCollector:
         yield from (running, waiting, kv, free, total, hit, preempt, queries, hits, tbytes, tfail, tsec)
         yield from (spec_drafts, spec_tokens, spec_accepted, spec_rate, spec_len, spec_pos, tdesc, texpired)
         yield from (tier_hits, host_blocks, host_used, host_offloaded)
+        yield from (disk_blocks, disk_used, disk_written, disk_rejected)
         yield tstreamed
         if self.cluster is not None:
             c = self.cluster

@@ -398,7 +398,7 @@ class KVTransferInfo(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., memory_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_blocks", "num_free_blocks", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "num_held_requests", "num_transferring", "spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_position", "prefix_cache_hits_host", "host_cache_blocks", "host_cache_used", "host_offloaded_blocks", "num_steps", "num_graph_steps")
+    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_blocks", "num_free_blocks", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "num_held_requests", "num_transferring", "spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_position", "prefix_cache_hits_host", "host_cache_blocks", "host_cache_used", "host_offloaded_blocks", "num_steps", "num_graph_steps", "prefix_cache_hits_disk", "disk_cache_blocks", "disk_cache_used", "disk_written_blocks", "disk_rejected_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -422,6 +422,11 @@ class EngineStats(_message.Message):
     HOST_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_GRAPH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_DISK_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHE_USED_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_REJECTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_swapped: int
@@ -445,7 +450,12 @@ class EngineStats(_message.Message):
     host_offloaded_blocks: int
     num_steps: int
     num_graph_steps: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., num_transferring: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., prefix_cache_hits_host: _Optional[int] = ..., host_cache_blocks: _Optional[int] = ..., host_cache_used: _Optional[int] = ..., host_offloaded_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_graph_steps: _Optional[int] = ...) -> None: ...
+    prefix_cache_hits_disk: int
+    disk_cache_blocks: int
+    disk_cache_used: int
+    disk_written_blocks: int
+    disk_rejected_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., num_transferring: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., prefix_cache_hits_host: _Optional[int] = ..., host_cache_blocks: _Optional[int] = ..., host_cache_used: _Optional[int] = ..., host_offloaded_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_graph_steps: _Optional[int] = ..., prefix_cache_hits_disk: _Optional[int] = ..., disk_cache_blocks: _Optional[int] = ..., disk_cache_used: _Optional[int] = ..., disk_written_blocks: _Optional[int] = ..., disk_rejected_blocks: _Optional[int] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
     __slots__ = ("bytes", "completed", "failures", "recomputed", "seconds_sum", "bucket_bounds", "bucket_counts", "waited", "descriptors", "expired_leases", "streamed", "streamed_bytes")
@@ -728,18 +738,20 @@ class KVEventBatch(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "queued_prompt_tokens", "host_hit_cost_pct")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "queued_prompt_tokens", "host_hit_cost_pct", "disk_hit_cost_pct")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_HIT_COST_PCT_FIELD_NUMBER: _ClassVar[int]
+    DISK_HIT_COST_PCT_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
     queued_prompt_tokens: int
     host_hit_cost_pct: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., host_hit_cost_pct: _Optional[int] = ...) -> None: ...
+    disk_hit_cost_pct: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., host_hit_cost_pct: _Optional[int] = ..., disk_hit_cost_pct: _Optional[int] = ...) -> None: ...
 
 class EngineReady(_message.Message):
     __slots__ = ("layout", "num_blocks", "max_model_len", "vocab_size", "max_num_seqs", "cache_salt", "pid", "transfer")
@@ -762,7 +774,7 @@ class EngineReady(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., pid: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ...) -> None: ...
 
 class EngineReply(_message.Message):
-    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes", "started", "transfer_stats", "pending_pulls", "host_hashes", "released", "num_leases", "releases")
+    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes", "started", "transfer_stats", "pending_pulls", "host_hashes", "released", "num_leases", "releases", "disk_hashes")
     class ReleasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -784,6 +796,7 @@ class EngineReply(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    DISK_HASHES_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     error: str
     error_type: str
@@ -798,7 +811,8 @@ class EngineReply(_message.Message):
     released: bool
     num_leases: int
     releases: _containers.ScalarMap[str, int]
-    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ..., started: _Optional[bool] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pending_pulls: _Optional[int] = ..., host_hashes: _Optional[_Iterable[bytes]] = ..., released: _Optional[bool] = ..., num_leases: _Optional[int] = ..., releases: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    disk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ..., started: _Optional[bool] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pending_pulls: _Optional[int] = ..., host_hashes: _Optional[_Iterable[bytes]] = ..., released: _Optional[bool] = ..., num_leases: _Optional[int] = ..., releases: _Optional[_Mapping[str, int]] = ..., disk_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "has_logprobs", "finish_reason", "stop_string", "stop_token", "num_prompt_tokens", "num_cached_tokens", "error", "seed", "prompt_logprobs", "has_prompt_logprobs", "error_type", "held", "held_block_ids")

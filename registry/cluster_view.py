@@ -144,10 +144,10 @@ class ClusterView:
             self._resync(ev.worker_id)
 
     def _resync(self, worker_id: str) -> None:
-        epoch, seq, hashes, host = read_snapshot(self._client, worker_id)
+        epoch, seq, hashes, host, disk = read_snapshot(self._client, worker_id)
         with self.index.lock:
             if epoch != 0:
-                self.index.replace(worker_id, epoch, seq, hashes, host)
+                self.index.replace(worker_id, epoch, seq, hashes, host, disk)
             elif worker_id not in self._missing_since:
                 self.index.drop(worker_id)
             # else: missing from a Redis that lost its data; keep the last known entries for now

@@ -1,5 +1,5 @@
 """The router's in-process replica of the global prefix index: block hash -> workers holding it,
-in their KV pool (device) or in their host tier.
+in their KV pool (device), in their host tier or in their disk tier.
 
 Fed by the workers' KV events (``registry.schema``). Per worker it tracks the incarnation (epoch)
 and the last applied sequence number: an event that skips a number, or a new incarnation that does
@@ -13,7 +13,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection, Iterable, Mapping
 
-from registry.schema import CLEARED, HOST_REMOVED, HOST_STORED, REMOVED, RESYNCED, STORED, KVEventRecord
+from registry.schema import (
+    CLEARED,
+    DISK_REMOVED,
+    DISK_STORED,
+    HOST_REMOVED,
+    HOST_STORED,
+    REMOVED,
+    RESYNCED,
+    STORED,
+    KVEventRecord,
+)
 
 
 class PrefixIndex:
@@ -21,6 +31,7 @@ class PrefixIndex:
         self._holders: dict[bytes, set[str]] = {}
         self._blocks: dict[str, set[bytes]] = {}
         self._host = PrefixIndex._Tier()  # the host tiers' blocks, kept apart
+        self._disk = PrefixIndex._Tier()  # the disk tiers' blocks, the same
         self._epoch: dict[str, int] = {}
         self._seq: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -54,16 +65,27 @@ class PrefixIndex:
             self._host.add(w, ev.hashes)
         elif ev.kind == HOST_REMOVED:
             self._host.remove(w, ev.hashes)
-        elif ev.kind in (CLEARED, RESYNCED):  # the event carries the whole set (both tiers)
+        elif ev.kind == DISK_STORED:
+            self._disk.add(w, ev.hashes)
+        elif ev.kind == DISK_REMOVED:
+            self._disk.remove(w, ev.hashes)
+        elif ev.kind in (CLEARED, RESYNCED):  # the event carries the whole set (every tier)
             self._drop(w)
             self._add(w, ev.hashes)
             self._host.add(w, ev.host_hashes)
+            self._disk.add(w, ev.disk_hashes)
         # else: a kind of a newer worker (a tier this router does not know): its sequence still counts
         self._seq[w] = ev.seq
         return True
 
     def replace(
-        self, worker_id: str, epoch: int, seq: int, hashes: Iterable[bytes], host: Iterable[bytes] = ()
+        self,
+        worker_id: str,
+        epoch: int,
+        seq: int,
+        hashes: Iterable[bytes],
+        host: Iterable[bytes] = (),
+        disk: Iterable[bytes] = (),
     ) -> None:
         """Resynchronise one worker from its snapshot (state after its events 1..seq)."""
         self._drop(worker_id)
@@ -71,6 +93,7 @@ class PrefixIndex:
         self._seq[worker_id] = seq
         self._add(worker_id, hashes)
         self._host.add(worker_id, host)
+        self._disk.add(worker_id, disk)
 
     def drop(self, worker_id: str) -> None:
         self._drop(worker_id)
@@ -116,36 +139,41 @@ class PrefixIndex:
         hashes: Iterable[bytes],
         workers: Iterable[str],
         also: Mapping[bytes, Collection[str]] | None = None,
-    ) -> dict[str, tuple[int, int]]:
+    ) -> dict[str, tuple[int, int, int]]:
         """For each worker: (leading blocks of ``hashes`` in its KV pool, blocks after those in its
-        host tier), the two runs a request's prefix hit there would take (``match``'s rules)."""
-        holders, host = self._holders, self._host.holders
-        if not host:  # no host tier anywhere: the device run alone, by the faster set walk
-            return {w: (n, 0) for w, n in self.match(hashes, workers, also).items()}
-        device_run = dict.fromkeys(workers, True)
-        lengths = {w: [0, 0] for w in device_run}
-        live = set(device_run)
+        host tier, blocks after those in its disk tier), the runs a request's prefix hit there would
+        take, as the engine walks them (``KVCacheManager.find_prefix_hit``; ``match``'s rules)."""
+        holders, host, disk = self._holders, self._host.holders, self._disk.holders
+        if not host and not disk:  # no tier under any device: the device run alone, by the set walk
+            return {w: (n, 0, 0) for w, n in self.match(hashes, workers, also).items()}
+        run = dict.fromkeys(workers, 0)  # the tier each worker's hit has reached: device, host, disk
+        lengths = {w: [0, 0, 0] for w in run}
+        live = set(run)
         for h in hashes:
             held = holders.get(h, ())
             if also:
                 extra = also.get(h)
                 if extra:
                     held = set(held).union(extra)
-            in_host = host.get(h, ())
+            tiers = (held, host.get(h, ()), disk.get(h, ()))
             for w in list(live):
-                if device_run[w] and w in held:
-                    lengths[w][0] += 1
-                elif w in in_host:
-                    device_run[w] = False
-                    lengths[w][1] += 1
-                else:
+                t = run[w]
+                while t < 3 and w not in tiers[t]:
+                    t += 1
+                if t == 3:
                     live.discard(w)
+                else:
+                    run[w] = t
+                    lengths[w][t] += 1
             if not live:
                 break
-        return {w: (d, t) for w, (d, t) in lengths.items()}
+        return {w: (d, t, k) for w, (d, t, k) in lengths.items()}
 
     def num_host_blocks_of(self, worker_id: str) -> int:
         return len(self._host.blocks.get(worker_id, ()))
+
+    def num_disk_blocks_of(self, worker_id: str) -> int:
+        return len(self._disk.blocks.get(worker_id, ()))
 
     def num_blocks_of(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))
@@ -161,8 +189,9 @@ class PrefixIndex:
 
     @property
     def size(self) -> int:
-        """Indexed (block, worker) entries, both tiers."""
-        return sum(len(b) for b in self._blocks.values()) + sum(len(b) for b in self._host.blocks.values())
+        """Indexed (block, worker) entries, every tier."""
+        lower = (t.blocks.values() for t in (self._host, self._disk))
+        return sum(len(b) for b in self._blocks.values()) + sum(len(b) for blocks in lower for b in blocks)
 
     # Internals --------------------------------------------------------------------------------
 
@@ -191,9 +220,10 @@ class PrefixIndex:
         if mine:
             self._remove_all(w, mine)
         self._host.drop(w)
+        self._disk.drop(w)
 
     class _Tier:
-        """One more tier's block -> holders map (the host tiers): add, remove, drop a worker."""
+        """One more tier's block -> holders map (the host tiers, the disk tiers): add, remove, drop."""
 
         def __init__(self) -> None:
             self.holders: dict[bytes, set[str]] = {}

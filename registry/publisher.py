@@ -70,9 +70,11 @@ class RegistryPublisher:
             return True
         return False
 
-    def offer_snapshot(self, cached_hashes: list[bytes], host_hashes: list[bytes] = ()) -> None:
-        """The whole prefix cache: the KV pool's hashes and the host tier's."""
-        self._queue.put(("snapshot", (cached_hashes, host_hashes)))
+    def offer_snapshot(
+        self, cached_hashes: list[bytes], host_hashes: list[bytes] = (), disk_hashes: list[bytes] = ()
+    ) -> None:
+        """The whole prefix cache: the KV pool's hashes, the host tier's and the disk tier's."""
+        self._queue.put(("snapshot", (cached_hashes, host_hashes, disk_hashes)))
 
     def offer_events(self, batches: list[tuple[str, list[bytes]]]) -> None:
         """Block events as ``(kind, hashes)`` batches in order (kinds ``STORED``/``REMOVED``/``CLEARED``)."""

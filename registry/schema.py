@@ -6,13 +6,15 @@ Schema (all keys under ``pdserve:``; the wire format both the workers and the ro
 - ``kv_events`` STREAM — one entry per batch of a worker's block events: ``w`` worker id, ``e``
   epoch, ``s`` sequence number (per worker and epoch, from 1, no gaps), ``k`` kind (``S`` stored,
   ``R`` removed, ``C`` cleared, ``Z`` resynced; ``s`` / ``r`` stored in / removed from the worker's
-  host tier), ``h`` the 16-byte block hashes concatenated; a ``Z`` entry's ``x``: the host tier's.
+  host tier, ``d`` / ``e`` the same for its disk tier), ``h`` the 16-byte block hashes concatenated;
+  a ``Z`` entry's ``x``: the host tier's, ``y``: the disk tier's.
 - ``left:{id}`` STRING — set (with a TTL) when a worker deregisters on purpose: readers drop it at
   once instead of waiting out the grace period they give a record that merely vanished.
 - ``draining`` STRING — present while the application is shutting down (set by ``pdserve serve``
   on SIGTERM, with a TTL): routers refuse new requests and let the running ones finish.
 - ``kv:{id}`` SET of the worker's cached block hashes and ``kvmeta:{id}`` HASH {epoch, seq}: the
-  snapshot a reader resynchronises from, with ``kvhost:{id}`` SET the blocks in its host tier. A
+  snapshot a reader resynchronises from, with ``kvhost:{id}`` / ``kvdisk:{id}`` SETs the blocks in its
+  host / disk tier. A
   worker updates the snapshot and appends the stream entry in one MULTI/EXEC, so a snapshot at seq N
   is exactly the state after events 1..N.
 A worker that restarts registers a new epoch: its snapshot is replaced and a ``C`` event tells
@@ -40,6 +42,7 @@ HASH_BYTES = 16
 
 STORED, REMOVED, CLEARED, RESYNCED = "S", "R", "C", "Z"
 HOST_STORED, HOST_REMOVED = "s", "r"  # the same for the worker's host tier (engine/kv_host_tier.py)
+DISK_STORED, DISK_REMOVED = "d", "e"  # the same for the worker's disk tier (engine/kv_disk_tier.py)
 
 
 def worker_key(worker_id: str) -> str:
@@ -56,6 +59,10 @@ def snapshot_key(worker_id: str) -> str:
 
 def host_snapshot_key(worker_id: str) -> str:
     return f"{PREFIX}kvhost:{worker_id}"
+
+
+def disk_snapshot_key(worker_id: str) -> str:
+    return f"{PREFIX}kvdisk:{worker_id}"
 
 
 def snapshot_meta_key(worker_id: str) -> str:
@@ -80,6 +87,7 @@ class KVEventRecord:
     kind: str
     hashes: list[bytes]
     host_hashes: list[bytes] = ()  # RESYNCED: the host tier's whole set
+    disk_hashes: list[bytes] = ()  # RESYNCED: the disk tier's whole set
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> KVEventRecord:
@@ -90,6 +98,7 @@ class KVEventRecord:
             kind=fields[b"k"].decode(),
             hashes=unpack_hashes(fields.get(b"h", b"")),
             host_hashes=unpack_hashes(fields.get(b"x", b"")),
+            disk_hashes=unpack_hashes(fields.get(b"y", b"")),
         )
 
 
@@ -113,6 +122,7 @@ class WorkerRecord:
     load_age_ms: int = 0  # how old the engine's last load report was at the heartbeat (a hung engine)
     step_ms: int = 0  # the engine's longest recent step (a stall deadline scales with it)
     host_hit_cost_pct: int = 100  # a host-tier hit's measured cost, in % of computing the block
+    disk_hit_cost_pct: int = 100  # the same for a disk-tier hit
     kv_handoff: int = 1  # 0: a decode worker that takes no KV hand-offs (it computes its prompts itself)
 
     def to_fields(self) -> dict[str, str | int]:
@@ -134,6 +144,7 @@ class WorkerRecord:
             "step_ms",
             "kv_handoff",
             "host_hit_cost_pct",
+            "disk_hit_cost_pct",
         )
         return cls(**{k: (int(v) if k in ints else v) for k, v in d.items() if k in cls.__slots__})
 
@@ -160,8 +171,10 @@ class WorkerRegistration:
         self.ttl_ms = int(ttl_s * 1000)
         self.seq = 0
 
-    def register(self, cached_hashes: list[bytes], host_hashes: list[bytes] = ()) -> None:
-        """(Re)start this incarnation: record, fresh snapshot (both tiers), and a CLEARED (nothing
+    def register(
+        self, cached_hashes: list[bytes], host_hashes: list[bytes] = (), disk_hashes: list[bytes] = ()
+    ) -> None:
+        """(Re)start this incarnation: record, fresh snapshot (every tier), and a CLEARED (nothing
         cached) or RESYNCED event for readers."""
         wid = self.record.worker_id
         self.seq += 1
@@ -169,15 +182,20 @@ class WorkerRegistration:
         pipe.hset(worker_key(wid), mapping=self.record.to_fields())
         pipe.pexpire(worker_key(wid), self.ttl_ms)
         pipe.sadd(WORKERS_SET, wid)
-        pipe.delete(snapshot_key(wid), host_snapshot_key(wid), left_key(wid))
+        pipe.delete(snapshot_key(wid), host_snapshot_key(wid), disk_snapshot_key(wid), left_key(wid))
         if cached_hashes:
             pipe.sadd(snapshot_key(wid), *cached_hashes)
         if host_hashes:
             pipe.sadd(host_snapshot_key(wid), *host_hashes)
+        if disk_hashes:
+            pipe.sadd(disk_snapshot_key(wid), *disk_hashes)
         pipe.hset(snapshot_meta_key(wid), mapping={"epoch": self.record.epoch, "seq": self.seq})
-        entry = self._entry(RESYNCED if cached_hashes or host_hashes else CLEARED, cached_hashes)
+        anything = cached_hashes or host_hashes or disk_hashes
+        entry = self._entry(RESYNCED if anything else CLEARED, cached_hashes)
         if host_hashes:
             entry["x"] = pack_hashes(list(host_hashes))
+        if disk_hashes:
+            entry["y"] = pack_hashes(list(disk_hashes))
         pipe.xadd(EVENTS_STREAM, entry, maxlen=STREAM_MAXLEN, approximate=True)
         pipe.execute()
 
@@ -212,8 +230,12 @@ class WorkerRegistration:
             pipe.sadd(host_snapshot_key(wid), *hashes)
         elif kind == HOST_REMOVED:
             pipe.srem(host_snapshot_key(wid), *hashes)
+        elif kind == DISK_STORED:
+            pipe.sadd(disk_snapshot_key(wid), *hashes)
+        elif kind == DISK_REMOVED:
+            pipe.srem(disk_snapshot_key(wid), *hashes)
         else:
-            pipe.delete(snapshot_key(wid), host_snapshot_key(wid))
+            pipe.delete(snapshot_key(wid), host_snapshot_key(wid), disk_snapshot_key(wid))
         pipe.hset(snapshot_meta_key(wid), mapping={"epoch": self.record.epoch, "seq": self.seq})
         pipe.xadd(EVENTS_STREAM, self._entry(kind, hashes), maxlen=STREAM_MAXLEN, approximate=True)
         pipe.execute()
@@ -223,7 +245,13 @@ class WorkerRegistration:
         grace period they give a worker whose record merely vanished (a Redis restarted empty)."""
         wid = self.record.worker_id
         pipe = self.client.pipeline(transaction=True)
-        pipe.delete(worker_key(wid), snapshot_key(wid), host_snapshot_key(wid), snapshot_meta_key(wid))
+        pipe.delete(
+            worker_key(wid),
+            snapshot_key(wid),
+            host_snapshot_key(wid),
+            disk_snapshot_key(wid),
+            snapshot_meta_key(wid),
+        )
         pipe.srem(WORKERS_SET, wid)
         pipe.set(left_key(wid), self.record.epoch, px=LEFT_MARKER_TTL_MS)
         pipe.execute()
@@ -233,14 +261,15 @@ class WorkerRegistration:
         return {"w": r.worker_id, "e": r.epoch, "s": self.seq, "k": kind, "h": pack_hashes(hashes)}
 
 
-def read_snapshot(client: redis.Redis, worker_id: str) -> tuple[int, int, set[bytes], set[bytes]]:
-    """(epoch, seq, cached hashes, host-tier hashes) of a worker, read atomically."""
+def read_snapshot(client: redis.Redis, worker_id: str) -> tuple[int, int, set[bytes], set[bytes], set[bytes]]:
+    """(epoch, seq, cached hashes, host-tier hashes, disk-tier hashes) of a worker, read atomically."""
     pipe = client.pipeline(transaction=True)
     pipe.hgetall(snapshot_meta_key(worker_id))
     pipe.smembers(snapshot_key(worker_id))
     pipe.smembers(host_snapshot_key(worker_id))
-    meta, members, host = pipe.execute()
-    return int(meta.get(b"epoch", 0)), int(meta.get(b"seq", 0)), set(members), set(host)
+    pipe.smembers(disk_snapshot_key(worker_id))
+    meta, members, host, disk = pipe.execute()
+    return int(meta.get(b"epoch", 0)), int(meta.get(b"seq", 0)), set(members), set(host), set(disk)
 
 
 def read_workers(client: redis.Redis) -> dict[str, WorkerRecord]:

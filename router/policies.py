@@ -8,8 +8,9 @@ worker wins until its queue costs more than the recompute elsewhere, so a hot te
 second worker instead of piling up on one (llm-d's prefix + queue scorers, with the weights fixed
 by both terms being tokens of work); a new prefix goes where the cache has the most room. A decode
 worker is chosen by running requests and free KV blocks, its own cached prefix breaking ties.
-A prefix block in a worker's host tier (engine/kv_host_tier.py) counts between a device hit and a
-miss: it saves the compute of its tokens less the load the worker measured (``host_hit_cost_pct``).
+A prefix block in a worker's host tier (engine/kv_host_tier.py) or disk tier (engine/kv_disk_tier.py)
+counts between a device hit and a miss: it saves the compute of its tokens less the load the worker
+measured for that tier (``host_hit_cost_pct``, ``disk_hit_cost_pct``).
 
 Load is the router's exact count of what it has in flight on a worker, plus what the worker's
 heartbeat shows beyond that (other router replicas' work). The heartbeat alone is up to a period
@@ -122,7 +123,7 @@ class CacheAware(LeastLoad):
             tiers = _capped(inp, index.match_tiers(inp.hashes, workers, inp.routed))
             cached = {w.worker_id: index.num_blocks_of(w.worker_id) for w in inp.prefills}
         bs = inp.block_size
-        hits = {w: device + host for w, (device, host) in tiers.items()}
+        hits = {w: sum(runs) for w, runs in tiers.items()}
         prefill = None
         if inp.prefills:
             # Ties (e.g. a new prefix on idle workers) go where the cache has the most room, which
@@ -138,22 +139,37 @@ class CacheAware(LeastLoad):
             )
         # A decode worker's pulled KV lands on its device hits only (its host tier serves prompts
         # it computes itself), so those break its ties.
-        decode = self._decode(inp, {w: device for w, (device, _) in tiers.items()})
+        decode = self._decode(inp, {w: runs[0] for w, runs in tiers.items()})
         return Route(prefill, decode, hits.get(prefill.worker_id, 0) * bs if prefill else 0)
 
 
-def _capped(inp: RoutingInput, tiers: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+Runs = tuple[int, int, int]  # a prefix hit's blocks on the device, then in the host tier, then on disk
+
+
+def _capped(inp: RoutingInput, tiers: dict[str, Runs]) -> dict[str, Runs]:
     """Hits as the engine takes them: at most the prompt's full blocks before its last token (that
     token is always computed: its logits give the first output token)."""
     cap = max(0, (inp.prompt_len - 1) // inp.block_size)
-    return {w: (min(d, cap), min(h, cap - min(d, cap))) for w, (d, h) in tiers.items()}
+
+    def cut(runs: Runs) -> Runs:
+        left, out = cap, []
+        for n in runs:
+            out.append(min(n, left))
+            left -= out[-1]
+        return tuple(out)
+
+    return {w: cut(runs) for w, runs in tiers.items()}
 
 
-def _saved_blocks(w: WorkerRecord, tiers: Mapping[str, tuple[int, int]]) -> float:
-    """Prompt blocks a worker need not compute: its device hits, and its host-tier hits weighed by
-    what loading one costs there (measured by the worker: ``host_hit_cost_pct`` of computing it)."""
-    device, host = tiers.get(w.worker_id, (0, 0))
-    return device + host * (100 - min(100, w.host_hit_cost_pct)) / 100
+def _saved_blocks(w: WorkerRecord, tiers: Mapping[str, Runs]) -> float:
+    """Prompt blocks a worker need not compute: its device hits, and its host- and disk-tier hits
+    weighed by what loading one costs there (measured by the worker, in % of computing it)."""
+    device, host, disk = tiers.get(w.worker_id, (0, 0, 0))
+    return device + host * _worth(w.host_hit_cost_pct) + disk * _worth(w.disk_hit_cost_pct)
+
+
+def _worth(cost_pct: int) -> float:
+    return (100 - min(100, cost_pct)) / 100
 
 
 def make_policy(name: str) -> Policy:
@@ -167,4 +183,4 @@ def _hit_tokens(inp: RoutingInput, index: PrefixIndex, w: WorkerRecord | None) -
         return 0
     with index.lock:
         tiers = _capped(inp, index.match_tiers(inp.hashes, [w.worker_id], inp.routed))
-    return sum(tiers.get(w.worker_id, (0, 0))) * inp.block_size
+    return sum(tiers.get(w.worker_id, (0, 0, 0))) * inp.block_size

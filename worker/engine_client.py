@@ -259,11 +259,12 @@ class EngineProcess:
         self._kv_hooks.append(hook)
         self.send(pb.EngineCommand(watch_kv=True)).add_done_callback(quiet)
 
-    def snapshot(self, on_reply: Callable[[list[bytes], list[bytes]], None]) -> None:
-        """Every cached block's hash (KV pool, host tier), given to ``on_reply`` as the reply is read
-        (events read after it are newer than the snapshot; those before it are in it)."""
+    def snapshot(self, on_reply: Callable[[list[bytes], list[bytes], list[bytes]], None]) -> None:
+        """Every cached block's hash (KV pool, host tier, disk tier), given to ``on_reply`` as the reply
+        is read (events read after it are newer than the snapshot; those before it are in it)."""
         done = self.send(
-            pb.EngineCommand(snapshot=True), lambda r: on_reply(list(r.cached_hashes), list(r.host_hashes))
+            pb.EngineCommand(snapshot=True),
+            lambda r: on_reply(list(r.cached_hashes), list(r.host_hashes), list(r.disk_hashes)),
         )
         done.add_done_callback(quiet)
 

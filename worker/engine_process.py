@@ -179,6 +179,7 @@ class EngineHost:
             events.load.num_free_blocks = s.num_free_blocks
             events.load.queued_prompt_tokens = self.core.pending_prompt_tokens()
             events.load.host_hit_cost_pct = self.core.host_hit_cost_pct()
+            events.load.disk_hit_cost_pct = self.core.disk_hit_cost_pct()
 
     def _tick_clock(self) -> None:
         CLOCK.pack_into(self.clock, 0, self.beat, self.step_started, self.recent_step_s)
@@ -216,9 +217,10 @@ class EngineHost:
                 self.watching, self.next_load = True, 0.0
             elif kind == "snapshot":
                 self.core.drain_kv_events()  # the snapshot holds what they say
-                device, host = self.core.cached_hashes()
+                device, host, disk = self.core.cached_hashes()
                 reply.cached_hashes.extend(device)
                 reply.host_hashes.extend(host)
+                reply.disk_hashes.extend(disk)
             elif kind == "stop":
                 self.stopping = True
             elif not self.role.run(cmd, reply):
@@ -313,6 +315,8 @@ def main(argv: list[str] | None = None, role: RoleFactory | None = None) -> None
         ok = host.serve()
     except BrokenPipeError:  # the worker went away mid-write
         ok = True
+    finally:
+        core.close()  # the disk tier's file
     sys.exit(0 if ok else 1)
 
 

@@ -42,12 +42,13 @@ class EngineRegistryLink:
                 queued_prompt_tokens=load.queued_prompt_tokens,
                 step_ms=int(self.engine.recent_step_s * 1000),
                 host_hit_cost_pct=load.host_hit_cost_pct,
+                disk_hit_cost_pct=load.disk_hit_cost_pct,
             )
 
-    def _on_snapshot(self, hashes: list[bytes], host: list[bytes]) -> None:
+    def _on_snapshot(self, hashes: list[bytes], host: list[bytes], disk: list[bytes]) -> None:
         self._snapshot_pending = False
         if not self.stopped:
-            self.publisher.offer_snapshot(hashes, host)
+            self.publisher.offer_snapshot(hashes, host, disk)
 
     def stop(self) -> None:
         """Leave the registry (blocking: Redis calls; any thread)."""

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.block_pool import HOST, AllBlocksCleared, BlockRemoved, BlockStored
+from engine.block_pool import DISK, HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from engine.engine_core import EngineCore
 from engine.limits import RequestLimits
 from kv_transfer import KVCompat
 from registry.publisher import RegistryPublisher
 from registry.schema import (
     CLEARED,
+    DISK_REMOVED,
+    DISK_STORED,
     HOST_REMOVED,
     HOST_STORED,
     REMOVED,
@@ -26,7 +28,10 @@ from registry.schema import (
 )
 
 _KINDS = {BlockStored: STORED, BlockRemoved: REMOVED, AllBlocksCleared: CLEARED}
-_HOST_KINDS = {BlockStored: HOST_STORED, BlockRemoved: HOST_REMOVED}
+_TIER_KINDS = {
+    HOST: {BlockStored: HOST_STORED, BlockRemoved: HOST_REMOVED},
+    DISK: {BlockStored: DISK_STORED, BlockRemoved: DISK_REMOVED},
+}
 
 
 class RegistryLink:
@@ -57,6 +62,7 @@ class RegistryLink:
                 queued_prompt_tokens=core.pending_prompt_tokens(),
                 step_ms=int(self.recent_step_s() * 1000),
                 host_hit_cost_pct=core.host_hit_cost_pct(),
+                disk_hit_cost_pct=core.disk_hit_cost_pct(),
             )
 
     def stop(self) -> None:
@@ -68,7 +74,7 @@ def event_batches(events: list) -> list[tuple[str, list[bytes]]]:
     """The engine's block events as registry batches: consecutive events of one kind merged, order kept."""
     out: list[tuple[str, list[bytes]]] = []
     for ev in events:
-        kind = (_HOST_KINDS if getattr(ev, "tier", None) == HOST else _KINDS)[type(ev)]
+        kind = _TIER_KINDS.get(getattr(ev, "tier", None), _KINDS)[type(ev)]
         hashes = [] if kind == CLEARED else list(ev.block_hashes)
         if out and out[-1][0] == kind and kind != CLEARED:
             out[-1][1].extend(hashes)

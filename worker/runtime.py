@@ -241,6 +241,8 @@ class WorkerRuntime(ABC):
             self.registry = None
         if self.transfer is not None:
             self.transfer.close()
+        if self.core is not None:
+            self.core.close()  # the disk tier's file (the engine thread has stopped)
 
     async def shutdown(self, grace_s: float = 1.0) -> None:
         """Stop the gRPC server (``grace_s`` for calls in flight), then the worker."""

@@ -75,6 +75,11 @@ def stats_to_proto(s: EngineStats) -> pb.EngineStats:
         host_cache_blocks=s.host_cache_blocks,
         host_cache_used=s.host_cache_used,
         host_offloaded_blocks=s.host_offloaded_blocks,
+        prefix_cache_hits_disk=s.prefix_cache_hits_disk,
+        disk_cache_blocks=s.disk_cache_blocks,
+        disk_cache_used=s.disk_cache_used,
+        disk_written_blocks=s.disk_written_blocks,
+        disk_rejected_blocks=s.disk_rejected_blocks,
         num_steps=s.num_steps,
         num_graph_steps=s.num_graph_steps,
     )
@@ -104,6 +109,11 @@ def stats_from_proto(s: pb.EngineStats) -> EngineStats:
         host_cache_blocks=s.host_cache_blocks,
         host_cache_used=s.host_cache_used,
         host_offloaded_blocks=s.host_offloaded_blocks,
+        prefix_cache_hits_disk=s.prefix_cache_hits_disk,
+        disk_cache_blocks=s.disk_cache_blocks,
+        disk_cache_used=s.disk_cache_used,
+        disk_written_blocks=s.disk_written_blocks,
+        disk_rejected_blocks=s.disk_rejected_blocks,
         num_steps=s.num_steps,
         num_graph_steps=s.num_graph_steps,
     )

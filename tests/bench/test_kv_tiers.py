@@ -1,4 +1,4 @@
-"""bench.kv_tiers in its quick form: both workloads, both configurations, same tokens, blocks back."""
+"""bench.kv_tiers in its quick form: both workloads, every configuration, same tokens, blocks back."""
 
 from __future__ import annotations
 
@@ -15,13 +15,19 @@ def test_quick_run_compares_tiers_on_an_overflowing_and_a_fitting_workload(tiny_
     assert over["working_set_over_pool"] > 1 > fit["working_set_over_pool"]
     for w in (over, fit):
         assert w["identical_outputs"]
-        assert set(w["runs"]) == {"no_tier", "host_tier"}
         assert all(r["blocks_free_after"] and r["requests"] > 0 for r in w["runs"].values())
         assert w["runs"]["no_tier"]["host_hit_tokens"] == 0
+    assert set(over["runs"]) == {"no_tier", "host_tier", "small_host", "small_host_disk"}
+    assert set(fit["runs"]) == {"no_tier", "host_tier", "small_host_disk"}
     # Overflowing: the second round's prefixes were evicted; only the tier serves them.
     assert over["runs"]["host_tier"]["host_hit_tokens"] > 0
     assert over["runs"]["host_tier"]["prefix_hit_tokens"] > over["runs"]["no_tier"]["prefix_hit_tokens"]
-    # Fitting: nothing is evicted, so the tier is never touched.
+    # A host tier too small for them: the disk tier under it serves what the host tier dropped.
+    small, disk = over["runs"]["small_host"], over["runs"]["small_host_disk"]
+    assert small["disk_hit_tokens"] == 0 < disk["disk_hit_tokens"]
+    assert disk["prefix_hit_tokens"] > small["prefix_hit_tokens"]
+    # Fitting: nothing is evicted, so no tier is ever touched.
     assert fit["runs"]["host_tier"]["host_offloaded_blocks"] == 0
+    assert fit["runs"]["small_host_disk"]["disk_written_blocks"] == 0
     assert (tmp_path / "kv_tiers.png").exists()
     assert "identical outputs: yes" in capsys.readouterr().out

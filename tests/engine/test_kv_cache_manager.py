@@ -84,7 +84,7 @@ def test_prefix_queries_and_hits_count_prompt_tokens() -> None:
     for rid in ("a", "b"):
         req = make_request(rid, prompt)
         hit = kv.find_prefix_hit(req)
-        kv.record_prefix_query(req, hit.num_tokens)
+        kv.record_prefix_query(req, hit)
         run_prompt(kv, req)
     assert kv.prefix_queries == 2 * len(prompt)
     assert kv.prefix_hits == 2 * BS

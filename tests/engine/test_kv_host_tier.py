@@ -169,9 +169,9 @@ def test_the_registry_hears_of_both_tiers(tiny_llama):
     llm.generate(_prompts(6, 40, seed=5), params, use_tqdm=False)
     kinds = {kind for kind, _ in event_batches(llm.core.drain_kv_events())}
     assert {STORED, REMOVED, HOST_STORED} <= kinds
-    device, host = llm.core.cached_hashes()
+    device, host, disk = llm.core.cached_hashes()
     assert set(host) == set(llm.core.kv.host_tier.hashes()) and len(host) == len(llm.core.kv.host_tier)
-    assert device and not set(device) & set(host) - set(device)
+    assert device and not set(device) & set(host) - set(device) and disk == []
 
 
 def test_host_tier_option_is_validated():

@@ -220,20 +220,23 @@ def test_a_worker_falls_silent_when_its_heartbeats_or_its_engines_reports_stop(v
     assert "p1" in view.workers and view.workers["p1"].load_age_ms < 500  # silent by its beats alone
 
 
-def test_host_tier_blocks_travel_through_redis_and_a_new_routers_snapshot(views, publishers):
-    """A worker's host-tier blocks (its snapshot's second set, then ``s``/``r`` events) reach a
-    running view, and a view started later reads them from the snapshot; the device set is apart."""
-    from registry.schema import HOST_REMOVED, HOST_STORED
+def test_lower_tier_blocks_travel_through_redis_and_a_new_routers_snapshot(views, publishers):
+    """A worker's host- and disk-tier blocks (its snapshot's second and third sets, then ``s``/``r``
+    and ``d``/``e`` events) reach a running view, and a view started later reads them from the
+    snapshot; the device set is apart."""
+    from registry.schema import DISK_REMOVED, DISK_STORED, HOST_REMOVED, HOST_STORED
 
-    def tiers(view: ClusterView) -> tuple[int, int]:
+    def tiers(view: ClusterView) -> tuple[int, int, int]:
         with view.index.lock:
             return view.index.match_tiers(H[:6], ["p0"])["p0"]
 
     view = views()
     pub = publishers("p0")
-    pub.offer_snapshot([H[0]], [H[1], H[2]])  # a reconnect's snapshot: both tiers
-    wait_until(lambda: tiers(view) == (1, 2), "the view holds 1 device and 2 host blocks")
+    pub.offer_snapshot([H[0]], [H[1], H[2]], [H[3]])  # a reconnect's snapshot: every tier
+    wait_until(lambda: tiers(view) == (1, 2, 1), "the view holds 1 device, 2 host and 1 disk block")
+    assert tiers(views()) == (1, 2, 1)  # a view started now reads every tier's set from Redis
     pub.offer_events([(HOST_STORED, [H[3], H[4]]), (HOST_REMOVED, [H[1]]), (STORED, [H[1]])])
-    wait_until(lambda: tiers(view) == (2, 3), "the host events moved block 1 to the device")
-    assert view.index.gaps_detected == 0
-    assert tiers(views()) == (2, 3)  # from the snapshot in Redis
+    pub.offer_events([(DISK_STORED, [H[5], H[1]]), (DISK_REMOVED, [H[3]])])
+    wait_until(lambda: tiers(view) == (2, 3, 1), "block 1 moved to the device, block 5 is on disk")
+    assert view.index.gaps_detected == 0 and view.index.num_disk_blocks_of("p0") == 2
+    assert tiers(views()) == (2, 3, 1)  # from the snapshot in Redis

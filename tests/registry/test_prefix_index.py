@@ -55,19 +55,19 @@ def test_host_tier_events_are_indexed_apart_and_matched_after_the_device_run():
     chain = [H[i] for i in range(6)]
     # a: 1 on device then 3 in its host tier; b: 2 on device; c: nothing on device, 5 in host.
     assert idx.match_tiers(chain, ["a", "b", "c", "d"]) == {
-        "a": (1, 3),
-        "b": (2, 0),
-        "c": (0, 5),
-        "d": (0, 0),
+        "a": (1, 3, 0),
+        "b": (2, 0, 0),
+        "c": (0, 5, 0),
+        "d": (0, 0, 0),
     }
     assert idx.match(chain, ["a", "b"]) == {"a": 1, "b": 2}  # the device-only view is unchanged
     assert idx.num_host_blocks_of("a") == 3 and idx.size == 1 + 3 + 2 + 5
     assert idx.apply(ev("a", 1, 3, HOST_REMOVED, 2))
-    assert idx.match_tiers(chain, ["a"]) == {"a": (1, 1)}  # the host run stops at the hole
+    assert idx.match_tiers(chain, ["a"]) == {"a": (1, 1, 0)}  # the host run stops at the hole
     idx.drop("c")
-    assert idx.match_tiers(chain, ["c"]) == {"c": (0, 0)} and idx.num_host_blocks_of("c") == 0
+    assert idx.match_tiers(chain, ["c"]) == {"c": (0, 0, 0)} and idx.num_host_blocks_of("c") == 0
     assert idx.apply(ev("a", 2, 1, CLEARED))  # a new incarnation: both tiers forgotten
-    assert idx.match_tiers(chain, ["a"]) == {"a": (0, 0)} and idx.size == 2
+    assert idx.match_tiers(chain, ["a"]) == {"a": (0, 0, 0)} and idx.size == 2
 
 
 def test_an_event_kind_of_a_newer_worker_is_skipped_not_taken_for_a_resync():
@@ -76,3 +76,29 @@ def test_an_event_kind_of_a_newer_worker_is_skipped_not_taken_for_a_resync():
     assert idx.apply(ev("a", 1, 2, "q", 5))  # a tier this router does not know
     assert idx.apply(ev("a", 1, 3, STORED, 2))  # its sequence number still counted: no gap
     assert idx.blocks_of("a") == {H[0], H[1], H[2]} and idx.gaps_detected == 0
+
+
+def test_disk_tier_events_are_indexed_apart_and_matched_after_the_host_run():
+    """The runs the engine walks: device, then host tier, then disk tier, each from where the last
+    stopped; a block only a tier above the current run holds ends the hit."""
+    from registry.schema import DISK_REMOVED, DISK_STORED, HOST_STORED
+
+    idx = PrefixIndex()
+    assert idx.apply(KVEventRecord("a", 1, 1, RESYNCED, [H[0]], [H[1]], [H[2], H[3]]))
+    assert idx.apply(ev("b", 1, 1, CLEARED))
+    assert idx.apply(ev("b", 1, 2, DISK_STORED, 0, 1, 2))
+    assert idx.apply(ev("c", 1, 1, CLEARED))
+    assert idx.apply(ev("c", 1, 2, DISK_STORED, 0))
+    assert idx.apply(ev("c", 1, 3, HOST_STORED, 1))  # after a disk run: the engine stops there
+    chain = [H[i] for i in range(6)]
+    assert idx.match_tiers(chain, ["a", "b", "c"]) == {"a": (1, 1, 2), "b": (0, 0, 3), "c": (0, 0, 1)}
+    assert idx.num_disk_blocks_of("a") == 2 and idx.num_host_blocks_of("a") == 1
+    assert idx.size == 4 + 3 + 2
+    assert idx.apply(ev("a", 1, 2, DISK_REMOVED, 3))
+    assert idx.match_tiers(chain, ["a"]) == {"a": (1, 1, 1)}
+    idx.replace("b", 1, 9, [], [], [H[0], H[1]])  # a resync from the snapshot carries the disk set
+    assert idx.match_tiers(chain, ["b"]) == {"b": (0, 0, 2)} and idx.num_disk_blocks_of("b") == 2
+    idx.drop("b")
+    assert idx.num_disk_blocks_of("b") == 0 and idx.match_tiers(chain, ["b"]) == {"b": (0, 0, 0)}
+    assert idx.apply(ev("a", 2, 1, CLEARED))  # a new incarnation: every tier forgotten
+    assert idx.num_disk_blocks_of("a") == 0 and idx.match_tiers(chain, ["a"]) == {"a": (0, 0, 0)}

@@ -202,3 +202,31 @@ def test_a_host_tier_hit_counts_between_a_device_hit_and_a_miss_by_its_measured_
     assert dev.apply(KVEventRecord("p0", 1, 1, RESYNCED, [], HASHES[:8]))
     ps = [prefill("p0", host_hit_cost_pct=1), prefill("p1")]
     assert choose("cache_aware", ps, [decode("d0")], dev).prefill.worker_id == "p1"
+
+
+def test_a_disk_tier_hit_counts_between_a_host_hit_and_a_miss_by_its_own_measured_cost():
+    """The prompt's 8 blocks in one worker's host tier, in another's disk tier, nowhere on a third.
+    Loads measured at 10% (host) and 40% (disk) of computing a block: on equal queues the host hit
+    wins, then the disk hit, then the miss; a disk hit's worth is its own measurement, not the host's."""
+    idx = index_of({"miss": []})
+    assert idx.apply(KVEventRecord("host", 1, 1, RESYNCED, [], HASHES[:8]))
+    assert idx.apply(KVEventRecord("disk", 1, 1, RESYNCED, [], [], HASHES[:8]))
+    costs = dict(host_hit_cost_pct=10, disk_hit_cost_pct=40)
+
+    def pick(*workers, **load) -> str:
+        ps = [prefill(w, **{**costs, **load.get(w, {})}) for w in workers]
+        return choose("cache_aware", ps, [decode("d0")], idx).prefill.worker_id
+
+    assert pick("miss", "disk", "host") == "host"
+    assert pick("miss", "disk") == "disk"
+    # 7 blocks of 4 tokens hit (the last token is computed): a disk hit saves 60% of 28 = 16.8 tokens
+    assert pick("miss", "disk", disk=dict(queued_prompt_tokens=16)) == "disk"
+    assert pick("miss", "disk", disk=dict(queued_prompt_tokens=17)) == "miss"
+    # A host hit saves more than a disk hit: 90% of 28 = 25.2 tokens.
+    assert pick("disk", "host", host=dict(queued_prompt_tokens=8)) == "host"
+    assert pick("disk", "host", host=dict(queued_prompt_tokens=9)) == "disk"
+    # A disk read measured as dear as computing is worth a miss, however cheap the worker's host tier.
+    dear = dict(host_hit_cost_pct=0, disk_hit_cost_pct=100, queued_prompt_tokens=1)
+    assert pick("miss", "disk", disk=dear) == "miss"
+    ps = [prefill("disk", **costs), prefill("miss")]
+    assert choose("cache_aware", ps, [decode("d0")], idx).predicted_hit_tokens == 7 * BS

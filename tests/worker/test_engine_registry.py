@@ -35,8 +35,8 @@ class FakePublisher:
         want, self.want = self.want, False
         return want
 
-    def offer_snapshot(self, hashes, host=()) -> None:
-        self.offers.append(("snapshot", hashes, host))
+    def offer_snapshot(self, hashes, host=(), disk=()) -> None:
+        self.offers.append(("snapshot", hashes, host, disk))
 
     def offer_events(self, batches) -> None:
         self.offers.append(("events", batches))
@@ -53,7 +53,7 @@ def _events(kind: str, *hashes: bytes, load: bool = False) -> pb.EngineEvents:
     ev.kv_events.add(kind=kind, hashes=list(hashes))
     if load:
         ev.load.num_running, ev.load.num_free_blocks, ev.load.queued_prompt_tokens = 2, 90, 31
-        ev.load.host_hit_cost_pct = 7
+        ev.load.host_hit_cost_pct, ev.load.disk_hit_cost_pct = 7, 40
     return ev
 
 
@@ -63,7 +63,7 @@ def test_events_before_the_snapshot_reply_are_dropped_and_after_it_offered():
     engine.hook(_events(STORED, b"a", load=True))  # asks for the snapshot; "a" is in it
     assert len(engine.snapshot_replies) == 1
     engine.hook(_events(STORED, b"b"))  # read before the reply: in the snapshot too
-    engine.snapshot_replies[0]([b"a", b"b"], [b"h"])  # with the host tier's blocks
+    engine.snapshot_replies[0]([b"a", b"b"], [b"h"], [b"k"])  # with the host and disk tiers' blocks
     engine.hook(_events(REMOVED, b"a"))
     assert pub.offers == [
         (
@@ -75,9 +75,10 @@ def test_events_before_the_snapshot_reply_are_dropped_and_after_it_offered():
                 queued_prompt_tokens=31,
                 step_ms=12,
                 host_hit_cost_pct=7,
+                disk_hit_cost_pct=40,
             ),
         ),
-        ("snapshot", [b"a", b"b"], [b"h"]),
+        ("snapshot", [b"a", b"b"], [b"h"], [b"k"]),
         ("events", [(REMOVED, [b"a"])]),
     ]
     pub.want = True  # the publisher reconnected: a new snapshot, once
@@ -85,6 +86,6 @@ def test_events_before_the_snapshot_reply_are_dropped_and_after_it_offered():
     engine.hook(_events(STORED, b"d"))
     assert len(engine.snapshot_replies) == 2
     link.stop()
-    engine.snapshot_replies[1]([b"b", b"c", b"d"], [])  # a reply after leaving offers nothing
+    engine.snapshot_replies[1]([b"b", b"c", b"d"], [], [])  # a reply after leaving offers nothing
     engine.hook(_events(STORED, b"e"))
     assert pub.stopped and pub.offers[-1] == ("events", [(REMOVED, [b"a"])])

@@ -1,0 +1,199 @@
+"""The disk tier of the prefix cache: blocks evicted from the host tier, kept in a file of bounded size.
+
+A block's way down and back: the device pool evicts it into the host tier (engine/kv_host_tier.py);
+when the host tier needs its slot, the block is written here under the same chained hash (write-back,
+once: a block already here only has its recency refreshed). A prompt whose prefix continues past the
+device's and the host tier's hits into this tier gets those blocks read back when it is admitted
+(``KVCacheManager.find_prefix_hit`` / ``allocate``). The tier is LRU over its slots (the host tier's
+bookkeeping, ``DiskTier``); a slot being read is pinned so no write of the same admission reuses it.
+
+Read path: straight from the file into the request's fresh device blocks, not through a host slot.
+Staging in the host tier would take a host slot, and evicting one for it writes another block here in
+the middle of an admission (a cascade the pins would have to cover twice), then copy the block a
+second time. Reading straight in is one ``preadv`` into the device row on CPU, and on a GPU one read
+into a pinned staging row plus one copy. The block keeps its copy here (as a block loaded from the host
+tier keeps its host copy), so evicting it again costs no write. Reads and writes are synchronous: the
+admission waits for its reads (measured, ``calibrate``: the router weighs a disk hit by that cost), and
+a write happens only when the host tier overflows.
+
+The file: ``num_slots`` records of a 32-byte header (the block's hash and the CRC32 of its bytes) and
+the block's bytes, as the device pool's rows hold them. A read checks the header's hash against the
+hash the bookkeeping expects and the CRC against the bytes read: a block that fails is not served (its
+tokens are recomputed) and is dropped from the tier.
+
+Lifetime: the file is created at start (``kv_disk_cache_dir``, used as is, or a fresh temporary
+directory), sized to its bound at once, and removed at ``close()`` (with the temporary directory), or
+at interpreter exit when nobody closed it. A directory that cannot hold it fails the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+import weakref
+import zlib
+
+import torch
+
+from engine.block_hash import BlockHash
+from engine.block_pool import DISK
+from engine.kv_host_tier import HostTier
+from engine.kv_quant import block_rows
+
+logger = logging.getLogger(__name__)
+HEADER = struct.Struct("<16sI12x")  # block hash, CRC32 of the block's bytes, padding to 32 bytes
+
+
+class DiskTier(HostTier):
+    """LRU of ``num_slots`` file records keyed by block hash: the host tier's bookkeeping, events
+    tagged ``disk`` (no I/O: see ``DiskBlocks``)."""
+
+    TIER = DISK
+
+
+def attach_disk_tier(kv, kv_cache, gib: float, directory: str | None) -> int:
+    """Give ``kv`` (a ``KVCacheManager`` with a host tier) a disk tier of ``gib`` GiB in ``directory``
+    for the pool ``kv_cache``; returns its size in blocks."""
+    rows = block_rows(kv_cache)
+    slots = DiskBlocks.slots_for_budget(rows, gib)
+    if slots < 1:
+        raise ValueError(f"kv_disk_cache_gib={gib} holds no block of {DiskBlocks.record_bytes(rows)} bytes")
+    blocks = DiskBlocks(rows, slots, directory)
+    try:
+        blocks.calibrate()
+        kv.attach_disk_tier(DiskTier(slots), blocks)
+    except BaseException:
+        blocks.close()
+        raise
+    logger.info("KV disk tier: %d blocks (%.2f GiB) in %s", slots, gib, blocks.path)
+    return slots
+
+
+class DiskBlocks:
+    """The disk tier's file: a record per slot, and the reads and writes between it and the pools."""
+
+    def __init__(self, device_rows: torch.Tensor, num_slots: int, directory: str | None = None) -> None:
+        self.device_rows = device_rows
+        self.num_slots = num_slots
+        self.record_size = self.record_bytes(device_rows)
+        self.path, self._fd, self._tmpdir = _create_file(directory, num_slots * self.record_size)
+        self._closer = weakref.finalize(self, _remove, self._fd, self.path, self._tmpdir)
+        # On a GPU a read lands in host memory first (pinned: the copy up is one DMA).
+        on_gpu = device_rows.device.type == "cuda"
+        shape, dtype = device_rows.shape[1:], device_rows.dtype
+        self._staging = torch.empty(shape, dtype=dtype, pin_memory=True) if on_gpu else None
+        self.load_s_per_block: float | None = None  # measured: what a disk hit costs the router's model
+
+    @staticmethod
+    def record_bytes(device_rows: torch.Tensor) -> int:
+        return HEADER.size + device_rows[0].numel() * device_rows.element_size()
+
+    @classmethod
+    def slots_for_budget(cls, device_rows: torch.Tensor, gib: float) -> int:
+        return int(gib * (1 << 30)) // cls.record_bytes(device_rows)
+
+    @property
+    def closed(self) -> bool:
+        return not self._closer.alive
+
+    def write(self, slot: int, block_hash: BlockHash, row: torch.Tensor) -> None:
+        """Store ``row`` (a host-memory block) in ``slot`` under ``block_hash``. Raises ``OSError``."""
+        data = _bytes(row)
+        header = HEADER.pack(block_hash, zlib.crc32(data))
+        written = os.pwritev(self._fd, [header, data], slot * self.record_size)
+        if written != self.record_size:
+            raise OSError(f"short write to {self.path}: {written} of {self.record_size} bytes")
+
+    def read(self, slot: int, block_hash: BlockHash, block: int) -> bool:
+        """Read ``slot`` into device block ``block``; False (the block's content undefined) when the
+        record is not ``block_hash``'s or its bytes fail their CRC."""
+        dst = self.device_rows[block] if self._staging is None else self._staging
+        data = _bytes(dst)
+        header = bytearray(HEADER.size)
+        try:
+            n = os.preadv(self._fd, [header, data], slot * self.record_size)
+        except OSError as exc:
+            logger.error("disk tier: reading slot %d of %s failed: %s", slot, self.path, exc)
+            return False
+        if n != self.record_size:
+            return False
+        recorded, crc = HEADER.unpack(header)
+        if recorded != block_hash or zlib.crc32(data) != crc:
+            return False
+        if self._staging is not None:
+            self.device_rows[block].copy_(self._staging)  # blocking: the staging row is reused next
+        return True
+
+    def calibrate(self, rounds: int = 3) -> None:
+        """Time reading a few blocks into the device pool, cold (out of the page cache where the file
+        system has one), at start while every device block is free. The best of ``rounds`` is the
+        load cost per block."""
+        n = min(8, self.num_slots, len(self.device_rows))
+        zero = torch.zeros(self.device_rows.shape[1:], dtype=self.device_rows.dtype)
+        key = bytes(16)  # no block's hash: the bookkeeping is empty at start
+        for slot in range(n):
+            self.write(slot, key, zero)
+        os.fsync(self._fd)
+        best = float("inf")
+        for _ in range(rounds):
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fd, 0, n * self.record_size, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            ok = all(self.read(slot, key, slot) for slot in range(n))
+            best = min(best, time.perf_counter() - t0)
+            if not ok:
+                raise OSError(f"the disk tier's file {self.path} does not read back what was written")
+        self.load_s_per_block = best / n
+
+    def close(self) -> None:
+        """Remove the file (and the temporary directory made for it). Idempotent."""
+        self._closer()
+
+
+def _bytes(t: torch.Tensor):
+    """A tensor's bytes as a writable buffer over its memory (a host row; contiguous)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _create_file(directory: str | None, size: int) -> tuple[str, int, str | None]:
+    """(path, fd, the temporary directory made for it or None) of a new file of ``size`` bytes."""
+    tmpdir = None
+    if directory is None:
+        directory = tmpdir = tempfile.mkdtemp(prefix="pdserve-kv-disk-")
+    elif not os.path.isdir(directory):
+        raise ValueError(f"kv_disk_cache_dir={directory!r} is not a directory")
+    try:
+        free = shutil.disk_usage(directory).free
+        if free < size:
+            raise ValueError(
+                f"kv_disk_cache_dir={directory!r} has {free / 2**30:.2f} GiB free; the disk tier "
+                f"needs {size / 2**30:.2f} GiB (lower kv_disk_cache_gib or pick another directory)"
+            )
+        try:
+            fd, path = tempfile.mkstemp(prefix="pdserve-kv-", suffix=".blocks", dir=directory)
+        except OSError as exc:
+            raise ValueError(f"kv_disk_cache_dir={directory!r} is not usable: {exc.strerror}") from exc
+        try:
+            os.ftruncate(fd, size)  # sparse: blocks take room as they are written
+        except OSError as exc:
+            _remove(fd, path, None)
+            raise ValueError(f"kv_disk_cache_dir={directory!r} is not usable: {exc.strerror}") from exc
+    except BaseException:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+    return path, fd, tmpdir
+
+
+def _remove(fd: int, path: str, tmpdir: str | None) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
