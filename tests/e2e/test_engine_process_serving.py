@@ -16,7 +16,9 @@ from engine import LLM
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-PROMPTS = [list(range(100, 140)), [5, 9, 9, 17, 3, 3, 3, 40] * 3, [7, 8], list(range(200, 300))]
+# The last prompt is long enough (7 chunks of 32 tokens) that its KV streams while it is computed;
+# at 100 tokens a fast prefill could finish before the decode worker's read began (CI saw it).
+PROMPTS = [list(range(100, 140)), [5, 9, 9, 17, 3, 3, 3, 40] * 3, [7, 8], list(range(200, 420))]
 
 
 def _engine_alone(tiny_llama) -> list[list[int]]:

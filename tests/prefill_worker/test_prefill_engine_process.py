@@ -132,20 +132,24 @@ def test_watched_prompt_blocks_come_as_computed_and_a_leaving_caller_frees_them(
         watching = asyncio.ensure_future(watch("gone"))
         task = asyncio.ensure_future(worker.prefill("gone", _prompt(10 * BLOCK + 1, 5), GREEDY))
         await _until(lambda: _mid_prefill(worker), "the prompt is partly computed")
-        # The engine process is stopped while the caller leaves, so the abort is in its pipe before
-        # its next step: on a loaded machine it could otherwise finish the prompt first (CI did).
-        os.kill(worker.engine.process.pid, signal.SIGSTOP)
-        try:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-        finally:
-            os.kill(worker.engine.process.pid, signal.SIGCONT)
+        await _leave_mid_prefill(worker, task)
         await _until(lambda: _all_free(worker), "the abandoned prompt's blocks are freed")
         assert all(not done for _, done in await watching)  # the watch ended without a handle
         assert await worker.busy() == 0
 
     asyncio.run(run())
+
+
+async def _leave_mid_prefill(worker, task: asyncio.Task) -> None:
+    """The caller of ``task`` leaves while the engine process is stopped, so the abort is in its pipe
+    before its next step: on a loaded machine it could otherwise finish the prompt first (CI did)."""
+    os.kill(worker.engine.process.pid, signal.SIGSTOP)
+    try:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        os.kill(worker.engine.process.pid, signal.SIGCONT)
 
 
 async def _mid_prefill(worker) -> bool:
@@ -235,15 +239,7 @@ def test_a_retry_under_the_same_id_after_its_caller_left_is_served(make_worker, 
         worker.start()
         task = asyncio.ensure_future(worker.prefill("x", prompt, GREEDY))
         await _until(lambda: _mid_prefill(worker), "the prompt is partly computed")
-        # The engine process is stopped while the caller leaves, so the abort is in its pipe before
-        # its next step: on a loaded machine it could otherwise finish the prompt first (CI did).
-        os.kill(worker.engine.process.pid, signal.SIGSTOP)
-        try:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-        finally:
-            os.kill(worker.engine.process.pid, signal.SIGCONT)
+        await _leave_mid_prefill(worker, task)
         res = await worker.prefill("x", prompt, GREEDY)
         assert res.first_token == want[0].token_ids[0] and res.finish_reason is None
         assert await worker.release("x") and await _all_free(worker)
