@@ -19,7 +19,8 @@ def test_a_tiny_grid_reports_positive_times_per_shape(tmp_path, capsys):
     for r in rows:
         assert r["steps"] == 4
         assert all(r[k] > 0 for k in ("mean_ms", "p50_ms", "schedule_ms", "execute_ms", "update_ms"))
-        assert r["schedule_ms"] + r["execute_ms"] + r["update_ms"] <= r["mean_ms"]
+        # The parts are timed inside the step; the slack is float rounding of perf_counter differences.
+        assert r["schedule_ms"] + r["execute_ms"] + r["update_ms"] <= r["mean_ms"] + 1e-6
         assert r["profile_top"] and r["profile_top"][0]["own_ms_per_step"] > 0
     assert result["current"]["mode"] == "zero-cost checkpoint"
     report = capsys.readouterr().out
