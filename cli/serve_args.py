@@ -54,6 +54,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "cached is at most this many tokens (0: always disaggregate)",
     )
     s.add_argument(
+        "--peer-reads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a prefill worker may read a prompt's prefix from another prefill worker's KV tiers over NIXL when that is cheaper than computing it (cache_aware routing; needs kv_host_cache_gib)",
+    )
+    s.add_argument(
         "--kv-streaming-tokens",
         type=int,
         default=KV_STREAMING_TOKENS,
@@ -169,6 +175,7 @@ def config_from_args(args: argparse.Namespace, model: str, tiny: bool) -> PDServ
             "policy": args.policy,
             "local_prefill_tokens": args.local_prefill_tokens,
             "kv_streaming_tokens": args.kv_streaming_tokens,
+            "peer_reads": args.peer_reads,
             "max_migrations": args.max_migrations,
             "stall_timeout_s": args.stall_timeout,
         },

@@ -139,9 +139,11 @@ def format_status(cluster, states) -> str:
 
 def format_cache_tiers(states) -> str:
     """Per worker with a host tier: prompt tokens served by each tier, the tiers' use and the blocks
-    copied into them (a disk tier's columns read ``-`` on a worker without one)."""
+    copied into them (a disk tier's columns read ``-`` on a worker without one), and the blocks read
+    from peers' tiers and lent to peers (prefill workers)."""
     host = ("HOST HITS", "HOST TIER USED", "OFFLOADED")
-    rows = [("WORKER", "PROMPT TOKENS", "DEVICE HITS", *host, "DISK HITS", "DISK TIER USED", "WRITTEN")]
+    disk = ("DISK HITS", "DISK TIER USED", "WRITTEN")
+    rows = [("WORKER", "PROMPT TOKENS", "DEVICE HITS", *host, *disk, "FROM PEERS", "LENT")]
     for w in sorted(states, key=lambda w: w.worker_id):
         s = w.stats
         if not s.host_cache_blocks:
@@ -164,6 +166,8 @@ def format_cache_tiers(states) -> str:
                 f"{s.host_cache_used}/{s.host_cache_blocks}",
                 str(s.host_offloaded_blocks),
                 *disk,
+                str(s.peer_received_blocks),
+                str(s.peer_lent_blocks),
             )
         )
     return f"prefix cache by tier:\n{_table(rows)}" if len(rows) > 1 else ""

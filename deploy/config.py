@@ -215,6 +215,10 @@ class RouterOptions(ReplicaOptions):
         description="KV streaming: a prompt with at least this many uncached tokens has its KV read by "
         "the decode worker while it is prefilled (0: the KV moves after the prefill)",
     )
+    peer_reads: bool = Field(
+        True,
+        description="a prefill worker may read a prompt's prefix from another prefill worker's KV tiers over NIXL when that is cheaper than computing it (cache_aware routing; needs kv_host_cache_gib)",
+    )
     # Request migration (router/migration.py).
     max_migrations: int = Field(
         _MIGRATION.max_migrations,

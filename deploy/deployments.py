@@ -174,6 +174,7 @@ class RouterServer:
             local_prefill_tokens=r.local_prefill_tokens,
             migration=r.migration(),
             kv_streaming_tokens=r.kv_streaming_tokens,
+            peer_reads=r.peer_reads,
         )
         self.server, self.address = await serve_router(self.router, _bind_host(config), 0)
         # ``http_server: router``: this replica is also the HTTP endpoint, the ingress calling the

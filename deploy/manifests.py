@@ -123,6 +123,10 @@ class ClusterValues(_Values):
         description="prompts with at least this many uncached tokens have their KV read while they are "
         "prefilled (0: off)",
     )
+    router_peer_reads: bool = Field(
+        True,
+        description="prefill workers may read a prompt's prefix from each other's KV tiers (needs a host tier)",
+    )
     autoscaling: PDAutoscalingConfig | None = Field(
         None,
         description="the P/D autoscaling policy; null: fixed counts, changed by `pdserve scale`",
@@ -165,6 +169,7 @@ def serve_config(v: ClusterValues) -> dict[str, Any]:
             "policy": v.router_policy,
             "local_prefill_tokens": v.router_local_prefill_tokens,
             "kv_streaming_tokens": v.router_kv_streaming_tokens,
+            "peer_reads": v.router_peer_reads,
             "resources": {"pdserve_head": 0.01},
         },
         ingress={"host": v.serve_host, "resources": {"pdserve_head": 0.01}},

@@ -382,20 +382,25 @@ class EngineCore(TransferMixin):
         return events
 
     def host_hit_cost_pct(self) -> int:
-        """What a prompt block found in the host tier costs, in % of computing it: the measured load
-        time per block over the measured prefill time of a block's tokens (``_observe_prefill``);
-        100 (worth no more than a miss) without a tier or a measurement."""
+        """A host-tier hit's cost in % of computing the block: measured load time per block over the
+        measured prefill time of a block's tokens; 100 (a miss's worth) without a tier or measurement.
+        ``disk_hit_cost_pct``: the disk tier's (its read time); ``peer_hit_cost_pct``: a block read
+        from a peer's tier (the read's measured time, from the first read on: ``peer_tiers``, plus the
+        host load after it), 100 when this engine reads no peer's blocks."""
         return self._load_cost_pct(self.kv.host_blocks)
 
     def disk_hit_cost_pct(self) -> int:
-        """The same for a block found in the disk tier (its measured read time per block)."""
         return self._load_cost_pct(self.kv.disk_blocks)
 
-    def _load_cost_pct(self, blocks) -> int:
+    def peer_hit_cost_pct(self) -> int:
+        h = self.kv.host_blocks
+        return self._load_cost_pct(h, h.peer_read_s_per_block or 0.0) if h and h.peer_reads else 100
+
+    def _load_cost_pct(self, blocks, extra_s: float = 0.0) -> int:
         if blocks is None or blocks.load_s_per_block is None or not self._prefill_s_per_token:
             return 100
         block_s = self._prefill_s_per_token * self.kv.block_size
-        return max(0, min(100, round(100 * blocks.load_s_per_block / block_s)))
+        return max(0, min(100, round(100 * (blocks.load_s_per_block + extra_s) / block_s)))
 
     def cached_hashes(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
         """Every hash in the prefix cache: (device pool, host tier, disk tier), a snapshot for the

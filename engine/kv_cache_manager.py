@@ -221,10 +221,15 @@ class KVCacheManager:
         self._num_cached_blocks[req.request_id] = len(hit.block_ids)
         fresh = self.pool.allocate(self.blocks_needed(num_tokens) - len(table))
         table.extend(fresh)
-        if self.host_blocks is not None and self._unsettled:
-            self.host_blocks.settle()  # evicted blocks copied out before the peer's RDMA writes them
-            self._unsettled = False
+        self.settle_host_copies()  # evicted blocks copied out before the peer's RDMA writes them
         return fresh
+
+    def settle_host_copies(self) -> None:
+        """Wait for the copies to the host tier issued so far (before someone outside the device's
+        stream reads or writes the blocks or the host rows: a peer's RDMA)."""
+        if self.host_blocks is not None and self._unsettled:
+            self.host_blocks.settle()
+            self._unsettled = False
 
     def commit_transfer(self, req: Request) -> None:
         if self.enable_caching:

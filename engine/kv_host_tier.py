@@ -18,7 +18,7 @@ This module is the bookkeeping (slots, LRU, pins, events, counters); ``HostBlock
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,7 +37,9 @@ class TierCounters:
     loaded_blocks: int = 0  # copies back to the device (prefix hits served from this tier)
     evicted_blocks: int = 0  # dropped from the tier for room
     dropped_offloads: int = 0  # evictions not kept: every slot pinned by loads of the same step
-    rejected_blocks: int = 0  # found but not served: the content failed its check (disk tier)
+    rejected_blocks: int = 0  # found but not served: the content failed its check (disk tier, peers)
+    received_blocks: int = 0  # copies from a peer's tier into this one (engine/kv_lending.py)
+    lent_blocks: int = 0  # blocks of this tier a peer was given to read
 
 
 class HostTier:
@@ -52,7 +54,7 @@ class HostTier:
         self.num_slots = num_slots
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # oldest first
         self._free = list(range(num_slots - 1, -1, -1))
-        self._pinned: set[int] = set()
+        self._pinned: Counter[int] = Counter()  # slot -> holders (loads, leases, reads in flight)
         self._events: list[KVEvent] = []
         self.recording = True  # as the block pool's
         self.counters = TierCounters()
@@ -91,11 +93,40 @@ class HostTier:
         return slot
 
     def pin(self, slots: list[int]) -> None:
-        """Keep ``slots`` from reuse while their loads are issued (until ``unpin``)."""
+        """Keep ``slots`` from reuse (until as many ``unpin``): while their loads are issued, while a
+        peer may read them (a lease), while a peer's blocks land in them."""
         self._pinned.update(slots)
 
     def unpin(self, slots: list[int]) -> None:
-        self._pinned.difference_update(slots)
+        self._pinned.subtract(slots)
+        for slot in slots:
+            if self._pinned[slot] <= 0:
+                self._pinned.pop(slot, None)
+
+    def reserve(self) -> int | None:
+        """A free slot (evicting for room) that no lookup finds until ``commit``: where a peer's block
+        lands. Pinned; None when every slot is pinned."""
+        slot = self._free.pop() if self._free else self._evict_one()
+        if slot is not None:
+            self._pinned[slot] += 1
+        return slot
+
+    def commit(self, block_hash: BlockHash, slot: int) -> bool:
+        """A reserved ``slot`` now holds ``block_hash``'s content: found by lookups from now on. False
+        (the slot is freed) when the hash arrived meanwhile by another way."""
+        self.unpin([slot])
+        if block_hash in self._slots:
+            self._free.append(slot)
+            return False
+        self._slots[block_hash] = slot
+        self._record(BlockStored([block_hash], self.TIER))
+        self.counters.received_blocks += 1
+        return True
+
+    def release(self, slot: int) -> None:
+        """A reserved slot whose block never (validly) landed goes back to the free slots."""
+        self.unpin([slot])
+        self._free.append(slot)
 
     def loaded(self, hashes: list[BlockHash]) -> None:
         """``hashes`` were copied back to the device: most recently used, and counted."""
@@ -160,6 +191,9 @@ class HostBlocks:
         pin = device_rows.device.type == "cuda"
         self.rows = torch.empty((num_slots, *device_rows.shape[1:]), dtype=device_rows.dtype, pin_memory=pin)
         self.load_s_per_block: float | None = None  # measured: what a host hit costs the router's model
+        # Peer reads into this tier (prefill_worker/peer_tiers.py): on, and their measured time per block.
+        self.peer_reads = False
+        self.peer_read_s_per_block: float | None = None
 
     def calibrate(self, rounds: int = 3) -> None:
         """Time copying a few blocks back, waiting for them (at start, while every device block is

@@ -37,6 +37,11 @@ class EngineStats:
     prefix_cache_hits_disk: int = 0
     disk_written_blocks: int = 0
     disk_rejected_blocks: int = 0
+    # Prefix blocks shared with peer workers through the host tier (engine/kv_lending.py): received
+    # (published after their CRC matched), lent, and received ones that failed their CRC.
+    peer_received_blocks: int = 0
+    peer_lent_blocks: int = 0
+    peer_rejected_blocks: int = 0
     # Speculative decoding (0 / empty when off): a draft is one sequence's proposal in one step.
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
@@ -67,6 +72,9 @@ def host_tier_stats(kv) -> dict:
         host_cache_used=len(tier),
         prefix_cache_hits_host=kv.prefix_hits_host,
         host_offloaded_blocks=tier.counters.offloaded_blocks,
+        peer_received_blocks=tier.counters.received_blocks,
+        peer_lent_blocks=tier.counters.lent_blocks,
+        peer_rejected_blocks=tier.counters.rejected_blocks,
     )
 
 

@@ -164,6 +164,12 @@ class _ClusterCollector:
             "Blocks copied from the KV pool to the host tier",
             labels=labels,
         )
+        peer_blocks = CounterMetricFamily(
+            "pdserve_kv_peer_blocks",
+            "Prefix blocks shared between prefill workers' host tiers, by direction (received: read "
+            "from a peer and published; lent; rejected: read but failed their CRC, recomputed)",
+            labels=[*labels, "direction"],
+        )
         disk_blocks = GaugeMetricFamily(
             "pdserve_kv_disk_blocks", "Blocks of the prefix cache's disk tier", labels=labels
         )
@@ -251,6 +257,9 @@ class _ClusterCollector:
                 host_blocks.add_metric(ids, s.host_cache_blocks)
                 host_used.add_metric(ids, s.host_cache_used)
                 host_offloaded.add_metric(ids, s.host_offloaded_blocks)
+                peer_blocks.add_metric([*ids, "received"], s.peer_received_blocks)
+                peer_blocks.add_metric([*ids, "lent"], s.peer_lent_blocks)
+                peer_blocks.add_metric([*ids, "rejected"], s.peer_rejected_blocks)
             if s.disk_cache_blocks:
                 tier_hits.add_metric([*ids, "disk"], s.prefix_cache_hits_disk)
                 disk_blocks.add_metric(ids, s.disk_cache_blocks)
@@ -280,7 +289,7 @@ class _ClusterCollector:
                 tsec.add_metric([w.worker_id], buckets, t.seconds_sum)
         yield from (running, waiting, kv, free, total, hit, preempt, queries, hits, tbytes, tfail, tsec)
         yield from (spec_drafts, spec_tokens, spec_accepted, spec_rate, spec_len, spec_pos, tdesc, texpired)
-        yield from (tier_hits, host_blocks, host_used, host_offloaded)
+        yield from (tier_hits, host_blocks, host_used, host_offloaded, peer_blocks)
         yield from (disk_blocks, disk_used, disk_written, disk_rejected)
         yield tstreamed
         if self.cluster is not None:

@@ -8,6 +8,11 @@ streamed while it is computed (each step's newly computed blocks pinned and anno
 carry the leases taken (``EngineEvents.leases``, before the outputs that hold them) and the watched
 prompts' blocks (``exposed``); the worker's process answers the gRPC calls from them.
 
+With a host tier, its memory gets an agent of its own (``<agent>-tier``) and the prefix blocks shared
+with peer prefill workers are lent and read here (``prefill_worker.peer_tiers``): a ``lend`` command
+pins blocks for a peer, a ``fetch`` reads a peer's into the host tier and the message after it lands
+names the request (``fetched``), which the worker then adds.
+
     --transfer nixl|inprocess        the backend over the engine's KV (inprocess: tests of the role)
     --agent-name NAME                the NIXL agent's name (the worker's id and epoch)
     --lease-seconds S                held KV is freed after this long
@@ -19,18 +24,23 @@ import argparse
 
 from kv_transfer import InProcessFabric, KVCompat, KVTransferBackend
 from prefill_worker.held import HeldPrompts
+from prefill_worker.peer_tiers import PeerTiers, lent_to_proto, offer_from_proto, tier_backend
 from proto import pdserve_pb2 as pb
 from worker.engine_process import EngineHost, EngineRole, run
 from worker.state import transfer_info_to_proto, transfer_stats_to_proto
 
 
 class PrefillEngineRole(EngineRole):
-    def __init__(self, host: EngineHost, transfer: KVTransferBackend, lease_s: float) -> None:
+    def __init__(
+        self, host: EngineHost, transfer: KVTransferBackend, lease_s: float, tiers: PeerTiers | None = None
+    ) -> None:
         self.core = host.core
         self.transfer = transfer
         self.held = HeldPrompts(host.core, lease_s, self._announce)
+        self.tiers = tiers
         self._leased: list[pb.EngineLease] = []
         self._exposed: list[pb.EngineExposed] = []
+        self._fetched: list[str] = []
 
     def ready(self, msg: pb.EngineReady) -> None:
         msg.transfer.CopyFrom(transfer_info_to_proto(self.transfer.local_info()))
@@ -43,21 +53,40 @@ class PrefillEngineRole(EngineRole):
             self.held.start_watch(cmd.watch.request_id, cmd.watch.wait_s)
         elif kind == "unwatch":
             self.held.watches.pop(cmd.unwatch, None)
+        elif kind == "lend":
+            if self.tiers is not None:
+                req = cmd.lend
+                slots, sums = self.tiers.lend(req.lease_id, list(req.prompt_token_ids), req.max_blocks)
+                reply.lent.CopyFrom(lent_to_proto(self.tiers, slots, sums))
+        elif kind == "fetch":
+            self._fetch(cmd.fetch)
         else:
             return False
         return True
+
+    def _fetch(self, msg: pb.EngineFetch) -> None:
+        rid = msg.request_id
+        if self.tiers is None:
+            self._fetched.append(rid)
+            return
+        offer = offer_from_proto(msg.lent, msg.lease_id)
+        self.tiers.fetch(rid, list(msg.prompt_token_ids), offer, lambda _n: self._fetched.append(rid))
 
     def abort(self, request_id: str) -> bool:
         """The caller left: a held prompt is freed, a running one aborted (``release`` unpinned its
         exposed blocks first, so the abort frees them all). Its abort outputs are not sent: nobody
         reads them, and a retry under the same id must not get them."""
         self.held.end_watch(request_id)
+        if self.tiers is not None and self.tiers.abort(request_id):
+            return True
         if self.held.release(request_id, "abandoned"):
             return True
         return bool(self.core.abort_request(request_id))
 
     def tick(self) -> None:
         self.held.tick(self.transfer.get_notifications())
+        if self.tiers is not None:
+            self.tiers.tick()
 
     def stats(self, reply: pb.EngineReply) -> None:
         reply.transfer_stats.CopyFrom(transfer_stats_to_proto(self.held.stats))
@@ -72,8 +101,10 @@ class PrefillEngineRole(EngineRole):
         self.held.expose()
         events.leases.extend(self._leased)
         events.exposed.extend(self._exposed)
+        events.fetched.extend(self._fetched)
         self._leased.clear()
         self._exposed.clear()
+        self._fetched.clear()
         return {}
 
     def _announce(self, request_id: str, block_ids: list[int], complete: bool, end: bool) -> None:
@@ -87,6 +118,7 @@ def prefill_role(host: EngineHost, compat: KVCompat, argv: list[str]) -> EngineR
     p.add_argument("--transfer", choices=("nixl", "inprocess"), default="nixl")
     p.add_argument("--agent-name", default="prefill")
     p.add_argument("--lease-seconds", type=float, default=30.0)
+    p.add_argument("--peer-read-timeout", type=float, default=2.0)
     args = p.parse_args(argv)
     if args.transfer == "inprocess":  # this process's own fabric: tests of the role alone
         transfer = InProcessFabric().transfer_factory(host.core, args.agent_name, compat)
@@ -95,7 +127,12 @@ def prefill_role(host: EngineHost, compat: KVCompat, argv: list[str]) -> EngineR
 
         # No NIXL progress thread: the loop polls every iteration (a progress thread spins a core).
         transfer = NixlBackend(args.agent_name, host.core.runner.kv_blocks, compat, progress_thread=False)
-    return PrefillEngineRole(host, transfer, args.lease_seconds)
+    tiers = None
+    kv = host.core.kv
+    if kv.host_tier is not None:
+        tier_transfer = tier_backend(transfer, kv.host_blocks.rows, f"{args.agent_name}-tier", compat)
+        tiers = PeerTiers(host.core, tier_transfer, args.lease_seconds, args.peer_read_timeout)
+    return PrefillEngineRole(host, transfer, args.lease_seconds, tiers)
 
 
 if __name__ == "__main__":

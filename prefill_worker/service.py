@@ -1,4 +1,4 @@
-"""gRPC face of the prefill worker (asyncio): Prefill, Release, WatchKV, GetState."""
+"""gRPC face of the prefill worker (asyncio): Prefill, Release, WatchKV, GetState, Lend."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from worker.runtime import RequestFailed
 
 logger = logging.getLogger(__name__)
 
+MAX_LEASE_ID = 64
+
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker) -> None:
@@ -26,8 +28,11 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         try:
             params = params_from_proto(request.params)
+            peer = request.peer if request.HasField("peer") else None
+            if peer is not None and not peer.address:
+                raise ValueError("peer.address is required")
             result = await self.worker.prefill(
-                request.request_id, list(request.prompt_token_ids), params, request.priority
+                request.request_id, list(request.prompt_token_ids), params, request.priority, peer
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -89,6 +94,27 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         if request.epoch and request.epoch != self.worker.epoch:
             return pb.ReleaseResponse(released=False)  # a previous incarnation's blocks are long gone
         return pb.ReleaseResponse(released=await self.worker.release(request.request_id))
+
+    async def Lend(self, request: pb.LendRequest, context) -> pb.LendResponse:
+        """Pin the prompt's leading blocks held here for the caller's read (none: an empty answer)."""
+        if not 0 < len(request.lease_id) <= MAX_LEASE_ID:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"lease_id must be 1-{MAX_LEASE_ID} characters"
+            )
+        if len(request.prompt_token_ids) > self.worker.limits.max_model_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the prompt is longer than the model's context"
+            )
+        if self.worker.loop.failure is not None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{self.worker.worker_id}: {self.worker.loop.failure}"
+            )
+        try:
+            return await self.worker.lend(
+                request.lease_id, list(request.prompt_token_ids), request.max_blocks
+            )
+        except ValueError as exc:  # the lease's name is taken
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def GetState(self, request, context) -> pb.WorkerState:
         if self.worker.loop.failure is not None:  # its engine loop failed: it serves nothing more

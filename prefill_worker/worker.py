@@ -10,6 +10,10 @@ blocks if they were already held). Every engine and NIXL call runs on the engine
 A decode worker may read a prompt's blocks while it is still being computed (``watch_kv``): after
 each step, the blocks the step finished are pinned (no preemption or abort frees them before the
 request's release) and announced; the held blocks follow once the prompt is done.
+
+With a host tier, prefill workers share prefix blocks (``prefill_worker.peer_tiers``): a request the
+router sends with a ``PeerPrefix`` first reads the peer's blocks into this worker's host tier, and
+``lend`` pins this worker's blocks for a peer's read.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from kv_transfer.stats import TransferStats
 from prefill_worker.held import HeldPrompts
+from prefill_worker.peer_tiers import PeerLends, PeerTiers, lent_to_proto, offer_from_proto, tier_backend
+from proto import pdserve_pb2 as pb
 from worker.config import WorkerConfig
 from worker.runtime import RequestFailed, TransferFactory, WorkerRuntime
 
@@ -34,6 +40,7 @@ class PrefillWorkerConfig(WorkerConfig):
     worker_id: str = "prefill-0"
     lease_seconds: float = 30.0  # held KV is freed after this long
     watch_wait_s: float = 10.0  # a WatchKV for a request not seen here by then ends empty
+    peer_read_timeout_s: float = 2.0  # a read of a peer's prefix blocks (Lend + READ) fails after this
 
 
 @dataclass(slots=True)
@@ -75,9 +82,13 @@ class PrefillWorker(WorkerRuntime):
     def __init__(self, config: PrefillWorkerConfig, transfer_factory: TransferFactory | None = None) -> None:
         if config.lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, got {config.lease_seconds}")
+        if not config.peer_read_timeout_s > 0:
+            raise ValueError(f"peer_read_timeout_s must be positive, got {config.peer_read_timeout_s}")
         super().__init__(config, transfer_factory)
         self.config: PrefillWorkerConfig = config
         self._watches: dict[str, _KVWatch] = {}  # each request's reader; engine thread only
+        self.peer_lends = PeerLends(config.peer_read_timeout_s)
+        self.tiers: PeerTiers | None = None  # engine thread only
         if self.core is not None:  # else the engine process's role does this (prefill_worker/split.py)
             self.held = HeldPrompts(self.core, config.lease_seconds, self._announce)  # engine thread only
             self.released = self.held.releases
@@ -85,6 +96,12 @@ class PrefillWorker(WorkerRuntime):
             self.loop.add_tick(self._tick)
             self.loop.add_tick(self.held.expose)
             self.loop.on_failure(lambda _failure: [w.end() for w in self._watches.values()])
+            if self.core.kv.host_tier is not None:
+                rows, agent = self.core.kv.host_blocks.rows, f"{self.worker_id}-{self.epoch}-tier"
+                tier_transfer = tier_backend(self.transfer, rows, agent, self.compat)
+                timeout = config.peer_read_timeout_s
+                self.tiers = PeerTiers(self.core, tier_transfer, config.lease_seconds, timeout)
+                self.loop.add_tick(self.tiers.tick)
 
     def transfer_stats(self) -> TransferStats:
         """Engine thread only: leases that expired before a decode worker read the blocks."""
@@ -97,9 +114,15 @@ class PrefillWorker(WorkerRuntime):
     # Requests ---------------------------------------------------------------------------------
 
     async def prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        peer: pb.PeerPrefix | None = None,
     ) -> PrefillResult:
-        """Raises ValueError for a request the engine can never serve; RuntimeError on engine error."""
+        """Raises ValueError for a request the engine can never serve; RuntimeError on engine error.
+        ``peer``: read the prompt's first blocks from this peer first (whatever is not read is computed)."""
         if params.structured is not None:  # compiled here, not on the engine thread (cached after)
             await asyncio.to_thread(self.core.structured.compile, params.structured)
         stream = self.loop.open_stream(request_id)
@@ -110,6 +133,8 @@ class PrefillWorker(WorkerRuntime):
             self.clocks.ready(request_id)
 
         try:
+            if peer is not None:
+                await self.read_peer_prefix(request_id, prompt, peer)
             await self.loop.run(add)
             out: SequenceOutput = await stream.get()
             lease = await self.loop.run(lambda: self.held.leases.get(request_id))
@@ -144,6 +169,48 @@ class PrefillWorker(WorkerRuntime):
 
     async def release(self, request_id: str) -> bool:
         return await self.loop.run(lambda: self.held.release(request_id, "release"))
+
+    # Prefix blocks shared with peers ------------------------------------------------------------
+
+    async def read_peer_prefix(self, request_id: str, prompt: list[int], peer: pb.PeerPrefix) -> None:
+        """Ask ``peer`` to lend the prompt's first blocks and read them into this host tier; returns
+        once the read is over, landed or not (a peer that cannot be asked lends nothing)."""
+        if not self.reads_peers or peer.num_blocks == 0:
+            return
+        asked = await self.peer_lends.ask(peer, prompt)
+        if asked is not None:
+            await self._fetch(request_id, prompt, *asked)
+
+    @property
+    def reads_peers(self) -> bool:
+        return self.tiers is not None
+
+    async def _fetch(self, request_id: str, prompt: list[int], lent: pb.LendResponse, lease_id: str) -> None:
+        landed = asyncio.get_running_loop().create_future()
+
+        def done(_published: int) -> None:
+            landed.get_loop().call_soon_threadsafe(lambda: landed.done() or landed.set_result(None))
+
+        offer = offer_from_proto(lent, lease_id)
+        await self.loop.run(lambda: self.tiers.fetch(request_id, prompt, offer, done))
+        await landed
+
+    async def lend(self, lease_id: str, prompt: list[int], max_blocks: int) -> pb.LendResponse:
+        """Pin the prompt's leading blocks held here (at most ``max_blocks``) for a peer's read."""
+        if self.tiers is None:
+            return pb.LendResponse()
+        slots, checksums = await self.loop.run(lambda: self.tiers.lend(lease_id, prompt, max_blocks))
+        return lent_to_proto(self.tiers, slots, checksums)
+
+    async def shutdown(self, grace_s: float = 1.0) -> None:
+        await super().shutdown(grace_s)
+        await self.peer_lends.close()
+
+    def stop(self) -> None:
+        super().stop()
+        if self.tiers is not None:  # the engine thread has stopped
+            self.tiers.close()
+            self.tiers.transfer.close()
 
     async def watch_kv(self, request_id: str) -> AsyncIterator[tuple[list[int], bool]]:
         """(ids of the request's prompt blocks that steps finished since the last, whether the prompt
@@ -186,6 +253,8 @@ class PrefillWorker(WorkerRuntime):
             self.held.release(out.request_id, "abandoned")  # the caller left before the handle
 
     def _abandon(self, request_id: str) -> None:
+        if self.tiers is not None:
+            self.tiers.abort(request_id)
         self.core.abort_request(request_id)
         self.held.end_watch(request_id)
         self.held.release(request_id, "abandoned")

@@ -120,16 +120,50 @@ class KVHandle(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., lease_expiry_unix: _Optional[float] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., seed: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "peer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    peer: PeerPrefix
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., peer: _Optional[_Union[PeerPrefix, _Mapping]] = ...) -> None: ...
+
+class PeerPrefix(_message.Message):
+    __slots__ = ("worker_id", "address", "num_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    num_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class LendRequest(_message.Message):
+    __slots__ = ("lease_id", "prompt_token_ids", "max_blocks")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_blocks: int
+    def __init__(self, lease_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+
+class LendResponse(_message.Message):
+    __slots__ = ("tier", "slots", "checksums", "lease_s")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    tier: KVTransferInfo
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    lease_s: float
+    def __init__(self, tier: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("handle", "prompt_logprobs", "timing", "finished")
@@ -278,16 +312,18 @@ class Progress(_message.Message):
     def __init__(self, step_ms: _Optional[float] = ..., blocked_ms: _Optional[float] = ..., interval_ms: _Optional[float] = ...) -> None: ...
 
 class RouteInfo(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker", "predicted_hit_tokens", "delivered_hit_tokens")
+    __slots__ = ("prefill_worker", "decode_worker", "predicted_hit_tokens", "delivered_hit_tokens", "peer_worker")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PEER_WORKER_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: str
     decode_worker: str
     predicted_hit_tokens: int
     delivered_hit_tokens: int
-    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., predicted_hit_tokens: _Optional[int] = ..., delivered_hit_tokens: _Optional[int] = ...) -> None: ...
+    peer_worker: str
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., predicted_hit_tokens: _Optional[int] = ..., delivered_hit_tokens: _Optional[int] = ..., peer_worker: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("tokens", "finished", "error", "route", "progress")
@@ -398,7 +434,7 @@ class KVTransferInfo(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., memory_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_blocks", "num_free_blocks", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "num_held_requests", "num_transferring", "spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_position", "prefix_cache_hits_host", "host_cache_blocks", "host_cache_used", "host_offloaded_blocks", "num_steps", "num_graph_steps", "prefix_cache_hits_disk", "disk_cache_blocks", "disk_cache_used", "disk_written_blocks", "disk_rejected_blocks")
+    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_blocks", "num_free_blocks", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "num_held_requests", "num_transferring", "spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_position", "prefix_cache_hits_host", "host_cache_blocks", "host_cache_used", "host_offloaded_blocks", "num_steps", "num_graph_steps", "prefix_cache_hits_disk", "disk_cache_blocks", "disk_cache_used", "disk_written_blocks", "disk_rejected_blocks", "peer_received_blocks", "peer_lent_blocks", "peer_rejected_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +463,9 @@ class EngineStats(_message.Message):
     DISK_CACHE_USED_FIELD_NUMBER: _ClassVar[int]
     DISK_WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_REJECTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_RECEIVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_LENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_REJECTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_swapped: int
@@ -455,7 +494,10 @@ class EngineStats(_message.Message):
     disk_cache_used: int
     disk_written_blocks: int
     disk_rejected_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., num_transferring: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., prefix_cache_hits_host: _Optional[int] = ..., host_cache_blocks: _Optional[int] = ..., host_cache_used: _Optional[int] = ..., host_offloaded_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_graph_steps: _Optional[int] = ..., prefix_cache_hits_disk: _Optional[int] = ..., disk_cache_blocks: _Optional[int] = ..., disk_cache_used: _Optional[int] = ..., disk_written_blocks: _Optional[int] = ..., disk_rejected_blocks: _Optional[int] = ...) -> None: ...
+    peer_received_blocks: int
+    peer_lent_blocks: int
+    peer_rejected_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., num_transferring: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., prefix_cache_hits_host: _Optional[int] = ..., host_cache_blocks: _Optional[int] = ..., host_cache_used: _Optional[int] = ..., host_offloaded_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_graph_steps: _Optional[int] = ..., prefix_cache_hits_disk: _Optional[int] = ..., disk_cache_blocks: _Optional[int] = ..., disk_cache_used: _Optional[int] = ..., disk_written_blocks: _Optional[int] = ..., disk_rejected_blocks: _Optional[int] = ..., peer_received_blocks: _Optional[int] = ..., peer_lent_blocks: _Optional[int] = ..., peer_rejected_blocks: _Optional[int] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
     __slots__ = ("bytes", "completed", "failures", "recomputed", "seconds_sum", "bucket_bounds", "bucket_counts", "waited", "descriptors", "expired_leases", "streamed", "streamed_bytes")
@@ -624,7 +666,7 @@ class HopSummary(_message.Message):
     def __init__(self, hop: _Optional[str] = ..., count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ...) -> None: ...
 
 class EngineCommand(_message.Message):
-    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop", "add_peer", "pull", "pull_early", "pull_extend", "pull_finish", "release", "watch", "unwatch")
+    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop", "add_peer", "pull", "pull_early", "pull_extend", "pull_finish", "release", "watch", "unwatch", "lend", "fetch")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
@@ -641,6 +683,8 @@ class EngineCommand(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     WATCH_FIELD_NUMBER: _ClassVar[int]
     UNWATCH_FIELD_NUMBER: _ClassVar[int]
+    LEND_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     start: str
     add: EngineAdd
@@ -657,7 +701,21 @@ class EngineCommand(_message.Message):
     release: str
     watch: EngineWatch
     unwatch: str
-    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ..., add_peer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., pull: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_early: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_extend: _Optional[_Union[EngineExtend, _Mapping]] = ..., pull_finish: _Optional[_Union[EnginePull, _Mapping]] = ..., release: _Optional[str] = ..., watch: _Optional[_Union[EngineWatch, _Mapping]] = ..., unwatch: _Optional[str] = ...) -> None: ...
+    lend: LendRequest
+    fetch: EngineFetch
+    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ..., add_peer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., pull: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_early: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_extend: _Optional[_Union[EngineExtend, _Mapping]] = ..., pull_finish: _Optional[_Union[EnginePull, _Mapping]] = ..., release: _Optional[str] = ..., watch: _Optional[_Union[EngineWatch, _Mapping]] = ..., unwatch: _Optional[str] = ..., lend: _Optional[_Union[LendRequest, _Mapping]] = ..., fetch: _Optional[_Union[EngineFetch, _Mapping]] = ...) -> None: ...
+
+class EngineFetch(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "lent", "lease_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LENT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    lent: LendResponse
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lent: _Optional[_Union[LendResponse, _Mapping]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class EngineWatch(_message.Message):
     __slots__ = ("request_id", "wait_s")
@@ -738,20 +796,22 @@ class KVEventBatch(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "queued_prompt_tokens", "host_hit_cost_pct", "disk_hit_cost_pct")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "queued_prompt_tokens", "host_hit_cost_pct", "disk_hit_cost_pct", "peer_hit_cost_pct")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_HIT_COST_PCT_FIELD_NUMBER: _ClassVar[int]
     DISK_HIT_COST_PCT_FIELD_NUMBER: _ClassVar[int]
+    PEER_HIT_COST_PCT_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
     queued_prompt_tokens: int
     host_hit_cost_pct: int
     disk_hit_cost_pct: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., host_hit_cost_pct: _Optional[int] = ..., disk_hit_cost_pct: _Optional[int] = ...) -> None: ...
+    peer_hit_cost_pct: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., host_hit_cost_pct: _Optional[int] = ..., disk_hit_cost_pct: _Optional[int] = ..., peer_hit_cost_pct: _Optional[int] = ...) -> None: ...
 
 class EngineReady(_message.Message):
     __slots__ = ("layout", "num_blocks", "max_model_len", "vocab_size", "max_num_seqs", "cache_salt", "pid", "transfer")
@@ -774,7 +834,7 @@ class EngineReady(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., pid: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ...) -> None: ...
 
 class EngineReply(_message.Message):
-    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes", "started", "transfer_stats", "pending_pulls", "host_hashes", "released", "num_leases", "releases", "disk_hashes")
+    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes", "started", "transfer_stats", "pending_pulls", "host_hashes", "released", "num_leases", "releases", "disk_hashes", "lent")
     class ReleasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -797,6 +857,7 @@ class EngineReply(_message.Message):
     NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     DISK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LENT_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     error: str
     error_type: str
@@ -812,7 +873,8 @@ class EngineReply(_message.Message):
     num_leases: int
     releases: _containers.ScalarMap[str, int]
     disk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ..., started: _Optional[bool] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pending_pulls: _Optional[int] = ..., host_hashes: _Optional[_Iterable[bytes]] = ..., released: _Optional[bool] = ..., num_leases: _Optional[int] = ..., releases: _Optional[_Mapping[str, int]] = ..., disk_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    lent: LendResponse
+    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ..., started: _Optional[bool] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pending_pulls: _Optional[int] = ..., host_hashes: _Optional[_Iterable[bytes]] = ..., released: _Optional[bool] = ..., num_leases: _Optional[int] = ..., releases: _Optional[_Mapping[str, int]] = ..., disk_hashes: _Optional[_Iterable[bytes]] = ..., lent: _Optional[_Union[LendResponse, _Mapping]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "has_logprobs", "finish_reason", "stop_string", "stop_token", "num_prompt_tokens", "num_cached_tokens", "error", "seed", "prompt_logprobs", "has_prompt_logprobs", "error_type", "held", "held_block_ids")
@@ -869,7 +931,7 @@ class EngineTokens(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineEvents(_message.Message):
-    __slots__ = ("replies", "outputs", "tokens", "step_started", "failure", "kv_events", "load", "landed", "leases", "exposed")
+    __slots__ = ("replies", "outputs", "tokens", "step_started", "failure", "kv_events", "load", "landed", "leases", "exposed", "fetched")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -880,6 +942,7 @@ class EngineEvents(_message.Message):
     LANDED_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     EXPOSED_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[EngineReply]
     outputs: _containers.RepeatedCompositeFieldContainer[EngineOutput]
     tokens: EngineTokens
@@ -890,7 +953,8 @@ class EngineEvents(_message.Message):
     landed: _containers.RepeatedCompositeFieldContainer[KVLanded]
     leases: _containers.RepeatedCompositeFieldContainer[EngineLease]
     exposed: _containers.RepeatedCompositeFieldContainer[EngineExposed]
-    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., tokens: _Optional[_Union[EngineTokens, _Mapping]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., landed: _Optional[_Iterable[_Union[KVLanded, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[EngineLease, _Mapping]]] = ..., exposed: _Optional[_Iterable[_Union[EngineExposed, _Mapping]]] = ...) -> None: ...
+    fetched: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., tokens: _Optional[_Union[EngineTokens, _Mapping]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., landed: _Optional[_Iterable[_Union[KVLanded, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[EngineLease, _Mapping]]] = ..., exposed: _Optional[_Iterable[_Union[EngineExposed, _Mapping]]] = ..., fetched: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVLanded(_message.Message):
     __slots__ = ("request_id", "seconds")

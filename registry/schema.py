@@ -123,6 +123,7 @@ class WorkerRecord:
     step_ms: int = 0  # the engine's longest recent step (a stall deadline scales with it)
     host_hit_cost_pct: int = 100  # a host-tier hit's measured cost, in % of computing the block
     disk_hit_cost_pct: int = 100  # the same for a disk-tier hit
+    peer_hit_cost_pct: int = 100  # the same for a block read from a peer's tier (100: it reads none)
     kv_handoff: int = 1  # 0: a decode worker that takes no KV hand-offs (it computes its prompts itself)
 
     def to_fields(self) -> dict[str, str | int]:
@@ -145,6 +146,7 @@ class WorkerRecord:
             "kv_handoff",
             "host_hit_cost_pct",
             "disk_hit_cost_pct",
+            "peer_hit_cost_pct",
         )
         return cls(**{k: (int(v) if k in ints else v) for k, v in d.items() if k in cls.__slots__})
 

@@ -36,6 +36,7 @@ async def _main(args: argparse.Namespace) -> None:
         local_prefill_tokens=args.local_prefill_tokens,
         migration=migration,
         kv_streaming_tokens=args.kv_streaming_tokens,
+        peer_reads=args.peer_reads,
     )
     server, address = await serve(router, args.host, args.port)
     print(f"LISTENING {address}", flush=True)
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="prefill on the decode worker when its uncached prompt part is at most this many tokens (0: never)",
+    )
+    p.add_argument(
+        "--peer-reads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a prefill worker may read a prompt's prefix from another prefill worker's KV tiers over NIXL when that is cheaper than computing it (cache_aware routing; needs kv_host_cache_gib)",
     )
     p.add_argument(
         "--kv-streaming-tokens",

@@ -10,7 +10,11 @@ by both terms being tokens of work); a new prefix goes where the cache has the m
 worker is chosen by running requests and free KV blocks, its own cached prefix breaking ties.
 A prefix block in a worker's host tier (engine/kv_host_tier.py) or disk tier (engine/kv_disk_tier.py)
 counts between a device hit and a miss: it saves the compute of its tokens less the load the worker
-measured for that tier (``host_hit_cost_pct``, ``disk_hit_cost_pct``).
+measured for that tier (``host_hit_cost_pct``, ``disk_hit_cost_pct``). A prefix held by another
+prefill worker (on its device or in its host tier) can be read from there (``PeerPrefix``,
+prefill_worker/peer_tiers.py): for a worker that reads peers, the blocks past its own hits count at
+the cost it measured for such reads (``peer_hit_cost_pct``), so a busy owner's tenant goes to an idle
+worker that reads the prefix instead of computing it.
 
 Load is the router's exact count of what it has in flight on a worker, plus what the worker's
 heartbeat shows beyond that (other router replicas' work). The heartbeat alone is up to a period
@@ -52,6 +56,8 @@ class Route:
     prefill: WorkerRecord | None  # None: aggregated on the decode worker
     decode: WorkerRecord
     predicted_hit_tokens: int = 0
+    peer: WorkerRecord | None = None  # the prefill worker to read the prompt's first blocks from
+    peer_blocks: int = 0  # how many (from block 0; the reader skips those it holds)
 
 
 @dataclass(slots=True)
@@ -67,6 +73,7 @@ class RoutingInput:
 
 class Policy:
     name = "base"
+    peer_reads = True  # cache_aware: a prefill worker may read the prompt's prefix from a peer
 
     def choose(self, inp: RoutingInput, index: PrefixIndex) -> Route:
         raise NotImplementedError
@@ -124,23 +131,28 @@ class CacheAware(LeastLoad):
             cached = {w.worker_id: index.num_blocks_of(w.worker_id) for w in inp.prefills}
         bs = inp.block_size
         hits = {w: sum(runs) for w, runs in tiers.items()}
-        prefill = None
-        if inp.prefills:
-            # Ties (e.g. a new prefix on idle workers) go where the cache has the most room, which
-            # spreads tenants over the workers instead of piling them onto the first one.
-            prefill = min(
-                inp.prefills,
-                key=lambda w: (
-                    inp.prompt_len - _saved_blocks(w, tiers) * bs + self._queued_tokens(inp, w),
-                    -hits.get(w.worker_id, 0),
-                    cached[w.worker_id],
-                    w.worker_id,
-                ),
-            )
         # A decode worker's pulled KV lands on its device hits only (its host tier serves prompts
         # it computes itself), so those break its ties.
         decode = self._decode(inp, {w: runs[0] for w, runs in tiers.items()})
-        return Route(prefill, decode, hits.get(prefill.worker_id, 0) * bs if prefill else 0)
+        if not inp.prefills:
+            return Route(None, decode)
+        peers = _PeerPrefixes(inp.prefills if self.peer_reads else [], tiers)
+        saved = {w.worker_id: peers.saved(w) for w in inp.prefills}
+        # Ties (e.g. a new prefix on idle workers) go where the cache has the most room, which
+        # spreads tenants over the workers instead of piling them onto the first one.
+        prefill = min(
+            inp.prefills,
+            key=lambda w: (
+                inp.prompt_len - saved[w.worker_id][0] * bs + self._queued_tokens(inp, w),
+                -hits.get(w.worker_id, 0),
+                cached[w.worker_id],
+                w.worker_id,
+            ),
+        )
+        _, peer, peer_blocks = saved[prefill.worker_id]
+        if peer is not None:
+            return Route(prefill, decode, peer_blocks * bs, peer, peer_blocks)
+        return Route(prefill, decode, hits.get(prefill.worker_id, 0) * bs)
 
 
 Runs = tuple[int, int, int]  # a prefix hit's blocks on the device, then in the host tier, then on disk
@@ -166,6 +178,33 @@ def _saved_blocks(w: WorkerRecord, tiers: Mapping[str, Runs]) -> float:
     weighed by what loading one costs there (measured by the worker, in % of computing it)."""
     device, host, disk = tiers.get(w.worker_id, (0, 0, 0))
     return device + host * _worth(w.host_hit_cost_pct) + disk * _worth(w.disk_hit_cost_pct)
+
+
+class _PeerPrefixes:
+    """For each prefill worker, the best peer to read the prompt's prefix from: the one whose
+    device-then-host run is longest (a lender serves those: engine/kv_lending.py)."""
+
+    def __init__(self, prefills: list[WorkerRecord], tiers: Mapping[str, Runs]) -> None:
+        self.tiers = tiers
+        runs = sorted(
+            ((sum(tiers.get(w.worker_id, (0, 0, 0))[:2]), w) for w in prefills), key=lambda x: -x[0]
+        )
+        self.best = runs[:2]  # the longest two: a worker's best peer is the first that is not itself
+
+    def saved(self, w: WorkerRecord) -> tuple[float, WorkerRecord | None, int]:
+        """(blocks saved, the peer to read from or None, the peer's run) for ``w``: its own hits, or
+        those plus the peer's blocks past them at ``w``'s peer-read cost, whichever saves more."""
+        own = _saved_blocks(w, self.tiers)
+        device, host, _disk = self.tiers.get(w.worker_id, (0, 0, 0))
+        worth = _worth(w.peer_hit_cost_pct)
+        for run, peer in self.best:
+            if peer.worker_id == w.worker_id:
+                continue
+            with_peer = device + host * _worth(w.host_hit_cost_pct) + (run - device - host) * worth
+            if worth > 0 and run > device + host and with_peer > own:
+                return with_peer, peer, run
+            break
+        return own, None, 0
 
 
 def _worth(cost_pct: int) -> float:

@@ -74,6 +74,7 @@ class RouterStats:
     migrations: int = 0  # streams resumed on another decode worker
     stalls: int = 0  # decode streams given up on as stalled
     migrations_refused: int = 0  # lost streams that could not be resumed (limit, no worker, n > 1)
+    peer_reads: int = 0  # prefills sent with a peer to read the prompt's prefix from
 
 
 class Router(DecodeRelay):
@@ -85,6 +86,7 @@ class Router(DecodeRelay):
         local_prefill_tokens: int = 0,
         migration: MigrationOptions | None = None,
         kv_streaming_tokens: int = 0,
+        peer_reads: bool = True,
     ) -> None:
         if local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
@@ -92,6 +94,7 @@ class Router(DecodeRelay):
             raise ValueError(f"kv_streaming_tokens must be >= 0, got {kv_streaming_tokens}")
         self.view = view
         self.policy: Policy = make_policy(policy)
+        self.policy.peer_reads = peer_reads  # prefill workers may read prefixes from each other
         self.prefill_attempts = prefill_attempts
         # Conditional disaggregation: a prompt whose part the decode worker has not cached is at most
         # this many tokens is prefilled there (no prefill hop, no KV transfer); 0 always disaggregates.
@@ -353,6 +356,7 @@ class Router(DecodeRelay):
             decode_worker=route.decode.worker_id,
             predicted_hit_tokens=route.predicted_hit_tokens,
             delivered_hit_tokens=handle.num_cached_tokens,
+            peer_worker=route.peer.worker_id if route.peer is not None else "",
         )
         yield pb.GenerateResponse(route=info), False
         if resp.HasField("finished"):
@@ -404,11 +408,15 @@ class Router(DecodeRelay):
         load.requests += 1
         routed = self.routed.add(w.worker_id, hashes.all())
         computed = False
-        try:
-            call = self.stubs.prefill(w.address).Prefill(
-                pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority),
-                timeout=_remaining(deadline),
+        req = pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority)
+        if route.peer is not None:  # read the prefix from the peer holding it (prefill_worker/peer_tiers.py)
+            p = route.peer
+            req.peer.CopyFrom(
+                pb.PeerPrefix(worker_id=p.worker_id, address=p.address, num_blocks=route.peer_blocks)
             )
+            self.stats.peer_reads += 1
+        try:
+            call = self.stubs.prefill(w.address).Prefill(req, timeout=_remaining(deadline))
             resp = await watched(call, w, self.view.silent_for, self.migration)
             computed = True
             return resp

@@ -160,6 +160,17 @@ def module_redis_server(tmp_path_factory):
     server.kill()
 
 
+def pytest_collection_modifyitems(config, items):
+    """scripts/test.sh runs two xdist workers (``-n 2 --dist loadgroup``). The end-to-end tier
+    (tests/deploy, any test marked ``ray``) and the benchmarks' tests (several processes each, which
+    measure CPU) run in one group, one at a time on one worker, while the other takes the rest."""
+    here = Path(__file__).parent
+    serial = (here / "deploy", here / "bench")
+    for item in items:
+        if item.get_closest_marker("ray") or any(d in Path(item.fspath).parents for d in serial):
+            item.add_marker(pytest.mark.xdist_group("serial"))
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--soak-seconds",

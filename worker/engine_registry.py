@@ -43,6 +43,7 @@ class EngineRegistryLink:
                 step_ms=int(self.engine.recent_step_s * 1000),
                 host_hit_cost_pct=load.host_hit_cost_pct,
                 disk_hit_cost_pct=load.disk_hit_cost_pct,
+                peer_hit_cost_pct=load.peer_hit_cost_pct,
             )
 
     def _on_snapshot(self, hashes: list[bytes], host: list[bytes], disk: list[bytes]) -> None:

@@ -63,6 +63,7 @@ class RegistryLink:
                 step_ms=int(self.recent_step_s() * 1000),
                 host_hit_cost_pct=core.host_hit_cost_pct(),
                 disk_hit_cost_pct=core.disk_hit_cost_pct(),
+                peer_hit_cost_pct=core.peer_hit_cost_pct(),
             )
 
     def stop(self) -> None:

@@ -80,6 +80,9 @@ def stats_to_proto(s: EngineStats) -> pb.EngineStats:
         disk_cache_used=s.disk_cache_used,
         disk_written_blocks=s.disk_written_blocks,
         disk_rejected_blocks=s.disk_rejected_blocks,
+        peer_received_blocks=s.peer_received_blocks,
+        peer_lent_blocks=s.peer_lent_blocks,
+        peer_rejected_blocks=s.peer_rejected_blocks,
         num_steps=s.num_steps,
         num_graph_steps=s.num_graph_steps,
     )
@@ -114,6 +117,9 @@ def stats_from_proto(s: pb.EngineStats) -> EngineStats:
         disk_cache_used=s.disk_cache_used,
         disk_written_blocks=s.disk_written_blocks,
         disk_rejected_blocks=s.disk_rejected_blocks,
+        peer_received_blocks=s.peer_received_blocks,
+        peer_lent_blocks=s.peer_lent_blocks,
+        peer_rejected_blocks=s.peer_rejected_blocks,
         num_steps=s.num_steps,
         num_graph_steps=s.num_graph_steps,
     )

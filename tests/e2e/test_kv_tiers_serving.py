@@ -14,6 +14,7 @@ from test_router import Cluster
 
 from engine.block_hash import hash_blocks
 from router.affinity import RoutedPrefixes
+from router.policies import WorkerLoad
 
 BS = 8
 PREFIX = 80  # tokens of a tenant's system prompt: 10 blocks, of a prefill pool of 16
@@ -60,6 +61,75 @@ def test_tenants_return_to_the_worker_holding_their_prefix_in_its_host_tier(
         assert set(owner.values()) == {"p0", "p1"}  # two tenants each: more than a pool holds
         prefills = [await state(p.address, "prefill") for p in cluster.prefills]
         assert all(s.stats.prefix_cache_hits_host > 0 for s in prefills), [s.stats for s in prefills]
+        await cluster.all_free()
+
+    async def run():
+        await cluster.start()
+        try:
+            await body()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def test_a_prefix_held_by_a_busy_worker_is_read_by_another_over_nixl(
+    workers, redis_server, tiny_llama, hf_greedy
+):
+    """Issue 33 item 3 across processes: p0 (engine in the worker's process) computes a tenant's
+    prompt; with p0 busy, the router sends the tenant's next prompt to p1 (engine in its own process)
+    with p0 as the peer to read the prefix from. p1 asks p0 to lend the blocks (gRPC), reads them
+    host tier to host tier over NIXL and serves them as host hits: output equals HF, the hit is what
+    the route predicted, p0's lease ends with the read, every block is back."""
+    cluster = Cluster(
+        workers,
+        redis_server,
+        num_prefill=2,
+        kv_flags=("--kv-host-cache-gib", "0.01"),
+        prefill_flags=((), ("--engine-process",)),
+    )
+    rng = random.Random(5)
+    tenant = [rng.randrange(3, 1000) for _ in range(PREFIX)]
+    other = [rng.randrange(3, 1000) for _ in range(PREFIX)]
+
+    def busy(worker: str | None) -> None:
+        """The router counts 10k tokens queued on ``worker`` (none: no extra load anywhere)."""
+        cluster.router.inflight.clear()
+        if worker is not None:
+            cluster.router.inflight[worker] = WorkerLoad(prompt_tokens=10_000)
+
+    async def until(check, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    def record(worker: str):
+        return next(w for w in cluster.view.live_workers("prefill") if w.worker_id == worker)
+
+    async def body():
+        busy("p1")
+        first = [*tenant, 7, 8, 9]
+        assert await cluster.generate("a", first) == hf_greedy(tiny_llama, first, 6)
+        assert cluster.routes["a"].prefill_worker == "p0"
+        busy("p0")
+        warm = [*other, 1]
+        assert await cluster.generate("b", warm) == hf_greedy(tiny_llama, warm, 6)
+        assert cluster.routes["b"].prefill_worker == "p1"  # p1 has measured a prefill: it can cost reads
+        with cluster.view.index.lock:
+            held = lambda: sum(cluster.view.index.match_tiers(hash_blocks(tenant, BS), ["p0"])["p0"])  # noqa: E731
+        await until(lambda: held() == PREFIX // BS, "the index never showed p0's blocks")
+        await until(lambda: record("p1").peer_hit_cost_pct < 100, "p1 never reported a peer-read cost")
+        second = [*tenant, 4, 5, 6, 10, 11]
+        assert await cluster.generate("c", second) == hf_greedy(tiny_llama, second, 6)
+        route = cluster.routes["c"]
+        assert (route.prefill_worker, route.peer_worker) == ("p1", "p0"), route
+        assert route.delivered_hit_tokens == route.predicted_hit_tokens == PREFIX, route
+        p0, p1 = [await state(p.address, "prefill") for p in cluster.prefills]
+        assert p0.stats.peer_lent_blocks == PREFIX // BS
+        assert p1.stats.peer_received_blocks == PREFIX // BS and p1.stats.prefix_cache_hits_host == PREFIX
+        assert cluster.router.stats.peer_reads == 1
+        busy(None)
         await cluster.all_free()
 
     async def run():

@@ -41,6 +41,8 @@ class Cluster:
         **spawn_kw,
     ) -> None:
         url = redis_server.url
+        # prefill_flags: every prefill worker's, or one tuple per worker
+        per_prefill = prefill_flags if prefill_flags and isinstance(prefill_flags[0], tuple) else None
         self.prefills = [
             workers(
                 "prefill",
@@ -51,7 +53,7 @@ class Cluster:
                 "--lease-seconds",
                 "5",
                 *kv_flags,
-                *prefill_flags,
+                *(per_prefill[i] if per_prefill else prefill_flags),
                 **spawn_kw,
             )
             for i in range(num_prefill)

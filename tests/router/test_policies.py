@@ -230,3 +230,56 @@ def test_a_disk_tier_hit_counts_between_a_host_hit_and_a_miss_by_its_own_measure
     assert pick("miss", "disk", disk=dear) == "miss"
     ps = [prefill("disk", **costs), prefill("miss")]
     assert choose("cache_aware", ps, [decode("d0")], idx).predicted_hit_tokens == 7 * BS
+
+
+def test_a_busy_owners_prefix_is_read_by_an_idle_worker_that_reads_peers():
+    """p0 holds the prompt's 8 blocks (7 usable: the last token is computed) on its device and has
+    40 tokens queued; p1 holds nothing. p1 reading them at 20% of computing saves 80% of 28 = 22.4
+    tokens: it wins with the read against p0's queue, and the route names p0 as the peer. A worker
+    that reads no peers (100%: no host tier) computes; a queue shorter than the saving keeps p0."""
+    idx = index_of({"p0": HASHES[:8], "p1": []})
+
+    def route(p0_queue: int, p1_cost: int):
+        ps = [prefill("p0", queued_prompt_tokens=p0_queue), prefill("p1", peer_hit_cost_pct=p1_cost)]
+        return choose("cache_aware", ps, [decode("d0")], idx)
+
+    r = route(40, 20)
+    assert (r.prefill.worker_id, r.peer.worker_id, r.peer_blocks, r.predicted_hit_tokens) == (
+        "p1",
+        "p0",
+        7,
+        28,
+    )
+    r = route(40, 100)
+    assert (r.prefill.worker_id, r.peer) == ("p1", None)  # p1 computes all 32: still sooner than 40 queued
+    assert route(5, 20).prefill.worker_id == "p0"  # 5 queued beats reading: p0 serves its own hit
+    assert route(5, 20).peer is None
+    # Where the owner's blocks are in its host tier, they are lent the same way.
+    host = index_of({"p1": []})
+    assert host.apply(KVEventRecord("p0", 1, 1, RESYNCED, HASHES[:2], HASHES[2:8]))
+    ps = [prefill("p0", queued_prompt_tokens=40), prefill("p1", peer_hit_cost_pct=20)]
+    r = choose("cache_aware", ps, [decode("d0")], host)
+    assert (r.prefill.worker_id, r.peer.worker_id, r.peer_blocks) == ("p1", "p0", 7)
+
+
+def test_a_reader_reads_only_the_blocks_past_its_own_hits():
+    """p1 holds the first 4 blocks itself: a read is worth its 3 missing blocks, and the peer with the
+    longest run is the one named."""
+    idx = index_of({"p0": HASHES[:8], "p1": HASHES[:4], "p2": HASHES[:6]})
+    ps = [
+        prefill("p0", queued_prompt_tokens=100),
+        prefill("p1", peer_hit_cost_pct=0),
+        prefill("p2", queued_prompt_tokens=100),
+    ]
+    r = choose("cache_aware", ps, [decode("d0")], idx)
+    assert (r.prefill.worker_id, r.peer.worker_id, r.peer_blocks) == ("p1", "p0", 7)
+
+
+def test_peer_reads_can_be_turned_off():
+    """``--no-peer-reads``: the busy owner's tenant is computed by the idle worker, not read."""
+    idx = index_of({"p0": HASHES[:8], "p1": []})
+    ps = [prefill("p0", queued_prompt_tokens=40), prefill("p1", peer_hit_cost_pct=20)]
+    policy = make_policy("cache_aware")
+    policy.peer_reads = False
+    r = policy.choose(inp(ps, [decode("d0")]), idx)
+    assert (r.prefill.worker_id, r.peer, r.predicted_hit_tokens) == ("p1", None, 0)

@@ -1,0 +1,204 @@
+"""Prefix blocks read from a peer's host tier (issue 33, item 3), both ends on real engines.
+
+Two engines with host tiers, their tier memories on one in-process fabric (the NIXL backend's
+semantics: tests/e2e reads across processes over NIXL): the owner lends a prompt's blocks (those on
+its device are copied to its host tier first), the reader reads them into its own host tier and then
+serves the prompt from there. Greedy output equals HF's whether the read lands, fails, stalls or
+brings a block whose bytes changed; the owner's lease ends with the read; every slot and block is
+back where it started.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cli.status import format_status
+from engine import LLM, SamplingParams
+from engine.block_hash import hash_blocks
+from ingress.metrics import IngressMetrics
+from kv_transfer import InProcessBackend, InProcessFabric, KVCompat
+from prefill_worker.peer_tiers import LendOffer, PeerTiers
+from proto import pdserve_pb2 as pb
+from worker.state import stats_to_proto
+
+BS = 8
+PROMPT = 90  # 11 full blocks; at most 11 are served from a cache (the last token is computed)
+PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+class Pair:
+    """Owner and reader engines (16-block pools, host tiers), their tiers on one fabric."""
+
+    def __init__(self, model, lease_s: float = 10.0, timeout_s: float = 5.0) -> None:
+        common = dict(block_size=BS, num_blocks=32, max_num_seqs=2, kv_host_cache_gib=0.001)
+        self.fabric = InProcessFabric()
+        self.llms = LLM(str(model), **common), LLM(str(model), **common)
+        compat = KVCompat.from_layout("tiny", self.llms[0].core.layout)
+        self.tiers = [
+            PeerTiers(
+                llm.core,
+                InProcessBackend(self.fabric, name, llm.core.kv.host_blocks.rows, compat),
+                lease_s,
+                timeout_s,
+            )
+            for llm, name in zip(self.llms, ("owner-tier", "reader-tier"))
+        ]
+        self.owner, self.reader = self.tiers
+
+    def lend(self, prompt: list[int], lease_id: str = "lease-1") -> LendOffer:
+        slots, sums = self.owner.lend(lease_id, prompt, 100)
+        return LendOffer(self.owner.info(), slots, sums, lease_id, self.owner.lending.lease_s)
+
+    def read(
+        self, prompt: list[int], offer: LendOffer, request_id: str = "r1", deadline_s: float = 10.0
+    ) -> int:
+        """Fetch and tick both ends until the read is over; the blocks published."""
+        landed: list[int] = []
+        self.reader.fetch(request_id, prompt, offer, landed.append)
+        deadline = time.monotonic() + deadline_s
+        while not landed:
+            assert time.monotonic() < deadline, "the read never ended"
+            self.reader.tick()
+            self.owner.tick()
+        self.owner.tick()  # the read's notification
+        return landed[0]
+
+    def check_back(self) -> None:
+        for llm, tiers in zip(self.llms, self.tiers):
+            s = llm.stats()
+            assert s.num_free_blocks == s.num_blocks
+            assert not tiers.lending.leases and not tiers.pending()
+            assert not llm.core.kv.host_tier._pinned  # no slot left pinned by a lease or a read
+
+
+def _prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(PROMPT)]
+
+
+@pytest.fixture
+def pair(tiny_llama):
+    return Pair(tiny_llama)
+
+
+def test_a_prefix_read_from_a_peer_serves_the_prompt_unchanged(pair, tiny_llama, hf_greedy):
+    prompt = _prompt(1)
+    want = hf_greedy(tiny_llama, prompt, 5)
+    owner, reader = pair.llms
+    assert owner.generate([prompt], PARAMS, use_tqdm=False)[0].token_ids == want  # cached on its device
+    offer = pair.lend(prompt)
+    assert len(offer.slots) == 11  # every full block but the one holding the last token
+    assert owner.stats().peer_lent_blocks == 11
+    assert pair.owner.lending.leases  # pinned until the read's notification
+    assert pair.read(prompt, offer) == 11
+    assert not pair.owner.lending.leases  # the notification ended the lease
+    assert reader.generate([prompt], PARAMS, use_tqdm=False)[0].token_ids == want
+    s = reader.stats()
+    assert s.peer_received_blocks == 11 and s.prefix_cache_hits_host == s.prefix_cache_hits == 11 * BS
+    pair.check_back()
+    _shown_by_status_and_metrics(reader.stats(), received=11, lent=0)
+    _shown_by_status_and_metrics(owner.stats(), received=0, lent=11)
+
+
+def _shown_by_status_and_metrics(stats, received: int, lent: int) -> None:
+    worker = pb.WorkerState(role="prefill", worker_id="p0", stats=stats_to_proto(stats))
+    lines = format_status(pb.ClusterState(policy="cache_aware"), [worker]).splitlines()
+    head = lines[lines.index("prefix cache by tier:") + 1].split("  ")
+    assert [h.strip() for h in head if h.strip()][-2:] == ["FROM PEERS", "LENT"]
+    assert lines[lines.index("prefix cache by tier:") + 2].split()[-2:] == [str(received), str(lent)]
+    rendered = IngressMetrics("m").render(None, [worker], ("i0", 0, 0)).decode()
+    samples = {
+        s.labels["direction"]: s.value
+        for f in text_string_to_metric_families(rendered)
+        for s in f.samples
+        if s.name == "pdserve_kv_peer_blocks_total"
+    }
+    assert samples == {"received": received, "lent": lent, "rejected": 0}
+
+
+def test_blocks_held_already_are_not_read_again(pair):
+    prompt = _prompt(2)
+    owner, reader = pair.llms
+    owner.generate([prompt], PARAMS, use_tqdm=False)
+    reader.generate([prompt[: 4 * BS + 1]], PARAMS, use_tqdm=False)  # its first 4 blocks
+    assert pair.read(prompt, pair.lend(prompt)) == 7
+    reader.generate([prompt], PARAMS, use_tqdm=False)
+    s = reader.stats()
+    assert s.prefix_cache_hits == 11 * BS and s.peer_received_blocks == 7  # 4 its own, 7 read
+    pair.check_back()
+
+
+def test_a_failed_read_leaves_the_prompt_to_compute(pair, tiny_llama, hf_greedy):
+    prompt = _prompt(3)
+    pair.llms[0].generate([prompt], PARAMS, use_tqdm=False)
+    pair.fabric.fail_next_reads(1)
+    assert pair.read(prompt, pair.lend(prompt)) == 0
+    reader = pair.llms[1]
+    assert reader.generate([prompt], PARAMS, use_tqdm=False)[0].token_ids == hf_greedy(tiny_llama, prompt, 5)
+    assert reader.stats().prefix_cache_hits == 0 and len(reader.core.kv.host_tier) == 0
+    assert pair.reader.failed_reads == 1
+    pair.owner.lending.expire(time.monotonic() + 60)  # a failed read sends no notification
+    pair.check_back()
+
+
+def test_a_block_whose_bytes_changed_is_never_served(pair, tiny_llama, hf_greedy):
+    """The owner's slot is overwritten after the lend (as a reuse would): the reader's CRC check
+    drops that block; the prompt's hit ends before it and the rest is computed."""
+    prompt = _prompt(4)
+    pair.llms[0].generate([prompt], PARAMS, use_tqdm=False)
+    offer = pair.lend(prompt)
+    pair.owner.lending.rows[offer.slots[3]].add_(1.0)
+    assert pair.read(prompt, offer) == 10
+    reader = pair.llms[1]
+    assert reader.generate([prompt], PARAMS, use_tqdm=False)[0].token_ids == hf_greedy(tiny_llama, prompt, 5)
+    s = reader.stats()
+    assert s.peer_rejected_blocks == 1 and s.prefix_cache_hits == 3 * BS
+    pair.check_back()
+
+
+def test_a_stalled_read_fails_at_its_deadline_and_frees_its_slots_once_it_ends(tiny_llama):
+    """Until a timed-out read ends, its reserved slots stay pinned (NIXL cannot abort a READ: bytes
+    may still land); once it ends they are freed, its blocks not published (the lease may be over)."""
+    pair = Pair(tiny_llama, timeout_s=0.3)
+    prompt = _prompt(5)
+    pair.llms[0].generate([prompt], PARAMS, use_tqdm=False)
+    pair.fabric.stall_reads()
+    assert pair.read(prompt, pair.lend(prompt)) == 0  # at the deadline
+    tier = pair.llms[1].core.kv.host_tier
+    assert tier._pinned and len(tier) == 0  # reserved: the read may still land there
+    pair.fabric.resume_reads()
+    pair.reader.tick()
+    assert not tier._pinned and len(tier) == 0  # it ended: the slots are free, nothing published
+    pair.owner.tick()
+    pair.check_back()
+
+
+def test_a_request_that_leaves_mid_read_drops_it(pair):
+    prompt = _prompt(6)
+    pair.llms[0].generate([prompt], PARAMS, use_tqdm=False)
+    pair.fabric.stall_reads()
+    called: list[int] = []
+    pair.reader.fetch("gone", prompt, pair.lend(prompt), called.append)
+    assert pair.reader.abort("gone") and not pair.reader.abort("gone")
+    pair.fabric.resume_reads()
+    pair.reader.tick()
+    pair.owner.tick()
+    assert called == []  # nobody waits for it any more
+    pair.check_back()
+
+
+def test_nothing_held_nothing_lent_and_leases_expire(pair):
+    prompt = _prompt(7)
+    assert pair.lend(prompt).slots == []  # the owner never saw it
+    pair.llms[0].generate([prompt], PARAMS, use_tqdm=False)
+    offer = pair.lend(prompt, "lease-2")
+    with pytest.raises(ValueError, match="already taken"):
+        pair.owner.lend("lease-2", prompt, 100)
+    assert pair.owner.lending.expire(time.monotonic() + 60) == 1
+    pair.check_back()
+    # The reader's hashes are the owner's: the same chain over the same tokens.
+    assert len(offer.slots) == len(hash_blocks(prompt[: 11 * BS], BS))
