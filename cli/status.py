@@ -101,7 +101,7 @@ def format_status(cluster, states) -> str:
         f"{cluster.active_requests} active; prefix hits predicted {cluster.predicted_prefix_hit_rate:.0%} / "
         f"delivered {cluster.delivered_prefix_hit_rate:.0%}; retries {cluster.prefill_retries}, "
         f"aggregated fallbacks {cluster.aggregated_fallbacks}, local prefills {cluster.local_prefills}, "
-        f"KV streamed {cluster.kv_streamed}, "
+        f"KV streamed {cluster.kv_streamed}, peer reads {cluster.peer_reads}, "
         f"failed {cluster.failed_requests}; migrations {cluster.migrations} "
         f"(stalls {cluster.stalls}, refused {cluster.migrations_refused})"
         + (f"; suspect: {', '.join(cluster.suspect_workers)}" if cluster.suspect_workers else "")

@@ -311,6 +311,11 @@ class _ClusterCollector:
                 value=c.local_prefills,
             )
             yield CounterMetricFamily(
+                "pdserve_router_peer_reads",
+                "Prefills sent with a peer prefill worker to read the prompt's prefix from (KV tiers)",
+                value=c.peer_reads,
+            )
+            yield CounterMetricFamily(
                 "pdserve_router_kv_streamed",
                 "Requests whose Decode, opened before their prefill (KV streaming), took the complete handle",
                 value=c.kv_streamed,

@@ -126,6 +126,7 @@ class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):
             decode_retries=s.decode_retries,
             local_prefills=s.local_prefills,
             kv_streamed=s.kv_streamed,
+            peer_reads=s.peer_reads,
             draining=view.draining,
             hop_timing=r.hops.summary(),
             migrations=s.migrations,

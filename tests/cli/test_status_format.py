@@ -68,10 +68,16 @@ def test_status_json_keeps_zeros_and_numbers_and_hides_nixl_blobs_and_addresses(
 
 def test_status_prints_migrations_and_suspect_workers():
     cluster = pb.ClusterState(
-        policy="cache_aware", migrations=3, stalls=1, migrations_refused=2, suspect_workers=["decode-b"]
+        policy="cache_aware",
+        migrations=3,
+        stalls=1,
+        migrations_refused=2,
+        suspect_workers=["decode-b"],
+        peer_reads=5,
     )
     head = format_status(cluster, []).splitlines()[0]
     assert "migrations 3 (stalls 1, refused 2)" in head and "suspect: decode-b" in head
+    assert "peer reads 5" in head
     assert "suspect" not in format_status(pb.ClusterState(policy="cache_aware"), []).splitlines()[0]
 
 

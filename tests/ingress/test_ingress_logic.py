@@ -331,7 +331,9 @@ def test_metrics_render_worker_and_transfer_series():
             worker_id="prefill-a", role="prefill", transfer_stats=pb.KVTransferStats(expired_leases=2)
         ),
     ]
-    cluster = pb.ClusterState(requests_routed=5, migrations=2, stalls=1, migrations_refused=1, kv_streamed=4)
+    cluster = pb.ClusterState(
+        requests_routed=5, migrations=2, stalls=1, migrations_refused=1, kv_streamed=4, peer_reads=6
+    )
     text = m.render(cluster, workers, ("ing-1", 1, 0)).decode()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -354,6 +356,7 @@ def test_metrics_render_worker_and_transfer_series():
     assert samples[("pdserve_kv_lease_expirations_total", (("worker", "prefill-a"),))] == 2
     assert samples[("pdserve_kv_transfer_streamed_bytes_total", (("worker", "decode-a"),))] == 1024
     assert samples[("pdserve_router_kv_streamed_total", ())] == 4
+    assert samples[("pdserve_router_peer_reads_total", ())] == 6
     assert samples[("pdserve_kv_transfer_seconds_bucket", (("le", "0.1"), ("worker", "decode-a")))] == 2
     assert samples[("pdserve_kv_transfer_seconds_count", (("worker", "decode-a"),))] == 2
     assert samples[("pdserve_requests_total", (("model_name", "tiny"), ("status", "success")))] == 1
