@@ -15,6 +15,6 @@ fi
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
-# Two workers: the Serve tier and the benchmarks' tests are one xdist group (tests/conftest.py), run
+# Two workers: the Serve tier and the benchmarks' tests are one unit of work (tests/conftest.py), run
 # one at a time by one worker, while the other worker takes the rest.
-.venv/bin/python -m pytest -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadgroup "$@"
+.venv/bin/python -m pytest -n "${PDSERVE_TEST_WORKERS:-2}" "$@"

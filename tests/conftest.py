@@ -160,15 +160,23 @@ def module_redis_server(tmp_path_factory):
     server.kill()
 
 
-def pytest_collection_modifyitems(config, items):
-    """scripts/test.sh runs two xdist workers (``-n 2 --dist loadgroup``). The end-to-end tier
-    (tests/deploy, any test marked ``ray``) and the benchmarks' tests (several processes each, which
-    measure CPU) run in one group, one at a time on one worker, while the other takes the rest."""
-    here = Path(__file__).parent
-    serial = (here / "deploy", here / "bench")
-    for item in items:
-        if item.get_closest_marker("ray") or any(d in Path(item.fspath).parents for d in serial):
-            item.add_marker(pytest.mark.xdist_group("serial"))
+# The tests that run one at a time, on one xdist worker (scripts/test.sh runs two): the end-to-end
+# tier (a Ray cluster and a Serve application each) and the benchmarks' tests (several processes
+# each, measuring CPU). The other worker takes the rest, test by test.
+SERIAL_DIRS = ("tests/deploy/", "tests/bench/")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """One work unit for the serial tests, one per test elsewhere. (xdist's own ``loadgroup`` marks
+    its groups in ``item._nodeid``, which pytest 9 no longer reads: the groups here come from paths.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SerialTier(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "serial" if nodeid.startswith(SERIAL_DIRS) else nodeid
+
+    return SerialTier(config, log)
 
 
 def pytest_addoption(parser):
