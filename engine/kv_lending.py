@@ -111,13 +111,20 @@ class TierLending:
         """``(i, slot)``: a reserved host slot for each ``hashes[i]`` not held here already, in order,
         until no slot can be freed."""
         taken: list[tuple[int, int]] = []
-        for i, h in enumerate(hashes):
-            if h in self.tier or self.kv.pool.lookup(h) is not None:
-                continue
-            slot = self.tier.reserve()
-            if slot is None:
-                break
-            taken.append((i, slot))
+        # The prompt's own host-tier blocks are kept from the reservations' evictions: the read is
+        # worth nothing if the hit it extends breaks in front of it.
+        own = [slot for h in hashes if (slot := self.tier.lookup(h)) is not None]
+        self.tier.pin(own)
+        try:
+            for i, h in enumerate(hashes):
+                if h in self.tier or self.kv.pool.lookup(h) is not None:
+                    continue
+                slot = self.tier.reserve()
+                if slot is None:
+                    break
+                taken.append((i, slot))
+        finally:
+            self.tier.unpin(own)
         return taken
 
     def receive(self, hashes: list[BlockHash], taken: list[tuple[int, int]], checksums: list[int]) -> int:

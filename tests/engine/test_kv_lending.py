@@ -58,3 +58,18 @@ def test_lending_needs_a_host_tier():
 
     with pytest.raises(ValueError, match="host tier"):
         TierLending(KVCacheManager(8, BS), lease_s=10)
+
+
+def test_reservations_do_not_evict_the_prompts_own_host_blocks():
+    """A 4-slot tier holding the prompt's block 0 and three others (block 0 the oldest): reserving
+    blocks 1-3 evicts the three others, never block 0, which the read's hit starts from."""
+    kv, _, hashes = _owner()
+    tier = kv.host_tier
+    tier.store(hashes[0])
+    others = [bytes([i + 1]) * 16 for i in range(3)]
+    for h in others:
+        tier.store(h)
+    wanted = [hashes[0], *(bytes([i + 50]) * 16 for i in range(3))]
+    taken = TierLending(kv, lease_s=10).reserve(wanted)
+    assert [i for i, _ in taken] == [1, 2, 3]
+    assert hashes[0] in tier and not any(h in tier for h in others)
