@@ -382,11 +382,10 @@ class EngineCore(TransferMixin):
         return events
 
     def host_hit_cost_pct(self) -> int:
-        """A host-tier hit's cost in % of computing the block: measured load time per block over the
-        measured prefill time of a block's tokens; 100 (a miss's worth) without a tier or measurement.
-        ``disk_hit_cost_pct``: the disk tier's (its read time); ``peer_hit_cost_pct``: a block read
-        from a peer's tier (the read's measured time, from the first read on: ``peer_tiers``, plus the
-        host load after it), 100 when this engine reads no peer's blocks."""
+        """A host-tier hit's cost in % of computing the block (measured load time over a block's
+        measured prefill time; 100 without either). Disk: its read time. Peer: the read's measured
+        time (``peer_tiers``; before one, a host load's: the same bytes over a link no faster) plus
+        the host load after it; 100 when this engine reads no peer's blocks."""
         return self._load_cost_pct(self.kv.host_blocks)
 
     def disk_hit_cost_pct(self) -> int:
@@ -394,7 +393,8 @@ class EngineCore(TransferMixin):
 
     def peer_hit_cost_pct(self) -> int:
         h = self.kv.host_blocks
-        return self._load_cost_pct(h, h.peer_read_s_per_block or 0.0) if h and h.peer_reads else 100
+        read_s = (h.peer_read_s_per_block or h.load_s_per_block) if h else None
+        return self._load_cost_pct(h, read_s) if h and h.peer_reads else 100
 
     def _load_cost_pct(self, blocks, extra_s: float = 0.0) -> int:
         if blocks is None or blocks.load_s_per_block is None or not self._prefill_s_per_token:

@@ -47,7 +47,8 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
     assert set(stack["cpu_ms_per_token"]) == {"decode_worker", "router", "ingress"}
     assert stack["stack_cpu_ms_per_token"] == pytest.approx(sum(stack["cpu_ms_per_token"].values()))
     assert stack["load"]["completed"] == 8 and stack["load"]["failed"] == 0
-    assert stack["load_generator_cpu_ms_per_token"] > 0
+    # The load generator's own CPU, in 10 ms ticks too: 64 tokens of a fast run may read zero.
+    assert stack["load_generator_cpu_ms_per_token"] >= 0
     blocks = stack["kv_blocks"]["decode_worker"]
     assert blocks["free_after"] == blocks["free_before"] > 0
     split = layouts["split"]  # the decode worker's engine in its own process, measured apart
