@@ -117,7 +117,12 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
         if config.ingress.http_server != "serve_proxy":  # the ingress (or router) replicas serve HTTP
             serve.start(proxy_location="Disabled")
         else:
-            serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
+            # One proxy, on the head node, as the KubeRay Serve config has it (every node's own proxy
+            # would claim the same port where several nodes share a host).
+            serve.start(
+                proxy_location="HeadOnly",
+                http_options={"host": config.ingress.host, "port": config.ingress.port},
+            )
         if not _deploy(serve, build_app(config), config, stop):
             print("interrupted before the application was ready", file=sys.stderr)
             return 130

@@ -106,6 +106,12 @@ def format_status(cluster, states) -> str:
         f"(stalls {cluster.stalls}, refused {cluster.migrations_refused})"
         + (f"; suspect: {', '.join(cluster.suspect_workers)}" if cluster.suspect_workers else "")
     )
+    live = {w.worker_id for w in states}
+    gone = [w for w in cluster.indexed if w.worker_id not in live]  # dropped after the grace period
+    if gone:
+        head += "; index still holds " + ", ".join(
+            f"{w.worker_id} ({w.blocks + w.host_blocks + w.disk_blocks} blocks)" for w in gone
+        )
     rows = [("ROLE", "WORKER", "ADDRESS", "PID", "RUN", "WAIT", "HELD", "KV USED", "HIT RATE", "PREEMPT")]
     for w in sorted(states, key=lambda w: (w.role, w.worker_id)):
         s = w.stats

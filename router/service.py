@@ -133,7 +133,22 @@ class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):
             stalls=s.stalls,
             migrations_refused=s.migrations_refused,
             suspect_workers=sorted(r.suspects),
+            indexed=_indexed(view.index),
         )
+
+
+def _indexed(index) -> list[pb.IndexedWorker]:
+    with index.lock:
+        return [
+            pb.IndexedWorker(
+                worker_id=w,
+                epoch=index.epoch_of(w) or 0,
+                blocks=index.num_blocks_of(w),
+                host_blocks=index.num_host_blocks_of(w),
+                disk_blocks=index.num_disk_blocks_of(w),
+            )
+            for w in sorted(index.workers())
+        ]
 
 
 async def serve(router: Router, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:

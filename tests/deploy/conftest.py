@@ -39,12 +39,14 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, model: Path, redis_url: str, *extra: str, api_key: str | None = API_KEY) -> None:
+    def __init__(
+        self, model: Path, redis_url: str, *extra: str, api_key: str | None = API_KEY, env: dict | None = None
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.name = f"test-{self.port}-{os.getpid()}"
         self.api_key = api_key
-        env = dict(os.environ, PDSERVE_REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **(env or {}), PDSERVE_REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
         env.pop("PDSERVE_API_KEY", None)
         if api_key:
             env["PDSERVE_API_KEY"] = api_key

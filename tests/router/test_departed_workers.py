@@ -16,6 +16,7 @@ from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord, WorkerRegistration, connect, worker_key
 from router.policies import POLICIES
 from router.router import Router
+from router.service import _indexed
 
 BS = 4
 PROMPT = list(range(7, 7 + 8 * BS))
@@ -83,6 +84,8 @@ def test_a_worker_that_left_is_never_routed_to(redis_server, view, how):
         lambda: live_ids(view) == {"p0", "p1", "d0", "d1"} and view.index.blocks_of("p1") == set(cached),
         "the view lists all four workers and p1's cache",
     )
+    indexed = {w.worker_id: w.blocks for w in _indexed(view.index)}  # GetClusterState's ``indexed``
+    assert indexed["p1"] == indexed["d1"] == len(cached), indexed
     for policy in POLICIES:  # while they are here, they get traffic
         counts = routed(view, policy)
         assert counts["p1"] > 0 and counts["d1"] > 0, (policy, counts)
@@ -97,3 +100,4 @@ def test_a_worker_that_left_is_never_routed_to(redis_server, view, how):
     for policy in POLICIES:
         assert routed(view, policy) == {"p0": N, "d0": N}, policy
     assert view.index.blocks_of("p1") == set() and view.index.blocks_of("d1") == set()
+    assert {w.worker_id for w in _indexed(view.index)} == {"p0", "d0"}
