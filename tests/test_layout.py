@@ -31,6 +31,7 @@ ALLOWED = {
     "decode_worker": {"worker", "engine", "kv_transfer", "proto", "registry", "settings"},
     "router": {"proto", "registry", "engine", "settings"},
     "ingress": {"router", "proto", "engine", "settings"},
+    "planner": {"router", "registry", "engine", "kv_transfer", "proto", "settings"},
     "deploy": {
         "ingress",
         "router",
@@ -56,6 +57,7 @@ ALLOWED = {
         "proto",
         "settings",
         "loadgen",
+        "planner",
     },
 }
 # Torch-free modules of the engine that the light layers may use.

@@ -1,0 +1,60 @@
+"""``pdserve profile``: measure a model's prefill, decode and KV transfer costs on this machine's
+engine and store them as JSON, the input of the P/D planner (``planner.profile``, issue 34)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cli.tiny_model import ensure_tiny_model
+from engine.args import add_engine_args, engine_config_from_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure a model's costs on this hardware for the planner (JSON)")
+    p.add_argument("--out", required=True, help="where to write the profile (JSON)")
+    p.add_argument("--quick", action="store_true", help="a small grid: seconds on a CPU, for a smoke run")
+    p.add_argument("--repeats", type=int, default=None, help="runs per sample, after a warm-up (default 3)")
+    p.add_argument(
+        "--no-transfer", dest="transfer", action="store_false", help="skip the NIXL KV transfer measurement"
+    )
+    add_engine_args(
+        p,
+        model_required=False,
+        model_help="checkpoint directory or Hugging Face id (default: a tiny random Llama)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from engine import EngineCore
+    from planner.profile import Grid, profile_engine
+
+    model = args.model or str(ensure_tiny_model())
+    grid = Grid.default(quick=args.quick)
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+        grid = replace(grid, repeats=args.repeats)
+    print(f"loading {model} ...", file=sys.stderr, flush=True)
+    core = EngineCore(engine_config_from_args(args, model))
+
+    def progress(line: str) -> None:
+        print(f"  {line}", file=sys.stderr, flush=True)
+
+    profile = profile_engine(core, model, grid, transfer=args.transfer, progress=progress)
+    profile.save(args.out)
+    for name, curve in (
+        ("prefill", profile.prefill),
+        ("decode", profile.decode),
+        ("transfer", profile.transfer),
+    ):
+        if curve is None:
+            print(f"{name}: not measured")
+            continue
+        terms = ", ".join(f"{t} {c:.3g}" for t, c in zip(curve.terms, curve.coef, strict=True))
+        print(f"{name}: {terms}; fit error mean {curve.mean_rel_error:.1%}, max {curve.max_rel_error:.1%}")
+    print(f"profile written to {args.out}")
+    return 0
