@@ -1,0 +1,117 @@
+"""``pdserve plan``'s search: the fewest workers that serve a traffic within its SLOs (issue 34).
+
+Every layout up to ``max_workers`` GPUs (aggregated, and P prefill + D decode) and every candidate
+local-prefill threshold runs through the simulator on the same requests; a layout *meets* the traffic
+when its TTFT p90 and ITL p50 are within the SLOs and it keeps up with the arrivals (goodput at least
+``keep_up`` of the offered rate). The recommendation is the one that meets it with the fewest
+workers, then the most goodput. An SLO no layout can meet is an error that says how close the best
+came; one below what a lone request takes on this hardware is refused before any search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.costs import ModelProfile
+from planner.simulator import Deployment, Simulator, Summary, summarize
+from planner.traffic import Traffic
+
+THRESHOLDS = (0, 64, 256, 1024)  # local-prefill thresholds tried (0: every prompt goes to a prefill worker)
+
+
+class PlanError(ValueError):
+    """No layout serves the traffic within its SLOs (or none ever could)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    deployment: Deployment
+    summary: Summary
+    meets: bool
+
+    @property
+    def workers(self) -> int:
+        return self.deployment.prefill + self.deployment.decode
+
+    def describe(self) -> str:
+        d = self.deployment
+        layout = f"{d.decode} aggregated" if d.prefill == 0 else f"{d.prefill}P + {d.decode}D"
+        if d.prefill and d.local_prefill_tokens:
+            layout += f", local prefill <= {d.local_prefill_tokens}"
+        return layout
+
+
+def check_feasible(profile: ModelProfile, traffic: Traffic) -> None:
+    """Refuse SLOs that even an idle worker cannot meet (before searching)."""
+    slo = traffic.slo
+    if slo.ttft_p90_s is not None:
+        alone = profile.prefill_s(round(traffic.prompt.mean))
+        if alone > slo.ttft_p90_s:
+            raise PlanError(
+                f"impossible TTFT SLO: a lone {traffic.prompt.mean:.0f}-token prompt takes {alone:.3f} s to "
+                f"prefill on this hardware, above ttft_p90_s = {slo.ttft_p90_s} s"
+            )
+    if slo.itl_p50_s is not None:
+        alone = profile.decode_step_s(1, traffic.prompt.mean)
+        if alone > slo.itl_p50_s:
+            raise PlanError(
+                f"impossible ITL SLO: one sequence's decode step takes {alone * 1e3:.2f} ms on this hardware, "
+                f"above itl_p50_s = {slo.itl_p50_s * 1e3:.2f} ms"
+            )
+
+
+def evaluate(
+    profile: ModelProfile, traffic: Traffic, deployment: Deployment, keep_up: float = 0.95
+) -> Candidate:
+    requests = Simulator(profile, deployment).run(traffic.generate())
+    slo = traffic.slo
+    summary = summarize(requests, slo.ttft_p90_s, slo.itl_p50_s)
+    meets = (
+        (slo.ttft_p90_s is None or summary.ttft_p90 <= slo.ttft_p90_s)
+        and (slo.itl_p50_s is None or summary.itl_p50 <= slo.itl_p50_s)
+        and summary.goodput >= keep_up * _offered(requests)
+    )
+    return Candidate(deployment, summary, meets)
+
+
+def _offered(requests) -> float:
+    span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
+    return (len(requests) - 1) / span if span > 0 else float("inf")
+
+
+def layouts(max_workers: int, thresholds=THRESHOLDS) -> list[Deployment]:
+    out = [Deployment(0, d) for d in range(1, max_workers + 1)]
+    for total in range(2, max_workers + 1):
+        for p in range(1, total):
+            out += [Deployment(p, total - p, local_prefill_tokens=t) for t in thresholds]
+    return out
+
+
+def plan(
+    profile: ModelProfile, traffic: Traffic, max_workers: int = 8, progress=None
+) -> tuple[Candidate, list[Candidate]]:
+    """(the recommendation, every candidate evaluated), searching by total workers, fewest first, and
+    stopping after the first total that has a layout meeting the traffic."""
+    if max_workers < 1:
+        raise PlanError(f"max_workers must be at least 1, got {max_workers}")
+    check_feasible(profile, traffic)
+    seen: list[Candidate] = []
+    by_total: dict[int, list[Deployment]] = {}
+    for d in layouts(max_workers):
+        by_total.setdefault(d.prefill + d.decode, []).append(d)
+    for total in sorted(by_total):
+        batch = [evaluate(profile, traffic, d) for d in by_total[total]]
+        seen += batch
+        if progress is not None:
+            best = max(batch, key=lambda c: c.summary.goodput)
+            progress(f"{total} worker(s): best {best.describe()}, goodput {best.summary.goodput:.2f} req/s")
+        good = [c for c in batch if c.meets]
+        if good:
+            return max(good, key=lambda c: (c.summary.goodput, -c.summary.ttft_p90)), seen
+    best = max(seen, key=lambda c: (c.summary.goodput, -c.summary.ttft_p90))
+    s = best.summary
+    raise PlanError(
+        f"no layout of up to {max_workers} workers meets the traffic: the best, {best.describe()}, "
+        f"reached TTFT p90 {s.ttft_p90:.3f} s, ITL p50 {s.itl_p50 * 1e3:.1f} ms, goodput "
+        f"{s.goodput:.2f} of {traffic.rate:.2f} req/s (raise --max-workers or relax the SLOs)"
+    )

@@ -1,0 +1,144 @@
+"""``pdserve plan``: traffic descriptions and traces checked field by field, the search's answer (the
+fewest workers meeting the SLOs, none smaller did), impossible SLOs refused, what-if scaling, and a
+profile of another model refused at the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from synthetic import synthetic_profile
+
+from cli.main import main as pdserve
+from planner.plan import PlanError, plan
+from planner.traffic import TrafficError, load_traffic, parse_traffic
+
+TRAFFIC = {
+    "rate": 20.0,
+    "requests": 200,
+    "prompt_tokens": {"mean": 512, "spread": 0.5},
+    "output_tokens": 16,
+    "prefix": {"groups": 4, "tokens": 128},
+    "slo": {"ttft_p90_s": 0.5, "itl_p50_s": 0.05},
+}
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(colour="red"), "unknown traffic field"),
+        (lambda d: d.update(rate=0), "rate must be a positive number"),
+        (lambda d: d.pop("requests"), "give requests .* or duration_s"),
+        (
+            lambda d: d.update(prompt_tokens={"mean": 100, "spread": 1.5}),
+            r"prompt_tokens.spread must be in \[0, 1\)",
+        ),
+        (lambda d: d.update(output_tokens=-3), "output_tokens must be a positive integer"),
+        (lambda d: d.update(prefix={"groups": 2, "tokens": 400}), "must be shorter than the shortest prompt"),
+        (lambda d: d.update(slo={"ttft_p99_s": 1}), "slo takes ttft_p90_s and itl_p50_s"),
+        (lambda d: d.update(slo={"ttft_p90_s": -1}), "slo.ttft_p90_s must be a positive number"),
+    ],
+)
+def test_a_malformed_traffic_description_names_its_field(edit, message):
+    data = json.loads(json.dumps(TRAFFIC))
+    edit(data)
+    with pytest.raises(TrafficError, match=message):
+        parse_traffic(data)
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5}', "not json"], "line 2 is not JSON"),
+        (
+            [
+                '{"arrival_s": 1, "prompt_tokens": 10, "output_tokens": 5}',
+                '{"arrival_s": 0.5, "prompt_tokens": 10, "output_tokens": 5}',
+            ],
+            "arrivals must not go back",
+        ),
+        (
+            ['{"arrival_s": 0, "prompt_tokens": 0, "output_tokens": 5}'],
+            "prompt_tokens must be a positive integer",
+        ),
+        (['{"arrival_s": 0, "output_tokens": 5}'], "prompt_tokens must be a positive integer"),
+        ([], "has no requests"),
+    ],
+)
+def test_a_malformed_trace_names_its_line(tmp_path, lines, message):
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "traffic.yaml").write_text(yaml.safe_dump({"trace": "t.jsonl"}))
+    with pytest.raises(TrafficError, match=message):
+        load_traffic(tmp_path / "traffic.yaml")
+
+
+def test_a_trace_replays_its_requests_and_shares_its_prefix_groups(tmp_path):
+    rows = [
+        {
+            "arrival_s": 0.5 * i,
+            "prompt_tokens": 300,
+            "output_tokens": 4 + i,
+            "prefix_group": i % 2,
+            "prefix_tokens": 200,
+        }
+        for i in range(6)
+    ]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "traffic.yaml").write_text(yaml.safe_dump({"trace": "t.jsonl", "slo": {"ttft_p90_s": 1}}))
+    reqs = load_traffic(tmp_path / "traffic.yaml").generate()
+    assert [r.arrival for r in reqs] == [0.5 * i for i in range(6)]
+    assert [r.output_len for r in reqs] == [4 + i for i in range(6)] and {len(r.prompt) for r in reqs} == {
+        300
+    }
+    assert reqs[0].prompt[:200] == reqs[2].prompt[:200] != reqs[1].prompt[:200]
+
+
+def test_generated_traffic_is_the_same_for_the_same_seed_and_shares_prefixes():
+    t = parse_traffic(TRAFFIC)
+    a, b = t.generate(), t.generate()
+    assert [r.prompt for r in a] == [r.prompt for r in b] and len(a) == 200
+    heads = {tuple(r.prompt[:128]) for r in a}
+    assert len(heads) == 4  # every prompt opens with one of the 4 shared prefixes
+    assert all(256 <= len(r.prompt) <= 768 for r in a)
+
+
+def test_the_plan_is_the_fewest_workers_that_meet_the_slos():
+    profile, traffic = synthetic_profile(), parse_traffic(TRAFFIC)
+    best, seen = plan(profile, traffic, max_workers=6)
+    assert best.meets
+    s = best.summary
+    assert s.ttft_p90 <= 0.5 and s.itl_p50 <= 0.05
+    fewer = [c for c in seen if c.workers < best.workers]
+    assert fewer and not any(c.meets for c in fewer)  # smaller layouts were tried and fell short
+    # What if twice the traffic: never fewer workers.
+    double, _ = plan(profile, traffic.scaled(rate=2.0), max_workers=8)
+    assert double.workers >= best.workers
+
+
+def test_an_slo_no_hardware_could_meet_is_refused_before_searching():
+    profile = synthetic_profile()
+    with pytest.raises(PlanError, match="impossible TTFT SLO: a lone 512-token prompt takes"):
+        plan(profile, parse_traffic({**TRAFFIC, "slo": {"ttft_p90_s": 0.01}}))
+    with pytest.raises(PlanError, match="impossible ITL SLO"):
+        plan(profile, parse_traffic({**TRAFFIC, "slo": {"itl_p50_s": 0.001}}))
+
+
+def test_traffic_beyond_the_largest_layout_is_an_error_saying_how_close_it_came():
+    with pytest.raises(
+        PlanError, match=r"no layout of up to 2 workers meets the traffic: the best, .* reached"
+    ):
+        plan(synthetic_profile(), parse_traffic({**TRAFFIC, "rate": 500.0}), max_workers=2)
+
+
+def test_the_command_refuses_a_profile_of_another_model(tmp_path, tiny_llama, capsys):
+    profile = synthetic_profile()
+    profile.model.update(architecture="LlamaForCausalLM", num_layers=99)
+    profile.save(tmp_path / "p.json")
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(TRAFFIC))
+    args = ["plan", "--profile", str(tmp_path / "p.json"), "--traffic", str(tmp_path / "t.yaml")]
+    assert pdserve([*args, "--model", str(tiny_llama)]) == 2
+    assert "another model than this one (num_layers: profile 99" in capsys.readouterr().err
+    assert pdserve([*args, "--json", "--max-workers", "6"]) == 0  # without --model: planned
+    out = json.loads(capsys.readouterr().out)
+    assert out["decode"] >= 1 and out["predicted"]["ttft_p90"] <= 0.5
