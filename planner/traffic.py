@@ -77,11 +77,12 @@ class Traffic:
             trace=trace,
         )
 
-    def generate(self) -> list[SimRequest]:
-        """The requests to simulate, the same for the same description (seeded)."""
+    def generate(self, vocab: int = 32000) -> list[SimRequest]:
+        """The requests to simulate, the same for the same description (seeded); token ids below
+        ``vocab`` (what they are matters only to prefix sharing, and to a real server replaying them)."""
         rng = random.Random(self.seed)
         prefixes = [
-            [rng.randrange(10, 30000) for _ in range(self.prefix_tokens)] for _ in range(self.prefix_groups)
+            [rng.randrange(10, vocab) for _ in range(self.prefix_tokens)] for _ in range(self.prefix_groups)
         ]
         if self.trace:
             groups: dict = {}
@@ -90,15 +91,15 @@ class Traffic:
                 head: list[int] = []
                 if "prefix_group" in t:
                     key = (t["prefix_group"], t.get("prefix_tokens", 0))
-                    head = groups.setdefault(key, [rng.randrange(10, 30000) for _ in range(key[1])])
-                rest = [rng.randrange(10, 30000) for _ in range(max(1, t["prompt_tokens"] - len(head)))]
+                    head = groups.setdefault(key, [rng.randrange(10, vocab) for _ in range(key[1])])
+                rest = [rng.randrange(10, vocab) for _ in range(max(1, t["prompt_tokens"] - len(head)))]
                 out.append(SimRequest(t["arrival_s"], head + rest, t["output_tokens"]))
             return out
         t, out = 0.0, []
         for _ in range(self.requests):
             t += rng.expovariate(self.rate)
             head = rng.choice(prefixes) if prefixes else []
-            rest = [rng.randrange(10, 30000) for _ in range(max(1, self.prompt.draw(rng) - len(head)))]
+            rest = [rng.randrange(10, vocab) for _ in range(max(1, self.prompt.draw(rng) - len(head)))]
             out.append(SimRequest(t, head + rest, self.output.draw(rng)))
         return out
 

@@ -42,8 +42,8 @@ pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow, pytest.m
 APP = "pdserve"
 SERVE_CONFIG = Path(__file__).parents[2] / "deploy" / "kuberay" / "serve_config.yaml"
 PROMPT_LEN, MAX_TOKENS = 96, 40
-LONG_TOKENS = 160  # streams still running seconds after their first token, when a node is lost
-DECODE_BLOCKS = 96  # 6 blocks a request: the streams of a lost decode worker fit on the other one
+LONG_TOKENS = 320  # streams still running many seconds after their first token, when a node is lost
+DECODE_BLOCKS = 160  # up to 26 blocks a request: a lost decode worker's streams fit on the other one
 
 
 def operator_config(model: Path, tmp_path: Path) -> Path:
@@ -135,9 +135,11 @@ def wait_for(cond, what: str, timeout_s: float = 180):
     return value
 
 
-async def stream_all(svc: ServeProcess, prompts, during=None, max_tokens: int = MAX_TOKENS) -> list[str]:
-    """Stream greedy completions of ``prompts``; ``during()`` runs (in a thread) once every stream
-    has had its first token."""
+async def stream_all(
+    svc: ServeProcess, prompts, during=None, max_tokens: int = MAX_TOKENS, after: int | None = None
+) -> list[str]:
+    """Stream greedy completions of ``prompts``; ``during()`` runs (in a thread) once ``after`` of the
+    streams (default: all) have had their first token."""
     client = openai.AsyncOpenAI(base_url=svc.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     started = asyncio.Event()
     first = 0
@@ -156,7 +158,7 @@ async def stream_all(svc: ServeProcess, prompts, during=None, max_tokens: int = 
         async for chunk in stream:
             if not parts:
                 first += 1
-                if first == len(prompts):
+                if first == (after or len(prompts)):
                     started.set()
             parts.append(chunk.choices[0].text)
         return "".join(parts)
@@ -202,20 +204,25 @@ def test_scale_puts_a_new_prefill_replica_on_a_joining_node(service, nodes, prom
 
 def test_losing_a_decode_node_mid_stream_loses_no_request(service, nodes, prompts, serve_model):
     expected = engine_alone(serve_model, prompts, LONG_TOKENS)  # streams long enough to be cut
-    node_of_worker = {
-        w["workerId"]: node_of(nodes, "Decode", w["pid"]) for w in workers_of(service.status(), "decode")
-    }
+    status = service.status()
+    node_of_worker = {w["workerId"]: node_of(nodes, "Decode", w["pid"]) for w in workers_of(status, "decode")}
     lost: dict = {}
 
     def lose_the_busier_decode_node() -> None:
-        running = {w: s["running"] for w, s in service.workers().items() if w in node_of_worker}
-        worker = max(running, key=running.get)
-        assert running[worker] > 0, f"no stream runs on a decode worker: {running}"
+        # Streams are starting: as soon as a decode worker runs some, lose the node of the one
+        # running the most (/metrics asks every worker; hundreds of tokens outlast the question).
+        def running() -> dict[str, float]:
+            return {w: s["running"] for w, s in service.workers().items() if w in node_of_worker}
+
+        busy = wait_for(
+            lambda: (r := running()) and max(r.values()) > 0 and r, "a decode worker runs streams"
+        )
+        worker = max(busy, key=busy.get)
         lost.update(worker=worker, node=node_of_worker[worker])
         nodes.lose(lost["node"], nodes.processes(lost["node"], APP))
 
     out = asyncio.run(
-        stream_all(service, prompts, during=lose_the_busier_decode_node, max_tokens=LONG_TOKENS)
+        stream_all(service, prompts, during=lose_the_busier_decode_node, max_tokens=LONG_TOKENS, after=1)
     )
     assert out == expected
     cluster = service.status()["cluster"]
