@@ -160,10 +160,10 @@ def module_redis_server(tmp_path_factory):
     server.kill()
 
 
-# Tests that run one at a time, each group on one xdist worker (scripts/test.sh runs two): the
-# end-to-end tier (a Ray cluster and a Serve application each: two at once would share the machine's
-# Ray defaults) and the benchmarks' tests (several processes each). Whichever worker is free takes
-# the next group or the next other test.
+# The tests that run one at a time, on one xdist worker (scripts/test.sh runs two): the end-to-end
+# tier (a Ray cluster and a Serve application each) and the benchmarks' tests (several processes
+# each, measuring CPU). The other worker takes the rest, test by test. (Two groups, one per worker,
+# ran slower: both workers then run many processes at once on two cores.)
 SERIAL_DIRS = ("tests/deploy/", "tests/bench/")
 
 
@@ -175,7 +175,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class SerialTier(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return next((d for d in SERIAL_DIRS if nodeid.startswith(d)), nodeid)
+            return "serial" if nodeid.startswith(SERIAL_DIRS) else nodeid
 
     return SerialTier(config, log)
 
