@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.ports import free_port
 from bench.standalone_stack import child_pids
 
 FAULTS = ("kill_decode", "stop_decode", "kill_prefill", "stop_prefill", "restart_redis")
@@ -30,9 +31,7 @@ class RedisProcess:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise SystemExit("redis-server is not installed (apt-get install -y redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.dir, self.proc = workdir, None
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.start()

@@ -21,12 +21,12 @@ import asyncio
 import contextlib
 import itertools
 import json
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from bench.ports import free_port
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_loop import EngineLoop
@@ -139,9 +139,7 @@ def serve(model: str, host: str, port: int, device: str = "cpu", dtype: str = "f
 def minimal_serving(model: str, device: str = "cpu", dtype: str = "float32"):
     """The minimal server in a child process on a free loopback port until the block ends; yields
     its base URL once ``/health`` answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     print("\n$ python -m bench.minimal_server", flush=True)
     cmd = [sys.executable, "-m", "bench.minimal_server", "--model", model, "--port", str(port)]
     proc = subprocess.Popen([*cmd, "--device", device, "--dtype", dtype])

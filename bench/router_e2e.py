@@ -18,7 +18,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.ports import free_port
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -37,12 +37,6 @@ from router.router import Router
 from router.service import serve
 
 MODEL_DIR = Path.home() / ".cache" / "pdserve" / "bench-llama-35m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(module: str, *args: str) -> tuple[subprocess.Popen, str]:

@@ -7,12 +7,12 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
+from bench.ports import free_port
 from loadgen.serving_client import add_bench_args, run_load
 from loadgen.serving_datasets import build
 
@@ -56,9 +56,7 @@ def _start(
     flags: tuple[str, ...], extra_env: dict[str, str]
 ) -> tuple[subprocess.Popen, int | None, list[str]]:
     """The server process, its port once it serves (None if it exited first), and its output."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ)
     env.pop("PDSERVE_REDIS_URL", None)
     env.pop("PDSERVE_API_KEY", None)

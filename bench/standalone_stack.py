@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from bench import ports
 from cli.embedded_redis import EmbeddedRedis
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -28,9 +29,7 @@ HOST = "127.0.0.1"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    return ports.free_port(HOST)
 
 
 def accepts(port: int) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import redis
 import torch
 
+from bench.ports import free_port
 from engine.tiny_model import create_tiny_model
 
 # Large enough that logits are far from flat, so greedy parity is not decided by rounding.
@@ -84,9 +84,7 @@ class RedisServer:
         self.binary = binary
         self.dir = tmp_path
         self.dir.mkdir(parents=True, exist_ok=True)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.password = password
         auth = f":{password}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"

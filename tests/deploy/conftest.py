@@ -15,7 +15,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,15 +26,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.ports import free_port
 from bench.standalone_stack import child_pids
 
 API_KEY = "test-key-0123456789"  # a test credential, given through the environment as in production
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServeProcess:

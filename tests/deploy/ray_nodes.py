@@ -18,21 +18,16 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
+from bench.ports import free_port
+
 LOOPBACK = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 class RayNodes:
@@ -103,7 +98,7 @@ class _Cluster:
     def __init__(self, head_resources: dict[str, float], head_cpus: int) -> None:
         from ray.cluster_utils import Cluster
 
-        self.dashboard = f"http://{LOOPBACK}:{_free_port()}"  # Ray's state API answers here
+        self.dashboard = f"http://{LOOPBACK}:{free_port()}"  # Ray's state API answers here
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={
@@ -113,7 +108,7 @@ class _Cluster:
                 "include_dashboard": True,
                 "dashboard_host": LOOPBACK,
                 "dashboard_port": int(self.dashboard.rsplit(":", 1)[1]),
-                "ray_client_server_port": _free_port(),
+                "ray_client_server_port": free_port(),
             },
         )
         self.nodes = {"head": self.cluster.head_node}
