@@ -31,9 +31,10 @@ def test_disaggregated_through_an_engine_process_equals_the_engine_alone(
 ):
     want = _engine_alone(tiny_llama)
     assert want[0] == hf_greedy(tiny_llama, PROMPTS[0], 10)
-    # Both workers split; the prefill worker computes long prompts in chunks, so streamed reads start
-    # while its engine process still computes them.
-    split_prefill = ("--engine-process", "--max-num-batched-tokens", "32")
+    # Both workers split; the prefill worker computes long prompts in small chunks (the 220-token
+    # prompt over 28+ steps), so streamed reads start while its engine process still computes them
+    # (with 32-token chunks an unloaded machine finished the prompt before the decode worker's watch).
+    split_prefill = ("--engine-process", "--max-num-batched-tokens", "8")
     cluster = Cluster(
         workers, redis_server, 1, decode_flags=("--engine-process",), prefill_flags=split_prefill
     )

@@ -235,7 +235,7 @@ def test_a_retry_under_the_same_id_after_its_caller_left_is_served(make_worker, 
     """The abandoned request's abort is nobody's output: a retry of the same id, sent right after its
     caller left mid-prefill, gets its own first token."""
     worker = make_worker(max_num_batched_tokens=BLOCK)
-    prompt = _prompt(10 * BLOCK + 1, 7)
+    prompt = _prompt(40 * BLOCK + 1, 7)  # 41 steps: polls see it mid-prefill (11 were done unseen)
     want = LLM(str(tiny_llama), block_size=BLOCK, num_blocks=64).generate([prompt], GREEDY, use_tqdm=False)
 
     async def run():
