@@ -15,6 +15,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-workers", type=int, default=8, help="GPUs (prefill + decode workers) at most")
     p.add_argument("--rate-scale", type=float, default=1.0, help="what if: this many times the arrivals")
     p.add_argument("--prompt-scale", type=float, default=1.0, help="what if: prompts this many times longer")
+    p.add_argument(
+        "--shared-cores",
+        type=int,
+        default=None,
+        help="the workers share this many cores of one host (a CPU deployment; default: a device each)",
+    )
     p.add_argument("--model", default=None, help="check the profile is of this model (directory or HF id)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -36,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr, flush=True)
 
-    best, seen = plan(profile, traffic, args.max_workers, progress)
+    if args.shared_cores is not None and args.shared_cores < 1:
+        raise ValueError(f"--shared-cores must be at least 1, got {args.shared_cores}")
+    best, seen = plan(profile, traffic, args.max_workers, progress, host_cores=args.shared_cores)
     d, s = best.deployment, best.summary
     if args.json:
         print(

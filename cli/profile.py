@@ -18,6 +18,18 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--no-transfer", dest="transfer", action="store_false", help="skip the NIXL KV transfer measurement"
     )
+    p.add_argument(
+        "--served",
+        metavar="URL",
+        help="instead of the engine: measure what the running deployment at URL adds to the engine's "
+        "steps (front end, router, hops, streaming) and store it in the existing profile --out, for "
+        "the deployment's --served-mode (the API key from PDSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--served-mode",
+        choices=("aggregated", "disaggregated"),
+        help="the serving mode of the deployment --served measures (required with --served)",
+    )
     add_engine_args(
         p,
         model_required=False,
@@ -32,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
     from engine import EngineCore
     from planner.profile import Grid, profile_engine
 
+    if args.served:
+        return _served(args)
+    if args.served_mode:
+        raise ValueError("--served-mode goes with --served URL")
     model = args.model or str(ensure_tiny_model())
     grid = Grid.default(quick=args.quick)
     if args.repeats is not None:
@@ -56,5 +72,31 @@ def run(args: argparse.Namespace) -> int:
             continue
         terms = ", ".join(f"{t} {c:.3g}" for t, c in zip(curve.terms, curve.coef, strict=True))
         print(f"{name}: {terms}; fit error mean {curve.mean_rel_error:.1%}, max {curve.max_rel_error:.1%}")
+    print(f"profile written to {args.out}")
+    return 0
+
+
+def _served(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from planner.costs import ModelProfile
+    from planner.served import Client, measure_served
+    from settings import environment
+
+    if not args.served_mode:
+        raise ValueError("--served needs --served-mode (aggregated or disaggregated): the deployment's mode")
+    profile = ModelProfile.load(args.out)  # the engine's profile, measured first
+    client = Client(args.served, environment.api_key())
+    print(
+        f"measuring {args.served} ({client.model}) against the engine profile {args.out} ...", file=sys.stderr
+    )
+    over = measure_served(
+        client, profile, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True)
+    )
+    replace(profile, served={**profile.served, args.served_mode: over}).save(args.out)
+    print(
+        f"served path ({args.served_mode}): {over.ttft_s * 1e3:.2f} ms before the first token, "
+        f"{over.step_s * 1e3:.2f} ms + {over.step_per_seq_s * 1e3:.3f} ms per sequence per decode step"
+    )
     print(f"profile written to {args.out}")
     return 0

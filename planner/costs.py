@@ -83,6 +83,39 @@ def fit(terms: tuple[str, ...], rows: list[list[float]], seconds: list[float]) -
     return Curve(terms, tuple(float(c) for c in full), float(rel.max()), float(rel.mean()))
 
 
+SERVED_MODES = ("aggregated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class ServedOverhead:
+    """What a deployment adds to the engine's steps, measured on it by ``pdserve profile --served``
+    (``planner.served``): HTTP, tokenization, the router and the gRPC hops before the first token
+    (``ttft_s``), and each decode step's streaming out through worker, router and ingress
+    (``step_s + step_per_seq_s * batch``). ``samples``: the measurements these were fitted to."""
+
+    ttft_s: float = 0.0
+    step_s: float = 0.0
+    step_per_seq_s: float = 0.0
+    samples: tuple[dict, ...] = ()
+
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in ("ttft_s", "step_s", "step_per_seq_s")}
+        return out | {"samples": list(self.samples)}
+
+    @classmethod
+    def from_json(cls, data, where: str) -> ServedOverhead:
+        if not isinstance(data, dict):
+            raise ProfileError(f"profile field {where} must be an object")
+        for k in ("ttft_s", "step_s", "step_per_seq_s"):
+            v = data.get(k)
+            if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+                raise ProfileError(f"profile field {where}.{k} must be a number >= 0, got {v!r}")
+        samples = data.get("samples", [])
+        if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
+            raise ProfileError(f"profile field {where}.samples must be a list of objects")
+        return cls(data["ttft_s"], data["step_s"], data["step_per_seq_s"], tuple(samples))
+
+
 @dataclass
 class ModelProfile:
     """What ``pdserve profile`` measured, and the curves fitted to it."""
@@ -94,6 +127,7 @@ class ModelProfile:
     decode_samples: list[dict] = field(default_factory=list)  # {batch, context, seconds}
     transfer_samples: list[dict] = field(default_factory=list)  # {bytes, seconds}; empty: not measured
     transfer_backend: str = ""  # "nixl", or "" when no transfer was measured
+    served: dict[str, ServedOverhead] = field(default_factory=dict)  # by serving mode; empty: engine only
     version: int = VERSION
 
     def __post_init__(self) -> None:
@@ -164,6 +198,7 @@ class ModelProfile:
         out["transfer"] = (
             {"samples": self.transfer_samples, "fit": _curve_json(self.transfer)} if self.transfer else None
         )
+        out["served"] = {mode: o.to_json() for mode, o in self.served.items()}
         return out
 
     def save(self, path: str | Path) -> None:
@@ -186,6 +221,9 @@ class ModelProfile:
             if not _positive(data["model"].get(key)):
                 raise ProfileError(f"profile field model.{key} must be a positive number")
         transfer = data.get("transfer")
+        served = data.get("served") or {}
+        if not isinstance(served, dict) or set(served) - set(SERVED_MODES):
+            raise ProfileError(f"profile field served must map serving modes ({', '.join(SERVED_MODES)})")
         return cls(
             model=data["model"],
             hardware=data["hardware"],
@@ -194,6 +232,7 @@ class ModelProfile:
             decode_samples=_samples(data.get("decode"), "decode", ("batch", "context", "seconds")),
             transfer_samples=_samples(transfer, "transfer", ("bytes", "seconds")) if transfer else [],
             transfer_backend=str(data.get("transfer_backend", "")),
+            served={m: ServedOverhead.from_json(o, f"served.{m}") for m, o in served.items()},
         )
 
     @classmethod

@@ -79,25 +79,32 @@ def _offered(requests) -> float:
     return (len(requests) - 1) / span if span > 0 else float("inf")
 
 
-def layouts(max_workers: int, thresholds=THRESHOLDS) -> list[Deployment]:
-    out = [Deployment(0, d) for d in range(1, max_workers + 1)]
+def layouts(max_workers: int, thresholds=THRESHOLDS, host_cores: int | None = None) -> list[Deployment]:
+    out = [Deployment(0, d, host_cores=host_cores) for d in range(1, max_workers + 1)]
     for total in range(2, max_workers + 1):
         for p in range(1, total):
-            out += [Deployment(p, total - p, local_prefill_tokens=t) for t in thresholds]
+            out += [
+                Deployment(p, total - p, local_prefill_tokens=t, host_cores=host_cores) for t in thresholds
+            ]
     return out
 
 
 def plan(
-    profile: ModelProfile, traffic: Traffic, max_workers: int = 8, progress=None
+    profile: ModelProfile,
+    traffic: Traffic,
+    max_workers: int = 8,
+    progress=None,
+    host_cores: int | None = None,
 ) -> tuple[Candidate, list[Candidate]]:
     """(the recommendation, every candidate evaluated), searching by total workers, fewest first, and
-    stopping after the first total that has a layout meeting the traffic."""
+    stopping after the first total that has a layout meeting the traffic. ``host_cores``: the workers
+    share that many cores of one host (a CPU deployment)."""
     if max_workers < 1:
         raise PlanError(f"max_workers must be at least 1, got {max_workers}")
     check_feasible(profile, traffic)
     seen: list[Candidate] = []
     by_total: dict[int, list[Deployment]] = {}
-    for d in layouts(max_workers):
+    for d in layouts(max_workers, host_cores=host_cores):
         by_total.setdefault(d.prefill + d.decode, []).append(d)
     for total in sorted(by_total):
         batch = [evaluate(profile, traffic, d) for d in by_total[total]]

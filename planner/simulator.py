@@ -16,8 +16,13 @@ What it models, as the real system does it:
 - **Prefix caches**: each worker's whole prompt blocks, least recently used evicted first, as
   ``engine.block_pool`` keeps them; hits shorten prefills.
 
-Not modelled: network and process hops (constant, small next to steps on a GPU host), preemption,
-speculative decoding, KV tiers. Times are seconds from the first arrival.
+- **The served path** (when the profile has it for the deployment's mode: ``pdserve profile
+  --served``): a fixed delay before routing (front end, router, hops) and a per-step streaming cost.
+- **Shared cores** (``host_cores``, a CPU deployment on one host): a step is stretched by the busy
+  workers' threads over the cores when they exceed them.
+
+Not modelled: preemption, speculative decoding, KV tiers, a front end that saturates. Times are
+seconds from the first arrival.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine.block_hash import hash_blocks
-from planner.costs import ModelProfile
+from planner.costs import ModelProfile, ServedOverhead
 from registry.prefix_index import PrefixIndex
 from registry.schema import REMOVED, STORED, KVEventRecord, WorkerRecord
 from router.policies import RoutingInput, make_policy
@@ -58,12 +63,21 @@ class Deployment:
     num_blocks: int | None = None  # per worker; default: the profile's engine
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    # The workers share this many cores of one host (a CPU deployment): a step runs slower by the
+    # busy workers' threads over the cores. None: each worker has its own device.
+    host_cores: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError(
                 f"a deployment needs decode >= 1 and prefill >= 0, got {self.prefill}P+{self.decode}D"
             )
+        if self.host_cores is not None and self.host_cores < 1:
+            raise ValueError(f"host_cores must be at least 1, got {self.host_cores}")
+
+    @property
+    def mode(self) -> str:
+        return "aggregated" if self.prefill == 0 else "disaggregated"
 
 
 class _Cache:
@@ -144,6 +158,8 @@ class Simulator:
         self.num_blocks = deployment.num_blocks or eng["num_blocks"]
         self.budget = deployment.max_num_batched_tokens or eng["max_num_batched_tokens"]
         self.max_seqs = deployment.max_num_seqs or eng["max_num_seqs"]
+        self.over = profile.served.get(deployment.mode, ServedOverhead())
+        self.threads = max(1, int(profile.hardware.get("torch_threads", 1)))
         self.policy = make_policy(deployment.policy)
         self.policy.peer_reads = False  # no KV tiers here: a prompt's blocks are cached or computed
         self.index = PrefixIndex()
@@ -160,8 +176,8 @@ class Simulator:
         heapq.heappush(self._events, (t, next(self._tie), fn, args))
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
-        for r in requests:
-            self._at(r.arrival, self._arrive, r)
+        for r in requests:  # the front end and the router's hops come before any worker sees it
+            self._at(r.arrival + self.over.ttft_s, self._arrive, r)
         while self._events:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
@@ -234,8 +250,16 @@ class Simulator:
         if w.running:
             ctx = statistics.fmean(s.ctx + s.generated for s in w.running)
             cost += self.profile.decode_step_s(len(w.running), ctx) - (p.coef[0] if chunks else 0.0)
+            cost += self.over.step_s + self.over.step_per_seq_s * len(w.running)
         w.busy = True
-        self._at(self.now + max(cost, 1e-9), self._step_done, w, chunks, list(w.running))
+        self._at(self.now + max(cost * self._sharing(), 1e-9), self._step_done, w, chunks, list(w.running))
+
+    def _sharing(self) -> float:
+        """How much slower a step starting now runs on cores the busy workers share (1: not shared)."""
+        if self.dep.host_cores is None:
+            return 1.0
+        busy = sum(w.busy for w in self._by_id.values())  # the one starting this step included
+        return max(1.0, busy * self.threads / self.dep.host_cores)
 
     def _admit(self, w: _Worker) -> None:
         """Move prefilled sequences (KV arrived) and local prompts into the batch while blocks last;

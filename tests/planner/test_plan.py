@@ -5,13 +5,14 @@ profile of another model refused at the command line."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
 from synthetic import synthetic_profile
 
 from cli.main import main as pdserve
-from planner.plan import PlanError, plan
+from planner.plan import PlanError, evaluate, plan
 from planner.traffic import TrafficError, load_traffic, parse_traffic
 
 TRAFFIC = {
@@ -142,3 +143,23 @@ def test_the_command_refuses_a_profile_of_another_model(tmp_path, tiny_llama, ca
     assert pdserve([*args, "--json", "--max-workers", "6"]) == 0  # without --model: planned
     out = json.loads(capsys.readouterr().out)
     assert out["decode"] >= 1 and out["predicted"]["ttft_p90"] <= 0.5
+
+
+def test_workers_sharing_one_core_cannot_serve_what_workers_with_a_device_each_can(tmp_path, capsys):
+    """Planned for one shared core, the same layout is slower and no layout keeps up (more workers add
+    no cores); the command passes --shared-cores through and refuses 0."""
+    profile = synthetic_profile()
+    profile.hardware.update(torch_threads=1)
+    traffic = parse_traffic(TRAFFIC)
+    own, _ = plan(profile, traffic, max_workers=6)
+    shared = evaluate(profile, traffic, replace(own.deployment, host_cores=1))
+    assert shared.summary.ttft_p90 > 1.5 * own.summary.ttft_p90 and not shared.meets
+    with pytest.raises(PlanError, match="no layout of up to 6 workers meets the traffic"):
+        plan(profile, traffic, max_workers=6, host_cores=1)
+    profile.save(tmp_path / "p.json")
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(TRAFFIC))
+    args = ["plan", "--profile", str(tmp_path / "p.json"), "--traffic", str(tmp_path / "t.yaml")]
+    assert pdserve([*args, "--shared-cores", "0"]) == 2
+    assert "--shared-cores must be at least 1" in capsys.readouterr().err
+    assert pdserve([*args, "--max-workers", "3", "--shared-cores", "1"]) == 2
+    assert "no layout of up to 3 workers meets the traffic" in capsys.readouterr().err

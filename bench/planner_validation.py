@@ -1,0 +1,283 @@
+"""The planner's predictions against real ``pdserve serve`` deployments on this machine (issue 34).
+
+For each layout (aggregated 1 worker, 1P+1D, 1P+2D) and each traffic mix (plain, prefix-heavy):
+
+1. the mix's trace (``planner.traffic``: Poisson arrivals, prompt and output lengths, shared
+   prefixes) is generated once, the same requests for every layout;
+2. ``pdserve serve`` runs the layout; after a warm-up of unrelated prompts, the trace is replayed
+   open loop over HTTP (each request sent at its arrival time, greedy, ``ignore_eos``, streamed),
+   and TTFT, the gaps between streamed chunks and the end of every request are taken at the client;
+3. the simulator replays the same requests over the same layout with the profile measured here
+   (``planner.profile`` on the engine, at the torch threads each of the layout's workers gets);
+4. per metric (TTFT p50/p90, ITL p50, throughput): ``(predicted - measured) / measured``.
+
+The profile covers the engine's steps and KV transfers; everything else on the served path (HTTP,
+tokenization, gRPC hops between ingress, router and workers, streaming) is not in it, and on this
+2-core machine the front end shares the cores with the engines. The errors say how much that is.
+
+    python -m bench.planner_validation [--quick] [--model PATH] [--rate-fraction 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from bench.offline_throughput import DEFAULT_MODEL_DIR, ensure_model
+from bench.serving_harness import serving
+from planner.costs import ModelProfile
+from planner.profile import Grid, profile_engine
+from planner.served import Client, measure_served
+from planner.simulator import Deployment, SimRequest, Simulator, summarize
+from planner.traffic import Lengths, Traffic
+
+RESULTS = Path(__file__).parent / "results"
+NUM_BLOCKS = 1024
+METRICS = ("ttft_p50", "ttft_p90", "itl_p50", "throughput")
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    prefill: int
+    decode: int
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode
+
+    def flags(self) -> list[str]:
+        if self.prefill == 0:
+            return ["--mode", "aggregated", "--decode", str(self.decode)]
+        return ["--prefill", str(self.prefill), "--decode", str(self.decode), "--local-prefill-tokens", "0"]
+
+
+LAYOUTS = (Layout("aggregated", 0, 1), Layout("1P+1D", 1, 1), Layout("1P+2D", 1, 2))
+
+
+def mixes(quick: bool) -> dict[str, tuple[Traffic, float]]:
+    """Each mix, and its load as a share of what one aggregated worker completes (the profile's)."""
+    n = 24 if quick else 48
+    plain = Traffic(rate=1.0, requests=n, prompt=Lengths(128, 0.5), output=Lengths(32, 0.5), seed=1)
+    prefix = replace(plain, prompt=Lengths(288, 0.1), prefix_groups=4, prefix_tokens=256, seed=2)
+    overload = replace(plain, requests=2 * n, seed=3)
+    return {"plain": (plain, 0.5), "prefix-heavy": (prefix, 0.5), "overload": (overload, 1.5)}
+
+
+def measure_profile(model: str, threads: int, quick: bool) -> ModelProfile:
+    """The engine's costs at ``threads`` torch threads (what each worker of a layout runs with)."""
+    from engine import EngineConfig, EngineCore
+
+    torch.set_num_threads(threads)
+    grid = Grid(
+        prefill_lengths=(32, 128, 256, 384) if not quick else (32, 128, 320),
+        cached_shares=(0.0, 0.8),
+        decode_batches=(1, 4, 8, 16, 32) if not quick else (1, 4, 12),
+        decode_contexts=(64, 256) if not quick else (128,),
+        transfer_blocks=(1, 4, 16, 32),
+        repeats=3 if not quick else 2,
+        decode_steps=8,
+    )
+    core = EngineCore(EngineConfig(model=model, num_blocks=NUM_BLOCKS, cpu_threads=threads))
+    print(f"profiling at {threads} torch thread(s) ...", flush=True)
+    return profile_engine(
+        core, model, grid, transfer=True, progress=lambda line: print(f"  {line}", flush=True)
+    )
+
+
+def saturated_throughput(profile: ModelProfile, traffic: Traffic, vocab: int) -> float:
+    """Requests per second one aggregated worker completes when everything arrives at once."""
+    reqs = [replace(r, arrival=0.0) for r in traffic.generate(vocab)]
+    return summarize(Simulator(profile, Deployment(0, 1)).run(reqs)).throughput
+
+
+async def _one(session, url: str, model: str, req: SimRequest, start: float) -> SimRequest:
+    await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    times = []
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            if any(c.get("text") for c in event.get("choices", [])):
+                times.append(time.perf_counter() - start)
+    if not times:
+        raise RuntimeError("a request streamed no text")
+    # What a client sees: the first chunk is the first token, each later chunk one gap.
+    return SimRequest(req.arrival, req.prompt, len(times), first_token=times[0], token_times=times)
+
+
+async def replay(base: str, requests: list[SimRequest]) -> list[SimRequest]:
+    import aiohttp
+
+    url = base + "/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with s.get(base + "/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        warm = random.Random(99)
+        vocab = max(max(r.prompt) for r in requests) + 1
+        warmup = [SimRequest(0.0, [warm.randrange(10, vocab) for _ in range(64)], 8) for _ in range(4)]
+        await asyncio.gather(*(_one(s, url, model, r, time.perf_counter()) for r in warmup))
+        start = time.perf_counter()
+        return list(await asyncio.gather(*(_one(s, url, model, r, start) for r in requests)))
+
+
+def errors(real: dict, sim: dict) -> dict:
+    return {m: (sim[m] - real[m]) / real[m] for m in METRICS if real[m] > 0}
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = str(ensure_model(Path(args.model)))
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    cores = len(os.sched_getaffinity(0))
+    profiles = {}
+    for layout in LAYOUTS:
+        threads = max(1, cores // layout.workers)  # cli.host_share.local_cpu_threads' share
+        if threads not in profiles:
+            profiles[threads] = measure_profile(model, threads, args.quick)
+    agg = profiles[max(1, cores)]
+    traffic = {}
+    for name, (t, share) in mixes(args.quick).items():
+        rate = share * args.load * saturated_throughput(agg, t, vocab)
+        traffic[name] = replace(t, rate=rate)
+        print(f"{name}: {t.requests} requests at {rate:.2f}/s", flush=True)
+    rows, overheads = [], {}
+    for layout in LAYOUTS:
+        engine_only = profiles[max(1, cores // layout.workers)]
+        flags = ["--model", model, "--num-blocks", str(NUM_BLOCKS), "--worker-cpus", "0.5", *layout.flags()]
+        with serving(*flags) as base:
+            print("measuring the served path's overhead (pdserve profile --served) ...", flush=True)
+            over = measure_served(Client(base), engine_only, repeats=2 if args.quick else 3, progress=_indent)
+            overheads[layout.name] = over.to_json()
+            served = replace(engine_only, served={_mode(layout): over})
+            for name, t in traffic.items():
+                requests = t.generate(vocab)
+                real = summarize(asyncio.run(replay(base, requests))).as_dict()
+                row = {"layout": layout.name, "mix": name, "rate": t.rate, "measured": real}
+                for key, profile, cores_shared in (
+                    ("engine_only", engine_only, None),
+                    ("served", served, cores),
+                ):
+                    dep = Deployment(layout.prefill, layout.decode, host_cores=cores_shared)
+                    sim = summarize(Simulator(profile, dep).run(t.generate(vocab))).as_dict()
+                    row[key] = {"predicted": sim, "error": errors(real, sim)}
+                rows.append(row)
+                print(_line(row), flush=True)
+    return {
+        "model": model,
+        "cores": cores,
+        "profiles": {str(k): p.to_json() for k, p in profiles.items()},
+        "served_overheads": overheads,
+        "traffic": {k: asdict(v) for k, v in traffic.items()},
+        "rows": rows,
+    }
+
+
+def _mode(layout: Layout) -> str:
+    return "aggregated" if layout.prefill == 0 else "disaggregated"
+
+
+def _indent(line: str) -> None:
+    print(f"  {line}", flush=True)
+
+
+def _line(row: dict, key: str = "served") -> str:
+    parts = [f"{row['layout']:10s} {row['mix']:12s}"]
+    for m in METRICS:
+        real, sim = row["measured"][m], row[key]["predicted"][m]
+        scale = 1000 if m != "throughput" else 1
+        parts.append(f"{m} {real * scale:6.1f} vs {sim * scale:6.1f} ({row[key]['error'].get(m, 0):+4.0%})")
+    return "  ".join(parts)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Predicted against measured per metric: hollow markers the engine-only profile, filled ones
+    with the served path's overhead and shared cores; the band is the 15% target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4.4 * len(METRICS), 4.4))
+    markers = {"plain": "o", "prefix-heavy": "s", "overload": "^"}
+    colors = {"aggregated": "tab:blue", "1P+1D": "tab:orange", "1P+2D": "tab:green"}
+    for ax, m in zip(axes, METRICS, strict=True):
+        values = []
+        for row in result["rows"]:
+            real = row["measured"][m]
+            for key, fill in (("engine_only", "none"), ("served", colors[row["layout"]])):
+                sim = row[key]["predicted"][m]
+                values += [real, sim]
+                label = f"{row['layout']}, {row['mix']}" if key == "served" else None
+                ax.scatter(
+                    real,
+                    sim,
+                    marker=markers[row["mix"]],
+                    facecolors=fill,
+                    edgecolors=colors[row["layout"]],
+                    label=label,
+                )
+        xs = [min(values) * 0.8, max(values) * 1.2]
+        ax.plot(xs, xs, color="black", lw=0.8)
+        ax.fill_between(xs, [x * 0.85 for x in xs], [x * 1.15 for x in xs], color="green", alpha=0.12)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured")
+        ax.set_ylabel("predicted")
+        ax.set_title(m + (" (s)" if m != "throughput" else " (req/s)"))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    fig.suptitle(
+        "simulator vs real pdserve serve (hollow: engine profile only; filled: + served path, shared cores)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.planner_validation", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="fewer requests and a smaller profile grid")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint (created when missing)")
+    p.add_argument("--load", type=float, default=1.0, help="scale every mix's arrival rate")
+    p.add_argument("--output", default=str(RESULTS / "planner_validation.json"))
+    args = p.parse_args()
+    result = run(args)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    for key, title in (("engine_only", "the engine profile alone"), ("served", "with the served path")):
+        print(f"\n==== measured vs predicted by {title} (ms, req/s; error = predicted / measured - 1) ====")
+        for row in result["rows"]:
+            print(_line(row, key))
+        errs = [abs(e) for r in result["rows"] for e in r[key]["error"].values()]
+        within = sum(e <= 0.15 for e in errs)
+        print(f"{within}/{len(errs)} within 15%, worst {max(errs):.0%}")
+    print(f"wrote {out}")
+    plot(result, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

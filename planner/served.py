@@ -1,0 +1,179 @@
+"""``pdserve profile --served``: what a running deployment adds to its engine's steps (issue 34).
+
+The engine profile times prefill and decode steps; a user's request also crosses the HTTP front
+end, the router, the gRPC hops to the workers, and streams each token back the same way. Measured
+here on the deployment itself, one load level at a time so nothing queues:
+
+- **Before the first token**: single requests of several prompt lengths, one at a time; the client's
+  TTFT minus the profile's prefill time for that prompt. ``ttft_s`` is the median.
+- **Per decode step**: ``batch`` requests sent together (same length, so they decode in one batch);
+  the median gap between streamed chunks minus the profile's decode step at that batch and context,
+  fitted as ``step_s + step_per_seq_s * batch`` (non-negative least squares).
+
+Prompts are random token ids (nothing cached between samples); every request is greedy with
+``ignore_eos``, so its length is the one asked for.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from planner.costs import ModelProfile, ServedOverhead
+
+Progress = Callable[[str], None]
+
+
+class ServedError(ConnectionError):
+    """The deployment could not be measured (unreachable, refused a request, streamed nothing)."""
+
+
+class Client:
+    """Streams completions from an OpenAI-compatible endpoint; the arrival time of every chunk."""
+
+    def __init__(self, base_url: str, api_key: str | None = None) -> None:
+        u = urlsplit(base_url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ServedError(
+                f"--served wants the deployment's base URL (http://host:port), got {base_url!r}"
+            )
+        self.u, self.headers = u, {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.model = self._models()[0]
+
+    def _conn(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.u.scheme == "https" else http.client.HTTPConnection
+        return cls(self.u.hostname, self.u.port, timeout=300)
+
+    def _models(self) -> list[str]:
+        conn = self._conn()
+        try:
+            conn.request("GET", "/v1/models", headers=self.headers)
+            resp = conn.getresponse()
+            body = resp.read()
+        except OSError as exc:
+            raise ServedError(f"cannot reach {self.u.geturl()}: {exc}") from None
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise ServedError(f"GET /v1/models answered HTTP {resp.status}: {body[:200]!r}")
+        return [m["id"] for m in json.loads(body)["data"]]
+
+    def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+        """(send time, chunk arrival times), perf_counter seconds."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        body |= {"ignore_eos": True, "stream": True}
+        conn = self._conn()
+        try:
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/completions", json.dumps(body), headers=self.headers)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise ServedError(f"POST /v1/completions answered HTTP {resp.status}: {resp.read()[:300]!r}")
+            times = []
+            for raw in resp:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise ServedError(f"the stream failed: {event['error']}")
+                if any(c.get("text") for c in event.get("choices", [])):
+                    times.append(time.perf_counter())
+        finally:
+            conn.close()
+        if not times:
+            raise ServedError("a request streamed no text")
+        return t0, times
+
+
+def measure_served(
+    client: Client,
+    profile: ModelProfile,
+    prompt_lengths: tuple[int, ...] = (32, 128, 256),
+    batches: tuple[int, ...] = (1, 2, 4, 8),
+    output_tokens: int = 24,
+    repeats: int = 3,
+    progress: Progress = print,
+) -> ServedOverhead:
+    rng = random.Random(0)
+    vocab = profile.model["vocab_size"]
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(n)]
+
+    client.stream(prompt(16), 4)  # warm-up: connections, compiled paths
+    samples = []
+    for n in prompt_lengths:
+        runs = []
+        for _ in range(repeats):
+            t0, times = client.stream(prompt(n), 2)
+            runs.append(times[0] - t0)
+        ttft = statistics.median(runs)
+        samples.append({"kind": "ttft", "prompt": n, "seconds": ttft, "engine_s": profile.prefill_s(n)})
+        progress(
+            f"TTFT of a {n}-token prompt alone: {ttft * 1e3:.1f} ms (engine {profile.prefill_s(n) * 1e3:.1f})"
+        )
+    n = prompt_lengths[0]
+    for b in batches:
+        gaps: list[float] = []
+        for _ in range(repeats):
+            gaps += _batch_gaps(client, [prompt(n) for _ in range(b)], output_tokens)
+        itl = statistics.median(gaps)
+        engine = profile.decode_step_s(b, n + output_tokens / 2)
+        samples.append({"kind": "itl", "batch": b, "prompt": n, "seconds": itl, "engine_s": engine})
+        progress(f"ITL at a batch of {b}: {itl * 1e3:.2f} ms (engine step {engine * 1e3:.2f})")
+    return fit_overhead(samples)
+
+
+def fit_overhead(samples: list[dict]) -> ServedOverhead:
+    """The overhead model from measured samples (see the module doc); never below zero."""
+    ttft = [s["seconds"] - s["engine_s"] for s in samples if s["kind"] == "ttft"]
+    itl = [s for s in samples if s["kind"] == "itl"]
+    if not ttft or not itl:
+        raise ServedError("the served overhead needs TTFT and ITL samples")
+    extra = np.array([s["seconds"] - s["engine_s"] for s in itl])
+    batch = np.array([float(s["batch"]) for s in itl])
+    step, per_seq = max(float(np.median(extra)), 0.0), 0.0
+    if len(set(batch)) > 1:  # least squares in seconds (not relative: an overhead can be ~0)
+        (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(batch), batch], axis=1), extra, rcond=None)
+        if b < 0:  # grows with nothing: a constant
+            pass
+        elif a < 0:  # all of it per sequence
+            step, per_seq = 0.0, max(float(batch @ extra / (batch @ batch)), 0.0)
+        else:
+            step, per_seq = float(a), float(b)
+    return ServedOverhead(max(statistics.median(ttft), 0.0), step, per_seq, tuple(samples))
+
+
+def _batch_gaps(client: Client, prompts: list[list[int]], output_tokens: int) -> list[float]:
+    """The gaps between chunks of ``len(prompts)`` requests sent together, after their first tokens
+    (all prompts prefilled, the batch decoding)."""
+    results: list[list[float]] = []
+    errors: list[BaseException] = []
+
+    def one(p: list[int]) -> None:
+        try:
+            results.append(client.stream(p, output_tokens)[1])
+        except BaseException as exc:  # re-raised below, on the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    start = max(times[0] for times in results)  # every request has its first token: decoding together
+    return [b - a for times in results for a, b in itertools.pairwise(times) if a >= start]

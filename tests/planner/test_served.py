@@ -1,0 +1,141 @@
+"""The served path in the planner: the overhead fit, the simulator adding it (and shared cores) to
+the engine's curves, the profile file carrying it, and ``pdserve profile --served`` measuring a real
+streaming HTTP server (``bench.minimal_server``, a child process on the tiny model)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from synthetic import synthetic_profile
+
+from bench.minimal_server import minimal_serving
+from bench.ports import free_port
+from cli.main import main as pdserve
+from planner.costs import ModelProfile, ProfileError, ServedOverhead
+from planner.served import Client, ServedError, fit_overhead, measure_served
+from planner.simulator import Deployment, SimRequest, Simulator
+
+
+def prompt(tenant: int, length: int) -> list[int]:
+    return [(tenant * 1000 + i) % 30000 + 10 for i in range(length)]
+
+
+def test_the_overhead_fit_recovers_the_costs_added_to_the_engine():
+    samples = [
+        {"kind": "ttft", "prompt": n, "seconds": e + 0.012, "engine_s": e}
+        for n, e in ((32, 0.01), (256, 0.05))
+    ]
+    samples += [
+        {"kind": "itl", "batch": b, "prompt": 32, "seconds": e + 0.002 + 0.0004 * b, "engine_s": e}
+        for b, e in ((1, 0.005), (2, 0.006), (4, 0.008), (8, 0.012))
+    ]
+    over = fit_overhead(samples)
+    assert over.ttft_s == pytest.approx(0.012)
+    assert (over.step_s, over.step_per_seq_s) == pytest.approx((0.002, 0.0004))
+    # A lone stream no slower than the engine's step (its streaming hidden), a batch slower: the
+    # overhead is per sequence, never negative.
+    for s, extra in zip(samples[2:], (-0.0003, 0.0, 0.0031, 0.0054), strict=True):
+        s["seconds"] = s["engine_s"] + extra
+    over = fit_overhead(samples)
+    assert over.step_s >= 0 and over.step_per_seq_s == pytest.approx(0.0553 / 85)  # through the origin
+    with pytest.raises(ServedError, match="needs TTFT and ITL samples"):
+        fit_overhead(samples[:2])
+
+
+def test_the_simulator_adds_the_served_path_of_the_deployments_mode():
+    over = ServedOverhead(ttft_s=0.02, step_s=0.001, step_per_seq_s=0.0005)
+    p = replace(synthetic_profile(), served={"disaggregated": over})
+    [r] = Simulator(p, Deployment(1, 1)).run([SimRequest(1.0, prompt(1, 200), 3)])
+    assert r.first_token == pytest.approx(1.0 + 0.02 + p.prefill_s(200, 0), abs=1e-12)
+    t = r.first_token + p.transfer_s(200)
+    expected = [r.first_token]
+    for k in range(2):
+        t += p.decode_step_s(1, 201 + k) + 0.001 + 0.0005
+        expected.append(t)
+    assert r.token_times == pytest.approx(expected, abs=1e-12)
+    # An aggregated deployment takes the aggregated mode's overhead: none measured here.
+    [a] = Simulator(p, Deployment(0, 1)).run([SimRequest(1.0, prompt(1, 200), 1)])
+    assert a.first_token == pytest.approx(1.0 + p.prefill_s(200, 0), abs=1e-12)
+
+
+def test_workers_sharing_too_few_cores_run_slower_and_enough_cores_change_nothing():
+    p = replace(synthetic_profile(), hardware={"device": "cpu", "torch_threads": 1})
+
+    def run(cores: int | None) -> list[SimRequest]:
+        # The second prompt is prefilled at 0.2 s while the first one decodes: both workers busy.
+        reqs = [SimRequest(0.0, prompt(1, 512), 64), SimRequest(0.2, prompt(2, 1024), 4)]
+        return Simulator(p, Deployment(1, 1, host_cores=cores)).run(reqs)
+
+    alone = run(None)
+    assert alone[0].token_times[-1] > 0.3  # still decoding when the second prompt arrives
+    assert alone[1].first_token == pytest.approx(0.2 + p.prefill_s(1024), abs=1e-12)
+    shared = run(1)  # two busy single-thread workers on one core: each step takes twice as long
+    assert shared[1].first_token == pytest.approx(0.2 + 2 * p.prefill_s(1024), abs=1e-12)
+    assert [r.token_times for r in run(2)] == [r.token_times for r in alone]
+    with pytest.raises(ValueError, match="host_cores must be at least 1"):
+        Deployment(1, 1, host_cores=0)
+
+
+def test_a_profile_keeps_its_served_overheads_and_refuses_malformed_ones(tmp_path):
+    over = ServedOverhead(0.01, 0.002, 0.0003, ({"kind": "ttft", "seconds": 0.02},))
+    p = replace(synthetic_profile(), served={"aggregated": over})
+    p.save(tmp_path / "p.json")
+    assert ModelProfile.load(tmp_path / "p.json").served == {"aggregated": over}
+    for edit, message in (
+        (
+            lambda d: d["served"]["aggregated"].update(step_s=-1),
+            r"served.aggregated.step_s must be a number >= 0",
+        ),
+        (lambda d: d["served"].update(pipelined={}), "served must map serving modes"),
+        (lambda d: d["served"]["aggregated"].update(samples="x"), "served.aggregated.samples must be a list"),
+    ):
+        data = json.loads((tmp_path / "p.json").read_text())
+        edit(data)
+        (tmp_path / "bad.json").write_text(json.dumps(data))
+        with pytest.raises(ProfileError, match=message):
+            ModelProfile.load(tmp_path / "bad.json")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with minimal_serving(str(tiny_llama)) as base:
+        yield base
+
+
+def _profile_of(tiny_llama) -> ModelProfile:
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    p = synthetic_profile()
+    return replace(p, model={**p.model, "vocab_size": vocab})
+
+
+def test_measuring_a_real_server_samples_ttft_alone_and_itl_per_batch(server, tiny_llama):
+    lines = []
+    over = measure_served(
+        Client(server), _profile_of(tiny_llama), batches=(1, 3), repeats=1, progress=lines.append
+    )
+    kinds = [(s["kind"], s.get("prompt"), s.get("batch")) for s in over.samples]
+    assert kinds == [
+        ("ttft", 32, None),
+        ("ttft", 128, None),
+        ("ttft", 256, None),
+        ("itl", 32, 1),
+        ("itl", 32, 3),
+    ]
+    assert all(s["seconds"] > 0 for s in over.samples)
+    assert min(over.ttft_s, over.step_s, over.step_per_seq_s) >= 0
+    assert len(lines) == 5 and lines[0].startswith("TTFT of a 32-token prompt alone")
+
+
+def test_the_command_stores_the_served_path_in_the_profile(server, tiny_llama, tmp_path, capsys):
+    path = tmp_path / "p.json"
+    _profile_of(tiny_llama).save(path)
+    assert pdserve(["profile", "--out", str(path), "--served", server]) == 2
+    assert "--served needs --served-mode" in capsys.readouterr().err
+    assert pdserve(["profile", "--out", str(path), "--served", server, "--served-mode", "aggregated"]) == 0
+    served = ModelProfile.load(path).served
+    assert set(served) == {"aggregated"} and len(served["aggregated"].samples) == 7
+    nobody = f"http://127.0.0.1:{free_port()}"
+    assert pdserve(["profile", "--out", str(path), "--served", nobody, "--served-mode", "aggregated"]) == 1
+    assert f"cannot reach {nobody}" in capsys.readouterr().err
