@@ -39,7 +39,7 @@ def connect(target: Target) -> None:
         raise ConnectionError(f"cannot reach {target.describe()}: nothing answers at {target.ray_address}")
     if environment.is_loopback(target.ray_address.rsplit(":", 1)[0]):
         environment.keep_ray_on_loopback()  # else Ray takes this client for another machine's
-    _use_token(target.record.auth_token if target.record else None)
+    _use_token(target.record)
     import ray
 
     with _captured_stderr() as captured:
@@ -66,11 +66,17 @@ def connect(target: Target) -> None:
     raise ConnectionError(f"cannot connect to {target.describe()}: {_first_line(error)}")
 
 
-def _use_token(token: str | None) -> None:
+def _use_token(record) -> None:
+    """Ray's auth settings for joining the cluster of ``record`` (a ``ServiceRecord``, or None for a
+    bare address): its token, token mode off for a service recorded without one."""
     from ray._raylet import AuthenticationTokenLoader, Config
 
     loader = AuthenticationTokenLoader.instance()
-    environment.use_ray_auth_token(token, ray_has_token=loader.has_token(ignore_auth_mode=True))
+    environment.use_ray_auth_token(
+        record.auth_token if record else None,
+        ray_has_token=loader.has_token(ignore_auth_mode=True),
+        cluster_uses_tokens=None if record is None else record.auth_token is not None,
+    )
     Config.initialize("")  # NOTE: Ray caches its config and the token; both must see the environment
     loader.reset_cache()
 

@@ -107,15 +107,24 @@ def use_ucx_devices(devices: str | None, host: str, *, override: bool = True) ->
         os.environ[UCX_NET_DEVICES] = chosen
 
 
-def use_ray_auth_token(token: str | None, ray_has_token: bool) -> None:
-    """Make this process's Ray client send ``token`` to the cluster it joins. Without one, token mode
-    goes on when Ray has a token of its own and no mode was chosen: what ``ray.init("auto")`` does
-    by itself, and an explicit address does not."""
+def use_ray_auth_token(
+    token: str | None, ray_has_token: bool, cluster_uses_tokens: bool | None = None
+) -> None:
+    """Make this process's Ray client send ``token`` to the cluster it joins. A cluster known to run
+    without token auth (``cluster_uses_tokens`` False: its service record has no token) is joined
+    with token mode off, even when Ray has a token file of its own (a client sending a token there
+    waits until it times out). Otherwise, without a token, token mode goes on when Ray has one of its
+    own and no mode was chosen: what ``ray.init("auto")`` does by itself, and an explicit address
+    does not."""
     if token:
         os.environ[RAY_AUTH_MODE] = "token"
         os.environ[RAY_AUTH_TOKEN] = token
         os.environ.pop(RAY_AUTH_TOKEN_PATH, None)
-    elif ray_has_token and RAY_AUTH_MODE not in os.environ:
+    elif RAY_AUTH_MODE in os.environ:
+        return  # the user's choice
+    elif cluster_uses_tokens is False:
+        os.environ[RAY_AUTH_MODE] = "disabled"
+    elif ray_has_token:
         os.environ[RAY_AUTH_MODE] = "token"
 
 
