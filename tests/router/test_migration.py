@@ -30,6 +30,7 @@ from router.service import serve
 NUM_BLOCKS = 128
 PROMPT = list(range(3, 40))
 GREEDY = pb.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+LONG = pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # 437 of 512 pool tokens
 SEEDED = pb.SamplingParams(temperature=0.9, top_k=20, seed=4242, max_tokens=48, ignore_eos=True, logprobs=2)
 
 
@@ -261,13 +262,15 @@ def test_busy_worker_is_not_mistaken_for_a_stalled_one(redis_server, tiny_model_
 @pytest.mark.parametrize(
     ("case", "num_decode", "options", "params", "says"),
     [
-        ("no_other_worker", 1, MigrationOptions(), GREEDY, "no other decode worker is available"),
-        ("limit", 2, MigrationOptions(max_migrations=0), GREEDY, "already moved 0 times (limit 0)"),
+        # Long outputs (as many as the KV pool holds): the engine must still be generating when the
+        # client has its 4th token and fails it (with 48 tokens an unloaded machine finished first).
+        ("no_other_worker", 1, MigrationOptions(), LONG, "no other decode worker is available"),
+        ("limit", 2, MigrationOptions(max_migrations=0), LONG, "already moved 0 times (limit 0)"),
         (
             "n_gt_1",
             2,
             MigrationOptions(),
-            pb.SamplingParams(n=2, temperature=0.8, max_tokens=48, ignore_eos=True),
+            pb.SamplingParams(n=2, temperature=0.8, max_tokens=200, ignore_eos=True),
             "n = 2 samples",
         ),
     ],
@@ -280,10 +283,11 @@ def test_a_request_that_cannot_move_fails_clearly(
             got: list[int] = []
             req = pb.GenerateRequest(request_id=case, prompt_token_ids=PROMPT, params=params)
             call = stack.stub.Generate(req, timeout=60)
+            victim = None
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for msg in call:
                     got.extend(msg.tokens.token_ids)
-                    if len(got) == 4:
+                    if len(got) >= 4 and victim is None:  # a message may carry several tokens
                         victim = stack.worker_of(case)
                         await _fail_engine(victim)
             # UNAVAILABLE: the ingress answers 503 "unavailable" with this message, not raw gRPC text.
