@@ -4,7 +4,8 @@ For each layout (aggregated 1 worker, 1P+1D, 1P+2D) and each traffic mix (plain,
 
 1. the mix's trace (``planner.traffic``: Poisson arrivals, prompt and output lengths, shared
    prefixes) is generated once, the same requests for every layout;
-2. ``pdserve serve`` runs the layout; after a warm-up of unrelated prompts, the trace is replayed
+2. ``pdserve serve`` runs the layout; after a warm-up (a trace of another seed, then a few
+   unrelated prompts before each mix), the trace is replayed
    open loop over HTTP (each request sent at its arrival time, greedy, ``ignore_eos``, streamed),
    and TTFT, the gaps between streamed chunks and the end of every request are taken at the client;
 3. the simulator replays the same requests over the same layout with the profile measured here
@@ -168,6 +169,12 @@ def run(args: argparse.Namespace) -> dict:
         engine_only = profiles[max(1, cores // layout.workers)]
         flags = ["--model", model, "--num-blocks", str(NUM_BLOCKS), "--worker-cpus", "0.5", *layout.flags()]
         with serving(*flags) as base:
+            # A fresh deployment runs its first minute slower (Ray settling on the same 2 cores: the
+            # same 48 requests' prefill hop took 83 ms right after start and 31 ms a minute later).
+            # The simulator models the steady state: warm up with a trace of another seed first.
+            warm = replace(traffic["plain"], seed=99)
+            print(f"warming up: {warm.requests} requests of another seed ...", flush=True)
+            asyncio.run(replay(base, warm.generate(vocab)))
             print("measuring the served path's overhead (pdserve profile --served) ...", flush=True)
             over = measure_served(Client(base), engine_only, repeats=2 if args.quick else 3, progress=_indent)
             overheads[layout.name] = over.to_json()
