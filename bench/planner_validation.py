@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -33,7 +34,9 @@ from pathlib import Path
 import torch
 
 from bench.offline_throughput import DEFAULT_MODEL_DIR, ensure_model
-from bench.serving_harness import serving
+from bench.serving_harness import bench_args, serving
+from loadgen.serving_client import send
+from loadgen.serving_datasets import ServingRequest
 from planner.costs import ModelProfile
 from planner.profile import Grid, profile_engine
 from planner.served import Client, measure_served
@@ -43,6 +46,7 @@ from planner.traffic import Lengths, Traffic
 RESULTS = Path(__file__).parent / "results"
 NUM_BLOCKS = 1024
 METRICS = ("ttft_p50", "ttft_p90", "itl_p50", "throughput")
+CLIENT = bench_args(ignore_eos=True)  # greedy (temperature 0), every output as long as asked
 
 
 @dataclass(frozen=True)
@@ -101,31 +105,14 @@ def saturated_throughput(profile: ModelProfile, traffic: Traffic, vocab: int) ->
 
 
 async def _one(session, url: str, model: str, req: SimRequest, start: float) -> SimRequest:
+    """``req`` sent at its arrival time by the load generator's client; its chunks' times (from
+    ``start``): the first chunk is the first token, each later chunk one gap, as a client sees them."""
     await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
-    body = {
-        "model": model,
-        "prompt": req.prompt,
-        "max_tokens": req.output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    times = []
-    async with session.post(url, json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            if any(c.get("text") for c in event.get("choices", [])):
-                times.append(time.perf_counter() - start)
-    if not times:
-        raise RuntimeError("a request streamed no text")
-    # What a client sees: the first chunk is the first token, each later chunk one gap.
+    sent = time.perf_counter() - start
+    res = await send(session, url, model, ServingRequest(req.prompt, req.output_len), CLIENT, {})
+    if not res.ok:
+        raise RuntimeError(f"a request failed: {res.error}")
+    times = list(itertools.accumulate([sent + res.ttft_s, *res.itl_s]))
     return SimRequest(req.arrival, req.prompt, len(times), first_token=times[0], token_times=times)
 
 

@@ -107,7 +107,11 @@ def measure_served(
     progress: Progress = print,
 ) -> ServedOverhead:
     rng = random.Random(0)
-    vocab = profile.model["vocab_size"]
+    vocab = profile.model.get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 10:
+        raise ServedError(
+            "the profile names no model.vocab_size to draw prompts from: run pdserve profile again"
+        )
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(10, vocab) for _ in range(n)]

@@ -22,6 +22,7 @@ After each test every worker is idle with all its KV blocks free. Run the tier a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import secrets
@@ -206,15 +207,19 @@ def test_losing_a_decode_node_mid_stream_loses_no_request(service, nodes, prompt
     expected = engine_alone(serve_model, prompts, LONG_TOKENS)  # streams long enough to be cut
     status = service.status()
     node_of_worker = {w["workerId"]: node_of(nodes, "Decode", w["pid"]) for w in workers_of(status, "decode")}
-    lost: dict = {}
+    worker = min(node_of_worker)
+    lost = {"worker": worker, "node": node_of_worker[worker]}
+    pids = nodes.processes(lost["node"], APP)
 
     def lose_a_decode_node() -> None:
         # The router balances its streams over the decode workers by its own count of what it sent
         # each (3 and 3), so both hold streams; the first stream has just had its first token, so
-        # none of them is near its end: lose one of the two nodes now.
-        worker = min(node_of_worker)
-        lost.update(worker=worker, node=node_of_worker[worker])
-        nodes.lose(lost["node"], nodes.processes(lost["node"], APP))
+        # none of them is near its end. The node's processes freeze at once (taking the node down
+        # takes a while, and a fast machine finished every stream meanwhile), then the node is lost.
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        nodes.lose(lost["node"], pids)
 
     out = asyncio.run(
         stream_all(service, prompts, during=lose_a_decode_node, max_tokens=LONG_TOKENS, after=1)

@@ -126,6 +126,8 @@ def test_measuring_a_real_server_samples_ttft_alone_and_itl_per_batch(server, ti
     assert all(s["seconds"] > 0 for s in over.samples)
     assert min(over.ttft_s, over.step_s, over.step_per_seq_s) >= 0
     assert len(lines) == 5 and lines[0].startswith("TTFT of a 32-token prompt alone")
+    with pytest.raises(ServedError, match=r"names no model\.vocab_size"):
+        measure_served(Client(server), synthetic_profile())  # nothing to draw prompt tokens below
 
 
 def test_the_command_stores_the_served_path_in_the_profile(server, tiny_llama, tmp_path, capsys):
