@@ -16,8 +16,9 @@ prefill_worker/peer_tiers.py): for a worker that reads peers, the blocks past it
 the cost it measured for such reads (``peer_hit_cost_pct``), so a busy owner's tenant goes to an idle
 worker that reads the prefix instead of computing it.
 
-Load is the router's exact count of what it has in flight on a worker, plus what the worker's
-heartbeat shows beyond that (other router replicas' work). The heartbeat alone is up to a period
+Load is the router's exact count of what it has in flight on a worker (on a decode worker, from the
+moment a request is routed there), plus what the worker's heartbeat shows beyond that (other router
+replicas' work). The heartbeat alone is up to a period
 stale: taking it as is, a worker that just finished our requests would look busy for a second.
 """
 
@@ -49,6 +50,30 @@ class WorkerLoad:
             self._reported = reported
             self._others = max(0, reported - self.prompt_tokens)
         return self.prompt_tokens + self._others
+
+
+class DecodeHold:
+    """A request counted on the decode worker it was routed to while its Decode is not open yet (its
+    prefill runs). Without it a burst routed at once sees every decode worker idle and piles onto
+    the one that wins the tie. ``release`` (idempotent) once the Decode opens (it counts itself)
+    or the attempt ends; ``move`` when a re-route picks another decode worker."""
+
+    __slots__ = ("_inflight", "_load")
+
+    def __init__(self, inflight: dict[str, WorkerLoad], worker_id: str) -> None:
+        self._inflight = inflight
+        self._load: WorkerLoad | None = None
+        self.move(worker_id)
+
+    def move(self, worker_id: str) -> None:
+        self.release()
+        self._load = self._inflight.setdefault(worker_id, WorkerLoad())
+        self._load.requests += 1
+
+    def release(self) -> None:
+        if self._load is not None:
+            self._load.requests -= 1
+            self._load = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 
 import grpc
 
@@ -40,8 +39,9 @@ from router.migration import (
     Resumption,
     continuation,
 )
-from router.policies import Policy, Route, RoutingInput, WorkerLoad, make_policy
+from router.policies import DecodeHold, Policy, Route, RoutingInput, WorkerLoad, make_policy
 from router.prefill_watch import PrefillStalled, watched
+from router.stats import RouterStats
 from router.worker_stubs import WorkerStubs
 
 logger = logging.getLogger(__name__)
@@ -57,24 +57,6 @@ _RETRYABLE = {
 
 class NoWorkersError(RuntimeError):
     pass
-
-
-@dataclass(slots=True)
-class RouterStats:
-    requests: int = 0
-    prefill_retries: int = 0
-    decode_retries: int = 0
-    local_prefills: int = 0  # short uncached prompts prefilled on their decode worker
-    kv_streamed: int = 0  # requests whose early Decode (KV streaming) took the complete handle
-    aggregated_fallbacks: int = 0
-    failed: int = 0
-    predicted_hit_tokens: int = 0
-    delivered_hit_tokens: int = 0
-    prompt_tokens: int = 0
-    migrations: int = 0  # streams resumed on another decode worker
-    stalls: int = 0  # decode streams given up on as stalled
-    migrations_refused: int = 0  # lost streams that could not be resumed (limit, no worker, n > 1)
-    peer_reads: int = 0  # prefills sent with a peer to read the prompt's prefix from
 
 
 class Router(DecodeRelay):
@@ -243,13 +225,17 @@ class Router(DecodeRelay):
             route = Route(None, route.decode, route.predicted_hit_tokens)
         clock.routed()
         # A Decode opened before the prefill, the KV streaming to it while computed (or None).
+        hold = DecodeHold(self.inflight, route.decode.worker_id)
         early = self._open_early(route, request_id, prompt, proto_params, priority, deadline, key)
+        if early is not None:  # open: it counts itself
+            hold.release()
         args = (request_id, key, res, route, hashes, prompt, proto_params, priority, deadline, clock, lost)
         try:
-            async with aclosing(self._prefill_then_decode(*args, early)) as stream:
+            async with aclosing(self._prefill_then_decode(*args, early, hold)) as stream:
                 async for msg in stream:
                     yield msg
         finally:
+            hold.release()
             self._close_early(early, key)
 
     async def _prefill_then_decode(
@@ -266,6 +252,7 @@ class Router(DecodeRelay):
         clock,
         lost,
         early,
+        hold: DecodeHold,
     ) -> AsyncIterator[pb.GenerateResponse]:
         n = proto_params.n or 1
         exclude: set[str] = set()
@@ -295,6 +282,7 @@ class Router(DecodeRelay):
                         early.close()  # its KV source is gone: a retry decodes from a whole handle
                     exclude.add(route.prefill.worker_id)
                     route, hashes = self._route(prompt, frozenset(exclude), lost)
+                    hold.move(route.decode.worker_id)  # (an early Decode was closed above)
                     if route.prefill is None:
                         break
         self._close_early(early, key, prefilled=True)
@@ -303,6 +291,7 @@ class Router(DecodeRelay):
         if resp is None:
             self.stats.aggregated_fallbacks += route.prefill is not None or (n == 1 and bool(exclude))
             clock.decoding()
+            hold.release()
             async for msg in self._relay_decode(
                 route.decode, decode_id, prompt, proto_params, priority, None, deadline, lost, key
             ):
@@ -329,6 +318,7 @@ class Router(DecodeRelay):
             clock,
             early,
             provided,
+            hold,
         )
         try:
             async with aclosing(self._first_then_decode(*args)) as stream:
@@ -340,7 +330,20 @@ class Router(DecodeRelay):
                 self._in_background(self._release_at(route.prefill.address, request_id, resp.handle.epoch))
 
     async def _first_then_decode(
-        self, resp, route, decode_id, prompt, params, priority, deadline, lost, key, clock, early, provided
+        self,
+        resp,
+        route,
+        decode_id,
+        prompt,
+        params,
+        priority,
+        deadline,
+        lost,
+        key,
+        clock,
+        early,
+        provided,
+        hold,
     ) -> AsyncIterator[tuple[pb.GenerateResponse, bool]]:
         """The first token, then the decode stream; each message with whether the decode side took
         over the held KV (else the caller releases it)."""
@@ -377,6 +380,7 @@ class Router(DecodeRelay):
                 prompt, params = continuation(prompt, params, handle)
                 handle, shifted, decode_id = None, True, f"{decode_id}~s"
         clock.decoding()
+        hold.release()
         async for msg in self._relay_decode(
             route.decode, decode_id, prompt, params, priority, handle, deadline, lost, key, opened, shifted
         ):

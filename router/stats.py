@@ -1,0 +1,23 @@
+"""What a router counts about the requests it routed (served as ``ClusterStatus``: router/service.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class RouterStats:
+    requests: int = 0
+    prefill_retries: int = 0
+    decode_retries: int = 0
+    local_prefills: int = 0  # short uncached prompts prefilled on their decode worker
+    kv_streamed: int = 0  # requests whose early Decode (KV streaming) took the complete handle
+    aggregated_fallbacks: int = 0
+    failed: int = 0
+    predicted_hit_tokens: int = 0
+    delivered_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    migrations: int = 0  # streams resumed on another decode worker
+    stalls: int = 0  # decode streams given up on as stalled
+    migrations_refused: int = 0  # lost streams that could not be resumed (limit, no worker, n > 1)
+    peer_reads: int = 0  # prefills sent with a peer to read the prompt's prefix from
