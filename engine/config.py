@@ -128,6 +128,14 @@ class EngineConfig:
     )
     cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA + Triton backend only)")
     cuda_graph_max_batch: int = option(256, "largest decode batch captured in a CUDA graph")
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (loaded at start with lora_modules or at run time)"
+    )
+    lora_modules: dict | None = option(
+        None, 'LoRA adapters (PEFT format) to serve from the start, as JSON: {"NAME": "PATH", ...}'
+    )
+    max_loras: int = option(4, "LoRA adapters resident on the device at once (the rest wait in host memory)")
+    max_lora_rank: int = option(16, "largest LoRA rank served (the device slots' size)")
     speculative_config: dict | None = option(
         None,
         'speculative decoding, as JSON: {"method": "draft_model", "model": PATH} | {"method": "ngram", '
@@ -146,6 +154,13 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.lora_modules is not None and not (
+            isinstance(self.lora_modules, dict)
+            and all(isinstance(v, str) for v in self.lora_modules.values())
+        ):
+            raise ValueError(f"lora_modules must map adapter names to paths, got {self.lora_modules!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.cpu_threads is not None:

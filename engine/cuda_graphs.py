@@ -82,6 +82,7 @@ class DecodeGraphRunner:
         b = len(meta.seq_lens_list)
         return (
             meta.num_decodes == b
+            and meta.lora is None  # NOTE: adapter steps launch eagerly (their tiles vary per step)
             and 0 < b <= self.max_batch
             and meta.block_tables.shape[1] <= self.block_tables.shape[1]
         )

@@ -8,17 +8,16 @@ context or beyond the whole KV pool) is refused at once with a ``ValueError``.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
-from pathlib import Path
 
 import torch
 
 from engine.attention import get_attention_backend
 from engine.block_pool import KVEvent
 from engine.config import EngineConfig
+from engine.core_lora import LoraMixin
 from engine.core_transfer import TransferMixin
 from engine.cpu_threads import apply_thread_policy
 from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
@@ -29,6 +28,7 @@ from engine.kv_quant import first_blocks, storage_dtype
 from engine.limits import RequestLimits
 from engine.model_runner import ModelRunner
 from engine.models import load_model, resolve_model_path
+from engine.models.loader import eos_token_ids
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 PREFILL_STEP_TOKENS = 64  # a step this large is mostly prompt work: it measures prefill cost per token
 
 
-class EngineCore(TransferMixin):
+class EngineCore(TransferMixin, LoraMixin):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = resolve_model_path(config.model)
@@ -52,8 +52,9 @@ class EngineCore(TransferMixin):
         t0 = time.perf_counter()
         self.model = load_model(self.model_path, config.dtype, config.device, backend)
         self.spec = self.model.spec
-        self.eos_token_ids = _eos_token_ids(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path)
         logger.info("model loaded in %.2fs", time.perf_counter() - t0)
+        self._setup_lora()  # its device slots before the KV cache takes the free memory
         limit = self.spec.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {limit}")
@@ -111,6 +112,7 @@ class EngineCore(TransferMixin):
             itl_target_ms=config.itl_target_ms,
             num_spec_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
             spec_max_batch=spec_cfg.disable_by_batch_size if spec_cfg else None,
+            max_loras=config.max_loras if self.lora_slots is not None else 0,
         )
         self.structured = StructuredOutputs(
             config.tokenizer or self.model_path, self.spec.vocab_size, self.eos_token_ids
@@ -126,6 +128,7 @@ class EngineCore(TransferMixin):
             self.structured,
             max_model_len=self.max_model_len,
         )
+        self.runner.lora = self.lora_slots
         if self.speculator is not None:
             attach_cache(self.speculator, self.model, draft, kv_cache, self.layout, num_blocks, backend)
             self.runner.speculator = self.speculator
@@ -203,11 +206,14 @@ class EngineCore(TransferMixin):
         priority: int = 0,
         arrival_time: float | None = None,
         prefill_only: bool = False,
+        lora: str | None = None,
     ) -> None:
         """Queue a request. ``prefill_only`` (prefill role): stop after the first token and hold the
-        prompt's blocks until ``release_held``; the output carries their ids and the seed used."""
+        prompt's blocks until ``release_held``; the output carries their ids and the seed used.
+        ``lora``: the adapter it runs (``UnknownAdapterError`` for one not served)."""
         self._check_new_id(request_id)
         self.validate(prompt_token_ids, params)
+        adapter = self.lora_args(lora)
         if prefill_only and params.n != 1:
             raise ValueError("disaggregated prefill serves n = 1 only; run n > 1 requests aggregated")
         req = Request(
@@ -219,6 +225,7 @@ class EngineCore(TransferMixin):
             priority=priority,
             arrival_time=arrival_time,
             prefill_only=prefill_only,
+            **adapter,
         )
         self.scheduler.add(req)
         self._serves_prefill_only |= prefill_only
@@ -435,16 +442,3 @@ class EngineCore(TransferMixin):
             **disk_tier_stats(self.kv),
             **spec_stats(self.speculator),
         )
-
-
-def _eos_token_ids(path: Path) -> frozenset[int]:
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        f = path / name
-        if f.exists():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, list):
-                ids.update(e for e in eos if isinstance(e, int))
-    return frozenset(ids)

@@ -48,9 +48,11 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priorities: Sequence[int] | None = None,
+        lora: str | Sequence[str | None] | None = None,
         use_tqdm: bool = True,
         desc: str = "generate",
     ) -> list[RequestOutput]:
+        """``lora``: the adapter every prompt runs, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -63,8 +65,12 @@ class LLM:
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         plist = [self._resolve_bad_words(p) for p in plist]
         token_lists = [self._tokenize(p) for p in prompts]
-        for toks, p in zip(token_lists, plist):
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} adapters for {len(prompts)} prompts")
+        for toks, p, name in zip(token_lists, plist, loras):
             self.core.validate(toks, p)  # all or nothing: refuse before anything is queued
+            self.core.lora_args(name)
         results: dict[str, RequestOutput] = {}
         detoks: dict[tuple[str, int], IncrementalDetokenizer] = {}
         for i, (prompt, toks, p) in enumerate(zip(prompts, token_lists, plist)):
@@ -78,7 +84,7 @@ class LLM:
             if self.tokenizer is not None:
                 for j in range(p.n):
                     detoks[(rid, j)] = IncrementalDetokenizer(self.tokenizer, toks, p)
-            self.core.add_request(rid, toks, p, priority=priorities[i] if priorities else 0)
+            self.core.add_request(rid, toks, p, priority=priorities[i] if priorities else 0, lora=loras[i])
         bar = tqdm(total=len(prompts), desc=desc, unit="req", disable=not use_tqdm)
         start, generated, done = time.perf_counter(), 0, 0
         try:

@@ -16,6 +16,7 @@ from engine.attention.backend import AttentionBackend
 from engine.kv_cache import KVLayout
 from engine.kv_quant import block_rows
 from engine.logits_processing import LogitsAdjustment
+from engine.lora.batch import LoraBatch
 from engine.models.llama import LlamaForCausalLM
 from engine.persistent_batch import BlockTables, FlatBatch, StepUploader, upload_step
 from engine.prompt_logprobs import prompt_logprobs
@@ -82,6 +83,11 @@ class ModelRunner:
         # from Python: on a GPU a mixed prefill + decode step costs the host several times a decode's).
         self.num_forwards = 0
         self.num_graph_forwards = 0
+        # LoRA (engine.lora.slots.LoraSlots, set when the engine serves adapters): each adapter
+        # sequence's adapter, and the slot of each table row that runs one.
+        self.lora = None
+        self._lora_of: dict[str, str] = {}
+        self._lora_rows: dict[int, int] = {}
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its tokens."""
@@ -234,6 +240,8 @@ class ModelRunner:
         tables = self.tables
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+            if self._lora_of:
+                self._drop_lora(seq_id)
             tables.remove(seq_id)
             if self.speculator is not None:
                 self.speculator.drop(seq_id)
@@ -252,8 +260,13 @@ class ModelRunner:
                 new.output_start,
                 new.prompt_len,
             )
+            if self._lora_of:
+                self._drop_lora(new.seq_id)
             tables.remove(new.seq_id)  # a resumed sequence starts its row afresh
             tables.add(new.seq_id, new.block_ids)
+            if new.lora is not None:
+                self._lora_of[new.seq_id] = new.lora
+                self._lora_rows[tables.row_of[new.seq_id]] = self.lora.acquire(new.lora)
             if new.params.prompt_logprobs is not None:
                 self._prompt_lp_seqs.add(new.seq_id)
             if _needs_host_tokens(new.params):
@@ -355,7 +368,17 @@ class ModelRunner:
             flat, self.tables, self.uploader, self.layout.block_size, self.backend, plan.scalars, patches
         )
         plan.tensors = inputs.sampling
+        if self._lora_rows:
+            lora_rows = self._lora_rows
+            token_slots = [lora_rows.get(r, -1) for r in flat.token_rows]
+            inputs.meta.lora = LoraBatch.build(self.lora, token_slots, self.device)
         return inputs.input_ids, inputs.positions, inputs.meta, sample_rows, spec_rows, plan
+
+    def _drop_lora(self, seq_id: str) -> None:
+        name = self._lora_of.pop(seq_id, None)
+        if name is not None:
+            self._lora_rows.pop(self.tables.row_of[seq_id], None)
+            self.lora.release(name)
 
     def _grammar_masks(self, sample_rows: list[tuple[int, str, int]]):
         """A future of the step's token bitmask (one row per sample), or None without grammars."""

@@ -66,8 +66,14 @@ class Request:
         group_id: str | None = None,
         sample_index: int = 0,
         prefill_only: bool = False,
+        lora: str | None = None,
+        lora_salt: str = "",
     ) -> None:
         self.request_id = request_id
+        # The LoRA adapter it runs (None: the base model), and its prefix-cache namespace: KV computed
+        # under one adapter is never a hit for another (the adapter's weights change every layer's K/V).
+        self.lora = lora
+        self.lora_salt = lora_salt
         self.group_id = group_id if group_id is not None else request_id
         self.sample_index = sample_index
         self.params = params
@@ -133,6 +139,8 @@ class Request:
             arrival_time=self.arrival_time,
             group_id=self.group_id,
             sample_index=index,
+            lora=self.lora,
+            lora_salt=self.lora_salt,
         )
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
@@ -147,6 +155,7 @@ class Request:
         if (done + 1) * block_size <= known:
             parent = self.block_hashes[-1] if done else None
             tokens = self.token_ids if known == len(self.token_ids) else self.token_ids[:known]
+            salt += self.lora_salt
             self.block_hashes.extend(hash_blocks(tokens, block_size, salt, parent, start_block=done))
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:

@@ -49,8 +49,10 @@ class Scheduler(TransferQueue, StepResults):
         itl_target_ms: float = 100.0,
         num_spec_tokens: int = 0,
         spec_max_batch: int | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.kv = kv
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (the device's slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -215,6 +217,8 @@ class Scheduler(TransferQueue, StepResults):
             req = self.swapped[0]
             if req.num_placeholders:
                 return  # resumes with its token list in full: once the step in flight has filled it
+            if req.lora is not None and not self._adapter_fits(req.lora):
+                return
             # With others running, keep the margin plus a block for the token this one will write;
             # alone it may take the whole pool (validation guarantees it fits).
             if not self.kv.can_swap_in(req, self.margin_blocks + 1 if self.running else 0):
@@ -231,12 +235,30 @@ class Scheduler(TransferQueue, StepResults):
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]) -> None:
         # Parallel samples fork after their prompt: reserve their sequence slots at admission.
         reserved = len(self.running) + sum(r.pending_forks for r in self.running)
+        skipped: list[Request] = []  # waiting for an adapter slot: later requests go first meanwhile
+        try:
+            self._admit_waiting(out, budget, scheduled, reserved, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _adapter_fits(self, lora: str) -> bool:
+        """Whether a sequence of adapter ``lora`` can run now: its adapter runs already, or a slot
+        is free of running adapters."""
+        running = {r.lora for r in self.running if r.lora is not None}
+        return lora in running or len(running) < self.max_loras
+
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: list[int], scheduled: dict[str, int], reserved: int, skipped: list
+    ) -> None:
         while self.waiting and budget[0] > 0:
             req = self.waiting[0]
             if req.num_placeholders:
                 return  # preempted with a token in flight: it resumes once the value is known
             if reserved + 1 + req.pending_forks > self.max_num_seqs:
                 return
+            if req.lora is not None and not self._adapter_fits(req.lora):
+                skipped.append(self.waiting.popleft())
+                continue
             hit = self.kv.find_prefix_hit(req)
             req.num_computed_tokens = hit.num_tokens
             num_new = min(req.num_tokens - hit.num_tokens, budget[0])
@@ -288,6 +310,7 @@ class Scheduler(TransferQueue, StepResults):
                     num_samples,
                     req.output_start,
                     req.prompt_len,
+                    req.lora,
                 )
             )
         elif cow:

@@ -27,6 +27,7 @@ class NewSequenceData:
     # its prompt ends (min_tokens counts from there; the two differ for a resumed request).
     output_start: int = 0
     prompt_len: int = 0
+    lora: str | None = None  # the LoRA adapter it runs (None: the base model)
 
 
 @dataclass(slots=True)

@@ -60,16 +60,77 @@ def hf_greedy():
             m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             m.generation_config.eos_token_id = None
             models[model_dir] = m
-        with torch.no_grad():
-            out = models[model_dir].generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=0,
-                do_sample=False,
-                pad_token_id=0,
+        return _hf_generate(models[model_dir], prompt, max_new_tokens)
+
+    return ref
+
+
+def _hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """A transformers model's greedy continuation of ``prompt``."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="session")
+def lora_adapter_factory(tmp_path_factory):
+    """``make(model_dir, seed, r=8, targets=LORA_TARGETS, **lora_config)`` -> a PEFT adapter directory
+    written by ``peft`` itself (the reference format), its A and B random (PEFT starts B at zero, an
+    adapter that changes nothing) and large enough to change greedy output."""
+    import peft
+    import transformers
+
+    cache: dict[str, Path] = {}
+
+    def make(model_dir: Path, seed: int, r: int = 8, targets=LORA_TARGETS, scale: float = 0.5, **kw) -> Path:
+        key = json.dumps([str(model_dir), seed, r, list(targets), scale, sorted(kw.items())], default=str)
+        if key not in cache:
+            base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            config = peft.LoraConfig(
+                r=r, lora_alpha=kw.pop("lora_alpha", 2 * r), target_modules=list(targets), **kw
             )
-        return out[0, len(prompt) :].tolist()
+            model = peft.get_peft_model(base, config)
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_" in name:
+                        p.copy_(scale * torch.randn(p.shape, generator=gen))
+            path = tmp_path_factory.mktemp(f"lora-{seed}")
+            model.save_pretrained(path)
+            cache[key] = path
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_lora_greedy():
+    """``ref(model_dir, adapter_dir, prompt_ids, max_new_tokens)`` -> HF transformers + peft greedy
+    continuation (EOS ignored); ``adapter_dir`` None: the base model."""
+    import peft
+    import transformers
+
+    models: dict[tuple, object] = {}
+
+    def ref(model_dir: Path, adapter: Path | None, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (model_dir, adapter)
+        if key not in models:
+            m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            if adapter is not None:
+                m = peft.PeftModel.from_pretrained(m, adapter)
+            m.generation_config.eos_token_id = None
+            models[key] = m.eval()
+        return _hf_generate(models[key], prompt, max_new_tokens)
 
     return ref
 

@@ -36,6 +36,8 @@ class AttentionMetadata:
     # A quantized cache: the step's slot writes grouped by block (engine.kv_quant.SlotWrites), built
     # by the first layer that stores and shared by the others.
     quant_writes: object | None = None
+    # The step's adapters (engine.lora.batch.LoraBatch), None when no token of it uses one.
+    lora: object | None = None
 
 
 @dataclass(slots=True)

@@ -93,7 +93,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata, fused: bool = False) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        lora = meta.lora if meta is not None else None
+        if lora is not None:
+            lora.update(qkv, x, self.layer, "qkv")
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -101,23 +105,37 @@ class Attention(nn.Module):
             q, k = self.q_norm(q, fused), self.k_norm(k, fused)
         q, k = apply_rotary(q, k, cos_sin, fused)
         out = self.backend.forward(self.layer, q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = out.reshape(t, self.q_size)
+        y = self.o_proj(out)
+        if lora is not None:
+            lora.update(y, out, self.layer, "o")
+        return y
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.inter = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False, lora=None) -> torch.Tensor:
+        """``lora``: the step's adapters (``engine.lora.batch.LoraBatch``) or None."""
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.update(gate_up, x, self.layer, "gate_up")
         if fused:
             import engine.models.fused_ops as fused_ops
 
-            return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            h = fused_ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            h = F.silu(gate) * up
+        y = self.down_proj(h)
+        if lora is not None:
+            lora.update(y, h, self.layer, "down")
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -126,7 +144,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, layer)
 
     def forward(self, x, residual, cos_sin, kv_cache, meta, fused: bool = False):
         """``(x, residual)`` in, ``(mlp output, residual)`` out; ``residual`` is None for the first layer."""
@@ -136,7 +154,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.add_forward(x, residual, fused)
         x = self.self_attn(h, cos_sin, kv_cache, meta, fused)
         h, residual = self.post_attention_layernorm.add_forward(x, residual, fused)
-        return self.mlp(h, fused), residual
+        return self.mlp(h, fused, meta.lora if meta is not None else None), residual
 
 
 class Backbone(nn.Module):

@@ -185,3 +185,17 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     with torch.no_grad():
         dst.copy_(src.to(dst.dtype))
+
+
+def eos_token_ids(path: Path) -> frozenset[int]:
+    """The checkpoint's end-of-sequence ids (generation_config.json, then config.json)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(e for e in eos if isinstance(e, int))
+    return frozenset(ids)

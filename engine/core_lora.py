@@ -1,0 +1,83 @@
+"""The engine's LoRA calls: a mixin of ``engine.engine_core.EngineCore``.
+
+Adapters are served when the engine starts with ``lora_modules`` or ``enable_lora``: their device
+slots (``engine.lora.slots``) are allocated with the model, before the KV cache takes the rest of the
+memory. ``add_lora`` / ``remove_lora`` change the served set at run time; a request names its adapter
+(``add_request(..., lora=NAME)``) and an unknown name is refused there, as is removing an adapter that
+unfinished requests use.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.lora.adapter import AdapterError, load_adapter
+from engine.lora.slots import LoraSlots
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownAdapterError(KeyError):
+    """A request names an adapter the engine does not serve."""
+
+    def __str__(self) -> str:
+        return f"the model {self.args[0]!r} does not exist"
+
+
+class LoraMixin:
+    def _setup_lora(self) -> None:
+        """The adapter slots and the adapters to serve from the start (after the model loads)."""
+        cfg = self.config
+        self.lora_slots = None
+        if not (cfg.enable_lora or cfg.lora_modules):
+            return
+        self.lora_slots = LoraSlots(self.spec, cfg.max_loras, cfg.max_lora_rank, self.device, cfg.dtype)
+        logger.info(
+            "LoRA: %d device slots of rank <= %d (%.1f MiB)",
+            cfg.max_loras,
+            cfg.max_lora_rank,
+            self.lora_slots.bytes / 2**20,
+        )
+        for name, path in (cfg.lora_modules or {}).items():
+            self.add_lora(name, path)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name``; ``AdapterError`` says why one is refused."""
+        if self.lora_slots is None:
+            raise AdapterError("this engine serves no adapters: start it with enable_lora or lora_modules")
+        if not isinstance(name, str) or not name.strip():
+            raise AdapterError("an adapter needs a non-empty name")
+        if name in self.lora_slots.adapters and self._lora_in_use(name):
+            raise AdapterError(
+                f"adapter {name!r} is in use by unfinished requests; it cannot be replaced now"
+            )
+        adapter = load_adapter(name, path, self.spec, self.config.max_lora_rank)
+        self.lora_slots.add(adapter)
+        logger.info(
+            "LoRA adapter %r loaded from %s (rank %d, %d modules)",
+            name,
+            path,
+            adapter.rank,
+            len(adapter.modules),
+        )
+
+    def remove_lora(self, name: str) -> None:
+        if self.lora_slots is None or name not in self.lora_slots.adapters:
+            raise UnknownAdapterError(name)
+        if used := self._lora_in_use(name):
+            raise AdapterError(f"adapter {name!r} is in use by {used} unfinished requests")
+        self.lora_slots.remove(name)
+
+    def list_loras(self) -> list[str]:
+        return sorted(self.lora_slots.adapters) if self.lora_slots is not None else []
+
+    def lora_args(self, name: str | None) -> dict:
+        """The Request arguments of adapter ``name`` (None: the base model)."""
+        if name is None:
+            return {}
+        if self.lora_slots is None or name not in self.lora_slots.adapters:
+            raise UnknownAdapterError(name)
+        return {"lora": name, "lora_salt": self.lora_slots.adapters[name].cache_salt}
+
+    def _lora_in_use(self, name: str) -> int:
+        return sum(r.lora == name for r in self.scheduler.requests.values())

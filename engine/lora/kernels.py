@@ -1,0 +1,108 @@
+"""The batched low-rank update in Triton (the GPU engine's; ``engine.lora.batch.lora_update_ref`` is
+its torch reference and the CPU engine's). It works on *tiles*:
+runs of up to ``tile`` consecutive tokens of one adapter (a prefill chunk is one run; decodes of one
+adapter next to each other share one). A tile's program multiplies its tokens by the slot's A in one
+``tl.dot`` (shrink, into a float32 ``[T, N]`` buffer), then by its B and adds into ``y`` (expand):
+the segmented-GEMM scheme of Punica / S-LoRA. Base-model tokens belong to no tile and cost nothing.
+Slot tensors: ``A`` ``[slots, N, K]``, ``B`` ``[slots, O, N]`` (``N``: the stacked ranks of a fused
+projection's parts, ``engine.lora.slots``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, xa_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr,
+    K, N, stride_x, stride_as, stride_an, stride_xa,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    start = tl.load(tile_start_ptr + tile)
+    length = tl.load(tile_len_ptr + tile)
+    slot = tl.load(tile_slot_ptr + tile)
+    t = tl.arange(0, BLOCK_T)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(
+            x_ptr + (start + t)[:, None] * stride_x + k[None, :],
+            mask=(t[:, None] < length) & (k[None, :] < K),
+            other=0.0,
+        )
+        at = tl.load(
+            a_ptr + slot * stride_as + n[None, :] * stride_an + k[:, None],
+            mask=(n[None, :] < N) & (k[:, None] < K),
+            other=0.0,
+        )
+        acc += tl.dot(xt.to(tl.float32), at.to(tl.float32))
+    tl.store(
+        xa_ptr + (start + t)[:, None] * stride_xa + n[None, :],
+        acc,
+        mask=(t[:, None] < length) & (n[None, :] < N),
+    )
+
+
+@triton.jit
+def _expand_kernel(
+    xa_ptr, b_ptr, y_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr,
+    N, OUT, stride_xa, stride_bs, stride_bo, stride_y,
+    BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    start = tl.load(tile_start_ptr + tile)
+    length = tl.load(tile_len_ptr + tile)
+    slot = tl.load(tile_slot_ptr + tile)
+    t = tl.arange(0, BLOCK_T)
+    o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    acc = tl.zeros((BLOCK_T, BLOCK_O), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        xat = tl.load(
+            xa_ptr + (start + t)[:, None] * stride_xa + n[None, :],
+            mask=(t[:, None] < length) & (n[None, :] < N),
+            other=0.0,
+        )
+        bt = tl.load(
+            b_ptr + slot * stride_bs + o[None, :] * stride_bo + n[:, None],
+            mask=(o[None, :] < OUT) & (n[:, None] < N),
+            other=0.0,
+        )
+        acc += tl.dot(xat, bt.to(tl.float32))
+    mask = (t[:, None] < length) & (o[None, :] < OUT)
+    y_ptrs = y_ptr + (start + t)[:, None] * stride_y + o[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def lora_update(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tile: int,
+) -> None:
+    """``y += delta`` in place over ``tiles`` = (starts, lengths, slots) on the device, each at most
+    ``tile`` tokens long (``engine.lora.batch.make_tiles``, ``TILE``: a power of two >= 16)."""
+    starts, lengths, slots = tiles
+    num_tiles = starts.shape[0]
+    if num_tiles == 0:
+        return
+    assert x.stride(1) == 1 and y.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
+    k, n, o = x.shape[1], a.shape[1], b.shape[1]
+    xa = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
+    block_n = max(16, min(64, triton.next_power_of_2(n)))
+    _shrink_kernel[(num_tiles, triton.cdiv(n, block_n))](
+        x, a, xa, starts, lengths, slots, k, n, x.stride(0), a.stride(0), a.stride(1), xa.stride(0),
+        BLOCK_T=tile, BLOCK_N=block_n, BLOCK_K=64,
+    )  # fmt: skip
+    _expand_kernel[(num_tiles, triton.cdiv(o, 64))](
+        xa, b, y, starts, lengths, slots, n, o, xa.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_T=tile, BLOCK_O=64, BLOCK_N=block_n,
+    )  # fmt: skip

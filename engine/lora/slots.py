@@ -1,0 +1,134 @@
+"""The adapters an engine serves: every loaded one in host memory, up to ``max_loras`` in device slots.
+
+Each fused projection of each layer has one ``A`` ``[slots, parts * R, in]`` and one ``B``
+``[slots, out, parts * R]`` tensor on the device (``R``: ``max_lora_rank``; ``parts``: q, k, v of
+``qkv``, gate and up of ``gate_up``). Part ``i`` of an adapter of rank ``r`` fills rows ``i*R ..
+i*R + r`` of its slot's ``A`` and the same columns of ``B`` within the part's output rows; the rest
+stays zero, so a fused projection's update is one shrink and one expand whatever the parts' ranks.
+
+A sequence pins its adapter's slot from the step that first runs it until it finishes or is
+preempted (``acquire`` / ``release``); an adapter no sequence runs stays resident until a new one
+needs its slot, least recently used first. The scheduler never runs more distinct adapters at once
+than there are slots, so a pinned slot is never needed by another adapter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+from engine.lora.adapter import NUM_PARTS, AdapterError, LoraAdapter
+
+
+class LoraSlots:
+    def __init__(self, spec, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        h, q, kv, inter = (
+            spec.hidden_size,
+            spec.num_heads * spec.head_dim,
+            spec.num_kv_heads * spec.head_dim,
+            spec.intermediate_size,
+        )
+        shapes = {
+            "qkv": (h, (q, kv, kv)),
+            "o": (q, (h,)),
+            "gate_up": (h, (inter, inter)),
+            "down": (inter, (h,)),
+        }
+        self.part_rows = {p: _offsets(outs) for p, (_, outs) in shapes.items()}
+        n, r = spec.num_layers, max_rank
+        self.a = {
+            p: torch.zeros((n, max_loras, NUM_PARTS[p] * r, k), dtype=dtype, device=device)
+            for p, (k, _) in shapes.items()
+        }
+        self.b = {
+            p: torch.zeros((n, max_loras, sum(outs), NUM_PARTS[p] * r), dtype=dtype, device=device)
+            for p, (_, outs) in shapes.items()
+        }
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
+        self.pins: dict[str, int] = {}  # sequences running each adapter
+        self.num_loads = 0  # adapters copied into a slot
+        self.load_seconds = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
+
+    def layer_weights(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a[proj][layer], self.b[proj][layer]
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` (a new one, or new weights under a served name no sequence runs)."""
+        if adapter.rank > self.max_rank:
+            raise AdapterError(
+                f"adapter {adapter.name!r}: rank {adapter.rank} exceeds max_lora_rank {self.max_rank}"
+            )
+        if self.pins.get(adapter.name):
+            raise AdapterError(
+                f"adapter {adapter.name!r} is in use by running requests; it cannot be replaced now"
+            )
+        self.slot_of.pop(adapter.name, None)  # its old weights' slot is free to reuse
+        self.adapters[adapter.name] = adapter
+
+    def remove(self, name: str) -> None:
+        if name not in self.adapters:
+            raise KeyError(name)
+        if self.pins.get(name):
+            raise AdapterError(f"adapter {name!r} is in use by running requests")
+        del self.adapters[name]
+        self.slot_of.pop(name, None)
+
+    def acquire(self, name: str) -> int:
+        """The slot of adapter ``name`` (copied in if it is not resident), pinned for one sequence."""
+        slot = self.slot_of.get(name)
+        if slot is None:
+            slot = self._free_slot()
+            self._load(self.adapters[name], slot)
+            self.slot_of[name] = slot
+        self.slot_of.move_to_end(name)
+        self.pins[name] = self.pins.get(name, 0) + 1
+        return slot
+
+    def release(self, name: str) -> None:
+        left = self.pins[name] - 1
+        if left:
+            self.pins[name] = left
+        else:
+            del self.pins[name]
+
+    def _free_slot(self) -> int:
+        used = set(self.slot_of.values())
+        for slot in range(self.max_loras):
+            if slot not in used:
+                return slot
+        for name, slot in self.slot_of.items():  # least recently used first
+            if not self.pins.get(name):
+                del self.slot_of[name]
+                return slot
+        raise RuntimeError(
+            f"every one of the {self.max_loras} adapter slots is pinned (the scheduler's bound)"
+        )
+
+    def _load(self, adapter: LoraAdapter, slot: int) -> None:
+        t0 = time.perf_counter()
+        r = self.max_rank
+        for p in self.a:
+            self.a[p][:, slot].zero_()
+            self.b[p][:, slot].zero_()
+        for (layer, p, part), m in adapter.modules.items():
+            lo, hi = self.part_rows[p][part]
+            self.a[p][layer, slot, part * r : part * r + m.rank].copy_(m.a)
+            self.b[p][layer, slot, lo:hi, part * r : part * r + m.rank].copy_(m.b)
+        self.num_loads += 1
+        self.load_seconds += time.perf_counter() - t0
+
+
+def _offsets(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for n in sizes:
+        out.append((at, at + n))
+        at += n
+    return out

@@ -1,0 +1,179 @@
+"""Multi-LoRA in the engine alone: greedy output token-identical to HF transformers + peft for each
+adapter (float32, tiny random models and adapters written by peft itself), with several adapters and
+the base model mixed in one batch, through chunked prefill, with fewer device slots than adapters
+(swapped in LRU), and with the prefix cache never sharing KV across adapters. Adapters the engine
+cannot serve exactly are refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core_lora import UnknownAdapterError
+from engine.lora.adapter import AdapterError
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, lora_adapter_factory):
+    """Three adapters of different shapes: every projection at rank 8; q and v at rank 4 with rsLoRA;
+    the MLP at rank 16 with a per-module alpha."""
+    return {
+        "all": lora_adapter_factory(tiny_llama, seed=1),
+        "qv": lora_adapter_factory(tiny_llama, seed=2, r=4, targets=("q_proj", "v_proj"), use_rslora=True),
+        "mlp": lora_adapter_factory(
+            tiny_llama,
+            seed=3,
+            r=16,
+            targets=("gate_proj", "up_proj", "down_proj"),
+            alpha_pattern={"down_proj": 8},
+        ),
+    }
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+
+
+def _check(llm, model_dir, adapters, prompts, loras, hf_lora_greedy) -> None:
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora=loras, use_tqdm=False)
+    for prompt, name, out in zip(prompts, loras, outs):
+        ref = hf_lora_greedy(model_dir, adapters[name] if name else None, prompt, MAX_NEW)
+        assert out.token_ids == ref, f"adapter {name}: mismatch for a prompt of {len(prompt)} tokens"
+    stats = llm.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_each_adapter_changes_the_output(tiny_llama, adapters, hf_lora_greedy):
+    prompt = _prompts(0, [12])[0]
+    outs = {name: tuple(hf_lora_greedy(tiny_llama, path, prompt, MAX_NEW)) for name, path in adapters.items()}
+    outs["base"] = tuple(hf_lora_greedy(tiny_llama, None, prompt, MAX_NEW))
+    assert len(set(outs.values())) == len(outs), outs  # otherwise the parity below proves little
+
+
+def test_mixed_adapters_in_one_batch_match_hf_peft(tiny_llama, adapters, hf_lora_greedy):
+    llm = LLM(
+        str(tiny_llama), block_size=8, num_blocks=128, lora_modules={k: str(v) for k, v in adapters.items()}
+    )
+    assert llm.core.list_loras() == ["all", "mlp", "qv"]
+    loras = [None, "all", "qv", "mlp", "all", None, "qv", "mlp"]
+    _check(llm, tiny_llama, adapters, _prompts(1, [1, 5, 8, 13, 29, 40, 17, 3]), loras, hf_lora_greedy)
+
+
+def test_chunked_prefill_and_fewer_slots_than_adapters(tiny_llama, adapters, hf_lora_greedy):
+    # One device slot for three adapters: the scheduler runs one adapter at a time (others wait,
+    # base-model requests run beside it) and each is copied in when its turn comes.
+    llm = LLM(
+        str(tiny_llama),
+        block_size=8,
+        num_blocks=128,
+        max_num_batched_tokens=16,
+        max_loras=1,
+        lora_modules={k: str(v) for k, v in adapters.items()},
+    )
+    loras = ["all", "qv", None, "mlp", "qv", "all"]
+    _check(llm, tiny_llama, adapters, _prompts(2, [3, 17, 33, 9, 21, 40]), loras, hf_lora_greedy)
+    assert llm.core.lora_slots.num_loads >= 3
+
+
+def test_prefix_cache_never_shares_kv_across_adapters(tiny_llama, adapters, hf_lora_greedy):
+    llm = LLM(
+        str(tiny_llama), block_size=8, num_blocks=128, lora_modules={k: str(v) for k, v in adapters.items()}
+    )
+    prompt = _prompts(3, [40])
+    for name in (
+        None,
+        "all",
+        "qv",
+        "all",
+        None,
+    ):  # each after the other: the cache holds the last one's blocks
+        _check(llm, tiny_llama, adapters, prompt, [name], hf_lora_greedy)
+    # Repeats under the same adapter hit the cache: the second "all" and the second base run.
+    assert llm.stats().prefix_cache_hits >= 2 * 32
+
+
+def test_unknown_adapter_and_removal_in_use(tiny_llama, adapters):
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=64, lora_modules={"all": str(adapters["all"])})
+    with pytest.raises(UnknownAdapterError, match="'nope' does not exist"):
+        llm.generate([[5, 6, 7]], lora="nope", use_tqdm=False)
+    llm.core.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4), lora="all")
+    with pytest.raises(AdapterError, match="in use by 1 unfinished"):
+        llm.core.remove_lora("all")
+    llm.core.abort_request("r")
+    llm.core.remove_lora("all")
+    assert llm.core.list_loras() == []
+    llm.core.add_lora("again", str(adapters["all"]))  # at run time
+    assert llm.core.list_loras() == ["again"]
+
+
+def _broken(src, tmp_path, config=None, tensors=None, name="broken"):
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    if config is not None:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        cfg.update(config)
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        weights = tensors(load_file(dst / "adapter_model.safetensors"))
+        save_file(weights, dst / "adapter_model.safetensors")
+    return dst
+
+
+def _renamed(weights: dict, old: str, new: str) -> dict:
+    return {k.replace(old, new): v for k, v in weights.items()}
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (dict(config={"use_dora": True}), "DoRA"),
+        (dict(config={"bias": "lora_only"}), "adapted biases"),
+        (dict(config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
+        (dict(config={"peft_type": "IA3"}), "is not LoRA"),
+        (dict(config={"r": 0}), "r must be a positive number"),
+        (dict(tensors=lambda w: _renamed(w, "q_proj", "embed_tokens")), "not a projection pdserve adapts"),
+        (
+            dict(tensors=lambda w: {k: v for k, v in w.items() if "q_proj.lora_B" not in k}),
+            "without its partner",
+        ),
+        (
+            dict(
+                tensors=lambda w: {
+                    k: v[:, :-1].contiguous() if "k_proj.lora_A" in k else v for k, v in w.items()
+                }
+            ),
+            "do not fit",
+        ),
+        (dict(tensors=lambda w: _renamed(w, "layers.1.", "layers.9.")), "has 2 layers"),
+    ],
+    ids=["dora", "bias", "modules_to_save", "not-lora", "rank-0", "embedding", "half-pair", "shape", "layer"],
+)
+def test_an_adapter_the_engine_cannot_serve_is_refused_with_the_reason(
+    tiny_llama, adapters, tmp_path, change, reason
+):
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=32, enable_lora=True)
+    with pytest.raises(AdapterError, match=reason):
+        llm.core.add_lora("x", str(_broken(adapters["all"], tmp_path, **change)))
+    assert llm.core.list_loras() == []
+
+
+def test_rank_above_the_slots_and_pickled_checkpoints_are_refused(tiny_llama, adapters, tmp_path):
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=32, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(AdapterError, match="rank 16 exceeds max_lora_rank 8"):
+        llm.core.add_lora("mlp", str(adapters["mlp"]))
+    pickled = _broken(adapters["all"], tmp_path)
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="is a pickle"):
+        llm.core.add_lora("bin", str(pickled))
+    with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
+        llm.core.add_lora("none", str(tmp_path))

@@ -1,0 +1,56 @@
+"""The batched LoRA update's Triton kernels against the torch reference, under the interpreter here
+(compiled on a CUDA machine): mixed adapters and base-model tokens in one batch, runs longer than a
+tile, ranks and widths that are not powers of two.
+
+NOTE: ``TRITON_INTERPRET=1`` is set (without CUDA) before ``engine.lora.kernels`` is imported, as in
+``test_fused_ops.py``: ``@triton.jit`` picks the interpreter or the compiler when a kernel is defined.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import triton
+
+from engine.lora.batch import TILE, lora_update_ref, make_tiles
+from engine.lora.kernels import lora_update
+
+INTERPRETED = triton.knobs.runtime.interpret
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA GPU", allow_module_level=True)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def test_tiles_are_runs_of_one_slot_up_to_a_tile_long():
+    slots = [-1, 0, 0, 1, -1, 1, *([2] * (TILE + 3)), 0]
+    starts, lengths, tile_slots = make_tiles(slots)
+    assert tile_slots == [0, 1, 1, 2, 2, 0]
+    assert starts == [1, 3, 5, 6, 6 + TILE, 9 + TILE]
+    assert lengths == [2, 1, 1, TILE, 3, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("k", "n", "o"), [(64, 48, 96), (40, 16, 200)])
+def test_kernel_matches_the_reference(dtype, k, n, o):
+    gen = torch.Generator().manual_seed(0)
+    slots_list = [0] * 21 + [-1] * 3 + [2, 1, 2, -1, 1] + [1] * 5  # a prefill run, base tokens, decodes
+    t = len(slots_list)
+    x = torch.randn(t, k, generator=gen).to(dtype).to(DEVICE)
+    a = (0.2 * torch.randn(3, n, k, generator=gen)).to(dtype).to(DEVICE)
+    b = (0.2 * torch.randn(3, o, n, generator=gen)).to(dtype).to(DEVICE)
+    y0 = torch.randn(t, o, generator=gen).to(dtype).to(DEVICE)
+    ref = y0.clone()
+    lora_update_ref(ref, x, torch.tensor(slots_list, device=DEVICE), a, b)
+    out = y0.clone()
+    tiles = tuple(torch.tensor(part, dtype=torch.int32, device=DEVICE) for part in make_tiles(slots_list))
+    lora_update(out, x, tiles, a, b, TILE)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=atol, rtol=rtol)
+    base = [i for i, s in enumerate(slots_list) if s < 0]
+    assert torch.equal(out[base], y0[base])  # base-model tokens are untouched
+    assert not torch.allclose(out.float(), y0.float())  # the adapters did change the others
