@@ -3,7 +3,7 @@
 Adapters are served when the engine starts with ``lora_modules`` or ``enable_lora``: their device
 slots (``engine.lora.slots``) are allocated with the model, before the KV cache takes the rest of the
 memory. ``add_lora`` / ``remove_lora`` change the served set at run time; a request names its adapter
-(``add_request(..., lora=NAME)``) and an unknown name is refused there, as is removing an adapter that
+(``SamplingParams.lora``) and an unknown name is refused there, as is removing an adapter that
 unfinished requests use.
 """
 
@@ -17,11 +17,13 @@ from engine.lora.slots import LoraSlots
 logger = logging.getLogger(__name__)
 
 
-class UnknownAdapterError(KeyError):
-    """A request names an adapter the engine does not serve."""
+class UnknownAdapterError(ValueError):
+    """A request names an adapter the engine does not serve (a ValueError: every role refuses the
+    request as it refuses other invalid ones)."""
 
-    def __str__(self) -> str:
-        return f"the model {self.args[0]!r} does not exist"
+    def __init__(self, name: str) -> None:
+        super().__init__(f"the model {name!r} does not exist (no such LoRA adapter is served)")
+        self.name = name
 
 
 class LoraMixin:
@@ -67,6 +69,11 @@ class LoraMixin:
         if used := self._lora_in_use(name):
             raise AdapterError(f"adapter {name!r} is in use by {used} unfinished requests")
         self.lora_slots.remove(name)
+
+    def lora_salts(self) -> dict[str, str]:
+        """Each served adapter's prefix-cache namespace (appended to ``prefix_salt``): the router
+        hashes an adapter's prompts with it, as the engine does."""
+        return {n: a.cache_salt for n, a in self.lora_slots.adapters.items()} if self.lora_slots else {}
 
     def list_loras(self) -> list[str]:
         return sorted(self.lora_slots.adapters) if self.lora_slots is not None else []

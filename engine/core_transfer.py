@@ -102,6 +102,7 @@ class TransferMixin:
             seed=seed,
             eos_token_ids=self.eos_token_ids,
             priority=priority,
+            **self.lora_args(params.lora),
         )
         if first_token is not None and not self._append_first(req, first_token, first_logprobs):
             return None

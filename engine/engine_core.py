@@ -194,6 +194,7 @@ class EngineCore(TransferMixin, LoraMixin):
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` for a request this engine can never serve."""
         self.limits.check(prompt_token_ids, params)
+        self.lora_args(params.lora)  # an adapter it does not serve: UnknownAdapterError (a ValueError)
         if params.structured is not None:
             self.structured.compile(params.structured)  # a bad schema is refused here, once
 
@@ -206,14 +207,11 @@ class EngineCore(TransferMixin, LoraMixin):
         priority: int = 0,
         arrival_time: float | None = None,
         prefill_only: bool = False,
-        lora: str | None = None,
     ) -> None:
         """Queue a request. ``prefill_only`` (prefill role): stop after the first token and hold the
-        prompt's blocks until ``release_held``; the output carries their ids and the seed used.
-        ``lora``: the adapter it runs (``UnknownAdapterError`` for one not served)."""
+        prompt's blocks until ``release_held``; the output carries their ids and the seed used."""
         self._check_new_id(request_id)
         self.validate(prompt_token_ids, params)
-        adapter = self.lora_args(lora)
         if prefill_only and params.n != 1:
             raise ValueError("disaggregated prefill serves n = 1 only; run n > 1 requests aggregated")
         req = Request(
@@ -225,7 +223,7 @@ class EngineCore(TransferMixin, LoraMixin):
             priority=priority,
             arrival_time=arrival_time,
             prefill_only=prefill_only,
-            **adapter,
+            **self.lora_args(params.lora),
         )
         self.scheduler.add(req)
         self._serves_prefill_only |= prefill_only

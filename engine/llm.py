@@ -68,9 +68,9 @@ class LLM:
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} adapters for {len(prompts)} prompts")
-        for toks, p, name in zip(token_lists, plist, loras):
+        plist = [p if name is None else dataclasses.replace(p, lora=name) for p, name in zip(plist, loras)]
+        for toks, p in zip(token_lists, plist):
             self.core.validate(toks, p)  # all or nothing: refuse before anything is queued
-            self.core.lora_args(name)
         results: dict[str, RequestOutput] = {}
         detoks: dict[tuple[str, int], IncrementalDetokenizer] = {}
         for i, (prompt, toks, p) in enumerate(zip(prompts, token_lists, plist)):
@@ -84,7 +84,7 @@ class LLM:
             if self.tokenizer is not None:
                 for j in range(p.n):
                     detoks[(rid, j)] = IncrementalDetokenizer(self.tokenizer, toks, p)
-            self.core.add_request(rid, toks, p, priority=priorities[i] if priorities else 0, lora=loras[i])
+            self.core.add_request(rid, toks, p, priority=priorities[i] if priorities else 0)
         bar = tqdm(total=len(prompts), desc=desc, unit="req", disable=not use_tqdm)
         start, generated, done = time.perf_counter(), 0, 0
         try:

@@ -79,6 +79,9 @@ class SamplingParams:
 
     ``speculative`` = False: decode this request one token per step even when the engine speculates
     (requests with logits processing or a grammar never speculate).
+
+    ``lora``: the name of the LoRA adapter to run the request with (None: the base model); the engine
+    refuses a name it does not serve (``engine.core_lora``).
     """
 
     n: int = 1
@@ -104,8 +107,11 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     prompt_logprobs: int | None = None
     speculative: bool = True
+    lora: str | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora must be an adapter's name, got {self.lora!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -33,6 +33,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         prior_output_tokens=p.prior_output_tokens,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         speculative=not p.no_speculation,
+        lora=p.lora or None,
         structured=StructuredOutput(p.structured.kind, p.structured.value)
         if p.HasField("structured")
         else None,
@@ -59,6 +60,7 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         bad_words=[pb.TokenIds(ids=w) for w in s.bad_words_token_ids],
         prior_output_tokens=s.prior_output_tokens,
         no_speculation=not s.speculative,
+        lora=s.lora or "",
     )
     if s.bad_words and not s.bad_words_token_ids:
         raise ValueError("bad_words must be tokenized into bad_words_token_ids before they cross the wire")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "bad_words", "prior_output_tokens", "structured", "prompt_logprobs", "no_speculation")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "bad_words", "prior_output_tokens", "structured", "prompt_logprobs", "no_speculation", "lora")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class SamplingParams(_message.Message):
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NO_SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -59,7 +60,8 @@ class SamplingParams(_message.Message):
     structured: StructuredOutput
     prompt_logprobs: int
     no_speculation: bool
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., bad_words: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., prior_output_tokens: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., no_speculation: _Optional[bool] = ...) -> None: ...
+    lora: str
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., bad_words: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., prior_output_tokens: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., no_speculation: _Optional[bool] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("kind", "value")
@@ -832,7 +834,14 @@ class EngineLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., host_hit_cost_pct: _Optional[int] = ..., disk_hit_cost_pct: _Optional[int] = ..., peer_hit_cost_pct: _Optional[int] = ...) -> None: ...
 
 class EngineReady(_message.Message):
-    __slots__ = ("layout", "num_blocks", "max_model_len", "vocab_size", "max_num_seqs", "cache_salt", "pid", "transfer")
+    __slots__ = ("layout", "num_blocks", "max_model_len", "vocab_size", "max_num_seqs", "cache_salt", "pid", "transfer", "loras")
+    class LorasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -841,6 +850,7 @@ class EngineReady(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayoutInfo
     num_blocks: int
     max_model_len: int
@@ -849,7 +859,8 @@ class EngineReady(_message.Message):
     cache_salt: str
     pid: int
     transfer: KVTransferInfo
-    def __init__(self, layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., pid: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ...) -> None: ...
+    loras: _containers.ScalarMap[str, str]
+    def __init__(self, layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., pid: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., loras: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class EngineReply(_message.Message):
     __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes", "started", "transfer_stats", "pending_pulls", "host_hashes", "released", "num_leases", "releases", "disk_hashes", "lent")

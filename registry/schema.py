@@ -25,6 +25,8 @@ NOTE: torch-free; the router imports it.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 from dataclasses import dataclass
 
@@ -125,6 +127,11 @@ class WorkerRecord:
     disk_hit_cost_pct: int = 100  # the same for a disk-tier hit
     peer_hit_cost_pct: int = 100  # the same for a block read from a peer's tier (100: it reads none)
     kv_handoff: int = 1  # 0: a decode worker that takes no KV hand-offs (it computes its prompts itself)
+    loras: str = "{}"  # the LoRA adapters it serves, as JSON: name -> the salt suffix of its prefix hashes
+
+    def lora_salt(self, name: str) -> str | None:
+        """The prefix-cache salt suffix of adapter ``name`` on this worker; None: it does not serve it."""
+        return _adapters(self.loras).get(name)
 
     def to_fields(self) -> dict[str, str | int]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -301,3 +308,13 @@ def set_draining(client: redis.Redis, on: bool, ttl_s: float = 300.0) -> None:
         client.set(DRAINING_KEY, b"1", px=int(ttl_s * 1000))
     else:
         client.delete(DRAINING_KEY)
+
+
+@functools.lru_cache(maxsize=256)
+def _adapters(loras: str) -> dict[str, str]:
+    """A record's ``loras`` field parsed (cached: records of one worker repeat the same text)."""
+    try:
+        value = json.loads(loras or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

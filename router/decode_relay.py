@@ -66,7 +66,7 @@ class DecodeRelay:
 
     stubs: WorkerStubs
 
-    def decode_candidates(self, lost=frozenset()) -> list[WorkerRecord]: ...
+    def decode_candidates(self, lost=frozenset(), lora: str = "") -> list[WorkerRecord]: ...
     def _in_background(self, coro) -> None: ...
 
     def _streams_kv(self, num_uncached_tokens: int) -> bool:
@@ -182,7 +182,7 @@ class DecodeRelay:
                 if started or code != grpc.StatusCode.UNAVAILABLE:
                     raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
                 tried.add(w.worker_id)
-                others = self.decode_candidates(tried)
+                others = self.decode_candidates(tried, params.lora)
                 if not others:
                     raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
                 logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)

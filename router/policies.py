@@ -28,6 +28,7 @@ import itertools
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from engine.block_hash import iter_block_hashes
 from registry.prefix_index import PrefixIndex
 from registry.schema import WorkerRecord
 
@@ -234,6 +235,29 @@ class _PeerPrefixes:
 
 def _worth(cost_pct: int) -> float:
     return (100 - min(100, cost_pct)) / 100
+
+
+def serves(w: WorkerRecord, lora: str) -> bool:
+    """Whether worker ``w`` serves adapter ``lora`` ("": the base model, which every worker serves)."""
+    return not lora or w.lora_salt(lora) is not None
+
+
+def salt_of(w: WorkerRecord, lora: str) -> str:
+    """The salt of ``w``'s prefix hashes for a request of adapter ``lora`` (as its engine hashes)."""
+    return w.cache_salt + (w.lora_salt(lora) or "") if lora else w.cache_salt
+
+
+def prefill_locally(prompt: list[int], d: WorkerRecord, lora: str, limit: int, index: PrefixIndex) -> bool:
+    """Whether decode worker ``d`` should prefill this prompt itself: the part it has not cached is
+    at most ``limit`` tokens, so a prefill hop and a KV transfer would cost more than computing it
+    there (``limit`` 0: never)."""
+    if limit <= 0:
+        return False
+    if len(prompt) <= limit:
+        return True
+    with index.lock:
+        hit = index.match(iter_block_hashes(prompt, d.block_size, salt_of(d, lora)), [d.worker_id])
+    return len(prompt) - hit.get(d.worker_id, 0) * d.block_size <= limit
 
 
 def make_policy(name: str) -> Policy:

@@ -21,7 +21,6 @@ from contextlib import aclosing
 
 import grpc
 
-from engine.block_hash import iter_block_hashes
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto.convert import params_to_proto
@@ -39,7 +38,17 @@ from router.migration import (
     Resumption,
     continuation,
 )
-from router.policies import DecodeHold, Policy, Route, RoutingInput, WorkerLoad, make_policy
+from router.policies import (
+    DecodeHold,
+    Policy,
+    Route,
+    RoutingInput,
+    WorkerLoad,
+    make_policy,
+    prefill_locally,
+    salt_of,
+    serves,
+)
 from router.prefill_watch import PrefillStalled, watched
 from router.stats import RouterStats
 from router.worker_stubs import WorkerStubs
@@ -106,19 +115,26 @@ class Router(DecodeRelay):
         return self._route(prompt, exclude)[0]
 
     def _route(
-        self, prompt: list[int], exclude: frozenset[str] = frozenset(), lost: frozenset[str] = frozenset()
+        self,
+        prompt: list[int],
+        exclude: frozenset[str] = frozenset(),
+        lost: frozenset[str] = frozenset(),
+        lora="",
     ) -> tuple[Route, PromptHashes]:
         """The policy's route and the prompt's block hashes (what the chosen worker will cache);
-        ``exclude``: prefill workers that failed this request, ``lost``: decode workers that did."""
+        ``exclude``: prefill workers that failed this request, ``lost``: decode workers that did;
+        ``lora``: its adapter (only workers serving it are candidates; hashes namespaced by it)."""
         out = exclude | self.suspects.keys()
         prefills = [w for w in self.view.live_workers("prefill") if w.worker_id not in out]
-        decodes = self.decode_candidates(lost)
+        prefills = [w for w in prefills if serves(w, lora)]
+        decodes = self.decode_candidates(lost, lora)
         if not decodes:
+            serving = f" that serves the adapter {lora!r}" if lora else ""
             raise NoWorkersError(
-                "no decode worker is registered" + (" besides the lost ones" if lost else "")
+                f"no decode worker{serving} is registered" + (" besides the lost ones" if lost else "")
             )
         ref = (prefills or decodes)[0]
-        hashes = PromptHashes(prompt, ref.block_size, ref.cache_salt)
+        hashes = PromptHashes(prompt, ref.block_size, salt_of(ref, lora))
         inp = RoutingInput(
             iter(hashes), len(prompt), ref.block_size, prefills, decodes, self.inflight, self.routed.holders()
         )
@@ -127,9 +143,12 @@ class Router(DecodeRelay):
             route = Route(None, route.decode, route.predicted_hit_tokens)
         return route, hashes
 
-    def decode_candidates(self, lost: frozenset[str] | set[str] = frozenset()) -> list[WorkerRecord]:
-        """Live decode workers not lost by the request, suspects left out while others remain."""
-        live = [w for w in self.view.live_workers("decode") if w.worker_id not in lost]
+    def decode_candidates(
+        self, lost: frozenset[str] | set[str] = frozenset(), lora: str = ""
+    ) -> list[WorkerRecord]:
+        """Live decode workers not lost by the request that serve its adapter, suspects left out
+        while others remain."""
+        live = [w for w in self.view.live_workers("decode") if w.worker_id not in lost and serves(w, lora)]
         if self.suspects:
             now = time.monotonic()
             for wid in [w for w, until in self.suspects.items() if until <= now]:
@@ -197,7 +216,8 @@ class Router(DecodeRelay):
                     yield res.relay(end)
                     return
                 try:
-                    res.resume(exc, self.migration, len(self.decode_candidates(lost)), deadline)
+                    candidates = self.decode_candidates(lost, res.params.lora)
+                    res.resume(exc, self.migration, len(candidates), deadline)
                 except MigrationRefused:
                     self.stats.migrations_refused += 1
                     raise
@@ -218,9 +238,12 @@ class Router(DecodeRelay):
         prefill worker keeps until its release lands, a stalled worker that wakes up)."""
         prompt, proto_params = res.request()
         key, request_id = request_id, res.attempt_id(request_id)
-        route, hashes = self._route(prompt, lost=lost)
+        route, hashes = self._route(prompt, lost=lost, lora=proto_params.lora)
         n = proto_params.n or 1
-        if route.prefill is not None and n == 1 and self._prefill_locally(prompt, route):
+        local = prefill_locally(
+            prompt, route.decode, proto_params.lora, self.local_prefill_tokens, self.view.index
+        )
+        if route.prefill is not None and n == 1 and local:
             self.stats.local_prefills += 1
             route = Route(None, route.decode, route.predicted_hit_tokens)
         clock.routed()
@@ -281,7 +304,7 @@ class Router(DecodeRelay):
                     if early is not None:
                         early.close()  # its KV source is gone: a retry decodes from a whole handle
                     exclude.add(route.prefill.worker_id)
-                    route, hashes = self._route(prompt, frozenset(exclude), lost)
+                    route, hashes = self._route(prompt, frozenset(exclude), lost, proto_params.lora)
                     hold.move(route.decode.worker_id)  # (an early Decode was closed above)
                     if route.prefill is None:
                         break
@@ -386,19 +409,6 @@ class Router(DecodeRelay):
         ):
             clock.on_message(msg)
             yield msg, True
-
-    def _prefill_locally(self, prompt: list[int], route: Route) -> bool:
-        """Whether the decode worker should prefill this prompt itself: the part it has not cached is
-        short enough that a prefill hop and a KV transfer would cost more than computing it there."""
-        if self.local_prefill_tokens <= 0:
-            return False
-        if len(prompt) <= self.local_prefill_tokens:
-            return True
-        d = route.decode
-        index = self.view.index
-        with index.lock:
-            hit = index.match(iter_block_hashes(prompt, d.block_size, d.cache_salt), [d.worker_id])
-        return len(prompt) - hit.get(d.worker_id, 0) * d.block_size <= self.local_prefill_tokens
 
     async def _prefill(
         self, route: Route, rid, prompt, hashes, params, priority, deadline

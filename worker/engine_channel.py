@@ -205,14 +205,20 @@ class EngineFacts:
     prefix_salt: str
     pid: int
     transfer: RemoteKVInfo | None = None  # how peers read its KV (None: no transfer agent)
+    loras: dict[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # adapters served: name -> cache salt suffix
 
     @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
 
-def ready_to_proto(limits: RequestLimits, compat: KVCompat, prefix_salt: str) -> pb.EngineReady:
+def ready_to_proto(
+    limits: RequestLimits, compat: KVCompat, prefix_salt: str, loras: dict[str, str] | None = None
+) -> pb.EngineReady:
     return pb.EngineReady(
+        loras=loras or {},
         layout=pb.KVLayoutInfo(
             num_layers=compat.num_layers,
             block_size=compat.block_size,
@@ -248,4 +254,4 @@ def facts_from_proto(msg: pb.EngineReady) -> EngineFacts:
         num_blocks=msg.num_blocks,
     )
     transfer = transfer_info_from_proto(msg.transfer) if msg.HasField("transfer") else None
-    return EngineFacts(limits, compat, msg.cache_salt, msg.pid, transfer)
+    return EngineFacts(limits, compat, msg.cache_salt, msg.pid, transfer, dict(msg.loras))

@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None, role: RoleFactory | None = None) -> None
     host = EngineHost(core, args.commands, args.events, clock, args.idle_tick)
     if role is not None:
         host.role = role(host, compat, extra)
-    ready = ready_to_proto(core.limits, compat, core.prefix_salt)
+    ready = ready_to_proto(core.limits, compat, core.prefix_salt, core.lora_salts())
     host.role.ready(ready)
     write_frame(
         args.events, pb.EngineEvents(replies=[pb.EngineReply(command_id=cmd.command_id, ready=ready)])

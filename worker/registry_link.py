@@ -7,6 +7,7 @@ to the ``RegistryPublisher``'s queue; the publisher's thread does every Redis ca
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from engine.block_pool import DISK, HOST, AllBlocksCleared, BlockRemoved, BlockStored
@@ -97,6 +98,7 @@ def worker_record(
     limits: RequestLimits,
     salt: str,
     kv_handoff: bool = True,
+    loras: dict[str, str] | None = None,
 ) -> WorkerRecord:
     return WorkerRecord(
         worker_id=worker_id,
@@ -110,6 +112,7 @@ def worker_record(
         kv_compat=compat.hash(),
         kv_layout=describe_layout(compat),
         kv_handoff=int(kv_handoff),
+        loras=json.dumps(loras or {}, sort_keys=True),
     )
 
 

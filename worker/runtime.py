@@ -134,6 +134,7 @@ class WorkerRuntime(ABC):
             self.limits,
             self.prefix_salt,
             kv_handoff=self.transfer_info() is not None,  # an agent over its KV: it takes hand-offs
+            loras=self.engine.facts.loras if self.engine is not None else self.core.lora_salts(),
         )
 
     # Lifecycle --------------------------------------------------------------------------------

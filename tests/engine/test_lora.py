@@ -104,7 +104,7 @@ def test_unknown_adapter_and_removal_in_use(tiny_llama, adapters):
     llm = LLM(str(tiny_llama), block_size=8, num_blocks=64, lora_modules={"all": str(adapters["all"])})
     with pytest.raises(UnknownAdapterError, match="'nope' does not exist"):
         llm.generate([[5, 6, 7]], lora="nope", use_tqdm=False)
-    llm.core.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4), lora="all")
+    llm.core.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, lora="all"))
     with pytest.raises(AdapterError, match="in use by 1 unfinished"):
         llm.core.remove_lora("all")
     llm.core.abort_request("r")

@@ -1,0 +1,103 @@
+"""LoRA adapters over the real path: worker processes (in-process and split engines), real NIXL moving
+an adapter's KV from the prefill worker to the decode worker, the router's real gRPC and Redis.
+Greedy output of every adapter equals the engine alone's (itself equal to HF transformers + peft:
+tests/engine/test_lora.py); the router hashes an adapter's prompts in the adapter's namespace (a
+repeat under the same adapter is a predicted hit, the same prompt under another adapter is not) and
+sends a request only to workers that serve its adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import grpc
+import pytest
+from test_router import Cluster
+
+from engine import LLM
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [list(range(100, 140)), [5, 9, 9, 17, 3, 3, 3, 40] * 3, [7, 8, 300, 2]]
+NEW = list(range(500, 540))
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, lora_adapter_factory):
+    return {
+        "a": str(lora_adapter_factory(tiny_llama, seed=1)),
+        "b": str(lora_adapter_factory(tiny_llama, seed=2, r=4, targets=("q_proj", "v_proj", "down_proj"))),
+    }
+
+
+def _alone(model, adapters, loras, prompts=PROMPTS) -> list[list[int]]:
+    llm = LLM(str(model), num_blocks=128, block_size=8, lora_modules=adapters)
+    names = [n for n in loras for _ in prompts]
+    outs = llm.generate(prompts * len(loras), GREEDY, lora=names, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _params(lora: str | None) -> SamplingParams:
+    return dataclasses.replace(GREEDY, lora=lora)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["in-process", "engine-process"])
+def test_adapters_disaggregated_equal_the_engine_alone(workers, redis_server, tiny_llama, adapters, split):
+    loras = [None, "a", "b"]
+    want = _alone(tiny_llama, adapters, loras)
+    want_new = _alone(tiny_llama, adapters, ["a", "b"], [NEW])
+    flags = ("--lora-modules", json.dumps(adapters), *(("--engine-process",) if split else ()))
+    cluster = Cluster(workers, redis_server, 1, kv_flags=flags)
+
+    async def run():
+        await cluster.start()
+        try:
+            cluster.router.local_prefill_tokens = 0  # every prompt prefilled on the prefill worker
+            jobs = [
+                cluster.generate(f"{name}-{i}", p, _params(name))
+                for name in loras
+                for i, p in enumerate(PROMPTS)
+            ]
+            assert await asyncio.gather(*jobs) == want  # all adapters and the base in flight together
+            assert all(r.prefill_worker == "p0" for r in cluster.routes.values())
+            # A repeat under the same adapter is a predicted hit; under another adapter it is not.
+            assert await cluster.generate("a-again", PROMPTS[0], _params("a")) == want[len(PROMPTS)]
+            assert cluster.routes["a-again"].predicted_hit_tokens >= 32
+            assert cluster.routes["a-again"].delivered_hit_tokens >= 32
+            # A prompt only adapter a ran: its repeat hits, under adapter b it is computed afresh.
+            assert await cluster.generate("new-a", NEW, _params("a")) == want_new[0]
+            assert await cluster.generate("new-a2", NEW, _params("a")) == want_new[0]
+            assert cluster.routes["new-a2"].predicted_hit_tokens >= 32
+            assert await cluster.generate("new-b", NEW, _params("b")) == want_new[1]
+            assert cluster.routes["new-b"].predicted_hit_tokens == 0
+            assert cluster.routes["new-b"].delivered_hit_tokens == 0
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def test_requests_go_only_to_workers_that_serve_their_adapter(workers, redis_server, tiny_llama, adapters):
+    # Aggregated (no prefill workers): d0 serves adapter a, d1 serves none.
+    per_decode = (("--lora-modules", json.dumps({"a": adapters["a"]})), ())
+    cluster = Cluster(workers, redis_server, 0, num_decode=2, decode_flags=per_decode)
+    want = _alone(tiny_llama, {"a": adapters["a"]}, ["a"])
+
+    async def run():
+        await cluster.start()
+        try:
+            got = await asyncio.gather(
+                *(cluster.generate(f"a{i}", p, _params("a")) for i, p in enumerate(PROMPTS))
+            )
+            assert got == want
+            decided = {w: n for (role, w), n in cluster.router.decisions.items() if role == "decode" and n}
+            assert decided == {"d0": len(PROMPTS)}, decided
+            with pytest.raises(grpc.aio.AioRpcError, match="no decode worker that serves the adapter 'zz'"):
+                await cluster.generate("zz", PROMPTS[0], _params("zz"))
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
