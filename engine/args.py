@@ -54,6 +54,14 @@ def add_engine_args(
                 *names, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction, help=help_text
             )
             continue
+        if f.name == "lora_modules":  # also one adapter at a time: --lora NAME=PATH, repeatable
+            g.add_argument(
+                "--lora",
+                dest=f.name,
+                action=_LoraAction,
+                metavar="NAME=PATH",
+                help="a LoRA adapter (PEFT format) to serve as NAME; repeat for more",
+            )
         default_note = "" if f.default is None else f" (default: {f.default})"
         g.add_argument(
             *names,
@@ -63,6 +71,16 @@ def add_engine_args(
             choices=f.metadata.get("choices"),
             help=help_text + default_note,
         )
+
+
+class _LoraAction(argparse.Action):
+    """``--lora NAME=PATH``: adds one adapter to ``lora_modules``."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"{option_string} takes NAME=PATH, got {value!r}")
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest) or {}), name: path})
 
 
 def _json_object(text: str) -> dict:

@@ -129,7 +129,7 @@ async def serve_plan(serving, plan: CompletionPlan, rid: str, stamps: IngressSta
             ]
         serving.metrics.count("success")
         await _release(merged, slot)
-        return _joined(plan, answers, rid, serving.info.name, leads)
+        return _joined(plan, answers, rid, plan.parts[0].params.lora or serving.info.name, leads)
     except BaseException as exc:
         serving.metrics.count(status_of(exc))
         await _release(merged, slot)
@@ -243,7 +243,8 @@ def _mean_logprob(choice: dict) -> float:
 
 
 async def _joined_stream(serving, plan, gens, merged: _Merged, first, slot, rid: str):
-    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.info.name}
+    model = plan.parts[0].params.lora or serving.info.name
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
     status = "error"
     try:
         if plan.echo is not None:

@@ -147,7 +147,7 @@ def build_http_app(
 
     @app.get("/v1/models")
     async def models():
-        return serving.models()
+        return await serving.models()
 
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize_route(request: Request):

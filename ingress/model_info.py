@@ -7,11 +7,12 @@ context) comes from here, so a bad request is refused before any worker is touch
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.model_names import builtin_model_dir
+from ingress.adapters import AdapterNames
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ class ModelInfo:
     max_model_len: int
     tiny: bool  # a random-weight demo model
     tokenizer: Any
+    adapters: AdapterNames = field(default_factory=AdapterNames)  # LoRA adapters "model" may name
 
 
 def load_model_info(model: str, name: str, max_model_len: int | None, tiny: bool) -> ModelInfo:

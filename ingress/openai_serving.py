@@ -123,12 +123,18 @@ class OpenAIServing:
 
     # Endpoints ---------------------------------------------------------------------------------
 
-    def models(self) -> dict:
+    async def models(self) -> dict:
+        """The base model, then each LoRA adapter the cluster serves (``parent``: the base)."""
+        await self.info.adapters.refresh(self.router)
         card = {"id": self.info.name, "object": "model", "created": 0, "owned_by": "pdserve"}
         card["max_model_len"] = self.info.max_model_len
         if self.info.tiny:
             card["description"] = "tiny random-weight demo model: its text is meaningless"
-        return {"object": "list", "data": [card]}
+        cards = [card]
+        for name in self.info.adapters:
+            cards.append({**card, "id": name, "parent": self.info.name, "root": self.info.name})
+            cards[-1].pop("description", None)
+        return {"object": "list", "data": cards}
 
     async def completions(self, body: bytes, arrived: float | None = None, timing: bool = False):
         """``arrived``: when the HTTP handler took the request (perf_counter); ``timing``: return
@@ -149,12 +155,20 @@ class OpenAIServing:
         def run() -> GenerationRequest:
             return validate(parse_body(body, model_cls), self.info, self.options)
 
-        try:
-            if self.draining:
-                raise APIError(503, "server is shutting down", code="draining")
+        async def checked() -> GenerationRequest:
             if len(body) <= INLINE_BODY_BYTES:
                 return run()
             return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+
+        try:
+            if self.draining:
+                raise APIError(503, "server is shutting down", code="draining")
+            try:
+                return await checked()
+            except APIError as exc:  # a model we do not know may be an adapter loaded since: ask
+                if exc.code != "model_not_found" or not await self.info.adapters.refresh(self.router):
+                    raise
+            return await checked()
         except APIError as exc:
             self.metrics.count("client_error" if exc.status < 500 else "rejected")
             raise
@@ -214,6 +228,7 @@ class OpenAIServing:
     async def _sse(self, rid, req, gen: Generation, first, events, slot, timing) -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if req.chat else "text_completion"
+        model = req.params.lora or self.info.name  # the adapter the request named, else the base
         status = "error"
         # The events after the last sample ended (its finish, the usage, [DONE]) come out of one step
         # of the loop: they leave in one write, not three.
@@ -222,10 +237,10 @@ class OpenAIServing:
             async with aclosing(events):
                 if req.chat:  # OpenAI opens every choice with the assistant role
                     for i in range(req.params.n):
-                        yield _sse(_chunk(rid, obj, created, self.info.name, [_chat_delta(i, "", role=True)]))
+                        yield _sse(_chunk(rid, obj, created, model, [_chat_delta(i, "", role=True)]))
                 # Once per request: every chunk's fields but its choices, serialized (the same bytes
                 # as json.dumps of the whole chunk).
-                head = _sse(_chunk(rid, obj, created, self.info.name, []))[: -len(b"[]}\n\n")]
+                head = _sse(_chunk(rid, obj, created, model, []))[: -len(b"[]}\n\n")]
                 batch: list[ChoiceDelta] | None = first
                 gen.stamps.first_out = time.perf_counter()
                 tools = {i: ToolStream(req.tools) for i in range(req.params.n)} if req.tools else None
@@ -237,7 +252,7 @@ class OpenAIServing:
                         tail = b""
                     batch = await anext(events, None)
             if req.include_usage or timing:  # OpenAI's usage chunk: no choices
-                last = _chunk(rid, obj, created, self.info.name, [])
+                last = _chunk(rid, obj, created, model, [])
                 if req.include_usage:
                     last["usage"] = gen.usage.to_dict()
                 if timing:
@@ -306,7 +321,7 @@ class OpenAIServing:
             "id": rid,
             "object": "chat.completion" if req.chat else "text_completion",
             "created": int(time.time()),
-            "model": self.info.name,
+            "model": req.params.lora or self.info.name,
             "choices": choices,
             "usage": gen.usage.to_dict(),
         }

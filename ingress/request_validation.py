@@ -267,6 +267,7 @@ def _finish(
             bad_words_token_ids=bad_words,
             structured=structured,
             speculative=req.speculative,
+            lora=_check_model(req.model, info),
         )
     except ValueError as exc:  # the engine's own bounds, should they ever be narrower than ours
         raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
@@ -277,14 +278,19 @@ def _finish(
     return g
 
 
-def _check_model(model: str, info: ModelInfo) -> None:
-    if model != info.name:
-        raise APIError(
-            404,
-            f"The model {model!r} does not exist; this server serves {info.name!r}",
-            param="model",
-            code="model_not_found",
-        )
+def _check_model(model: str, info: ModelInfo) -> str | None:
+    """The LoRA adapter ``model`` names (None: the base model); 404 for a model not served."""
+    if model == info.name:
+        return None
+    if model in info.adapters:
+        return model
+    adapters = f" and the LoRA adapters {', '.join(map(repr, info.adapters))}" if info.adapters.names else ""
+    raise APIError(
+        404,
+        f"The model {model!r} does not exist; this server serves {info.name!r}{adapters}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _bounded(name: str, value: int | None, bound: int) -> int | None:

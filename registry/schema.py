@@ -129,6 +129,10 @@ class WorkerRecord:
     kv_handoff: int = 1  # 0: a decode worker that takes no KV hand-offs (it computes its prompts itself)
     loras: str = "{}"  # the LoRA adapters it serves, as JSON: name -> the salt suffix of its prefix hashes
 
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters it serves."""
+        return list(_adapters(self.loras))
+
     def lora_salt(self, name: str) -> str | None:
         """The prefix-cache salt suffix of adapter ``name`` on this worker; None: it does not serve it."""
         return _adapters(self.loras).get(name)

@@ -134,6 +134,7 @@ class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):
             migrations_refused=s.migrations_refused,
             suspect_workers=sorted(r.suspects),
             indexed=_indexed(view.index),
+            adapters=sorted({name for w in view.live_workers("decode") for name in w.adapters()}),
         )
 
 

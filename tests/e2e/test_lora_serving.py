@@ -13,7 +13,7 @@ import json
 
 import grpc
 import pytest
-from test_router import Cluster
+from test_router import Cluster, all_free
 
 from engine import LLM
 from engine.sampling_params import SamplingParams
@@ -101,3 +101,46 @@ def test_requests_go_only_to_workers_that_serve_their_adapter(workers, redis_ser
             await cluster.stop()
 
     asyncio.run(run())
+
+
+def test_openai_http_selects_adapters_by_model(workers, redis_server, tiny_llama, adapters):
+    """The whole path without Ray (workers, router and ingress processes), adapters given with
+    ``--lora NAME=PATH``: the model names the adapter, /v1/models lists them, an unknown model is a
+    404 in OpenAI's schema, and the text equals the engine alone's under the same adapter."""
+    from test_standalone_stack import _get, _post, _spawn
+
+    url = redis_server.url
+    loras = [f for name, path in adapters.items() for f in ("--lora", f"{name}={path}")]
+    pd = [
+        workers(role, "--redis-url", url, "--worker-id", f"{role[0]}0", *loras)
+        for role in ("prefill", "decode")
+    ]
+    router, router_address = _spawn("router", "--redis-url", url, "--local-prefill-tokens", "0")
+    ingress, address = _spawn(
+        "ingress", "--model", str(tiny_llama), "--router", router_address, "--port", "0"
+    )
+    base = f"http://{address}"
+    llm = LLM(str(tiny_llama), num_blocks=128, block_size=8, lora_modules=adapters)
+    try:
+        code, models = _get(base, "/v1/models")
+        assert code == 200 and [m["id"] for m in models["data"]] == [str(tiny_llama), "a", "b"], models
+        for name in ("a", "b", str(tiny_llama)):
+            lora = None if name == str(tiny_llama) else name
+            want = llm.generate(PROMPTS[0], GREEDY, lora=lora, use_tqdm=False)[0].outputs[0].text
+            body = {
+                "model": name,
+                "prompt": PROMPTS[0],
+                "max_tokens": 10,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            code, out = _post(base, "/v1/completions", body)
+            assert code == 200, out
+            assert out["model"] == name and out["choices"][0]["text"] == want, name
+        code, out = _post(base, "/v1/completions", {"model": "c", "prompt": "hi", "max_tokens": 2})
+        assert code == 404 and out["error"]["code"] == "model_not_found", out
+        asyncio.run(all_free(pd))
+    finally:
+        for proc in (ingress, router):
+            proc.terminate()
+            proc.wait(15)

@@ -106,19 +106,24 @@ class Cluster:
         return tokens
 
     async def all_free(self, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        procs = [p for p in [*self.prefills, *self.decodes] if p.proc.poll() is None]
-        while True:
-            states = [await state(w.address, w.role) for w in procs]
-            if all(
-                s.stats.num_free_blocks == s.stats.num_blocks
-                and s.stats.num_held_requests == 0
-                and s.stats.num_running == 0
-                for s in states
-            ):
-                return
-            assert time.monotonic() < deadline, [(s.worker_id, s.stats) for s in states]
-            await asyncio.sleep(0.1)
+        await all_free([*self.prefills, *self.decodes], timeout)
+
+
+async def all_free(workers, timeout: float = 15.0) -> None:
+    """Until every live worker of ``workers`` is idle with all its KV blocks free."""
+    deadline = time.monotonic() + timeout
+    procs = [p for p in workers if p.proc.poll() is None]
+    while True:
+        states = [await state(w.address, w.role) for w in procs]
+        if all(
+            s.stats.num_free_blocks == s.stats.num_blocks
+            and s.stats.num_held_requests == 0
+            and s.stats.num_running == 0
+            for s in states
+        ):
+            return
+        assert time.monotonic() < deadline, [(s.worker_id, s.stats) for s in states]
+        await asyncio.sleep(0.1)
 
 
 def _tenant_prompts(

@@ -1,0 +1,46 @@
+"""The LoRA adapters a request may name as its ``model``, as the cluster serves them.
+
+The ingress does not configure adapters: it learns them from the router (``ClusterState.adapters``:
+those a live decode worker serves, from the workers' registry records). The names are refreshed when
+a request names a model the ingress does not know (so a new adapter is usable at once) and when
+``/v1/models`` is listed, at most once a second; a router that cannot be reached leaves the last
+known names in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterNames:
+    """The served adapters' names; swapped whole, so validation threads read a consistent set."""
+
+    def __init__(self, names=(), min_interval_s: float = 1.0) -> None:
+        self.names: frozenset[str] = frozenset(names)
+        self.min_interval_s = min_interval_s
+        self._refreshed = float("-inf")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self):
+        return iter(sorted(self.names))
+
+    async def refresh(self, client) -> bool:
+        """Ask the router (``client``: a RouterClient) for the served adapters; True when the
+        names changed. Skipped within ``min_interval_s`` of the last refresh."""
+        now = time.monotonic()
+        if now - self._refreshed < self.min_interval_s:
+            return False
+        self._refreshed = now
+        try:
+            state = await client.cluster_state(timeout_s=2.0)
+        except Exception as exc:  # the router is away: keep the names we know
+            logger.info("could not refresh the served adapters: %s", exc)
+            return False
+        names = frozenset(state.adapters)
+        changed, self.names = names != self.names, names
+        return changed

@@ -1,0 +1,112 @@
+"""LoRA adapters at the HTTP edge, driven over ASGI with a router whose cluster state the test sets:
+``model`` names the base or an adapter the cluster serves (the adapter goes to the router in the
+sampling parameters, and responses echo it); an adapter loaded since the ingress last looked is found
+on the first request that names it; any other model is a 404 in OpenAI's schema that lists what is
+served; ``/v1/models`` lists the adapters under the base."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from asgi_client import FedRouter, call, finished, tokens
+from test_ingress_edge import _app
+
+from ingress.model_info import load_model_info
+from proto import pdserve_pb2 as pb
+
+
+class AdapterRouter(FedRouter):
+    """Streams one token; records the parameters it was asked with; serves ``adapters``."""
+
+    def __init__(self, adapters=()) -> None:
+        super().__init__([tokens([5]), finished()])
+        self.adapters = list(adapters)
+        self.params = []
+        self.state_calls = 0
+
+    async def generate(self, rid, prompt, params, priority, timeout_s):
+        self.params.append(params)
+        async for m in super().generate(rid, prompt, params, priority, timeout_s):
+            yield m
+
+    async def cluster_state(self, timeout_s: float = 5.0) -> pb.ClusterState:
+        self.state_calls += 1
+        return pb.ClusterState(adapters=self.adapters)
+
+
+@pytest.fixture
+def info(tiny_llama):  # per test: the names it learns are its own
+    return load_model_info(str(tiny_llama), "tiny", None, tiny=True)
+
+
+def _body(model: str, chat: bool = False) -> dict:
+    if chat:
+        return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    return {"model": model, "prompt": "the world", "max_tokens": 1}
+
+
+def test_a_request_naming_a_served_adapter_runs_it_and_echoes_its_name(info):
+    router = AdapterRouter(["sql", "poet"])
+    app = _app(info, router)
+
+    async def main():
+        r = await call(app, "/v1/completions", _body("sql"))
+        assert r.status == 200, r.body
+        assert r.json()["model"] == "sql"
+        assert router.params[-1].lora == "sql"
+        r = await call(app, "/v1/chat/completions", {**_body("poet", chat=True), "stream": True})
+        assert r.status == 200 and {e["model"] for e in r.events()} == {"poet"}
+        assert router.params[-1].lora == "poet"
+        r = await call(app, "/v1/completions", _body("tiny"))
+        assert r.json()["model"] == "tiny" and router.params[-1].lora is None
+
+    asyncio.run(main())
+
+
+def test_an_unknown_model_is_a_404_listing_what_is_served(info):
+    router = AdapterRouter(["sql"])
+    app = _app(info, router)
+
+    async def main():
+        r = await call(app, "/v1/completions", _body("nope"))
+        assert r.status == 404
+        err = r.json()["error"]
+        assert (
+            err["code"] == "model_not_found" and err["param"] == "model" and err["type"] == "not_found_error"
+        )
+        assert "'tiny' and the LoRA adapters 'sql'" in err["message"]
+        assert router.params == []  # nothing reached the router's Generate
+        # Asked again at once: the names are not fetched again within a second (a flood of bad
+        # names costs the router nothing).
+        calls = router.state_calls
+        assert (await call(app, "/v1/completions", _body("nope"))).status == 404
+        assert router.state_calls == calls
+
+    asyncio.run(main())
+
+
+def test_an_adapter_loaded_later_is_found_by_the_first_request_naming_it(info):
+    router = AdapterRouter([])
+    info.adapters.min_interval_s = 0.0  # every miss asks the router (the second is a later load)
+    app = _app(info, router)
+
+    async def main():
+        assert (await call(app, "/v1/completions", _body("late"))).status == 404
+        router.adapters = ["late"]  # loaded on the workers since
+        r = await call(app, "/v1/completions", _body("late"))
+        assert r.status == 200 and router.params[-1].lora == "late"
+
+    asyncio.run(main())
+
+
+def test_models_lists_the_adapters_under_the_base(info):
+    app = _app(info, AdapterRouter(["sql", "poet"]))
+
+    async def main():
+        r = await call(app, "/v1/models")
+        cards = r.json()["data"]
+        assert [c["id"] for c in cards] == ["tiny", "poet", "sql"]
+        assert all(c["parent"] == "tiny" for c in cards[1:]) and "parent" not in cards[0]
+
+    asyncio.run(main())
