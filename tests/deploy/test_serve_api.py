@@ -19,9 +19,35 @@ from conftest import API_KEY, GREEDY, MAX_TOKENS, PROMPTS
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("blocks_back_after_each_test")]
 
 
+@pytest.fixture(scope="module")
+def adapter(serve_model, lora_adapter_factory):
+    return lora_adapter_factory(serve_model, seed=7, r=4)
+
+
+@pytest.fixture(scope="module")
+def serve_flags(adapter) -> tuple[str, ...]:
+    return ("--lora", f"sql={adapter}")  # one LoRA adapter besides the base model
+
+
 def test_models_list(client, serve_model):
     models = client.models.list().data
-    assert [m.id for m in models] == [str(serve_model)]
+    assert [m.id for m in models] == [str(serve_model), "sql"]
+    assert models[1].model_extra["parent"] == str(serve_model)
+
+
+def test_a_lora_adapter_is_selected_by_model_and_equals_hf_peft(
+    client, serve_model, adapter, tokenizer, hf_lora_greedy
+):
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer.encode(prompt)
+        r = client.completions.create(model="sql", prompt=prompt, max_tokens=MAX_TOKENS, **GREEDY)
+        out = hf_lora_greedy(serve_model, adapter, ids, MAX_TOKENS)
+        full = tokenizer.decode(ids + out, skip_special_tokens=True)
+        assert r.model == "sql"
+        assert r.choices[0].text == full[len(tokenizer.decode(ids, skip_special_tokens=True)) :], prompt
+        assert out != hf_lora_greedy(serve_model, None, ids, MAX_TOKENS)  # the adapter changes it
+    with pytest.raises(openai.NotFoundError, match="'sql'"):
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
 
 
 def test_completions_equal_hf_greedy(client, model_name, tokenizer, reference):
