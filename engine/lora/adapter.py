@@ -188,3 +188,61 @@ def _shape(proj: str, spec) -> tuple[int, int]:
         "up_proj": (inter, h),
         "down_proj": (h, inter),
     }[proj]
+
+
+def save_adapter(
+    path: str | Path,
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+    lora_alpha: float,
+    base_model: str = "",
+) -> Path:
+    """Write an adapter in PEFT's format: ``weights`` maps (layer, HF projection) to its ``A``
+    ``[r, in]`` and ``B`` ``[out, r]`` (unscaled). ``peft.PeftModel.from_pretrained`` loads it, as
+    does ``load_adapter``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ranks = {a.shape[0] for a, _ in weights.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"one rank for every module, got {sorted(ranks)}")
+    tensors = {}
+    for (layer, proj), (a, b) in sorted(weights.items()):
+        part = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
+        tensors[f"{key}.lora_A.weight"] = a.detach().float().contiguous().cpu()
+        tensors[f"{key}.lora_B.weight"] = b.detach().float().contiguous().cpu()
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": ranks.pop(),
+        "lora_alpha": lora_alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted({proj for _, proj in weights}),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def random_adapter(
+    path: str | Path, spec, rank: int, seed: int, scale: float = 0.05, targets=tuple(TARGETS)
+) -> Path:
+    """An adapter of random weights on every layer's ``targets`` (benchmarks, demos of mechanics)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(spec.num_layers):
+        for proj in targets:
+            out_dim, in_dim = _shape(proj, spec)
+            weights[(layer, proj)] = (
+                scale * torch.randn(rank, in_dim, generator=gen),
+                scale * torch.randn(out_dim, rank, generator=gen),
+            )
+    return save_adapter(path, weights, lora_alpha=2 * rank)

@@ -4,7 +4,7 @@ runs of up to ``tile`` consecutive tokens of one adapter (a prefill chunk is one
 adapter next to each other share one). A tile's program multiplies its tokens by the slot's A in one
 ``tl.dot`` (shrink, into a float32 ``[T, N]`` buffer), then by its B and adds into ``y`` (expand):
 the segmented-GEMM scheme of Punica / S-LoRA. Base-model tokens belong to no tile and cost nothing.
-Slot tensors: ``A`` ``[slots, N, K]``, ``B`` ``[slots, O, N]`` (``N``: the stacked ranks of a fused
+Slot tensors: ``A`` ``[slots, K, N]``, ``B`` ``[slots, N, O]`` (``N``: the stacked ranks of a fused
 projection's parts, ``engine.lora.slots``).
 """
 
@@ -18,7 +18,7 @@ import triton.language as tl
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, xa_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr,
-    K, N, stride_x, stride_as, stride_an, stride_xa,
+    K, N, stride_x, stride_as, stride_ak, stride_xa,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
@@ -36,7 +36,7 @@ def _shrink_kernel(
             other=0.0,
         )
         at = tl.load(
-            a_ptr + slot * stride_as + n[None, :] * stride_an + k[:, None],
+            a_ptr + slot * stride_as + k[:, None] * stride_ak + n[None, :],
             mask=(n[None, :] < N) & (k[:, None] < K),
             other=0.0,
         )
@@ -51,7 +51,7 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     xa_ptr, b_ptr, y_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr,
-    N, OUT, stride_xa, stride_bs, stride_bo, stride_y,
+    N, OUT, stride_xa, stride_bs, stride_bn, stride_y,
     BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
@@ -69,7 +69,7 @@ def _expand_kernel(
             other=0.0,
         )
         bt = tl.load(
-            b_ptr + slot * stride_bs + o[None, :] * stride_bo + n[:, None],
+            b_ptr + slot * stride_bs + n[:, None] * stride_bn + o[None, :],
             mask=(o[None, :] < OUT) & (n[:, None] < N),
             other=0.0,
         )
@@ -95,7 +95,7 @@ def lora_update(
     if num_tiles == 0:
         return
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
-    k, n, o = x.shape[1], a.shape[1], b.shape[1]
+    k, n, o = x.shape[1], a.shape[2], b.shape[2]
     xa = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
     block_n = max(16, min(64, triton.next_power_of_2(n)))
     _shrink_kernel[(num_tiles, triton.cdiv(n, block_n))](

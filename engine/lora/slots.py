@@ -1,10 +1,12 @@
 """The adapters an engine serves: every loaded one in host memory, up to ``max_loras`` in device slots.
 
-Each fused projection of each layer has one ``A`` ``[slots, parts * R, in]`` and one ``B``
-``[slots, out, parts * R]`` tensor on the device (``R``: ``max_lora_rank``; ``parts``: q, k, v of
-``qkv``, gate and up of ``gate_up``). Part ``i`` of an adapter of rank ``r`` fills rows ``i*R ..
-i*R + r`` of its slot's ``A`` and the same columns of ``B`` within the part's output rows; the rest
-stays zero, so a fused projection's update is one shrink and one expand whatever the parts' ranks.
+Each fused projection of each layer has one ``A`` ``[slots, in, parts * R]`` and one ``B``
+``[slots, parts * R, out]`` tensor on the device (``R``: ``max_lora_rank``; ``parts``: q, k, v of
+``qkv``, gate and up of ``gate_up``), laid out so that ``x @ A[s] @ B[s]`` is the update (contiguous
+operands for the CPU's batched matmuls). Part ``i`` of an adapter of rank ``r`` fills columns
+``i*R .. i*R + r`` of its slot's ``A`` and the same rows of ``B`` within the part's output columns;
+the rest stays zero, so a fused projection's update is one shrink and one expand whatever the
+parts' ranks.
 
 A sequence pins its adapter's slot from the step that first runs it until it finishes or is
 preempted (``acquire`` / ``release``); an adapter no sequence runs stays resident until a new one
@@ -40,11 +42,11 @@ class LoraSlots:
         self.part_rows = {p: _offsets(outs) for p, (_, outs) in shapes.items()}
         n, r = spec.num_layers, max_rank
         self.a = {
-            p: torch.zeros((n, max_loras, NUM_PARTS[p] * r, k), dtype=dtype, device=device)
+            p: torch.zeros((n, max_loras, k, NUM_PARTS[p] * r), dtype=dtype, device=device)
             for p, (k, _) in shapes.items()
         }
         self.b = {
-            p: torch.zeros((n, max_loras, sum(outs), NUM_PARTS[p] * r), dtype=dtype, device=device)
+            p: torch.zeros((n, max_loras, NUM_PARTS[p] * r, sum(outs)), dtype=dtype, device=device)
             for p, (_, outs) in shapes.items()
         }
         self.adapters: dict[str, LoraAdapter] = {}
@@ -120,8 +122,8 @@ class LoraSlots:
             self.b[p][:, slot].zero_()
         for (layer, p, part), m in adapter.modules.items():
             lo, hi = self.part_rows[p][part]
-            self.a[p][layer, slot, part * r : part * r + m.rank].copy_(m.a)
-            self.b[p][layer, slot, lo:hi, part * r : part * r + m.rank].copy_(m.b)
+            self.a[p][layer, slot, :, part * r : part * r + m.rank].copy_(m.a.T)
+            self.b[p][layer, slot, part * r : part * r + m.rank, lo:hi].copy_(m.b.T)
         self.num_loads += 1
         self.load_seconds += time.perf_counter() - t0
 

@@ -177,3 +177,49 @@ def test_rank_above_the_slots_and_pickled_checkpoints_are_refused(tiny_llama, ad
         llm.core.add_lora("bin", str(pickled))
     with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
         llm.core.add_lora("none", str(tmp_path))
+
+
+def test_an_adapter_written_by_pdserve_loads_in_peft_with_the_same_output(
+    tiny_llama, tmp_path, hf_lora_greedy
+):
+    from engine.lora.adapter import random_adapter
+    from engine.models.loader import load_hf_config, spec_from_hf_config
+
+    spec = spec_from_hf_config(load_hf_config(tiny_llama))
+    path = random_adapter(tmp_path / "written", spec, rank=4, seed=5, scale=0.5)
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=64, lora_modules={"w": str(path)})
+    _check(llm, tiny_llama, {"w": path}, _prompts(4, [9, 30]), ["w", "w"], hf_lora_greedy)
+    prompt = _prompts(4, [9])[0]
+    assert hf_lora_greedy(tiny_llama, path, prompt, MAX_NEW) != hf_lora_greedy(
+        tiny_llama, None, prompt, MAX_NEW
+    )
+
+
+@pytest.mark.parametrize(
+    ("slots", "path"),
+    [
+        ([1, 0, 2, 0, 1, 2], "padded"),  # decodes of 3 adapters, 2 each: two batched matmuls, no mask
+        ([0, -1, 1, 1, 1, 2], "padded+mask"),  # uneven: padding rows masked out
+        ([0] * 20 + [1], "loop"),  # a prefill chunk beside a decode: padding would cost 3x the rows
+    ],
+)
+def test_the_cpu_update_paths_equal_a_per_token_reference(slots, path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.lora.batch import LoraBatch
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 24, 8, generator=gen), torch.randn(3, 8, 40, generator=gen)
+    x, y = torch.randn(len(slots), 24, generator=gen), torch.randn(len(slots), 40, generator=gen)
+    want = y.clone()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            want[t] += x[t] @ a[s] @ b[s]
+    weights = SimpleNamespace(max_loras=3, layer_weights=lambda layer, proj: (a, b))
+    batch = LoraBatch.build(weights, slots, torch.device("cpu"))
+    chosen = "loop" if batch.padded is None else "padded+mask" if batch.padded.mask is not None else "padded"
+    assert chosen == path
+    batch.update(y, x, 0, "qkv")
+    torch.testing.assert_close(y, want)

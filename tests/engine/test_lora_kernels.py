@@ -41,8 +41,8 @@ def test_kernel_matches_the_reference(dtype, k, n, o):
     slots_list = [0] * 21 + [-1] * 3 + [2, 1, 2, -1, 1] + [1] * 5  # a prefill run, base tokens, decodes
     t = len(slots_list)
     x = torch.randn(t, k, generator=gen).to(dtype).to(DEVICE)
-    a = (0.2 * torch.randn(3, n, k, generator=gen)).to(dtype).to(DEVICE)
-    b = (0.2 * torch.randn(3, o, n, generator=gen)).to(dtype).to(DEVICE)
+    a = (0.2 * torch.randn(3, k, n, generator=gen)).to(dtype).to(DEVICE)
+    b = (0.2 * torch.randn(3, n, o, generator=gen)).to(dtype).to(DEVICE)
     y0 = torch.randn(t, o, generator=gen).to(dtype).to(DEVICE)
     ref = y0.clone()
     lora_update_ref(ref, x, torch.tensor(slots_list, device=DEVICE), a, b)
