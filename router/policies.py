@@ -260,6 +260,18 @@ def prefill_locally(prompt: list[int], d: WorkerRecord, lora: str, limit: int, i
     return len(prompt) - hit.get(d.worker_id, 0) * d.block_size <= limit
 
 
+def with_handoff(route: Route, lora: str) -> Route:
+    """``route``, or aggregated on its decode worker where the prompt's KV cannot move there: a decode
+    worker that takes no hand-offs (it computes its prompts itself), or one whose weights of the
+    request's adapter differ from the prefill worker's (another version under the same name)."""
+    if route.prefill is None or (
+        route.decode.kv_handoff
+        and (not lora or route.prefill.lora_salt(lora) == route.decode.lora_salt(lora))
+    ):
+        return route
+    return Route(None, route.decode, route.predicted_hit_tokens)
+
+
 def make_policy(name: str) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"routing policy must be one of {POLICIES}, got {name!r}")

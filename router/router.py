@@ -48,6 +48,7 @@ from router.policies import (
     prefill_locally,
     salt_of,
     serves,
+    with_handoff,
 )
 from router.prefill_watch import PrefillStalled, watched
 from router.stats import RouterStats
@@ -138,10 +139,7 @@ class Router(DecodeRelay):
         inp = RoutingInput(
             iter(hashes), len(prompt), ref.block_size, prefills, decodes, self.inflight, self.routed.holders()
         )
-        route = self.policy.choose(inp, self.view.index)
-        if route.prefill is not None and not route.decode.kv_handoff:  # it computes its prompts itself
-            route = Route(None, route.decode, route.predicted_hit_tokens)
-        return route, hashes
+        return with_handoff(self.policy.choose(inp, self.view.index), lora), hashes
 
     def decode_candidates(
         self, lost: frozenset[str] | set[str] = frozenset(), lora: str = ""

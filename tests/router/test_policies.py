@@ -283,3 +283,22 @@ def test_peer_reads_can_be_turned_off():
     policy.peer_reads = False
     r = policy.choose(inp(ps, [decode("d0")]), idx)
     assert (r.prefill.worker_id, r.peer, r.predicted_hit_tokens) == ("p1", None, 0)
+
+
+def test_adapters_decide_candidates_salt_and_hand_off():
+    from router.policies import Route, salt_of, serves, with_handoff
+
+    loras = '{"sql": "|lora=v1"}'
+    p = WorkerRecord("p0", "prefill", "-", 1, cache_salt="s", loras=loras)
+    d_same = WorkerRecord("d0", "decode", "-", 1, cache_salt="s", loras=loras)
+    d_other = WorkerRecord("d1", "decode", "-", 1, cache_salt="s", loras='{"sql": "|lora=v2"}')
+    d_none = WorkerRecord("d2", "decode", "-", 1, cache_salt="s")
+    assert serves(d_same, "sql") and not serves(d_none, "sql") and serves(d_none, "")
+    # The adapter's prompts hash in its namespace, as its engine hashes them; the base's do not.
+    assert salt_of(p, "sql") == "s|lora=v1" and salt_of(p, "") == "s"
+    assert d_same.adapters() == ["sql"] and d_none.adapters() == []
+    # The KV moves between workers with the same weights of the adapter; to one with another version
+    # of it the request runs aggregated there (its own weights compute the prompt).
+    assert with_handoff(Route(p, d_same), "sql").prefill is p
+    assert with_handoff(Route(p, d_other), "sql").prefill is None
+    assert with_handoff(Route(p, d_other), "").prefill is p  # the base model is the same everywhere
