@@ -308,7 +308,9 @@ def _spec_row(f: dataclasses.Field, note: str) -> tuple[str, ...]:
 def _engine_section() -> str:
     parser = argparse.ArgumentParser()
     add_engine_args(parser, model_required=False)
-    flags = {a.dest: a.option_strings for a in parser._actions}
+    flags: dict[str, list[str]] = {}
+    for a in parser._actions:  # (``--lora`` and ``--lora-modules`` fill one option)
+        flags.setdefault(a.dest, []).extend(a.option_strings)
     rows = [_engine_row(f, flags[f.name]) for f in engine_options()]
     notes = _comments(SpeculativeConfig)
     spec_rows = [_spec_row(f, notes.get(f.name, "")) for f in dataclasses.fields(SpeculativeConfig)]

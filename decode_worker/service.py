@@ -26,6 +26,7 @@ from proto.convert import (
     prompt_logprobs_to_proto,
     stop_reason_text,
 )
+from worker.adapters import adapter_rpc
 from worker.runtime import RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,9 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=await self.worker.abort(request.request_id))
+
+    async def Adapter(self, request: pb.AdapterRequest, context) -> pb.AdapterResponse:
+        return await adapter_rpc(self.worker, request, context)
 
     async def GetState(self, request, context) -> pb.WorkerState:
         if self.worker.loop.failure is not None:

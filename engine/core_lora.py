@@ -41,18 +41,22 @@ class LoraMixin:
             self.lora_slots.bytes / 2**20,
         )
         for name, path in (cfg.lora_modules or {}).items():
-            self.add_lora(name, path)
+            self._load_lora(name, path)
 
     def add_lora(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at ``path`` as ``name``; ``AdapterError`` says why one is refused."""
         if self.lora_slots is None:
             raise AdapterError("this engine serves no adapters: start it with enable_lora or lora_modules")
-        if not isinstance(name, str) or not name.strip():
-            raise AdapterError("an adapter needs a non-empty name")
         if name in self.lora_slots.adapters and self._lora_in_use(name):
             raise AdapterError(
                 f"adapter {name!r} is in use by unfinished requests; it cannot be replaced now"
             )
+        self._unpin_finished()
+        self._load_lora(name, path)
+
+    def _load_lora(self, name: str, path: str) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise AdapterError("an adapter needs a non-empty name")
         adapter = load_adapter(name, path, self.spec, self.config.max_lora_rank)
         self.lora_slots.add(adapter)
         logger.info(
@@ -68,6 +72,7 @@ class LoraMixin:
             raise UnknownAdapterError(name)
         if used := self._lora_in_use(name):
             raise AdapterError(f"adapter {name!r} is in use by {used} unfinished requests")
+        self._unpin_finished()
         self.lora_slots.remove(name)
 
     def lora_salts(self) -> dict[str, str]:
@@ -85,6 +90,12 @@ class LoraMixin:
         if self.lora_slots is None or name not in self.lora_slots.adapters:
             raise UnknownAdapterError(name)
         return {"lora": name, "lora_salt": self.lora_slots.adapters[name].cache_salt}
+
+    def _unpin_finished(self) -> None:
+        """Sequences that finished since the last step still pin their adapters' slots (the runner
+        hears of them with the next step, which an idle engine may never run): unpin them now."""
+        for seq_id in self.scheduler.finished_not_sent:
+            self.runner.unpin_lora(seq_id)
 
     def _lora_in_use(self, name: str) -> int:
         return sum(r.lora == name for r in self.scheduler.requests.values())

@@ -241,7 +241,7 @@ class ModelRunner:
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
             if self._lora_of:
-                self._drop_lora(seq_id)
+                self.unpin_lora(seq_id)
             tables.remove(seq_id)
             if self.speculator is not None:
                 self.speculator.drop(seq_id)
@@ -261,7 +261,7 @@ class ModelRunner:
                 new.prompt_len,
             )
             if self._lora_of:
-                self._drop_lora(new.seq_id)
+                self.unpin_lora(new.seq_id)
             tables.remove(new.seq_id)  # a resumed sequence starts its row afresh
             tables.add(new.seq_id, new.block_ids)
             if new.lora is not None:
@@ -374,7 +374,8 @@ class ModelRunner:
             inputs.meta.lora = LoraBatch.build(self.lora, token_slots, self.device)
         return inputs.input_ids, inputs.positions, inputs.meta, sample_rows, spec_rows, plan
 
-    def _drop_lora(self, seq_id: str) -> None:
+    def unpin_lora(self, seq_id: str) -> None:
+        """Release the adapter slot sequence ``seq_id`` pins (a no-op once released)."""
         name = self._lora_of.pop(seq_id, None)
         if name is not None:
             self._lora_rows.pop(self.tables.row_of[seq_id], None)

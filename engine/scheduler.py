@@ -113,6 +113,11 @@ class Scheduler(TransferQueue, StepResults):
         return len(self.requests) > len(self.transferring)
 
     @property
+    def finished_not_sent(self) -> frozenset[str]:
+        """Sequences that ended since the last ``schedule`` (the runner drops them with the next)."""
+        return frozenset(self._finished_ids)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.swapped)
 

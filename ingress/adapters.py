@@ -29,6 +29,10 @@ class AdapterNames:
     def __iter__(self):
         return iter(sorted(self.names))
 
+    def forget_refresh(self) -> None:
+        """The next ``refresh`` asks the router whatever the interval (the names just changed)."""
+        self._refreshed = float("-inf")
+
     async def refresh(self, client) -> bool:
         """Ask the router (``client``: a RouterClient) for the served adapters; True when the
         names changed. Skipped within ``min_interval_s`` of the last refresh."""

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ingress.adapter_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, change_adapter
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ingress.openai_serving import OpenAIServing
 from ingress.request_timing import DEBUG_HEADER, TIMING_FIELD, TIMING_HEADER, format_timing, wants_timing
@@ -157,6 +158,14 @@ def build_http_app(
     async def detokenize_route(request: Request):
         return JSONResponse(await detokenize(serving, await read_body(request)))
 
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body_schema(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(request: Request):
+        return JSONResponse(await change_adapter(serving, await read_body(request), unload=False))
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body_schema(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(request: Request):
+        return JSONResponse(await change_adapter(serving, await read_body(request), unload=True))
+
     @app.get("/version")
     async def version_route():
         return version()
@@ -170,5 +179,15 @@ def build_http_app(
     async def prometheus():
         return Response(await metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    _with_components(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
+    _with_components(
+        app,
+        (
+            CompletionRequest,
+            ChatCompletionRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+            LoadLoRAAdapterRequest,
+            UnloadLoRAAdapterRequest,
+        ),
+    )
     return app

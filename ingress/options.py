@@ -34,6 +34,11 @@ class IngressOptions(BaseModel):
     max_logprobs: int = Field(20, ge=0, description="largest logprobs / top_logprobs per request")
     request_timeout_s: float = Field(600.0, gt=0, description="deadline of one request at the router")
     api_key_file: str | None = Field(None, description="file holding the API key (else PDSERVE_API_KEY)")
+    allow_runtime_lora: bool = Field(
+        False,
+        description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they load a path of the "
+        "workers' disks; off: 404)",
+    )
 
 
 def add_ingress_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
@@ -44,6 +49,12 @@ def add_ingress_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
             continue
         args = typing.get_args(f.annotation)
         typ = next((a for a in args if a is not type(None)), f.annotation) if args else f.annotation
+        if typ is bool:
+            flag = "--" + name.replace("_", "-")
+            parser.add_argument(
+                flag, dest=name, default=f.default, action=argparse.BooleanOptionalAction, help=f.description
+            )
+            continue
         parser.add_argument(
             "--" + name.replace("_", "-"), dest=name, type=typ, default=f.default, help=f.description
         )

@@ -10,6 +10,7 @@ from prefill_worker.worker import PrefillWorker
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto, stop_reason_text
+from worker.adapters import adapter_rpc
 from worker.runtime import RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             )
         except ValueError as exc:  # the lease's name is taken
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def Adapter(self, request: pb.AdapterRequest, context) -> pb.AdapterResponse:
+        return await adapter_rpc(self.worker, request, context)
 
     async def GetState(self, request, context) -> pb.WorkerState:
         if self.worker.loop.failure is not None:  # its engine loop failed: it serves nothing more

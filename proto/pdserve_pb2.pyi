@@ -563,6 +563,31 @@ class WorkerState(_message.Message):
     draining: bool
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., cache_salt: _Optional[str] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
+class AdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "unload")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    unload: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., unload: _Optional[bool] = ...) -> None: ...
+
+class AdapterResponse(_message.Message):
+    __slots__ = ("loras", "workers")
+    class LorasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    loras: _containers.ScalarMap[str, str]
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, loras: _Optional[_Mapping[str, str]] = ..., workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -688,7 +713,7 @@ class HopSummary(_message.Message):
     def __init__(self, hop: _Optional[str] = ..., count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ...) -> None: ...
 
 class EngineCommand(_message.Message):
-    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop", "add_peer", "pull", "pull_early", "pull_extend", "pull_finish", "release", "watch", "unwatch", "lend", "fetch")
+    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop", "add_peer", "pull", "pull_early", "pull_extend", "pull_finish", "release", "watch", "unwatch", "lend", "fetch", "adapter")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
@@ -707,6 +732,7 @@ class EngineCommand(_message.Message):
     UNWATCH_FIELD_NUMBER: _ClassVar[int]
     LEND_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     start: str
     add: EngineAdd
@@ -725,7 +751,8 @@ class EngineCommand(_message.Message):
     unwatch: str
     lend: LendRequest
     fetch: EngineFetch
-    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ..., add_peer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., pull: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_early: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_extend: _Optional[_Union[EngineExtend, _Mapping]] = ..., pull_finish: _Optional[_Union[EnginePull, _Mapping]] = ..., release: _Optional[str] = ..., watch: _Optional[_Union[EngineWatch, _Mapping]] = ..., unwatch: _Optional[str] = ..., lend: _Optional[_Union[LendRequest, _Mapping]] = ..., fetch: _Optional[_Union[EngineFetch, _Mapping]] = ...) -> None: ...
+    adapter: AdapterRequest
+    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ..., add_peer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., pull: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_early: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_extend: _Optional[_Union[EngineExtend, _Mapping]] = ..., pull_finish: _Optional[_Union[EnginePull, _Mapping]] = ..., release: _Optional[str] = ..., watch: _Optional[_Union[EngineWatch, _Mapping]] = ..., unwatch: _Optional[str] = ..., lend: _Optional[_Union[LendRequest, _Mapping]] = ..., fetch: _Optional[_Union[EngineFetch, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRequest, _Mapping]] = ...) -> None: ...
 
 class EngineFetch(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "lent", "lease_id")
@@ -865,7 +892,7 @@ class EngineReady(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayoutInfo, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., pid: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., loras: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class EngineReply(_message.Message):
-    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes", "started", "transfer_stats", "pending_pulls", "host_hashes", "released", "num_leases", "releases", "disk_hashes", "lent")
+    __slots__ = ("command_id", "error", "error_type", "stats", "aborted", "ready", "cached_hashes", "started", "transfer_stats", "pending_pulls", "host_hashes", "released", "num_leases", "releases", "disk_hashes", "lent", "loras")
     class ReleasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -873,6 +900,13 @@ class EngineReply(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LorasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -889,6 +923,7 @@ class EngineReply(_message.Message):
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     DISK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LENT_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     error: str
     error_type: str
@@ -905,7 +940,8 @@ class EngineReply(_message.Message):
     releases: _containers.ScalarMap[str, int]
     disk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     lent: LendResponse
-    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ..., started: _Optional[bool] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pending_pulls: _Optional[int] = ..., host_hashes: _Optional[_Iterable[bytes]] = ..., released: _Optional[bool] = ..., num_leases: _Optional[int] = ..., releases: _Optional[_Mapping[str, int]] = ..., disk_hashes: _Optional[_Iterable[bytes]] = ..., lent: _Optional[_Union[LendResponse, _Mapping]] = ...) -> None: ...
+    loras: _containers.ScalarMap[str, str]
+    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., aborted: _Optional[bool] = ..., ready: _Optional[_Union[EngineReady, _Mapping]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ..., started: _Optional[bool] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pending_pulls: _Optional[int] = ..., host_hashes: _Optional[_Iterable[bytes]] = ..., released: _Optional[bool] = ..., num_leases: _Optional[int] = ..., releases: _Optional[_Mapping[str, int]] = ..., disk_hashes: _Optional[_Iterable[bytes]] = ..., lent: _Optional[_Union[LendResponse, _Mapping]] = ..., loras: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "has_logprobs", "finish_reason", "stop_string", "stop_token", "num_prompt_tokens", "num_cached_tokens", "error", "seed", "prompt_logprobs", "has_prompt_logprobs", "error_type", "held", "held_block_ids")

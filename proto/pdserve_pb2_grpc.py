@@ -39,6 +39,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Adapter = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/Adapter',
+                request_serializer=proto_dot_pdserve__pb2.AdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.AdapterResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Release',
                 request_serializer=proto_dot_pdserve__pb2.ReleaseRequest.SerializeToString,
@@ -65,6 +70,12 @@ class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Adapter(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -101,6 +112,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Adapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adapter,
+                    request_deserializer=proto_dot_pdserve__pb2.AdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.AdapterResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -150,6 +166,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Prefill',
             proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
             proto_dot_pdserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Adapter',
+            proto_dot_pdserve__pb2.AdapterRequest.SerializeToString,
+            proto_dot_pdserve__pb2.AdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -283,6 +326,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Adapter = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Adapter',
+                request_serializer=proto_dot_pdserve__pb2.AdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.AdapterResponse.FromString,
+                _registered_method=True)
         self.DecodeStream = channel.stream_stream(
                 '/pdserve.v1.DecodeWorker/DecodeStream',
                 request_serializer=proto_dot_pdserve__pb2.CallStreamRequestBatch.SerializeToString,
@@ -309,6 +357,12 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Adapter(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -345,6 +399,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=proto_dot_pdserve__pb2.DecodeRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Adapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adapter,
+                    request_deserializer=proto_dot_pdserve__pb2.AdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.AdapterResponse.SerializeToString,
             ),
             'DecodeStream': grpc.stream_stream_rpc_method_handler(
                     servicer.DecodeStream,
@@ -394,6 +453,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Decode',
             proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
             proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Adapter',
+            proto_dot_pdserve__pb2.AdapterRequest.SerializeToString,
+            proto_dot_pdserve__pb2.AdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -527,6 +613,11 @@ class RouterStub:
                 request_serializer=proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Adapter = channel.unary_unary(
+                '/pdserve.v1.Router/Adapter',
+                request_serializer=proto_dot_pdserve__pb2.AdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.AdapterResponse.FromString,
+                _registered_method=True)
         self.GenerateStream = channel.stream_stream(
                 '/pdserve.v1.Router/GenerateStream',
                 request_serializer=proto_dot_pdserve__pb2.CallStreamRequestBatch.SerializeToString,
@@ -548,6 +639,12 @@ class RouterServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Adapter(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -578,6 +675,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Adapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adapter,
+                    request_deserializer=proto_dot_pdserve__pb2.AdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.AdapterResponse.SerializeToString,
             ),
             'GenerateStream': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateStream,
@@ -622,6 +724,33 @@ class Router:
             '/pdserve.v1.Router/Generate',
             proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
             proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/Adapter',
+            proto_dot_pdserve__pb2.AdapterRequest.SerializeToString,
+            proto_dot_pdserve__pb2.AdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

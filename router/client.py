@@ -81,6 +81,11 @@ class RouterClient:
                 pb.ClusterStateRequest(), timeout=timeout_s
             )
 
+    async def adapter(self, name: str, path: str, unload: bool) -> pb.AdapterResponse:
+        """Load (``path``) or unload adapter ``name`` on every worker (``router.adapters``)."""
+        req = pb.AdapterRequest(name=name, path=path, unload=unload)
+        return await (await self._stub()).Adapter(req, timeout=120)
+
     async def worker_states(self, timeout_s: float = 5.0) -> tuple[pb.ClusterState, list[pb.WorkerState]]:
         """The router's view plus each live worker's own, current state (its GetState)."""
         cluster = await self.cluster_state(timeout_s)

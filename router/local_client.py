@@ -43,5 +43,15 @@ class LocalRouterClient(RouterClient):
                 exc.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=exc.details
             ) from None
 
+    async def adapter(self, name: str, path: str, unload: bool) -> pb.AdapterResponse:
+        from router.adapters import AdapterChangeFailed, change_adapter
+
+        try:
+            return pb.AdapterResponse(workers=await change_adapter(self.router, name, path, unload))
+        except AdapterChangeFailed as exc:
+            raise grpc.aio.AioRpcError(
+                exc.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=exc.details
+            ) from None
+
     async def cluster_state(self, timeout_s: float = 5.0) -> pb.ClusterState:
         return await self._service.GetClusterState(pb.ClusterStateRequest(), None)

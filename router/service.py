@@ -13,6 +13,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedGenerate
 from proto.convert import params_from_proto
+from router.adapters import AdapterChangeFailed, change_adapter
 from router.migration import MigrationRefused
 from router.router import NoWorkersError, Router
 
@@ -77,6 +78,13 @@ class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=await self.router.abort(request.request_id))
+
+    async def Adapter(self, request: pb.AdapterRequest, context) -> pb.AdapterResponse:
+        try:
+            workers = await change_adapter(self.router, request.name, request.path, request.unload)
+        except AdapterChangeFailed as exc:
+            await context.abort(exc.code, exc.details)
+        return pb.AdapterResponse(workers=workers)
 
     async def GetClusterState(self, request, context) -> pb.ClusterState:
         r, view = self.router, self.router.view

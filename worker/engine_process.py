@@ -39,6 +39,7 @@ from engine.scheduler_output import SequenceOutput
 from kv_transfer import KVCompat
 from proto import pdserve_pb2 as pb
 from proto.convert import params_from_proto
+from worker.adapters import change_adapter
 from worker.engine_channel import (
     FrameBuffer,
     config_from_json,
@@ -224,6 +225,9 @@ class EngineHost:
                 reply.disk_hashes.extend(disk)
             elif kind == "stop":
                 self.stopping = True
+            elif kind == "adapter":
+                a = cmd.adapter
+                reply.loras.update(change_adapter(self.core, a.name, a.path, a.unload))
             elif not self.role.run(cmd, reply):
                 raise ValueError(f"unknown engine command {kind!r}")
         except Exception as exc:  # the caller gets it; the engine goes on

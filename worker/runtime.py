@@ -35,6 +35,7 @@ from kv_transfer import KVCompat, KVTransferBackend, RemoteKVInfo
 from kv_transfer.stats import TransferStats
 from proto import pdserve_pb2 as pb
 from registry.publisher import RegistryPublisher
+from worker.adapters import AdapterMixin
 from worker.config import WorkerConfig
 from worker.engine_client import EngineProcess
 from worker.engine_registry import EngineRegistryLink
@@ -64,7 +65,7 @@ def nixl_transfer(core: EngineCore, agent_name: str, compat: KVCompat) -> KVTran
     return NixlBackend(agent_name, core.runner.kv_blocks, compat, progress_thread=False)
 
 
-class WorkerRuntime(ABC):
+class WorkerRuntime(AdapterMixin, ABC):
     role: ClassVar[str]
 
     def __init__(self, config: WorkerConfig, transfer_factory: TransferFactory | None = None) -> None:
@@ -91,6 +92,8 @@ class WorkerRuntime(ABC):
                 self.core, f"{self.worker_id}-{self.epoch}", self.compat
             )
             self.loop = EngineLoop(self.core)
+        # The LoRA adapters it serves (name -> prefix salt suffix), as its registry record lists them.
+        self.loras = self.engine.facts.loras if self.engine is not None else self.core.lora_salts()
         self.loop.on_failure(self._on_engine_failure)
         self.clocks = RequestClocks(self.loop)  # per-request hop timing
         self.registry: RegistryLink | EngineRegistryLink | None = None
@@ -134,7 +137,7 @@ class WorkerRuntime(ABC):
             self.limits,
             self.prefix_salt,
             kv_handoff=self.transfer_info() is not None,  # an agent over its KV: it takes hand-offs
-            loras=self.engine.facts.loras if self.engine is not None else self.core.lora_salts(),
+            loras=self.loras,
         )
 
     # Lifecycle --------------------------------------------------------------------------------

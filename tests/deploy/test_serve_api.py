@@ -302,7 +302,14 @@ def test_http_fuzz_never_5xx_and_invalid_requests_touch_no_worker(service, model
     from hypothesis import strategies as st
 
     schemas = _openapi_body_schemas(service)
-    assert set(schemas) == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    assert set(schemas) == {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    }
     schemas = {path: schemas[path] for path in ("/v1/completions", "/v1/chat/completions")}  # generation
     json_values = st.recursive(
         st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -144,3 +144,61 @@ def test_openai_http_selects_adapters_by_model(workers, redis_server, tiny_llama
         for proc in (ingress, router):
             proc.terminate()
             proc.wait(15)
+
+
+def test_loading_and_unloading_at_run_time_under_traffic_loses_no_request(
+    workers, redis_server, tiny_llama, adapters
+):
+    """Workers started with no adapter (``--enable-lora``; the prefill worker's engine in a process of
+    its own, the decode worker's in-process): an adapter loaded through the router while base-model
+    streams run is routable the moment the call returns; unloading it while a request of it runs is
+    refused with the reason where it runs, and succeeds once that request is done. Every stream
+    completes with the engine alone's output."""
+    from proto import pdserve_pb2 as pb
+
+    base_want = _alone(tiny_llama, adapters, [None])
+    a_want = _alone(tiny_llama, adapters, ["a"])
+    long_params = dataclasses.replace(GREEDY, max_tokens=60)
+    long_want = LLM(str(tiny_llama), num_blocks=128, block_size=8).generate(
+        PROMPTS, long_params, use_tqdm=False
+    )
+    cluster = Cluster(
+        workers, redis_server, 1, kv_flags=("--enable-lora",), prefill_flags=("--engine-process",)
+    )
+
+    async def run():
+        await cluster.start()
+        try:
+            cluster.router.local_prefill_tokens = 0
+            traffic = [
+                asyncio.ensure_future(cluster.generate(f"bg{i}", p, long_params))
+                for i, p in enumerate(PROMPTS)
+            ]
+            with pytest.raises(grpc.aio.AioRpcError, match="no decode worker that serves the adapter 'a'"):
+                await cluster.generate("early", PROMPTS[0], _params("a"))
+            loaded = await cluster.stub.Adapter(pb.AdapterRequest(name="a", path=adapters["a"]), timeout=60)
+            assert sorted(loaded.workers) == ["d0", "p0"]
+            got = [await cluster.generate(f"a{i}", p, _params("a")) for i, p in enumerate(PROMPTS)]
+            assert got == a_want
+            # Unloading while a request of the adapter runs: refused where it runs.
+            running = asyncio.ensure_future(
+                cluster.generate("a-long", PROMPTS[1], dataclasses.replace(long_params, lora="a"))
+            )
+            while "a-long" not in cluster.routes:
+                await asyncio.sleep(0.01)
+            with pytest.raises(
+                grpc.aio.AioRpcError, match=r"in use by 1 unfinished requests \(refused by d0\)"
+            ):
+                await cluster.stub.Adapter(pb.AdapterRequest(name="a", unload=True), timeout=60)
+            await running
+            unloaded = await cluster.stub.Adapter(pb.AdapterRequest(name="a", unload=True), timeout=60)
+            assert "d0" in unloaded.workers
+            with pytest.raises(grpc.aio.AioRpcError, match="no decode worker that serves the adapter 'a'"):
+                await cluster.generate("late", PROMPTS[0], _params("a"))
+            assert [await t for t in traffic] == [o.outputs[0].token_ids for o in long_want]
+            await cluster.all_free()
+        finally:
+            await cluster.stop()
+
+    assert base_want  # (the base outputs of the short runs: the long ones are checked above)
+    asyncio.run(run())

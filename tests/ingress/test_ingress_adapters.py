@@ -110,3 +110,82 @@ def test_models_lists_the_adapters_under_the_base(info):
         assert all(c["parent"] == "tiny" for c in cards[1:]) and "parent" not in cards[0]
 
     asyncio.run(main())
+
+
+class LoadingRouter(AdapterRouter):
+    """``adapter`` changes the served names as the router's fan-out would, or fails with ``error``."""
+
+    def __init__(self, adapters=(), error: tuple | None = None) -> None:
+        super().__init__(adapters)
+        self.error = error
+        self.changes = []
+
+    async def adapter(self, name, path, unload):
+        import grpc
+
+        self.changes.append((name, path, unload))
+        if self.error is not None:
+            code, details = self.error
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+        self.adapters = [a for a in self.adapters if a != name] + ([] if unload else [name])
+        return pb.AdapterResponse(workers=["d0", "p0"])
+
+
+def test_runtime_loading_is_off_unless_allowed(info):
+    router = LoadingRouter()
+    app = _app(info, router)
+
+    async def main():
+        r = await call(app, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a"})
+        assert r.status == 404 and "--allow-runtime-lora" in r.json()["error"]["message"]
+        assert router.changes == []
+
+    asyncio.run(main())
+
+
+def test_load_then_use_then_unload_behind_the_api_key(info):
+    from ingress.options import IngressOptions
+
+    router = LoadingRouter()
+    app = _app(info, router, IngressOptions(allow_runtime_lora=True), api_key="k")
+    key = {"Authorization": "Bearer k"}
+
+    async def main():
+        body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+        assert (await call(app, "/v1/load_lora_adapter", body)).status == 401  # no key
+        r = await call(app, "/v1/load_lora_adapter", body, key)
+        assert r.status == 200 and r.json()["workers"] == ["d0", "p0"], r.body
+        assert router.changes == [("sql", "/adapters/sql", False)]
+        r = await call(app, "/v1/completions", _body("sql"), key)  # usable at once
+        assert r.status == 200 and router.params[-1].lora == "sql"
+        r = await call(app, "/v1/unload_lora_adapter", {"lora_name": "sql"}, key)
+        assert r.status == 200 and router.changes[-1] == ("sql", "", True)
+        assert (await call(app, "/v1/completions", _body("sql"), key)).status == 404
+        r = await call(app, "/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": "/x"}, key)
+        assert r.status == 400 and r.json()["error"]["param"] == "lora_name"  # the base model's name
+        r = await call(app, "/v1/load_lora_adapter", {"lora_name": "x"}, key)
+        assert r.status == 400  # no path
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "param"),
+    [("INVALID_ARGUMENT", 400, "lora_path"), ("NOT_FOUND", 404, "lora_name"), ("UNAVAILABLE", 503, None)],
+)
+def test_a_refused_change_is_an_openai_error_with_the_workers_reason(info, code, status, param):
+    import grpc
+
+    from ingress.options import IngressOptions
+
+    reason = "adapter 'sql': DoRA adapters are not supported (refused by d0, p0)"
+    router = LoadingRouter(error=(getattr(grpc.StatusCode, code), reason))
+    app = _app(info, router, IngressOptions(allow_runtime_lora=True))
+
+    async def main():
+        r = await call(app, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a"})
+        assert r.status == status
+        err = r.json()["error"]
+        assert err["message"].startswith(reason) and err["param"] == param
+
+    asyncio.run(main())

@@ -1,0 +1,74 @@
+"""Loading and unloading a LoRA adapter across the cluster: the router asks every live worker
+(prefill and decode) at once, then waits until its own view of the registry shows the change, so a
+request naming a just-loaded adapter is routable the moment the call returns.
+
+A load that some workers refuse (a path missing on one machine, a malformed adapter) is undone on
+the workers that took it: the cluster never serves an adapter on only part of its workers by
+accident. An unload that a worker refuses (requests still use the adapter there) leaves the others
+unloaded and says which refused; the caller may retry once those requests are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from proto import pdserve_pb2 as pb
+
+VIEW_WAIT_S = 10.0  # how long the call waits for the registry to show the change
+
+
+class AdapterChangeFailed(RuntimeError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+async def change_adapter(router, name: str, path: str, unload: bool) -> list[str]:
+    """Apply the change on every live worker; the ids of the workers that made it."""
+    if not name or (not unload and not path):
+        raise AdapterChangeFailed(
+            grpc.StatusCode.INVALID_ARGUMENT, "an adapter needs a name and, to load, a path"
+        )
+    workers = router.view.live_workers()
+    if not workers:
+        raise AdapterChangeFailed(grpc.StatusCode.UNAVAILABLE, "no worker is registered")
+    if unload:  # the workers that serve it (an earlier, partly refused unload left it on some)
+        workers = [w for w in workers if w.lora_salt(name) is not None]
+        if not workers:
+            raise AdapterChangeFailed(grpc.StatusCode.NOT_FOUND, f"the model {name!r} does not exist")
+    req = pb.AdapterRequest(name=name, path=path, unload=unload)
+    results = await asyncio.gather(*(_on(router, w, req) for w in workers), return_exceptions=True)
+    done = [w for w, r in zip(workers, results) if not isinstance(r, BaseException)]
+    failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
+    if failed:
+        if unload:  # those that did unload it: the view shows it before the caller hears of the refusal
+            await _until_seen(router, {w.worker_id for w in done}, name, False)
+        elif done:  # undo the partial load
+            undo = pb.AdapterRequest(name=name, unload=True)
+            await asyncio.gather(*(_on(router, w, undo) for w in done), return_exceptions=True)
+        exc = failed[0][1]
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
+        details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        where = ", ".join(sorted(f.worker_id for f, _ in failed))
+        raise AdapterChangeFailed(code, f"{details} (refused by {where})")
+    await _until_seen(router, {w.worker_id for w in done}, name, not unload)
+    return sorted(w.worker_id for w in done)
+
+
+async def _on(router, w, req: pb.AdapterRequest) -> pb.AdapterResponse:
+    stub = router.stubs.prefill(w.address) if w.role == "prefill" else router.stubs.decode(w.address)
+    return await stub.Adapter(req, timeout=60)
+
+
+async def _until_seen(router, worker_ids: set[str], name: str, served: bool) -> None:
+    deadline = time.monotonic() + VIEW_WAIT_S
+    while time.monotonic() < deadline:
+        records = {w.worker_id: w for w in router.view.live_workers()}
+        if all(
+            (r := records.get(wid)) is None or (r.lora_salt(name) is not None) == served for wid in worker_ids
+        ):
+            return
+        await asyncio.sleep(0.05)
