@@ -3,7 +3,8 @@
 ``generate``: the offline engine. ``serve``: the OpenAI-compatible service on Ray Serve (``--demo``:
 a few requests through it, then exit). ``status`` and ``scale``: a running service. ``bench``:
 load-test any OpenAI-compatible server. ``manifests``: render the KubeRay manifests. ``train-tiny``: a
-small trained model and draft (for what random weights cannot show). ``profile``: a model's measured
+small trained model and draft (for what random weights cannot show); ``train-lora``: trained LoRA
+adapters of it. ``profile``: a model's measured
 costs; ``plan``: replica counts for a traffic from them. ``docs-reference``: regenerate
 docs/reference/ from the parsers and config declarations.
 """
@@ -15,10 +16,34 @@ import logging
 import os
 import sys
 
-from cli import bench, docs_reference, generate, manifests, plan, profile, scale, serve, status, train_tiny
+from cli import (
+    bench,
+    docs_reference,
+    generate,
+    manifests,
+    plan,
+    profile,
+    scale,
+    serve,
+    status,
+    train_lora,
+    train_tiny,
+)
 from cli.supervise import supervise
 
-COMMANDS = (generate, serve, status, scale, bench, manifests, train_tiny, profile, plan, docs_reference)
+COMMANDS = (
+    generate,
+    serve,
+    status,
+    scale,
+    bench,
+    manifests,
+    train_tiny,
+    train_lora,
+    profile,
+    plan,
+    docs_reference,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
