@@ -70,6 +70,7 @@ class Scheduler(TransferQueue, StepResults):
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.transferring: dict[str, Request] = {}
+        self.parked: list[str] = []  # of those, pulled but waiting for an adapter slot (TransferQueue)
         self._finished_ids: set[str] = set()
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
@@ -99,6 +100,8 @@ class Scheduler(TransferQueue, StepResults):
         elif req.status == RequestStatus.TRANSFERRING:
             # NOTE: the caller must have settled the pull first: a live transfer may still write.
             del self.transferring[seq_id]
+            if seq_id in self.parked:
+                self.parked.remove(seq_id)
         req.status = status
         self._release(req)
         return req
@@ -110,7 +113,7 @@ class Scheduler(TransferQueue, StepResults):
         return bool(self.requests)
 
     def has_work(self) -> bool:  # a step has something to do: requests pulling KV wait outside it
-        return len(self.requests) > len(self.transferring)
+        return len(self.requests) > len(self.transferring) - len(self.parked)
 
     @property
     def finished_not_sent(self) -> frozenset[str]:
@@ -129,6 +132,8 @@ class Scheduler(TransferQueue, StepResults):
         self._finished_ids = set()
         budget = [self.max_num_batched_tokens]
         scheduled = out.num_scheduled_tokens  # seq_id -> tokens; membership = scheduled this step
+        if self.parked:
+            self.admit_parked()
         if self.policy == "priority":
             self._preempt_for_priority(out)
         decodes: list[Request] = []

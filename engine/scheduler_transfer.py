@@ -29,6 +29,9 @@ class TransferQueue:
     running: list[Request]
     waiting: deque[Request]
     num_prompt_tokens: int
+    parked: list[str]  # transfers complete, waiting for their adapter's device slot (still in transferring)
+
+    def _adapter_fits(self, lora: str) -> bool: ...
 
     def add_transferring(self, req: Request, num_prompt_tokens: int) -> tuple[list[int], int]:
         """Allocate blocks for a prompt whose KV will be pulled from a peer.
@@ -53,10 +56,26 @@ class TransferQueue:
         return fresh, len(hit.block_ids)
 
     def complete_transfer(self, seq_id: str, num_prompt_tokens: int) -> None:
-        """The pulled KV is in place: the sequence joins the batch, its next input the first token."""
-        req = self.transferring.pop(seq_id)
+        """The pulled KV is in place: the sequence joins the batch, its next input the first token.
+        One whose LoRA adapter has no device slot now (as many other adapters run as there are
+        slots) is *parked* with its KV until one frees (``admit_parked``, every step)."""
+        req = self.transferring[seq_id]
         req.num_computed_tokens = num_prompt_tokens
         self.kv.commit_transfer(req)
+        if req.lora is not None and not self._adapter_fits(req.lora):
+            self.parked.append(seq_id)
+            return
+        self._join(seq_id)
+
+    def admit_parked(self) -> None:
+        for seq_id in list(self.parked):
+            req = self.transferring[seq_id]
+            if self._adapter_fits(req.lora):
+                self.parked.remove(seq_id)
+                self._join(seq_id)
+
+    def _join(self, seq_id: str) -> None:
+        req = self.transferring.pop(seq_id)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 

@@ -223,3 +223,38 @@ def test_the_cpu_update_paths_equal_a_per_token_reference(slots, path):
     assert chosen == path
     batch.update(y, x, 0, "qkv")
     torch.testing.assert_close(y, want)
+
+
+def test_pulled_prompts_of_more_adapters_than_slots_wait_for_one(tiny_llama, adapters, hf_lora_greedy):
+    """Disaggregated roles in one process (the KV copied between engines as NIXL would): the decode
+    engine has one adapter slot; two prompts of two adapters complete their pulls together, so the
+    second waits with its KV in place until the first is done, and both equal HF + peft."""
+    from engine import EngineConfig, EngineCore
+
+    modules = {k: str(v) for k, v in adapters.items()}
+    p = EngineCore(EngineConfig(model=str(tiny_llama), block_size=8, num_blocks=64, lora_modules=modules))
+    d = EngineCore(
+        EngineConfig(model=str(tiny_llama), block_size=8, num_blocks=64, lora_modules=modules, max_loras=1)
+    )
+    prompts = {"all": _prompts(5, [21])[0], "qv": _prompts(6, [13])[0]}
+    tokens = {}
+    for name, prompt in prompts.items():
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, lora=name)
+        p.add_request(name, prompt, params, prefill_only=True)
+        first = next(o for _ in range(100) for o in p.step() if o.request_id == name)
+        plan = d.add_transferred_request(name, prompt, first.new_token_ids[0], params, seed=first.seed)
+        for i, local in enumerate(plan.local_block_ids):
+            d.runner.kv_blocks[local].copy_(
+                p.runner.kv_blocks[first.held_block_ids[plan.first_block_index + i]]
+            )
+        assert p.release_held(name)
+        tokens[name] = list(first.new_token_ids)
+    for name in prompts:
+        d.complete_transfer(name)
+    assert d.scheduler.parked == ["qv"]  # "all" runs in the one slot
+    while d.has_unfinished():
+        for out in d.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    for name, prompt in prompts.items():
+        assert tokens[name] == hf_lora_greedy(tiny_llama, adapters[name], prompt, MAX_NEW), name
+    assert d.stats().num_free_blocks == 64 and d.scheduler.parked == []
