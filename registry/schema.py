@@ -38,6 +38,8 @@ PREFIX = "pdserve:"
 EVENTS_STREAM = PREFIX + "kv_events"
 WORKERS_SET = PREFIX + "workers"
 DRAINING_KEY = PREFIX + "draining"
+# LoRA adapters loaded at run time (name -> path): a worker that starts later loads them too.
+ADAPTERS_KEY = PREFIX + "lora_adapters"
 STREAM_MAXLEN = 500_000
 LEFT_MARKER_TTL_MS = 120_000  # longer than any reader's grace period for a vanished record
 HASH_BYTES = 16
@@ -283,6 +285,19 @@ def read_snapshot(client: redis.Redis, worker_id: str) -> tuple[int, int, set[by
     pipe.smembers(disk_snapshot_key(worker_id))
     meta, members, host, disk = pipe.execute()
     return int(meta.get(b"epoch", 0)), int(meta.get(b"seq", 0)), set(members), set(host), set(disk)
+
+
+def read_adapters(client: redis.Redis) -> dict[str, str]:
+    """The LoRA adapters loaded at run time across the cluster: name -> path."""
+    return {k.decode(): v.decode() for k, v in client.hgetall(ADAPTERS_KEY).items()}
+
+
+def record_adapter(client: redis.Redis, name: str, path: str | None) -> None:
+    """Remember a run-time load (``path``) for workers that start later, or forget it (None)."""
+    if path is None:
+        client.hdel(ADAPTERS_KEY, name)
+    else:
+        client.hset(ADAPTERS_KEY, name, path)
 
 
 def read_workers(client: redis.Redis) -> dict[str, WorkerRecord]:

@@ -5,17 +5,23 @@ request naming a just-loaded adapter is routable the moment the call returns.
 A load that some workers refuse (a path missing on one machine, a malformed adapter) is undone on
 the workers that took it: the cluster never serves an adapter on only part of its workers by
 accident. An unload that a worker refuses (requests still use the adapter there) leaves the others
-unloaded and says which refused; the caller may retry once those requests are done.
+unloaded and says which refused; the caller may retry once those requests are done. Loads are
+remembered in Redis (``registry.schema.ADAPTERS_KEY``): a worker that starts later loads them too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
+import redis
 
 from proto import pdserve_pb2 as pb
+from registry.schema import connect, record_adapter
+
+logger = logging.getLogger(__name__)
 
 VIEW_WAIT_S = 10.0  # how long the call waits for the registry to show the change
 
@@ -54,8 +60,21 @@ async def change_adapter(router, name: str, path: str, unload: bool) -> list[str
         details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
         where = ", ".join(sorted(f.worker_id for f, _ in failed))
         raise AdapterChangeFailed(code, f"{details} (refused by {where})")
+    await asyncio.to_thread(_remember, router.view.redis_url, name, None if unload else path)
     await _until_seen(router, {w.worker_id for w in done}, name, not unload)
     return sorted(w.worker_id for w in done)
+
+
+def _remember(redis_url: str, name: str, path: str | None) -> None:
+    """The cluster's run-time adapters in Redis, for workers that start later (best effort: a
+    Redis that is away leaves them to load the adapter by hand)."""
+    client = connect(redis_url)
+    try:
+        record_adapter(client, name, path)
+    except redis.RedisError as exc:
+        logger.warning("could not record adapter %r for workers that start later: %s", name, exc)
+    finally:
+        client.close()
 
 
 async def _on(router, w, req: pb.AdapterRequest) -> pb.AdapterResponse:

@@ -10,9 +10,24 @@ an adapter that unfinished requests use) is a ``ValueError`` with the reason; no
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+
+import redis
 
 from proto import pdserve_pb2 as pb
+from registry.schema import connect, read_adapters
+
+logger = logging.getLogger(__name__)
+
+
+def _cluster_adapters(redis_url: str) -> dict[str, str]:
+    client = connect(redis_url)
+    try:
+        return read_adapters(client)
+    finally:
+        client.close()
 
 
 def change_adapter(core, name: str, path: str, unload: bool) -> dict[str, str]:
@@ -29,6 +44,26 @@ def change_adapter(core, name: str, path: str, unload: bool) -> dict[str, str]:
 
 class AdapterMixin:
     """``WorkerRuntime``'s adapter calls."""
+
+    async def load_cluster_adapters(self) -> None:
+        """Before registering: the adapters loaded at run time across the cluster (recorded in Redis
+        by the router), so a worker that starts later serves them too. One that fails to load here
+        is logged and left out: the router sends its requests to the workers that serve it."""
+        if not self.config.redis_url:
+            return
+        try:
+            wanted = await asyncio.to_thread(_cluster_adapters, self.config.redis_url)
+        except (OSError, redis.RedisError) as exc:
+            logger.warning("could not read the cluster's run-time adapters: %s", exc)
+            return
+        for name, path in wanted.items():
+            if name in self.loras:
+                continue
+            try:
+                await self.change_adapter(name, path, unload=False)
+                logger.info("loaded the cluster's adapter %r from %s", name, path)
+            except (ValueError, RuntimeError) as exc:
+                logger.warning("the cluster's adapter %r is not served here: %s", name, exc)
 
     async def change_adapter(self, name: str, path: str, unload: bool) -> dict[str, str]:
         if not name:

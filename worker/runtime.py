@@ -167,6 +167,7 @@ class WorkerRuntime(AdapterMixin, ABC):
             self.stop()
             raise
         await self.before_register()
+        await self.load_cluster_adapters()
         self.attach_registry(self.address)
         logger.info("%s worker %s (epoch %d) on %s", self.role, self.worker_id, self.epoch, self.address)
         return server, self.address

@@ -155,6 +155,7 @@ def test_loading_and_unloading_at_run_time_under_traffic_loses_no_request(
     refused with the reason where it runs, and succeeds once that request is done. Every stream
     completes with the engine alone's output."""
     from proto import pdserve_pb2 as pb
+    from registry.schema import connect, read_adapters
 
     base_want = _alone(tiny_llama, adapters, [None])
     a_want = _alone(tiny_llama, adapters, ["a"])
@@ -178,8 +179,18 @@ def test_loading_and_unloading_at_run_time_under_traffic_loses_no_request(
                 await cluster.generate("early", PROMPTS[0], _params("a"))
             loaded = await cluster.stub.Adapter(pb.AdapterRequest(name="a", path=adapters["a"]), timeout=60)
             assert sorted(loaded.workers) == ["d0", "p0"]
+            client = connect(redis_server.url)
+            try:
+                assert read_adapters(client) == {"a": adapters["a"]}
+            finally:
+                client.close()
             got = [await cluster.generate(f"a{i}", p, _params("a")) for i, p in enumerate(PROMPTS)]
             assert got == a_want
+            # A decode worker that starts now loads the adapter the cluster loaded at run time.
+            late = workers("decode", "--redis-url", redis_server.url, "--worker-id", "d1", "--enable-lora")
+            cluster.decodes.append(late)
+            while not any(w.worker_id == "d1" and w.lora_salt("a") for w in cluster.view.live_workers()):
+                await asyncio.sleep(0.05)
             # Unloading while a request of the adapter runs: refused where it runs.
             running = asyncio.ensure_future(
                 cluster.generate("a-long", PROMPTS[1], dataclasses.replace(long_params, lora="a"))
@@ -192,7 +203,12 @@ def test_loading_and_unloading_at_run_time_under_traffic_loses_no_request(
                 await cluster.stub.Adapter(pb.AdapterRequest(name="a", unload=True), timeout=60)
             await running
             unloaded = await cluster.stub.Adapter(pb.AdapterRequest(name="a", unload=True), timeout=60)
-            assert "d0" in unloaded.workers
+            assert list(unloaded.workers) == ["d0"]  # the others unloaded it when first asked
+            client = connect(redis_server.url)
+            try:
+                assert read_adapters(client) == {}  # a worker that starts now does not load it
+            finally:
+                client.close()
             with pytest.raises(grpc.aio.AioRpcError, match="no decode worker that serves the adapter 'a'"):
                 await cluster.generate("late", PROMPTS[0], _params("a"))
             assert [await t for t in traffic] == [o.outputs[0].token_ids for o in long_want]
