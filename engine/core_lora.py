@@ -80,6 +80,10 @@ class LoraMixin:
         hashes an adapter's prompts with it, as the engine does."""
         return {n: a.cache_salt for n, a in self.lora_slots.adapters.items()} if self.lora_slots else {}
 
+    def resident_loras(self) -> list[str]:
+        """The adapters in device slots now: a request of one runs without a swap-in."""
+        return sorted(self.lora_slots.slot_of) if self.lora_slots is not None else []
+
     def list_loras(self) -> list[str]:
         return sorted(self.lora_slots.adapters) if self.lora_slots is not None else []
 

@@ -845,7 +845,7 @@ class KVEventBatch(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "queued_prompt_tokens", "host_hit_cost_pct", "disk_hit_cost_pct", "peer_hit_cost_pct")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "queued_prompt_tokens", "host_hit_cost_pct", "disk_hit_cost_pct", "peer_hit_cost_pct", "resident_loras")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -853,6 +853,7 @@ class EngineLoad(_message.Message):
     HOST_HIT_COST_PCT_FIELD_NUMBER: _ClassVar[int]
     DISK_HIT_COST_PCT_FIELD_NUMBER: _ClassVar[int]
     PEER_HIT_COST_PCT_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_LORAS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -860,7 +861,8 @@ class EngineLoad(_message.Message):
     host_hit_cost_pct: int
     disk_hit_cost_pct: int
     peer_hit_cost_pct: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., host_hit_cost_pct: _Optional[int] = ..., disk_hit_cost_pct: _Optional[int] = ..., peer_hit_cost_pct: _Optional[int] = ...) -> None: ...
+    resident_loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., host_hit_cost_pct: _Optional[int] = ..., disk_hit_cost_pct: _Optional[int] = ..., peer_hit_cost_pct: _Optional[int] = ..., resident_loras: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineReady(_message.Message):
     __slots__ = ("layout", "num_blocks", "max_model_len", "vocab_size", "max_num_seqs", "cache_salt", "pid", "transfer", "loras")

@@ -130,6 +130,11 @@ class WorkerRecord:
     peer_hit_cost_pct: int = 100  # the same for a block read from a peer's tier (100: it reads none)
     kv_handoff: int = 1  # 0: a decode worker that takes no KV hand-offs (it computes its prompts itself)
     loras: str = "{}"  # the LoRA adapters it serves, as JSON: name -> the salt suffix of its prefix hashes
+    resident_loras: str = "[]"  # of those, the ones in device slots at the last heartbeat (JSON list)
+
+    def resident(self, name: str) -> bool:
+        """Whether adapter ``name`` was in a device slot at the last heartbeat (no swap-in to run it)."""
+        return name in _names(self.resident_loras)
 
     def adapters(self) -> list[str]:
         """The names of the LoRA adapters it serves."""
@@ -337,3 +342,12 @@ def _adapters(loras: str) -> dict[str, str]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+@functools.lru_cache(maxsize=256)
+def _names(text: str) -> frozenset[str]:
+    try:
+        value = json.loads(text or "[]")
+    except ValueError:
+        return frozenset()
+    return frozenset(value) if isinstance(value, list) else frozenset()

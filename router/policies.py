@@ -7,7 +7,9 @@ prompt tokens a worker would still compute plus the uncached tokens already queu
 worker wins until its queue costs more than the recompute elsewhere, so a hot tenant spills onto a
 second worker instead of piling up on one (llm-d's prefix + queue scorers, with the weights fixed
 by both terms being tokens of work); a new prefix goes where the cache has the most room. A decode
-worker is chosen by running requests and free KV blocks, its own cached prefix breaking ties.
+worker is chosen by running requests and free KV blocks, its own cached prefix breaking ties. Among
+otherwise equal workers, a request of a LoRA adapter goes to one that has the adapter in a device
+slot (its heartbeat's ``resident_loras``), where it runs without a swap-in.
 A prefix block in a worker's host tier (engine/kv_host_tier.py) or disk tier (engine/kv_disk_tier.py)
 counts between a device hit and a miss: it saves the compute of its tokens less the load the worker
 measured for that tier (``host_hit_cost_pct``, ``disk_hit_cost_pct``). A prefix held by another
@@ -95,6 +97,7 @@ class RoutingInput:
     decodes: list[WorkerRecord]
     inflight: dict[str, WorkerLoad] = field(default_factory=dict)
     routed: Mapping[bytes, Collection[str]] | None = None  # routed prefixes the index lacks yet
+    lora: str = ""  # the request's LoRA adapter ("": the base model)
 
 
 class Policy:
@@ -113,6 +116,11 @@ class Policy:
 
     def _busy(self, inp: RoutingInput, w: WorkerRecord) -> int:
         return max(w.num_running + w.num_waiting, self._load(inp, w).requests)
+
+    @staticmethod
+    def _swaps(inp: RoutingInput, w: WorkerRecord) -> bool:
+        """Whether running the request on ``w`` first copies its adapter into a device slot."""
+        return bool(inp.lora) and not w.resident(inp.lora)
 
 
 class RoundRobin(Policy):
@@ -133,7 +141,7 @@ class LeastLoad(Policy):
 
     def choose(self, inp: RoutingInput, index: PrefixIndex) -> Route:
         prefill = (
-            min(inp.prefills, key=lambda w: (self._queued_tokens(inp, w), w.worker_id))
+            min(inp.prefills, key=lambda w: (self._queued_tokens(inp, w), self._swaps(inp, w), w.worker_id))
             if inp.prefills
             else None
         )
@@ -143,7 +151,13 @@ class LeastLoad(Policy):
         hits = hits or {}
         return min(
             inp.decodes,
-            key=lambda w: (self._busy(inp, w), -w.num_free_blocks, -hits.get(w.worker_id, 0), w.worker_id),
+            key=lambda w: (
+                self._busy(inp, w),
+                self._swaps(inp, w),  # among equally busy workers, one with the adapter resident
+                -w.num_free_blocks,
+                -hits.get(w.worker_id, 0),
+                w.worker_id,
+            ),
         )
 
 
@@ -170,6 +184,7 @@ class CacheAware(LeastLoad):
             inp.prefills,
             key=lambda w: (
                 inp.prompt_len - saved[w.worker_id][0] * bs + self._queued_tokens(inp, w),
+                self._swaps(inp, w),
                 -hits.get(w.worker_id, 0),
                 cached[w.worker_id],
                 w.worker_id,

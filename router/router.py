@@ -136,8 +136,9 @@ class Router(DecodeRelay):
             )
         ref = (prefills or decodes)[0]
         hashes = PromptHashes(prompt, ref.block_size, salt_of(ref, lora))
+        holders = self.routed.holders()
         inp = RoutingInput(
-            iter(hashes), len(prompt), ref.block_size, prefills, decodes, self.inflight, self.routed.holders()
+            iter(hashes), len(prompt), ref.block_size, prefills, decodes, self.inflight, holders, lora
         )
         return with_handoff(self.policy.choose(inp, self.view.index), lora), hashes
 

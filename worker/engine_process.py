@@ -182,6 +182,7 @@ class EngineHost:
             events.load.host_hit_cost_pct = self.core.host_hit_cost_pct()
             events.load.disk_hit_cost_pct = self.core.disk_hit_cost_pct()
             events.load.peer_hit_cost_pct = self.core.peer_hit_cost_pct()
+            events.load.resident_loras.extend(self.core.resident_loras())
 
     def _tick_clock(self) -> None:
         CLOCK.pack_into(self.clock, 0, self.beat, self.step_started, self.recent_step_s)

@@ -10,6 +10,8 @@ on an in-process engine thread.
 
 from __future__ import annotations
 
+import json
+
 from proto import pdserve_pb2 as pb
 from registry.publisher import RegistryPublisher
 from worker.engine_client import EngineProcess
@@ -44,6 +46,7 @@ class EngineRegistryLink:
                 host_hit_cost_pct=load.host_hit_cost_pct,
                 disk_hit_cost_pct=load.disk_hit_cost_pct,
                 peer_hit_cost_pct=load.peer_hit_cost_pct,
+                resident_loras=json.dumps(list(load.resident_loras)),
             )
 
     def _on_snapshot(self, hashes: list[bytes], host: list[bytes], disk: list[bytes]) -> None:

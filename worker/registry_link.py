@@ -65,6 +65,7 @@ class RegistryLink:
                 host_hit_cost_pct=core.host_hit_cost_pct(),
                 disk_hit_cost_pct=core.disk_hit_cost_pct(),
                 peer_hit_cost_pct=core.peer_hit_cost_pct(),
+                resident_loras=json.dumps(core.resident_loras()),
             )
 
     def stop(self) -> None:

@@ -72,6 +72,9 @@ def test_adapters_disaggregated_equal_the_engine_alone(workers, redis_server, ti
             assert await cluster.generate("new-b", NEW, _params("b")) == want_new[1]
             assert cluster.routes["new-b"].predicted_hit_tokens == 0
             assert cluster.routes["new-b"].delivered_hit_tokens == 0
+            # Each worker's heartbeat says which adapters sit in its device slots (the router's tie-break).
+            while not all(w.resident("a") and w.resident("b") for w in cluster.view.live_workers()):
+                await asyncio.sleep(0.05)
             await cluster.all_free()
         finally:
             await cluster.stop()

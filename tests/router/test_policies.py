@@ -302,3 +302,26 @@ def test_adapters_decide_candidates_salt_and_hand_off():
     assert with_handoff(Route(p, d_same), "sql").prefill is p
     assert with_handoff(Route(p, d_other), "sql").prefill is None
     assert with_handoff(Route(p, d_other), "").prefill is p  # the base model is the same everywhere
+
+
+@pytest.mark.parametrize("policy", ["least_load", "cache_aware"])
+def test_among_equal_workers_a_request_goes_where_its_adapter_is_resident(policy):
+    loras = '{"sql": "|lora=v1", "poet": "|lora=v2"}'
+    resident = {"d0": '["poet"]', "d1": '["sql"]', "p0": '["poet"]', "p1": '["sql"]'}
+    decodes = [decode(w, loras=loras, resident_loras=resident[w]) for w in ("d0", "d1")]
+    prefills = [prefill(w, loras=loras, resident_loras=resident[w]) for w in ("p0", "p1")]
+    pick = make_policy(policy)
+
+    def route(lora: str):
+        inp = RoutingInput(iter(HASHES), len(PROMPT), BS, prefills, decodes, lora=lora)
+        return pick.choose(inp, index_of({}))
+
+    r = route("sql")
+    assert (r.prefill.worker_id, r.decode.worker_id) == ("p1", "d1")
+    r = route("poet")
+    assert (r.prefill.worker_id, r.decode.worker_id) == ("p0", "d0")
+    r = route("")  # the base model: the usual ties
+    assert (r.prefill.worker_id, r.decode.worker_id) == ("p0", "d0")
+    # Load comes first: a busier worker is not chosen for its resident adapter.
+    decodes[1] = decode("d1", loras=loras, resident_loras='["sql"]', num_running=3)
+    assert route("sql").decode.worker_id == "d0"
