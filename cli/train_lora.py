@@ -40,6 +40,7 @@ class LoraRecipe:
     batch_size: int = 8
     seed: int = 0
     val_every: int = 5  # files of a slice: one in this many (by name) is held out
+    precision: str = "float32"  # as train-tiny's Recipe
 
     def key(self, base: Path) -> str:
         text = json.dumps([dataclasses.asdict(self), str(base)], sort_keys=True)
