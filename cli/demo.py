@@ -52,26 +52,43 @@ def stream_sse(
         conn.close()
 
 
-def run_demo(base_url: str, model: str, api_key: str | None, max_tokens: int = 24) -> None:
+ADAPTER_PROMPT = "import "  # the trained adapters (pdserve train-lora) each continue it their way
+
+
+def run_demo(
+    base_url: str, model: str, api_key: str | None, max_tokens: int = 24, adapters: list[str] = ()
+) -> None:
+    """The demo's streams; ``adapters``: LoRA adapters served too (one prompt under the base model,
+    then under each adapter)."""
     print(f"demo: {len(DEMO_PROMPTS)} streamed completions through prefill -> NIXL -> decode\n")
     for prompt in DEMO_PROMPTS:
-        payload = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        t0 = time.perf_counter()
-        stamps: list[float] = []
-        print(f"> {prompt}", flush=True)
-        print("  ", end="", flush=True)
-        for event in stream_sse(base_url, "/v1/completions", payload, api_key):
-            for choice in event["choices"]:
-                if choice["text"]:
-                    stamps.append(time.perf_counter())
-                    print(choice["text"], end="", flush=True)
-        ttft = (stamps[0] - t0) * 1000 if stamps else float("nan")
-        gaps = [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
-        itl = f"{statistics.mean(gaps):.1f} ms mean, {max(gaps):.1f} ms max" if gaps else "n/a"
-        print(f"\n  TTFT {ttft:.0f} ms · ITL {itl} · {len(stamps)} chunks\n", flush=True)
+        _stream_one(base_url, model, prompt, api_key, max_tokens)
+    if adapters:
+        print(
+            f"demo: one prompt under the base model, then under each LoRA adapter ({', '.join(adapters)})\n"
+        )
+        for name in (model, *adapters):
+            _stream_one(base_url, name, ADAPTER_PROMPT, api_key, max_tokens, label=f"[{name}] ")
+
+
+def _stream_one(base_url: str, model: str, prompt: str, api_key, max_tokens: int, label: str = "") -> None:
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    print(f"> {label}{prompt}", flush=True)
+    print("  ", end="", flush=True)
+    for event in stream_sse(base_url, "/v1/completions", payload, api_key):
+        for choice in event["choices"]:
+            if choice["text"]:
+                stamps.append(time.perf_counter())
+                print(choice["text"], end="", flush=True)
+    ttft = (stamps[0] - t0) * 1000 if stamps else float("nan")
+    gaps = [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
+    itl = f"{statistics.mean(gaps):.1f} ms mean, {max(gaps):.1f} ms max" if gaps else "n/a"
+    print(f"\n  TTFT {ttft:.0f} ms · ITL {itl} · {len(stamps)} chunks\n", flush=True)

@@ -26,6 +26,7 @@ from cli.ready_banner import ready_banner
 from cli.serve_args import TRAINED_MODEL_NAME, add_serve_parser, config_from_args, config_from_file
 from cli.service_record import claim_name, new_record, remove_record, write_record
 from cli.tiny_model import ensure_tiny_model
+from cli.train_lora import trained_adapters
 from cli.train_tiny import trained_target
 from deploy.config import PDServeConfig
 from settings import environment
@@ -47,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
         if trained is not None:  # the demo's text reads as Python once pdserve train-tiny ran
             print(f"demo model: {TRAINED_MODEL_NAME}, trained by pdserve train-tiny ({trained})", flush=True)
             args.served_model_name = args.served_model_name or TRAINED_MODEL_NAME
+            adapters = trained_adapters()  # and its LoRA adapters once pdserve train-lora ran
+            if adapters:
+                print(f"demo adapters, trained by pdserve train-lora: {', '.join(adapters)}", flush=True)
+                args.lora_modules = {**adapters, **(args.lora_modules or {})}
             config = config_from_args(args, str(trained), False)
         else:
             tiny = args.model is None
@@ -133,7 +138,8 @@ def _serve(args, config: PDServeConfig, redis_url: str, stop: threading.Event) -
         if args.demo:
             from cli.demo import run_demo
 
-            run_demo(base, config.model_name, environment.api_key())
+            adapters = sorted(config.engine.lora_modules or {})
+            run_demo(base, config.model_name, environment.api_key(), adapters=adapters)
         else:
             while not stop.wait(0.5):
                 pass

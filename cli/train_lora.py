@@ -138,6 +138,20 @@ def train_lora(
     return json.loads(done.read_text())  # as a reuse reads it
 
 
+def trained_adapters() -> dict[str, str] | None:
+    """The default recipe's adapters of the default trained target (name -> path), when ``pdserve
+    train-lora`` has made them."""
+    from cli.train_tiny import trained_target
+
+    base = trained_target()
+    if base is None:
+        return None
+    done = CACHE / LoraRecipe().key(base) / "metrics.json"
+    if not done.exists():
+        return None
+    return {name: r["path"] for name, r in json.loads(done.read_text())["adapters"].items()}
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "train-lora",
