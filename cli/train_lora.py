@@ -1,7 +1,7 @@
 """``pdserve train-lora``: LoRA adapters that have learned something, on ``pdserve train-tiny``'s model.
 
 Random adapters change the output but mean nothing; these are trained, each on a distinct slice of
-the Python standard library's sources (a package: ``asyncio`` and ``email`` by default), so the demo
+the Python standard library's sources (a package: ``asyncio`` and ``unittest`` by default), so the demo
 and the benchmarks show an adapter pulling the model toward its slice. Each is rank 8 on every
 projection of every layer, trained from the trained target (``pdserve train-tiny`` runs first when it
 has not), with a fixed seed and step count, then saved in PEFT's format (``peft`` and the engine load
@@ -30,7 +30,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass(frozen=True)
 class LoraRecipe:
-    slices: tuple[str, ...] = ("asyncio", "email")  # one adapter per package of the corpus
+    slices: tuple[str, ...] = ("asyncio", "unittest")  # one adapter per package of the corpus
     rank: int = 8
     alpha: float = 16.0
     steps: int = 150

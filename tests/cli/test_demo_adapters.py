@@ -34,12 +34,12 @@ def test_the_demo_runs_the_adapter_prompt_under_the_base_and_each_adapter(capsys
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SSE)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        run_demo(f"http://127.0.0.1:{server.server_port}", "base", None, adapters=["asyncio", "email"])
+        run_demo(f"http://127.0.0.1:{server.server_port}", "base", None, adapters=["asyncio", "unittest"])
     finally:
         server.shutdown()
-    tail = [(m, ADAPTER_PROMPT) for m in ("base", "asyncio", "email")]
+    tail = [(m, ADAPTER_PROMPT) for m in ("base", "asyncio", "unittest")]
     assert _SSE.asked == [("base", p) for p in DEMO_PROMPTS] + tail
-    assert "[email] import" in capsys.readouterr().out
+    assert "[unittest] import" in capsys.readouterr().out
 
 
 def test_trained_adapters_are_found_only_once_made(tmp_path, monkeypatch):
@@ -49,5 +49,5 @@ def test_trained_adapters_are_found_only_once_made(tmp_path, monkeypatch):
     assert train_lora.trained_adapters() is None
     done = tmp_path / "lora" / train_lora.LoraRecipe().key(target) / "metrics.json"
     done.parent.mkdir(parents=True)
-    done.write_text(json.dumps({"adapters": {"asyncio": {"path": "/a"}, "email": {"path": "/e"}}}))
-    assert train_lora.trained_adapters() == {"asyncio": "/a", "email": "/e"}
+    done.write_text(json.dumps({"adapters": {"asyncio": {"path": "/a"}, "unittest": {"path": "/e"}}}))
+    assert train_lora.trained_adapters() == {"asyncio": "/a", "unittest": "/e"}
