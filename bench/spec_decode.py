@@ -38,7 +38,10 @@ def trained_pair() -> tuple[Path, Path]:
 
     recipe = Recipe()
     if not (CACHE / recipe.key() / "metrics.json").exists():
-        print("training the model pair first (pdserve train-tiny, ~25 minutes on 2 cores, cached)", file=sys.stderr)
+        print(
+            "training the model pair first (pdserve train-tiny, ~25 minutes on 2 cores, cached)",
+            file=sys.stderr,
+        )
     m = train_tiny(recipe)
     return Path(m["target"]["path"]), Path(m["draft"]["path"])
 
