@@ -195,9 +195,8 @@ def test_loading_and_unloading_at_run_time_under_traffic_loses_no_request(
             while not any(w.worker_id == "d1" and w.lora_salt("a") for w in cluster.view.live_workers()):
                 await asyncio.sleep(0.05)
             # Unloading while a request of the adapter runs: refused where it runs.
-            running = asyncio.ensure_future(
-                cluster.generate("a-long", PROMPTS[1], dataclasses.replace(long_params, lora="a"))
-            )
+            held = dataclasses.replace(long_params, lora="a", max_tokens=150)  # runs while unloading
+            running = asyncio.ensure_future(cluster.generate("a-long", PROMPTS[1], held))
             while "a-long" not in cluster.routes:
                 await asyncio.sleep(0.01)
             with pytest.raises(

@@ -54,6 +54,7 @@ def _events(kind: str, *hashes: bytes, load: bool = False) -> pb.EngineEvents:
     if load:
         ev.load.num_running, ev.load.num_free_blocks, ev.load.queued_prompt_tokens = 2, 90, 31
         ev.load.host_hit_cost_pct, ev.load.disk_hit_cost_pct, ev.load.peer_hit_cost_pct = 7, 40, 55
+        ev.load.resident_loras.extend(["sql", "poet"])  # adapters in device slots
     return ev
 
 
@@ -77,6 +78,7 @@ def test_events_before_the_snapshot_reply_are_dropped_and_after_it_offered():
                 host_hit_cost_pct=7,
                 disk_hit_cost_pct=40,
                 peer_hit_cost_pct=55,
+                resident_loras='["sql", "poet"]',
             ),
         ),
         ("snapshot", [b"a", b"b"], [b"h"], [b"k"]),
