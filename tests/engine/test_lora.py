@@ -258,3 +258,27 @@ def test_pulled_prompts_of_more_adapters_than_slots_wait_for_one(tiny_llama, ada
     for name, prompt in prompts.items():
         assert tokens[name] == hf_lora_greedy(tiny_llama, adapters[name], prompt, MAX_NEW), name
     assert d.stats().num_free_blocks == 64 and d.scheduler.parked == []
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        {"method": "early_exit", "num_layers": 1, "num_speculative_tokens": 2},
+    ],
+    ids=["ngram", "early-exit"],
+)
+def test_adapters_under_speculative_decoding_and_parallel_samples(tiny_llama, adapters, hf_lora_greedy, spec):
+    """Drafts are proposed without the adapter (n-grams, or the base model's first layers) and verified
+    with it: greedy output is still HF + peft's; two parallel samples of an adapter fork its KV."""
+    modules = {k: str(v) for k, v in adapters.items()}
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=128, lora_modules=modules, speculative_config=spec)
+    prompts = _prompts(7, [9, 30, 17])
+    repeating = [[5, 9, 9, 17] * 6]  # n-gram drafts find matches here
+    _check(llm, tiny_llama, adapters, prompts + repeating, ["all", None, "qv", "mlp"], hf_lora_greedy)
+    assert llm.stats().spec_draft_tokens > 0  # drafts were verified with the adapters
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, n=2)
+    (out,) = llm.generate([prompts[0]], params, lora="mlp", use_tqdm=False)
+    want = hf_lora_greedy(tiny_llama, adapters["mlp"], prompts[0], MAX_NEW)
+    assert [o.token_ids for o in out.outputs] == [want, want]
+    assert llm.stats().num_free_blocks == 128
