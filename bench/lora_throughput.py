@@ -155,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(rows: list[dict], path: Path, args) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a bare GPU host: the JSON has the figures
+        print("matplotlib is not installed: no plot")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
