@@ -226,14 +226,15 @@ def test_losing_a_decode_node_mid_stream_loses_no_request(service, nodes, prompt
     pids = nodes.processes(lost["node"], APP)
     before = decode_decisions(status)
     # The router weighs each decode worker's load by its own count and by what the worker's last
-    # heartbeat showed: once those show the last test's streams gone, the burst splits 3 and 3.
+    # heartbeat showed: the burst starts once those show the last test's streams gone.
     wait_for(lambda: decode_idle(service.status()), "the decode workers' heartbeats show them idle")
 
     def lose_a_decode_node() -> None:
         # The router balances its streams over the decode workers by its own count of what it sent
-        # each (3 and 3), so both hold streams; the first stream has just had its first token, so
-        # none of them is near its end. The node's processes freeze at once (taking the node down
-        # takes a while, and a fast machine finished every stream meanwhile), then the node is lost.
+        # each and their heartbeats' load, so usually both hold streams (the end of the test checks
+        # what it did); the first stream has just had its first token, so none is near its end. The
+        # node's processes freeze at once (taking the node down takes a while, and a fast machine
+        # finished every stream meanwhile), then the node is lost.
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
@@ -253,7 +254,7 @@ def test_losing_a_decode_node_mid_stream_loses_no_request(service, nodes, prompt
         # It held streams: they moved to the other decode worker, mid-stream (a migration) or before
         # their first decode step (a Decode call retried elsewhere).
         assert cluster["migrations"] + cluster["decodeRetries"] > 0, (counts, before, opened)
-    else:  # (rare: the heartbeats sent the whole burst to the other worker) then it served them all
+    else:  # (seen twice in full test runs here, cause not pinned down) the survivor served them all
         survivor = next(w for w in opened if w != lost["worker"])
         assert opened[survivor] - before.get(survivor, 0) >= len(prompts), (before, opened)
     # The router's index drops the lost worker's blocks (once its record's grace period is over).
