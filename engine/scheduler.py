@@ -251,24 +251,30 @@ class Scheduler(TransferQueue, StepResults):
         finally:
             self.waiting.extendleft(reversed(skipped))
 
-    def _adapter_fits(self, lora: str) -> bool:
+    def _adapter_fits(self, lora: str, running: set[str] | None = None) -> bool:
         """Whether a sequence of adapter ``lora`` can run now: its adapter runs already, or a slot
-        is free of running adapters."""
-        running = {r.lora for r in self.running if r.lora is not None}
+        is free of running adapters (``running``: those adapters, when the caller keeps them)."""
+        if running is None:
+            running = {r.lora for r in self.running if r.lora is not None}
         return lora in running or len(running) < self.max_loras
 
     def _admit_waiting(
         self, out: SchedulerOutput, budget: list[int], scheduled: dict[str, int], reserved: int, skipped: list
     ) -> None:
+        adapters: set[str] | None = None  # the running adapters, found once per call (not per request)
         while self.waiting and budget[0] > 0:
             req = self.waiting[0]
             if req.num_placeholders:
                 return  # preempted with a token in flight: it resumes once the value is known
             if reserved + 1 + req.pending_forks > self.max_num_seqs:
                 return
-            if req.lora is not None and not self._adapter_fits(req.lora):
-                skipped.append(self.waiting.popleft())
-                continue
+            if req.lora is not None:
+                if adapters is None:
+                    adapters = {r.lora for r in self.running if r.lora is not None}
+                if not self._adapter_fits(req.lora, adapters):
+                    skipped.append(self.waiting.popleft())
+                    continue
+                adapters.add(req.lora)  # (admitted below, or the loop ends before anything else runs)
             hit = self.kv.find_prefix_hit(req)
             req.num_computed_tokens = hit.num_tokens
             num_new = min(req.num_tokens - hit.num_tokens, budget[0])

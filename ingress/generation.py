@@ -28,6 +28,7 @@ _GRPC_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "request_failed"),  # the model cannot satisfy it
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request"),
+    grpc.StatusCode.NOT_FOUND: (404, "model_not_found"),  # no worker serves the adapter it names
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "overloaded"),
     grpc.StatusCode.UNAVAILABLE: (503, "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),

@@ -55,6 +55,14 @@ class WorkerLoad:
         return self.prompt_tokens + self._others
 
 
+class NoWorkersError(RuntimeError):
+    """No worker can take the request (none registered, or all lost by it)."""
+
+
+class AdapterNotServed(NoWorkersError):
+    """Decode workers are registered, but none serves the request's LoRA adapter (a 404 at the edge)."""
+
+
 class DecodeHold:
     """A request counted on the decode worker it was routed to while its Decode is not open yet (its
     prefill runs). Without it a burst routed at once sees every decode worker idle and piles onto

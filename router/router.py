@@ -39,7 +39,9 @@ from router.migration import (
     continuation,
 )
 from router.policies import (
+    AdapterNotServed,
     DecodeHold,
+    NoWorkersError,
     Policy,
     Route,
     RoutingInput,
@@ -63,10 +65,6 @@ _RETRYABLE = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-
-
-class NoWorkersError(RuntimeError):
-    pass
 
 
 class Router(DecodeRelay):
@@ -131,7 +129,8 @@ class Router(DecodeRelay):
         decodes = self.decode_candidates(lost, lora)
         if not decodes:
             serving = f" that serves the adapter {lora!r}" if lora else ""
-            raise NoWorkersError(
+            unknown = bool(lora) and not lost and bool(self.decode_candidates())  # others serve the base
+            raise (AdapterNotServed if unknown else NoWorkersError)(
                 f"no decode worker{serving} is registered" + (" besides the lost ones" if lost else "")
             )
         ref = (prefills or decodes)[0]
@@ -239,10 +238,12 @@ class Router(DecodeRelay):
         key, request_id = request_id, res.attempt_id(request_id)
         route, hashes = self._route(prompt, lost=lost, lora=proto_params.lora)
         n = proto_params.n or 1
-        local = prefill_locally(
-            prompt, route.decode, proto_params.lora, self.local_prefill_tokens, self.view.index
-        )
-        if route.prefill is not None and n == 1 and local:
+        lora, idx = proto_params.lora, self.view.index
+        if (
+            route.prefill is not None
+            and n == 1
+            and prefill_locally(prompt, route.decode, lora, self.local_prefill_tokens, idx)
+        ):
             self.stats.local_prefills += 1
             route = Route(None, route.decode, route.predicted_hit_tokens)
         clock.routed()

@@ -15,6 +15,7 @@ from proto.call_stream import MultiplexedGenerate
 from proto.convert import params_from_proto
 from router.adapters import AdapterChangeFailed, change_adapter
 from router.migration import MigrationRefused
+from router.policies import AdapterNotServed
 from router.router import NoWorkersError, Router
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ async def caller_stream(
         yield pb.GenerateResponse(finished=pb.Finished(finish_reason="abort"))
     except NoWorkersError as exc:
         router.stats.failed += 1
-        raise RouteFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        code = grpc.StatusCode.NOT_FOUND if isinstance(exc, AdapterNotServed) else grpc.StatusCode.UNAVAILABLE
+        raise RouteFailed(code, str(exc)) from None
     except MigrationRefused as exc:  # its decode worker was lost and it cannot move (a 503)
         router.stats.failed += 1
         raise RouteFailed(exc.code, str(exc)) from None

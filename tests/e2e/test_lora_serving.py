@@ -97,8 +97,11 @@ def test_requests_go_only_to_workers_that_serve_their_adapter(workers, redis_ser
             assert got == want
             decided = {w: n for (role, w), n in cluster.router.decisions.items() if role == "decode" and n}
             assert decided == {"d0": len(PROMPTS)}, decided
-            with pytest.raises(grpc.aio.AioRpcError, match="no decode worker that serves the adapter 'zz'"):
+            with pytest.raises(
+                grpc.aio.AioRpcError, match="no decode worker that serves the adapter 'zz'"
+            ) as err:
                 await cluster.generate("zz", PROMPTS[0], _params("zz"))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND  # the edge answers 404, not 503
             await cluster.all_free()
         finally:
             await cluster.stop()
@@ -211,8 +214,11 @@ def test_loading_and_unloading_at_run_time_under_traffic_loses_no_request(
                 assert read_adapters(client) == {}  # a worker that starts now does not load it
             finally:
                 client.close()
-            with pytest.raises(grpc.aio.AioRpcError, match="no decode worker that serves the adapter 'a'"):
+            with pytest.raises(
+                grpc.aio.AioRpcError, match="no decode worker that serves the adapter 'a'"
+            ) as err:
                 await cluster.generate("late", PROMPTS[0], _params("a"))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
             assert [await t for t in traffic] == [o.outputs[0].token_ids for o in long_want]
             await cluster.all_free()
         finally:

@@ -190,3 +190,28 @@ def test_a_refused_change_is_an_openai_error_with_the_workers_reason(info, code,
         assert err["message"].startswith(reason) and err["param"] == param
 
     asyncio.run(main())
+
+
+class UnservedRouter(AdapterRouter):
+    """Knows the adapter (the ingress's names are stale) but its workers no longer serve it."""
+
+    async def generate(self, rid, prompt, params, priority, timeout_s):
+        import grpc
+
+        details = f"no decode worker that serves the adapter {params.lora!r} is registered"
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details
+        )
+        yield  # (an async generator)
+
+
+def test_an_adapter_unloaded_behind_the_ingress_is_a_404(info):
+    app = _app(info, UnservedRouter(["sql"]))
+
+    async def main():
+        r = await call(app, "/v1/completions", _body("sql"))
+        assert r.status == 404, r.body
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and "'sql'" in err["message"]
+
+    asyncio.run(main())
