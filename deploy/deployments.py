@@ -232,7 +232,7 @@ class AutoscalerServer:
 @serve.deployment(name="Ingress")
 @serve.ingress()
 class IngressServer:
-    """The OpenAI HTTP endpoint: an ``ingress.server.Ingress`` per replica, its FastAPI app served."""
+    """The OpenAI HTTP endpoint: an ``ingress.server.Ingress`` per replica, its ASGI app served (FastAPI behind the generation routes)."""
 
     async def __init__(self, config: PDServeConfig, router, companions: list | None = None) -> None:
         from router.client import RouterClient

@@ -16,12 +16,48 @@ final text is the tokenizer's decode of every returned token, last bytes include
 
 from __future__ import annotations
 
+import functools
+import weakref
+from collections.abc import Callable
+
 from engine.sampling_params import SamplingParams
+
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, as one call into the Rust tokenizer
+    where HF's Python layers around it change nothing (a fast tokenizer that overrides neither
+    ``decode`` nor ``_decode`` and does not clean up spaces): those layers (``to_py_obj`` over every
+    id, keyword plumbing) were a third of a decode's time, and the detokenizer decodes twice a token.
+    Any other tokenizer gets its own ``decode``."""
+    try:
+        return _DECODERS[tokenizer]
+    except (KeyError, TypeError):  # TypeError: not weakly referenceable
+        pass
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    cls, backend = type(tokenizer), getattr(tokenizer, "_tokenizer", None)
+    plain = (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        and backend is not None
+    )
+    if not plain:
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    # The backend's method, not the tokenizer's: the cache holds no reference to its key.
+    decode = functools.partial(backend.decode, skip_special_tokens=True)
+    _DECODERS[tokenizer] = decode
+    return decode
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer)
         self.params = params
         self.tokens: list[int] = list(prompt_token_ids[-6:])
         # Offsets into self.tokens: [prefix, read) is decoded context, [read, end) is pending.
@@ -69,9 +105,9 @@ class IncrementalDetokenizer:
         them, even as an incomplete character), appended to ``text`` and returned."""
         if not self._incomplete:
             return ""
-        dec = self.tokenizer.decode
-        prefix = dec(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = dec(self.tokens[self.prefix_offset :], skip_special_tokens=True)
+        dec = self._decode
+        prefix = dec(self.tokens[self.prefix_offset : self.read_offset])
+        full = dec(self.tokens[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.tokens)
         self._incomplete = False
         rest = full[len(prefix) :]
@@ -79,9 +115,9 @@ class IncrementalDetokenizer:
         return rest
 
     def _step(self) -> str:
-        dec = self.tokenizer.decode
-        prefix = dec(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = dec(self.tokens[self.prefix_offset :], skip_special_tokens=True)
+        dec = self._decode
+        prefix = dec(self.tokens[self.prefix_offset : self.read_offset])
+        full = dec(self.tokens[self.prefix_offset :])
         self._incomplete = full.endswith("\ufffd")
         if len(full) > len(prefix) and not self._incomplete:
             self.prefix_offset = self.read_offset

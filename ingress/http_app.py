@@ -17,8 +17,10 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from ingress.adapter_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, change_adapter
+from ingress.asgi_routes import GenerationRoutes, read_body
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ingress.openai_serving import OpenAIServing
 from ingress.request_timing import DEBUG_HEADER, TIMING_FIELD, TIMING_HEADER, format_timing, wants_timing
@@ -27,9 +29,6 @@ from ingress.utility_routes import DetokenizeRequest, TokenizeRequest, detokeniz
 logger = logging.getLogger(__name__)
 
 
-# A body declared over the limit is read and dropped before the 413 when it is at most this many times
-# the limit (a larger one is refused at once: reading it would cost more than a reset connection).
-DRAIN_LIMIT_FACTOR = 16
 _REF = "#/components/schemas/{model}"
 
 
@@ -84,7 +83,9 @@ def build_http_app(
     api_key: str | None,
     health: Callable[[], Awaitable[tuple[bool, dict]]],
     metrics: Callable[[], Awaitable[bytes]],
-) -> FastAPI:
+) -> ASGIApp:
+    """The ingress's ASGI app: FastAPI for every route, the generation routes answered in front of it
+    (``ingress.asgi_routes``), behind the API-key check when a key is set."""
     app = FastAPI(title="pdserve", description="OpenAI-compatible disaggregated prefill/decode serving")
     key = api_key.encode() if api_key else None
     guarded = tuple(p for p in (app.docs_url, app.redoc_url, app.openapi_url) if p)
@@ -105,25 +106,8 @@ def build_http_app(
         logger.exception("unhandled error on %s", request.url.path)
         return JSONResponse(APIError(500, "internal server error", code="internal").body(), status_code=500)
 
-    if key is not None:
-        app.add_middleware(_APIKeyGuard, key=key, guarded=guarded)
-
-    async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body:
-            if int(declared) <= DRAIN_LIMIT_FACTOR * max_body:
-                # Read and drop it first: a 413 sent while the client still writes makes the server
-                # close with unread bytes, and the client sees a connection reset, not the error.
-                async for _ in request.stream():
-                    pass
-            raise APIError(413, f"request body over {max_body} bytes", code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                raise APIError(413, f"request body over {max_body} bytes", code="request_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
+    async def read_request(request: Request) -> bytes:
+        return await read_body(request.headers.get("content-length"), request.stream(), max_body)
 
     def respond(result):
         if isinstance(result, dict):
@@ -139,12 +123,12 @@ def build_http_app(
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         arrived, timing = time.perf_counter(), wants_timing(request.headers.get(DEBUG_HEADER))
-        return respond(await serving.completions(await read_body(request), arrived, timing))
+        return respond(await serving.completions(await read_request(request), arrived, timing))
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         arrived, timing = time.perf_counter(), wants_timing(request.headers.get(DEBUG_HEADER))
-        return respond(await serving.chat(await read_body(request), arrived, timing))
+        return respond(await serving.chat(await read_request(request), arrived, timing))
 
     @app.get("/v1/models")
     async def models():
@@ -152,19 +136,19 @@ def build_http_app(
 
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize_route(request: Request):
-        return JSONResponse(await tokenize(serving, await read_body(request)))
+        return JSONResponse(await tokenize(serving, await read_request(request)))
 
     @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
     async def detokenize_route(request: Request):
-        return JSONResponse(await detokenize(serving, await read_body(request)))
+        return JSONResponse(await detokenize(serving, await read_request(request)))
 
     @app.post("/v1/load_lora_adapter", openapi_extra=_body_schema(LoadLoRAAdapterRequest))
     async def load_lora_adapter(request: Request):
-        return JSONResponse(await change_adapter(serving, await read_body(request), unload=False))
+        return JSONResponse(await change_adapter(serving, await read_request(request), unload=False))
 
     @app.post("/v1/unload_lora_adapter", openapi_extra=_body_schema(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(request: Request):
-        return JSONResponse(await change_adapter(serving, await read_body(request), unload=True))
+        return JSONResponse(await change_adapter(serving, await read_request(request), unload=True))
 
     @app.get("/version")
     async def version_route():
@@ -190,4 +174,8 @@ def build_http_app(
             UnloadLoRAAdapterRequest,
         ),
     )
-    return app
+    # The generation routes in front of FastAPI (ingress.asgi_routes), the API key in front of both.
+    front = GenerationRoutes(
+        app, {"/v1/completions": serving.completions, "/v1/chat/completions": serving.chat}, max_body
+    )
+    return front if key is None else _APIKeyGuard(front, key, guarded)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import socket
 
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from ingress.http_app import build_http_app
 from ingress.metrics import IngressMetrics
@@ -38,7 +38,7 @@ class Ingress:
         self.expect_prefill = expect_prefill  # disaggregated: no prefill worker means degraded
         self.replica = replica
         self.serving = OpenAIServing(info, options, client, IngressMetrics(info.name))
-        self.http: FastAPI = build_http_app(self.serving, api_key, self.health, self.metrics)
+        self.http: ASGIApp = build_http_app(self.serving, api_key, self.health, self.metrics)
 
     async def health(self) -> tuple[bool, dict]:
         try:
@@ -100,7 +100,7 @@ def _no_delay_protocol() -> type:
 class HTTPServer:
     """uvicorn serving an app on an already listening socket, as a task of the running loop."""
 
-    def __init__(self, app: FastAPI, sock: socket.socket, log_level: str = "warning") -> None:
+    def __init__(self, app: ASGIApp, sock: socket.socket, log_level: str = "warning") -> None:
         import uvicorn
 
         self.sock = sock
@@ -116,7 +116,7 @@ class HTTPServer:
 
 
 async def serve_http(
-    app: FastAPI, host: str, port: int, *, reuse_port: bool = True, log_level: str = "warning"
+    app: ASGIApp, host: str, port: int, *, reuse_port: bool = True, log_level: str = "warning"
 ) -> HTTPServer:
     """Serve ``app`` on ``host:port`` (0 picks a port) from this process's event loop. With
     ``reuse_port`` several processes (ingress replicas on one node) share the port; the kernel
