@@ -343,10 +343,48 @@ def test_the_stall_watch_marks_a_silent_or_blocked_stream_and_passes_a_live_one(
 
     async def main() -> None:
         with pytest.raises(DecodeLost, match="silent"):
-            await relay(silent())
+            async with asyncio.timeout(30):  # a bound: a watch that never fires fails, not hangs
+                await relay(silent())
         with pytest.raises(DecodeLost, match="no progress"):
             await relay(blocked())
         assert [m.tokens.token_ids[0] for m in await relay(live())] == [0, 1, 2]
+
+    asyncio.run(main())
+
+
+def test_the_stall_deadline_counts_only_waits_and_leaves_other_cancellations_alone():
+    """A consumer slower than the deadline between messages is not a stall (the deadline runs while
+    the watch waits for the worker, not while the relay is busy); a cancellation from elsewhere
+    (the caller left) ends the watch as a cancellation, not as a lost worker."""
+
+    async def steady():
+        for i in range(3):
+            yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[i]))
+
+    async def quiet(started: asyncio.Event):
+        yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[0]))
+        started.set()
+        await asyncio.Event().wait()
+        yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[1]))
+
+    async def main() -> None:
+        got = []
+        async for m in ProgressWatch(MigrationOptions(stall_timeout_s=0.2)).watch(steady(), "d0"):
+            got.append(m.tokens.token_ids[0])
+            await asyncio.sleep(0.5)  # the relay busy for longer than the deadline
+        assert got == [0, 1, 2]
+
+        started = asyncio.Event()
+
+        async def relay() -> None:
+            async for _ in ProgressWatch(MigrationOptions(stall_timeout_s=60)).watch(quiet(started), "d0"):
+                pass
+
+        task = asyncio.ensure_future(relay())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
     asyncio.run(main())
 
