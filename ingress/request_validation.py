@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -61,13 +62,25 @@ def parse_body(body: bytes, model_cls: type[CompletionRequest] | type[ChatComple
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(obj, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    bad = _lone_surrogate_at(obj)
+    bad = _lone_surrogate_at(obj) if _may_hold_surrogates(body) else None
     if bad is not None:  # JSON allows "\ud800"; no tokenizer (or UTF-8) can take it
         raise APIError(400, f"{bad} contains a lone UTF-16 surrogate: not valid Unicode text", param=bad)
     try:
         return model_cls.model_validate(obj)
     except ValidationError as exc:
         raise error_from_validation(exc) from exc
+
+
+# A JSON escape of a UTF-16 surrogate (U+D800-U+DFFF): ``\ud800`` .. ``\udfff``.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _may_hold_surrogates(body: bytes) -> bool:
+    """False when no string of the parsed body can hold a surrogate: an ASCII body (``json.loads``
+    decodes bytes with ``surrogatepass``, so non-ASCII bytes may be one) with no surrogate escape.
+    Two scans in C instead of a walk of the parsed body in Python (a prompt of token ids is a
+    list of thousands of numbers)."""
+    return not body.isascii() or _SURROGATE_ESCAPE.search(body) is not None
 
 
 def _lone_surrogate_at(value, path: str = "") -> str | None:
@@ -84,6 +97,8 @@ def _lone_surrogate_at(value, path: str = "") -> str | None:
                 return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
+            if not isinstance(item, (str, dict, list)):  # a number: nothing to look at
+                continue
             found = _lone_surrogate_at(item, f"{path}.{i}")
             if found is not None:
                 return found

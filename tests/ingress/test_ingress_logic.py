@@ -130,6 +130,9 @@ def test_parse_body_errors():
             "messages.0.content",
         ),
         (b'{"prompt": "\\ud800"}', TokenizeRequest, "prompt"),
+        (b'{"model": "m", "prompt": "a\\uDBFF"}', CompletionRequest, "prompt"),  # upper-case hex
+        (b'{"model": "m", "prompt": "a\xed\xa0\x80"}', CompletionRequest, "prompt"),  # raw bytes, no escape
+        (b'{"model": "m", "prompt": [5, 6, 7], "stop": ["\\ud800"]}', CompletionRequest, "stop.0"),
     ],
 )
 def test_a_lone_surrogate_is_a_400_naming_the_field(raw, model_cls, param):
