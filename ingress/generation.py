@@ -164,7 +164,10 @@ class Generation:
     @property
     def ended(self) -> bool:
         """Every sample has its finish reason: nothing but the stream's end is left to come."""
-        return all(s.finish_reason is not None for s in self.samples)
+        samples = self.samples
+        if len(samples) == 1:  # asked after every message: the common case without a generator
+            return samples[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in samples)
 
     def _on_tokens(self, chunk) -> list[ChoiceDelta]:
         s = self.samples[chunk.sample_index]

@@ -327,8 +327,12 @@ class OpenAIServing:
         }
 
 
+# One encoder for every chunk: ``json.dumps`` with any non-default argument builds a new one per call.
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def _dumps(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+    return _ENCODE(obj).encode()
 
 
 def _sse(obj: dict) -> bytes:
