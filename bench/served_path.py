@@ -260,10 +260,12 @@ def add_ratios(layouts: dict) -> None:
     for r in layouts.values():
         r["stack_cpu_ms_per_token"] = sum(r["cpu_ms_per_token"].values())
     engine, minimal = layouts.get("engine"), layouts.get("minimal")
+    # A short run can end inside one clock tick of the minimal server's CPU (/proc counts 10 ms
+    # ticks): no ratio then, rather than a division by zero.
+    floor = minimal["stack_cpu_ms_per_token"] if minimal else 0.0
     for r in layouts.values():
         r["over_engine"] = r["requests_per_s"] / engine["requests_per_s"] if engine else None
-        cpu = r["stack_cpu_ms_per_token"]
-        r["cpu_over_minimal"] = cpu / minimal["stack_cpu_ms_per_token"] if minimal else None
+        r["cpu_over_minimal"] = r["stack_cpu_ms_per_token"] / floor if floor > 0 else None
 
 
 def _num(x: float | None, spec: str = ".3f") -> str:

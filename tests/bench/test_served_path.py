@@ -63,3 +63,15 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
     assert result["args"]["num_requests"] == 8
     report = capsys.readouterr().out
     assert "== 8/8 tokens in/out" in report and "KV BLOCKS NOT RETURNED" not in report
+
+
+def test_a_minimal_server_cpu_under_one_clock_tick_gives_no_ratio():
+    """A short run can end inside one 10 ms tick of the minimal server's CPU: its ratio is left out,
+    not a division by zero (seen once the served path got faster)."""
+    layouts = {
+        "minimal": {"requests_per_s": 100.0, "cpu_ms_per_token": {"minimal_server": 0.0}},
+        "stack": {"requests_per_s": 50.0, "cpu_ms_per_token": {"ingress": 0.1, "router": 0.05}},
+    }
+    served_path.add_ratios(layouts)
+    assert layouts["stack"]["cpu_over_minimal"] is None
+    assert layouts["stack"]["stack_cpu_ms_per_token"] == pytest.approx(0.15)
