@@ -22,10 +22,12 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
         str(model),
         "--workloads",
         "8/8",
+        # Enough tokens that every process's CPU spans several of /proc's 10 ms ticks (8 requests
+        # once read 0 ticks for the minimal server, whose CPU the ratios divide by).
         "--num-requests",
-        "8",
+        "96",
         "--concurrency",
-        "4",
+        "8",
         "--ttft-requests",
         "3",
     ]
@@ -37,7 +39,7 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
     for name, run in layouts.items():
         assert run["requests_per_s"] > 0, name
         assert run["complete"], name
-        assert run["streamed_tokens"] == 8 * 8, name
+        assert run["streamed_tokens"] == 96 * 8, name
         # /proc counts CPU in 10 ms ticks: on 64 tokens a light process (the split worker's
         # gRPC side) may read zero, but the layout as a whole cannot.
         assert all(cpu >= 0 for cpu in run["cpu_ms_per_token"].values()), name
@@ -46,7 +48,7 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
     stack = layouts["stack"]
     assert set(stack["cpu_ms_per_token"]) == {"decode_worker", "router", "ingress"}
     assert stack["stack_cpu_ms_per_token"] == pytest.approx(sum(stack["cpu_ms_per_token"].values()))
-    assert stack["load"]["completed"] == 8 and stack["load"]["failed"] == 0
+    assert stack["load"]["completed"] == 96 and stack["load"]["failed"] == 0
     # The load generator's own CPU, in 10 ms ticks too: 64 tokens of a fast run may read zero.
     assert stack["load_generator_cpu_ms_per_token"] >= 0
     blocks = stack["kv_blocks"]["decode_worker"]
@@ -60,7 +62,7 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
     assert set(layouts["minimal"]["cpu_ms_per_token"]) == {"minimal_server"}
     assert layouts["minimal"]["cpu_over_minimal"] == pytest.approx(1.0)
     assert layouts["engine"]["over_engine"] == pytest.approx(1.0)
-    assert result["args"]["num_requests"] == 8
+    assert result["args"]["num_requests"] == 96
     report = capsys.readouterr().out
     assert "== 8/8 tokens in/out" in report and "KV BLOCKS NOT RETURNED" not in report
 
