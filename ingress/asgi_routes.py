@@ -115,12 +115,17 @@ class GenerationRoutes:
             err = APIError(500, "internal server error", code="internal")
             await JSONResponse(err.body(), status_code=500)(scope, receive, send)
             return
-        if isinstance(result, dict):
-            timing = result.get(TIMING_FIELD)
-            headers = {TIMING_HEADER: format_timing(timing)} if timing is not None else None
-            await JSONResponse(result, headers=headers)(scope, receive, send)
-            return
-        await stream(result, receive, send)
+        await answer(result, scope, receive, send)
+
+
+async def answer(result: dict | AsyncIterator[bytes], scope, receive, send) -> None:
+    """A handler's answer: JSON (with the hop timing's header when it carries one), or a stream."""
+    if isinstance(result, dict):
+        timing = result.get(TIMING_FIELD)
+        headers = {TIMING_HEADER: format_timing(timing)} if timing is not None else None
+        await JSONResponse(result, headers=headers)(scope, receive, send)
+        return
+    await stream(result, receive, send)
 
 
 async def stream(events: AsyncIterator[bytes], receive, send) -> None:

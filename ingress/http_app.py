@@ -15,15 +15,15 @@ import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from ingress.adapter_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, change_adapter
-from ingress.asgi_routes import GenerationRoutes, read_body
+from ingress.asgi_routes import GenerationRoutes, answer, read_body
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ingress.openai_serving import OpenAIServing
-from ingress.request_timing import DEBUG_HEADER, TIMING_FIELD, TIMING_HEADER, format_timing, wants_timing
+from ingress.request_timing import DEBUG_HEADER, wants_timing
 from ingress.utility_routes import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, version
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,17 @@ def _with_components(app: FastAPI, models) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+class _Answered(Response):
+    """A generation handler's result as FastAPI's routes send it, when they are reached (the front
+    answers these routes first): the front's own ``answer``, so both send the same bytes."""
+
+    def __init__(self, result) -> None:
+        self.result, self.background = result, None
+
+    async def __call__(self, scope, receive, send) -> None:
+        await answer(self.result, scope, receive, send)
 
 
 class _APIKeyGuard:
@@ -109,26 +120,15 @@ def build_http_app(
     async def read_request(request: Request) -> bytes:
         return await read_body(request.headers.get("content-length"), request.stream(), max_body)
 
-    def respond(result):
-        if isinstance(result, dict):
-            timing = result.get(TIMING_FIELD)
-            headers = {TIMING_HEADER: format_timing(timing)} if timing is not None else None
-            return JSONResponse(result, headers=headers)
-        return StreamingResponse(
-            result,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         arrived, timing = time.perf_counter(), wants_timing(request.headers.get(DEBUG_HEADER))
-        return respond(await serving.completions(await read_request(request), arrived, timing))
+        return _Answered(await serving.completions(await read_request(request), arrived, timing))
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         arrived, timing = time.perf_counter(), wants_timing(request.headers.get(DEBUG_HEADER))
-        return respond(await serving.chat(await read_request(request), arrived, timing))
+        return _Answered(await serving.chat(await read_request(request), arrived, timing))
 
     @app.get("/v1/models")
     async def models():

@@ -173,3 +173,37 @@ def test_a_body_over_the_limit_is_a_413_before_the_handler(info):
         assert big.status == 413 and big.json()["error"]["code"] == "request_too_large"
 
     asyncio.run(run())
+
+
+def test_fastapis_own_generation_routes_answer_as_the_front_does(info):
+    """The FastAPI app behind the front keeps the generation routes (the API description, a 405 for
+    other methods); reached directly, they send what the front sends, streamed and not."""
+
+    def unstamped(obj: dict) -> dict:  # the request id and creation time differ per request
+        return {k: v for k, v in obj.items() if k not in ("id", "created")}
+
+    async def answers(stream: bool) -> list[Response]:
+        outs = []
+        for direct in (False, True):
+            front = _app(_serving(info, FedRouter([tokens([5]), tokens([6]), finished()])))
+            body = {**BODY, "max_tokens": 2, "stream": stream}
+            out = await call(front.app if direct else front, "/v1/completions", body)
+            assert out.status == 200, out.body
+            outs.append(out)
+        return outs
+
+    async def run():
+        front, fastapi = await answers(stream=True)
+        assert (
+            front.headers["content-type"]
+            == fastapi.headers["content-type"]
+            == "text/event-stream; charset=utf-8"
+        )
+        assert len(front.events()) >= 2
+        assert [unstamped(e) for e in front.events()] == [unstamped(e) for e in fastapi.events()]
+        assert front.body.endswith(b"data: [DONE]\n\n") and fastapi.body.endswith(b"data: [DONE]\n\n")
+        front, fastapi = await answers(stream=False)
+        assert front.headers["content-type"] == fastapi.headers["content-type"] == "application/json"
+        assert unstamped(front.json()) == unstamped(fastapi.json()) and front.json()["choices"][0]["text"]
+
+    asyncio.run(run())
