@@ -301,18 +301,17 @@ class KVCacheManager:
             self._unsettled = True
 
     def _spill(self, block_hash: BlockHash, slot: int) -> None:
-        """The host tier is about to reuse ``slot``: its block goes to the disk tier first."""
+        """The host tier is about to reuse ``slot``: its block goes to the disk tier first (written by
+        the disk tier's thread; a write that failed since the last spill is forgotten here)."""
+        for lost in self.disk_blocks.take_failed():
+            self.disk_tier.discard(lost)
         disk_slot = self.disk_tier.store(block_hash)
         if disk_slot is None:
             return
         if self._unsettled:  # the host row may still be on its way from the device
             self.host_blocks.settle()
             self._unsettled = False
-        try:
-            self.disk_blocks.write(disk_slot, block_hash, self.host_blocks.rows[slot])
-        except OSError as exc:
-            logger.warning("disk tier: a block was not kept (%s)", exc)
-            self.disk_tier.discard(block_hash)
+        self.disk_blocks.write(disk_slot, block_hash, self.host_blocks.rows[slot])
 
     def _load_from_tiers(self, req: Request, first: int, hit: PrefixHit) -> list[int]:
         """Fresh device blocks holding the hit's host-tier then disk-tier blocks (blocks ``first``...

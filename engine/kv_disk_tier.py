@@ -12,9 +12,17 @@ Staging in the host tier would take a host slot, and evicting one for it writes 
 the middle of an admission (a cascade the pins would have to cover twice), then copy the block a
 second time. Reading straight in is one ``preadv`` into the device row on CPU, and on a GPU one read
 into a pinned staging row plus one copy. The block keeps its copy here (as a block loaded from the host
-tier keeps its host copy), so evicting it again costs no write. Reads and writes are synchronous: the
-admission waits for its reads (measured, ``calibrate``: the router weighs a disk hit by that cost), and
-a write happens only when the host tier overflows.
+tier keeps its host copy), so evicting it again costs no write. The admission waits for its reads
+(measured, ``calibrate``: the router weighs a disk hit by that cost).
+
+Write path: off the engine's thread. The host tier overflows inside an admission, on the engine's
+thread, and the slot it frees is reused at once: the block's bytes are copied out (a ``memcpy``) and
+queued for a writer thread, which computes the CRC and ``pwritev``s the record (both release the GIL),
+so the step goes on while the disk works. Until its write lands, a record is read from its queued
+copy (the latest one queued for its slot). At most ``MAX_QUEUED_BYTES`` wait: past that, queueing
+blocks until the writer catches up (a disk slower than the evictions slows the engine rather than
+growing memory without bound). A write that fails is logged and its block forgotten by the tier
+(``take_failed``); a read of its slot would fail its check anyway and recompute.
 
 The file: ``num_slots`` records of a 32-byte header (the block's hash and the CRC32 of its bytes) and
 the block's bytes, as the device pool's rows hold them. A read checks the header's hash against the
@@ -31,9 +39,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import shutil
 import struct
 import tempfile
+import threading
 import time
 import weakref
 import zlib
@@ -47,6 +57,7 @@ from engine.kv_quant import block_rows
 
 logger = logging.getLogger(__name__)
 HEADER = struct.Struct("<16sI12x")  # block hash, CRC32 of the block's bytes, padding to 32 bytes
+MAX_QUEUED_BYTES = 256 << 20  # block copies waiting for the writer thread, at most (at least 2 blocks)
 
 
 class DiskTier(HostTier):
@@ -81,8 +92,10 @@ class DiskBlocks:
         self.device_rows = device_rows
         self.num_slots = num_slots
         self.record_size = self.record_bytes(device_rows)
-        self.path, self._fd, self._tmpdir = _create_file(directory, num_slots * self.record_size)
-        self._closer = weakref.finalize(self, _remove, self._fd, self.path, self._tmpdir)
+        self.path, fd, tmpdir = _create_file(directory, num_slots * self.record_size)
+        self._fd = fd
+        self._writer = _Writer(fd, self.path, self.record_size, max(2, MAX_QUEUED_BYTES // self.record_size))
+        self._closer = weakref.finalize(self, _close, self._writer, fd, self.path, tmpdir)
         # On a GPU a read lands in host memory first (pinned: the copy up is one DMA).
         on_gpu = device_rows.device.type == "cuda"
         shape, dtype = device_rows.shape[1:], device_rows.dtype
@@ -102,16 +115,27 @@ class DiskBlocks:
         return not self._closer.alive
 
     def write(self, slot: int, block_hash: BlockHash, row: torch.Tensor) -> None:
-        """Store ``row`` (a host-memory block) in ``slot`` under ``block_hash``. Raises ``OSError``."""
-        data = _bytes(row)
-        header = HEADER.pack(block_hash, zlib.crc32(data))
-        written = os.pwritev(self._fd, [header, data], slot * self.record_size)
-        if written != self.record_size:
-            raise OSError(f"short write to {self.path}: {written} of {self.record_size} bytes")
+        """Store ``row`` (a host-memory block, free to reuse once this returns) in ``slot`` under
+        ``block_hash``: copied and queued for the writer thread; reads see it at once."""
+        self._writer.submit(slot, block_hash, row)
+
+    def take_failed(self) -> list[BlockHash]:
+        """The blocks whose writes failed since the last call (their records are not on disk)."""
+        return self._writer.take_failed()
+
+    def flush(self) -> None:
+        """Wait until every queued write has landed (or failed)."""
+        self._writer.queue.join()
 
     def read(self, slot: int, block_hash: BlockHash, block: int) -> bool:
         """Read ``slot`` into device block ``block``; False (the block's content undefined) when the
         record is not ``block_hash``'s or its bytes fail their CRC."""
+        queued = self._writer.queued(slot)
+        if queued is not None:  # its write has not landed yet: the copy it was queued with
+            if queued[0] != block_hash:
+                return False
+            self.device_rows[block].copy_(queued[1])
+            return True
         dst = self.device_rows[block] if self._staging is None else self._staging
         data = _bytes(dst)
         header = bytearray(HEADER.size)
@@ -138,6 +162,7 @@ class DiskBlocks:
         key = bytes(16)  # no block's hash: the bookkeeping is empty at start
         for slot in range(n):
             self.write(slot, key, zero)
+        self.flush()
         os.fsync(self._fd)
         best = float("inf")
         for _ in range(rounds):
@@ -151,8 +176,76 @@ class DiskBlocks:
         self.load_s_per_block = best / n
 
     def close(self) -> None:
-        """Remove the file (and the temporary directory made for it). Idempotent."""
+        """Stop the writer (queued writes land first), remove the file (and the temporary directory
+        made for it). Idempotent."""
         self._closer()
+
+
+class _Writer:
+    """The thread that writes queued records, and what is queued (it holds no ``DiskBlocks``, so a
+    tier nobody closed is still collected and closed by its finalizer)."""
+
+    def __init__(self, fd: int, path: str, record_size: int, depth: int) -> None:
+        self.fd, self.path, self.record_size = fd, path, record_size
+        self.lock = threading.Lock()
+        self.latest: dict[int, tuple[BlockHash, torch.Tensor]] = {}  # slot -> its last queued record
+        self.failed: list[BlockHash] = []
+        self.spare: list[torch.Tensor] = []  # copies whose writes landed, reused (no page faults)
+        self.queue: queue.Queue = queue.Queue(depth)
+        self.thread = threading.Thread(target=self._run, name="pdserve-kv-disk-writer", daemon=True)
+        self.thread.start()
+
+    def submit(self, slot: int, block_hash: BlockHash, row: torch.Tensor) -> None:
+        with self.lock:
+            copy = self.spare.pop() if self.spare else torch.empty_like(row)
+        record = (block_hash, copy.copy_(row))
+        with self.lock:
+            self.latest[slot] = record
+        self.queue.put((slot, record))  # waits while the queue is full
+
+    def queued(self, slot: int) -> tuple[BlockHash, torch.Tensor] | None:
+        with self.lock:
+            return self.latest.get(slot)
+
+    def take_failed(self) -> list[BlockHash]:
+        if not self.failed:
+            return []
+        with self.lock:
+            failed, self.failed = self.failed, []
+        return failed
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            slot, record = item
+            try:
+                self._write(slot, *record)
+            except OSError as exc:
+                logger.warning("disk tier: a block was not kept (%s)", exc)
+                with self.lock:
+                    self.failed.append(record[0])
+            with self.lock:  # a later record queued for the slot stays until it lands too
+                if self.latest.get(slot) is record:
+                    del self.latest[slot]
+                self.spare.append(record[1])  # (reads of it ran on the engine's thread, done by now)
+            self.queue.task_done()
+        self.queue.task_done()
+
+    def _write(self, slot: int, block_hash: BlockHash, row: torch.Tensor) -> None:
+        data = _bytes(row)
+        header = HEADER.pack(block_hash, zlib.crc32(data))
+        written = os.pwritev(self.fd, [header, data], slot * self.record_size)
+        if written != self.record_size:
+            raise OSError(f"short write to {self.path}: {written} of {self.record_size} bytes")
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+
+
+def _close(writer: _Writer, fd: int, path: str, tmpdir: str | None) -> None:
+    writer.stop()
+    _remove(fd, path, tmpdir)
 
 
 def _bytes(t: torch.Tensor):

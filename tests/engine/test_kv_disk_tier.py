@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import os
 import random
+import threading
 import zlib
 
 import pytest
@@ -23,7 +24,7 @@ from engine import LLM, SamplingParams
 from engine.block_pool import BlockRemoved, BlockStored
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_disk_tier import HEADER, DiskBlocks, DiskTier
+from engine.kv_disk_tier import HEADER, DiskBlocks, DiskTier, _Writer
 from engine.kv_host_tier import HostBlocks, HostTier
 
 
@@ -98,6 +99,7 @@ def test_a_record_that_fails_its_check_is_recomputed_not_served(tmp_path, damage
     it (the request's computed tokens go back to where the hit ends)."""
     kv, _, a, _ = _spill_a(tmp_path)
     slot, blocks = kv.disk_tier.lookup(a.block_hashes[2]), kv.disk_blocks
+    blocks.flush()  # the record is in the file (until then, reads take its queued copy)
     offset = slot * blocks.record_size
     with open(blocks.path, "r+b") as f:
         if damage == "bytes":
@@ -152,6 +154,80 @@ def test_the_file_is_bounded_and_removed_at_close(tmp_path):
     blocks.close()
     blocks.close()  # idempotent
     assert os.listdir(tmp_path) == [] and tmp_path.is_dir()  # a given directory stays
+    assert not blocks._writer.thread.is_alive()
+
+
+@pytest.fixture
+def writes_held(monkeypatch):
+    """The writer thread waits before each write until the event is set."""
+    gate = threading.Event()
+    write = _Writer._write
+
+    def held(self, *args):
+        gate.wait(60)  # (bounded: a test that waits on a write it should not wait on fails, not hangs)
+        write(self, *args)
+
+    monkeypatch.setattr(_Writer, "_write", held)
+    yield gate
+    gate.set()
+
+
+def _record_hash(blocks: DiskBlocks, slot: int) -> bytes:
+    with open(blocks.path, "rb") as f:
+        f.seek(slot * blocks.record_size)
+        return HEADER.unpack(f.read(HEADER.size))[0]
+
+
+def test_writes_leave_the_engine_thread_and_reads_see_them_at_once(tmp_path, writes_held):
+    """A write returns while the disk has not got it (the writer thread is held); reading its slot
+    meanwhile gets the queued copy, the latest one queued for the slot; once the writes land, the file
+    holds the latest and reads come from it."""
+    device = torch.zeros(4, 4)
+    blocks = DiskBlocks(device, 3, str(tmp_path))
+    h1, h2 = b"1" * 16, b"2" * 16
+    blocks.write(0, h1, torch.full((4,), 1.0))
+    assert _record_hash(blocks, 0) == bytes(16)  # not on disk yet
+    assert blocks.read(0, h1, 2) and torch.equal(device[2], torch.full((4,), 1.0))
+    blocks.write(0, h2, torch.full((4,), 2.0))  # the slot reused while its first write waits
+    assert not blocks.read(0, h1, 3)  # the slot holds h2 now
+    assert blocks.read(0, h2, 3) and torch.equal(device[3], torch.full((4,), 2.0))
+    writes_held.set()
+    blocks.flush()
+    assert _record_hash(blocks, 0) == h2 and blocks._writer.latest == {}
+    device.zero_()
+    assert blocks.read(0, h2, 1) and torch.equal(device[1], torch.full((4,), 2.0))  # from the file
+    blocks.close()
+
+
+def test_a_failed_write_is_forgotten_and_never_served(tmp_path, monkeypatch):
+    """Writes fail on the writer thread (the disk is full): the next spill forgets the blocks they
+    held, and a read of such a slot before that fails its check, so the block is recomputed."""
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    kv, device, a, expected = _spill_a(tmp_path)
+    kv.disk_blocks.flush()
+    lost = a.block_hashes[2]
+    assert lost in kv.disk_tier  # the tier does not know yet
+    again = make_request("a2", list(range(3 * BS + 1)))
+    table = _compute(kv, device, again)  # reads the slot: not a's block, computed instead
+    assert lost not in kv.disk_tier and kv.disk_tier.counters.rejected_blocks == 1
+    assert all(torch.equal(device[table[i]], expected[i]) for i in range(3))
+    kv.free(again)
+    c = make_request("c", list(range(2000, 2000 + 3 * BS + 1)))  # more spills, their writes fail too
+    _compute(kv, device, c)
+    kv.free(c)
+    kv.disk_blocks.flush()
+    failed = set(kv.disk_blocks._writer.failed)
+    assert failed and failed <= set(kv.disk_tier.hashes())
+    d = make_request("d", list(range(3000, 3000 + 3 * BS + 1)))
+    _compute(kv, device, d)  # its spills forget them first
+    assert not failed & set(kv.disk_tier.hashes())
+    kv.free(d)
+    assert kv.num_free_blocks == 4
+    kv.close()
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -208,6 +284,7 @@ def test_a_damaged_file_changes_no_output(tiny_llama, tmp_path):
     llm = LLM(str(tiny_llama), kv_host_cache_gib=_gib(12, block_bytes), kv_disk_cache_gib=0.001, **COMMON)
     first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     blocks = llm.core.kv.disk_blocks
+    blocks.flush()
     with open(blocks.path, "r+b") as f:
         for slot in range(blocks.num_slots):
             f.seek(slot * blocks.record_size + HEADER.size)
