@@ -74,7 +74,9 @@ async def serve_calls(
     """A call stream's batches, each call of ``kind`` ("decode", "generate") run by ``handler``, until
     the caller closes its side and every call has ended; the stream's end cancels calls still open."""
     calls: dict[int, asyncio.Task] = {}
-    outbox: list[pb.CallStreamItem] = []
+    # The next batch, built in place: a message is copied once, into it (an item built apart and
+    # then the batch from the items copied it twice, 2.5 us a message against 0.7).
+    outbox = [pb.CallStreamBatch()]
     ready = asyncio.Event()
     requests_done = False
 
@@ -82,7 +84,7 @@ async def serve_calls(
         code, details = grpc.StatusCode.OK, ""
         try:
             async for msg in handler(request, _CallContext(timeout_s)):
-                outbox.append(pb.CallStreamItem(call_id=call_id, message=msg))
+                outbox[0].items.add(call_id=call_id).message.CopyFrom(msg)
                 ready.set()
         except asyncio.CancelledError:
             return  # cancelled by its caller, or the stream ended: nobody reads an end
@@ -94,7 +96,8 @@ async def serve_calls(
         finally:
             if calls.get(call_id) is asyncio.current_task():
                 del calls[call_id]
-        outbox.append(pb.CallStreamItem(call_id=call_id, end=pb.CallEnd(code=code.value[0], details=details)))
+        end = outbox[0].items.add(call_id=call_id).end
+        end.code, end.details = code.value[0], details
         ready.set()
 
     async def read() -> None:
@@ -121,11 +124,10 @@ async def serve_calls(
         while True:
             await ready.wait()
             ready.clear()
-            if outbox:
-                items = outbox[:]
-                outbox.clear()
-                yield pb.CallStreamBatch(items=items)
-            if requests_done and not calls and not outbox:
+            if outbox[0].items:
+                batch, outbox[0] = outbox[0], pb.CallStreamBatch()
+                yield batch
+            if requests_done and not calls and not outbox[0].items:
                 return
     finally:
         reader.cancel()
