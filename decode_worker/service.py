@@ -20,12 +20,7 @@ from engine.engine_loop import EngineLoopFailed
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedDecode
-from proto.convert import (
-    logprobs_to_proto,
-    params_from_proto,
-    prompt_logprobs_to_proto,
-    stop_reason_text,
-)
+from proto.convert import params_from_proto, stop_reason_text, tokens_message
 from worker.adapters import adapter_rpc
 from worker.runtime import RequestFailed
 
@@ -78,13 +73,8 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
                     continue
                 if out.new_token_ids:
                     completion += len(out.new_token_ids)
-                    yield pb.GenerateResponse(
-                        tokens=pb.TokenChunk(
-                            sample_index=out.sample_index,
-                            token_ids=out.new_token_ids,
-                            logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs or []],
-                            prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs),
-                        )
+                    yield tokens_message(
+                        out.sample_index, out.new_token_ids, out.new_logprobs, out.prompt_logprobs
                     )
                 if out.finish_reason is not None:
                     yield pb.GenerateResponse(

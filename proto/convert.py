@@ -91,5 +91,25 @@ def prompt_logprobs_to_proto(entries: list[dict[int, float] | None] | None) -> l
     return [logprobs_to_proto(e) for e in (entries or [])[1:]]
 
 
+def tokens_message(
+    sample_index: int,
+    token_ids: list[int],
+    logprobs: list[dict[int, float] | None] | None = None,
+    prompt_logprobs: list[dict[int, float] | None] | None = None,
+) -> pb.GenerateResponse:
+    """A ``GenerateResponse`` carrying a ``TokenChunk``, built in place: the streams' per-token message.
+    (``GenerateResponse(tokens=TokenChunk(..., logprobs=[], ...))`` costs several times as much: a
+    nested message copied in, and empty repeated message fields set through keyword arguments.)"""
+    msg = pb.GenerateResponse()
+    chunk = msg.tokens
+    chunk.sample_index = sample_index
+    chunk.token_ids.extend(token_ids)
+    if logprobs:
+        chunk.logprobs.extend(logprobs_to_proto(lp) for lp in logprobs)
+    if prompt_logprobs:
+        chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt_logprobs))
+    return msg
+
+
 def stop_reason_text(reason: str | int | None) -> str:
     return "" if reason is None else str(reason)
