@@ -215,10 +215,17 @@ class ServeProcess:
             pytest.fail("pdserve serve did not stop after SIGTERM:\n" + self.output[-4000:])
 
     def leftover_processes(self) -> list[str]:
-        """Processes still in the service's sessions (Ray's raylet, GCS, workers would be here)."""
-        out = subprocess.run(["ps", "-ww", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout
+        """Processes still running in the service's sessions (Ray's raylet, GCS, workers would be here),
+        as "pid sid args". A zombie has ended: it is left out (one whose parent ended before reaping
+        it waits for this machine's init, which may be slow to reap it or never do)."""
+        out = subprocess.run(["ps", "-ww", "-eo", "pid,sid,stat,args"], capture_output=True, text=True).stdout
         sids = {str(sid) for sid in self.sessions}
-        return [line for line in out.splitlines()[1:] if line.split(None, 2)[1] in sids]
+        found = []
+        for line in out.splitlines()[1:]:
+            pid, sid, stat, args = line.split(None, 3)
+            if sid in sids and not stat.startswith("Z"):
+                found.append(f"{pid} {sid} {args}")
+        return found
 
     def listening_sockets(self) -> list[tuple[str, str]]:
         """(local address, process) of every TCP socket a process of the service listens on."""
