@@ -38,7 +38,9 @@ def test_scale_prefill_up_and_down_under_load(serve_model, module_redis_server, 
         ids = tok.encode(prompt)
         return tok.decode(ids + hf_greedy(serve_model, ids, n))[len(tok.decode(ids)) :]
 
-    async def streams(name: str, prompts: list[str], n: int, during=None) -> list[str]:
+    async def streams(name: str, prompts: list[str], n: int, until=None) -> list[tuple[str, str]]:
+        """(prompt, text) of greedy streams of ``prompts``; with ``until`` (a task), rounds of them
+        go on until that task is done (and one more round after it)."""
         client = openai.AsyncOpenAI(base_url=svc.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
         async def one(p):
@@ -50,14 +52,17 @@ def test_scale_prefill_up_and_down_under_load(serve_model, module_redis_server, 
                 stream=True,
                 extra_body={"ignore_eos": True},
             )
-            return "".join([c.choices[0].text async for c in s])
+            return p, "".join([c.choices[0].text async for c in s])
 
         try:
-            tasks = [asyncio.create_task(one(p)) for p in prompts]
-            if during is not None:
-                await asyncio.sleep(0.5)
-                await asyncio.to_thread(during)
-            return await asyncio.gather(*tasks)
+            out = list(await asyncio.gather(*(one(p) for p in prompts)))
+            while until is not None:
+                done = until.done()
+                out += await asyncio.gather(*(one(p) for p in prompts))
+                if done:
+                    await until
+                    break
+            return out
         finally:
             await client.close()
 
@@ -81,16 +86,25 @@ def test_scale_prefill_up_and_down_under_load(serve_model, module_redis_server, 
         assert first in workers  # the running replica was untouched (no redeploy)
         prompts = [p + " " + "and " * i for i, p in enumerate(PROMPTS * 2)]
         texts = asyncio.run(streams(name, prompts, 12))
-        assert texts == [expected(p, 12) for p in prompts]
+        assert texts == [(p, expected(p, 12)) for p in prompts]
         status = svc.cli("status")
         assert status.startswith(f"service {svc.name!r} (endpoint {svc.base}")
         assert all(w in status for w in workers)  # both registered and visible to operators
         assert "replicas running/target: " in status and "Prefill 2/2" in status, status
 
-        # Scale down while 8 streams run: every stream completes with the right text.
-        texts = asyncio.run(streams(name, prompts, 48, during=lambda: svc.cli("scale", "--prefill", "1")))
-        assert texts == [expected(p, 48) for p in prompts]
-        assert len(wait_for(svc, 1)) == 1
+        # Scale down under traffic: rounds of 8 streams go on from before the command until after the
+        # removed replica is gone (not for a guessed time); every stream completes with the right text.
+        async def scale_down() -> None:
+            await asyncio.to_thread(svc.cli, "scale", "--prefill", "1")
+            await asyncio.to_thread(wait_for, svc, 1)
+
+        async def under_traffic() -> list[tuple[str, str]]:
+            return await streams(name, prompts, 48, until=asyncio.create_task(scale_down()))
+
+        want = {p: expected(p, 48) for p in prompts}
+        texts = asyncio.run(under_traffic())
+        assert len(texts) >= 2 * len(prompts) and texts == [(p, want[p]) for p, _ in texts]
+        assert len(prefill_workers(svc)) == 1
         svc.wait_idle()
     finally:
         assert svc.terminate() == 0
