@@ -147,29 +147,37 @@ def test_sigterm_drains_ten_streams_and_leaves_nothing_behind(service, model_nam
     assert record.exists() and stat.S_IMODE(record.stat().st_mode) == 0o600  # it holds the Ray token
     aclient = openai.AsyncOpenAI(base_url=service.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
-    async def one(prompt: str, first: asyncio.Event) -> str:
+    streaming: set[int] = set()
+    ended_before_sigterm: list[int] = []
+
+    async def one(i: int, prompt: str) -> str:
         stream = await aclient.completions.create(
             model=model_name, prompt=prompt, max_tokens=64, stream=True, **GREEDY
         )
         parts = []
         async for c in stream:
             parts.append(c.choices[0].text)
-            first.set()
+            streaming.add(i)
+            if len(streaming) == 10 and not ended_before_sigterm:
+                # The tenth stream's first token: SIGTERM now, from here (a task woken for it runs
+                # when this busy loop gets to it, by which time short streams may have ended). To the
+                # whole group, as timeout, systemd and Kubernetes send it (the CLI leads its group):
+                # the supervisor alone gets it and hands it to the service, whose Ray cluster stays up
+                # to drain.
+                ended_before_sigterm.append(sum(t.done() for t in tasks))
+                os.killpg(service.proc.pid, signal.SIGTERM)
         return "".join(parts)
 
     async def main():
-        firsts = [asyncio.Event() for _ in range(10)]
-        tasks = [asyncio.create_task(one(PROMPTS[i % 4], firsts[i])) for i in range(10)]
-        await asyncio.gather(*(f.wait() for f in firsts))  # all ten are streaming
-        # to the whole group, as timeout, systemd and Kubernetes send it (the CLI leads its group):
-        # the supervisor alone gets it and hands it to the service, whose Ray cluster stays up to drain
-        os.killpg(service.proc.pid, signal.SIGTERM)
+        tasks.extend(asyncio.create_task(one(i, PROMPTS[i % 4])) for i in range(10))
         try:
             return await asyncio.gather(*tasks)
         finally:
             await aclient.close()
 
+    tasks: list[asyncio.Task] = []
     texts = asyncio.run(main())
+    assert ended_before_sigterm == [0]  # every stream was running when the signal went
     assert texts == [expected[PROMPTS[i % 4]] for i in range(10)]  # drained, not cut
     assert service.terminate() == 0, service.output[-3000:]
     out = service.output
@@ -186,5 +194,7 @@ def test_sigterm_drains_ten_streams_and_leaves_nothing_behind(service, model_nam
     ]
     assert noise == [], shutdown  # a clean stop says so, nothing else
     assert not record.exists()  # removed on the way out: status no longer finds a stopped service
-    time.sleep(1)
-    assert service.leftover_processes() == []
+    deadline = time.monotonic() + 30  # Ray's processes end after the supervisor returns
+    while left := service.leftover_processes():
+        assert time.monotonic() < deadline, left
+        time.sleep(0.2)
