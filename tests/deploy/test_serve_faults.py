@@ -108,11 +108,31 @@ def test_prefill_replica_killed_while_requests_run(service, model_name, tokenize
         except openai.APIStatusError as exc:
             return prompt, f"error {exc.status_code}: {exc.message}"
 
-    async def main():
-        tasks = [asyncio.create_task(one(i)) for i in range(12)]
-        await asyncio.sleep(0.3)
-        os.kill(prefill[victim], signal.SIGKILL)
+    def routed_to_victim() -> int:
+        decisions = service.status()["cluster"]["decisions"]
+        return sum(
+            int(d["requests"]) for d in decisions if d["role"] == "prefill" and d["workerId"] == victim
+        )
+
+    before = routed_to_victim()
+
+    def kill_once_prefills_wait_there() -> None:
+        deadline = time.monotonic() + 120
         try:
+            while routed_to_victim() <= before:
+                assert time.monotonic() < deadline, "no prefill was routed to the frozen replica"
+                time.sleep(0.2)
+        finally:
+            os.kill(prefill[victim], signal.SIGKILL)
+
+    async def main():
+        # Frozen first, so the prefills routed to it wait there, then killed once one is (not after
+        # a guessed time, by which a fast machine may have finished them all).
+        os.kill(prefill[victim], signal.SIGSTOP)
+        killer = asyncio.create_task(asyncio.to_thread(kill_once_prefills_wait_there))
+        tasks = [asyncio.create_task(one(i)) for i in range(12)]
+        try:
+            await killer
             return await asyncio.gather(*tasks)
         finally:
             await aclient.close()
