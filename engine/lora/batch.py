@@ -96,10 +96,10 @@ class PaddedSlots:
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         xg = x.index_select(0, self.index).view(a.shape[0], self.g, x.shape[1])
-        delta = torch.bmm(torch.bmm(xg, a.to(x.dtype)), b.to(x.dtype))
-        delta = delta.view(-1, y.shape[1])
-        if self.mask is not None:
-            delta = delta * self.mask.to(x.dtype)
+        xa = torch.bmm(xg, a.to(x.dtype))  # [slots, G, N]
+        if self.mask is not None:  # padding rows zeroed here, at rank width, not at the output's
+            xa.mul_(self.mask.view(a.shape[0], self.g, 1).to(x.dtype))
+        delta = torch.bmm(xa, b.to(x.dtype)).view(-1, y.shape[1])
         y.index_add_(0, self.index, delta.to(y.dtype))
 
 
