@@ -142,6 +142,7 @@ def compare(args) -> dict:
                     EngineConfig(
                         model=model,
                         device=args.device,
+                        **({"dtype": args.dtype} if args.dtype else {}),
                         num_blocks=pool,
                         block_size=block,
                         kv_host_cache_gib=configs[label][0],
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint (default: the demo tiny Llama)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", help="the engine's dtype (default: the engine's own for the device)")
     p.add_argument("--tenants", type=int, default=24, help="conversations of the overflowing workload")
     p.add_argument("--rounds", type=int, default=4, help="turns per conversation (the first is warm-up)")
     p.add_argument("--system", type=int, default=384, help="system prompt tokens per conversation")
