@@ -3,7 +3,7 @@
 The host tier overflows inside an admission, on the engine's thread; each block it pushes down is
 written to the disk tier's file (engine/kv_disk_tier.py). This times, per block, what the engine's
 thread spends in ``DiskBlocks.write`` (a copy and a queue put) against the synchronous write it
-replaced (CRC32 + ``pwritev`` on the same thread, ``_Writer._write``), in the same run, for block
+replaced (CRC32 + ``pwritev`` on the same thread, ``_FileIO._write``), in the same run, for block
 sizes of a small and an 8B-class model, and how long the queued writes take to land (``flush``).
 Writes come back to back (the worst case: the writer thread competes for the cores and the memory
 bus with every copy), and one per 2 ms of the engine's thread waiting (as it waits on a GPU's step).
@@ -43,7 +43,7 @@ def time_writes(block_bytes: int, blocks: int, queued: bool, directory: str, gap
             if queued:
                 disk.write(slot, key, rows[slot])
             else:
-                disk._writer._write(slot, key, rows[slot])  # the synchronous write it replaced
+                disk._io._write(slot, key, rows[slot])  # the synchronous write it replaced
             per_block.append(time.perf_counter() - t)
             if gap_s:
                 time.sleep(gap_s)

@@ -53,7 +53,7 @@ def run_workload(
     contexts = [[rng.randrange(3, vocab) for _ in range(system)] for _ in range(tenants)]
     params = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
     ttfts: list[list[float]] = []  # per round
-    replies: list[list[int]] = []
+    replies: dict[str, list[int]] = {}  # by request id: the order requests end in differs by tier
     t0 = time.perf_counter()
     for r in range(rounds):
         if r == 1:
@@ -81,7 +81,7 @@ def run_workload(
                 if out.finish_reason is not None:
                     c, _ = started.pop(rid)
                     contexts[c] = contexts[c] + outputs[rid]
-                    replies.append(outputs[rid])
+                    replies[rid] = outputs[rid]
         _progress(r + 1, rounds)
     elapsed = time.perf_counter() - t0
     stats = core.stats()
@@ -100,7 +100,7 @@ def run_workload(
         "disk_hit_tokens": stats.prefix_cache_hits_disk,
         "disk_written_blocks": stats.disk_written_blocks,
         "blocks_free_after": stats.num_free_blocks == stats.num_blocks,
-        "replies": replies,
+        "replies": [replies[rid] for rid in sorted(replies)],
     }
 
 

@@ -15,13 +15,14 @@ import time
 import torch
 
 from engine.attention import get_attention_backend
-from engine.block_pool import KVEvent
 from engine.config import EngineConfig
 from engine.core_lora import LoraMixin
+from engine.core_tiers import TierMixin
 from engine.core_transfer import TransferMixin
 from engine.cpu_threads import apply_thread_policy
 from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_disk_prefetch import DiskPrefetch
 from engine.kv_disk_tier import attach_disk_tier
 from engine.kv_host_tier import attach_host_tier
 from engine.kv_quant import first_blocks, storage_dtype
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 PREFILL_STEP_TOKENS = 64  # a step this large is mostly prompt work: it measures prefill cost per token
 
 
-class EngineCore(TransferMixin, LoraMixin):
+class EngineCore(TransferMixin, LoraMixin, TierMixin):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = resolve_model_path(config.model)
@@ -102,6 +103,7 @@ class EngineCore(TransferMixin, LoraMixin):
                 attach_disk_tier(self.kv, kv_cache, config.kv_disk_cache_gib, config.kv_disk_cache_dir)
                 self.kv.disk_tier.recording = False
         self.kv.pool.recording = False  # until someone reads the events (drain_kv_events)
+        self.prefetch = DiskPrefetch(self.kv) if self.kv.disk_tier is not None else None
         self.scheduler = Scheduler(
             self.kv,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -225,11 +227,13 @@ class EngineCore(TransferMixin, LoraMixin):
             prefill_only=prefill_only,
             **self.lora_args(params.lora),
         )
-        self.scheduler.add(req)
+        if not self._stage(req):
+            self.scheduler.add(req)
         self._serves_prefill_only |= prefill_only
 
     def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.scheduler.groups or request_id in self.kv.held:
+        staged = self.prefetch is not None and request_id in self.prefetch
+        if request_id in self.scheduler.groups or request_id in self.kv.held or staged:
             raise ValueError(f"request id {request_id!r} is already in use")
 
     def _seed_for(self, params: SamplingParams) -> int:
@@ -255,6 +259,9 @@ class EngineCore(TransferMixin, LoraMixin):
         self, request_id: str, status: RequestStatus, error: str | None = None
     ) -> list[SequenceOutput]:
         outs = []
+        staged = self.prefetch.abort(request_id) if self.prefetch is not None else None
+        if staged is not None:  # waiting for its prefix's reads: it leaves before the queue
+            outs.append(SequenceOutput(request_id, 0, [], finish_reason=status.finish_reason, error=error))
         for seq_id in self.scheduler.sequences_of(request_id):
             req = self.scheduler.finish(seq_id, status)
             if req is not None:
@@ -266,11 +273,14 @@ class EngineCore(TransferMixin, LoraMixin):
         return outs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        staged = self.prefetch is not None and self.prefetch.busy()
+        return self.scheduler.has_unfinished() or self._inflight is not None or staged
 
     def has_work(self) -> bool:
-        """Whether ``step()`` has anything to do (a request whose KV is being pulled does not count)."""
-        return self.scheduler.has_work() or self._inflight is not None
+        """Whether ``step()`` has anything to do (a request whose KV is being pulled does not count;
+        one whose disk-tier prefix is read ahead does: ``step`` takes it once read)."""
+        staged = self.prefetch is not None and self.prefetch.busy()
+        return self.scheduler.has_work() or self._inflight is not None or staged
 
     # The loop ---------------------------------------------------------------------------------
 
@@ -279,6 +289,7 @@ class EngineCore(TransferMixin, LoraMixin):
         scheduled and launched while the previous one still runs on the device, and the outputs
         returned are the previous step's: each sequence's tokens arrive one step later, and a
         sequence that stops computes one token more, which is dropped."""
+        self._admit_staged()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t_launch = time.perf_counter()  # the scheduling (and host-tier copies on CPU) are behind
@@ -362,56 +373,18 @@ class EngineCore(TransferMixin, LoraMixin):
         (as the router counts the work it sends), else a warm worker would look busiest."""
         s = self.scheduler
         kv = self.kv
+        staged = self.prefetch.requests() if self.prefetch is not None else []
         pending = sum(
             r.num_tokens
             - r.num_computed_tokens
             - (kv.find_prefix_hit(r).num_tokens if not r.num_computed_tokens else 0)
-            for r in s.waiting
+            for r in (*s.waiting, *staged)
         )
         return pending + sum(
             r.num_tokens - r.num_computed_tokens
             for r in s.running
             if r.num_tokens - r.num_computed_tokens > 1
         )
-
-    def drain_kv_events(self) -> list[KVEvent]:
-        """The prefix cache's block events since the last call: the device pool's, then the host
-        tier's, then the disk tier's (each tier's in order; the tiers are independent sets). The
-        first call subscribes: an engine nobody reads the events of keeps none (an offline run would
-        hold every one), so a subscriber takes a snapshot (``cached_hashes``) for what came before."""
-        tiers = [self.kv.pool, self.kv.host_tier, self.kv.disk_tier]
-        events: list[KVEvent] = []
-        for tier in (t for t in tiers if t is not None):
-            events += tier.drain_events()
-            tier.recording = True
-        return events
-
-    def host_hit_cost_pct(self) -> int:
-        """A host-tier hit's cost in % of computing the block (measured load time over a block's
-        measured prefill time; 100 without either). Disk: its read time. Peer: the read's measured
-        time (``peer_tiers``; before one, a host load's: the same bytes over a link no faster) plus
-        the host load after it; 100 when this engine reads no peer's blocks."""
-        return self._load_cost_pct(self.kv.host_blocks)
-
-    def disk_hit_cost_pct(self) -> int:
-        return self._load_cost_pct(self.kv.disk_blocks)
-
-    def peer_hit_cost_pct(self) -> int:
-        h = self.kv.host_blocks
-        read_s = (h.peer_read_s_per_block or h.load_s_per_block) if h else None
-        return self._load_cost_pct(h, read_s) if h and h.peer_reads else 100
-
-    def _load_cost_pct(self, blocks, extra_s: float = 0.0) -> int:
-        if blocks is None or blocks.load_s_per_block is None or not self._prefill_s_per_token:
-            return 100
-        block_s = self._prefill_s_per_token * self.kv.block_size
-        return max(0, min(100, round(100 * (blocks.load_s_per_block + extra_s) / block_s)))
-
-    def cached_hashes(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
-        """Every hash in the prefix cache: (device pool, host tier, disk tier), a snapshot for the
-        registry."""
-        tiers = (self.kv.host_tier, self.kv.disk_tier)
-        return self.kv.pool.cached_hashes(), *(t.hashes() if t is not None else [] for t in tiers)
 
     def close(self) -> None:
         """Release what the engine holds outside its memory (the disk tier's file). Idempotent."""
@@ -421,7 +394,7 @@ class EngineCore(TransferMixin, LoraMixin):
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=len(s.waiting) + (len(self.prefetch.requests()) if self.prefetch else 0),
             num_swapped=len(s.swapped),
             num_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,

@@ -131,8 +131,13 @@ class KVCacheManager:
     def record_prefix_query(self, req: Request, hit: PrefixHit) -> None:
         self.prefix_queries += req.prompt_len
         self.prefix_hits += hit.num_tokens
-        self.prefix_hits_host += len(hit.host_slots) * self.block_size
-        self.prefix_hits_disk += len(hit.disk_slots) * self.block_size
+        host, disk = len(hit.host_slots), len(hit.disk_slots)
+        if req.read_ahead and host:  # read ahead from disk into the host tier: disk hits
+            first = len(hit.block_ids)
+            ahead = sum(h in req.read_ahead for h in req.block_hashes[first : first + host])
+            host, disk = host - ahead, disk + ahead
+        self.prefix_hits_host += host * self.block_size
+        self.prefix_hits_disk += disk * self.block_size
 
     def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None, margin: int) -> bool:
         table = self.tables.get(req.request_id, [])

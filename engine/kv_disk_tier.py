@@ -12,8 +12,11 @@ Staging in the host tier would take a host slot, and evicting one for it writes 
 the middle of an admission (a cascade the pins would have to cover twice), then copy the block a
 second time. Reading straight in is one ``preadv`` into the device row on CPU, and on a GPU one read
 into a pinned staging row plus one copy. The block keeps its copy here (as a block loaded from the host
-tier keeps its host copy), so evicting it again costs no write. The admission waits for its reads
-(measured, ``calibrate``: the router weighs a disk hit by that cost).
+tier keeps its host copy), so evicting it again costs no write. That read, inside the admitting step,
+is what is left for blocks not read ahead: a request whose prefix reaches this tier is usually staged
+when added and its blocks read into the host tier by this tier's reader thread first
+(``read_ahead``, engine/kv_disk_prefetch.py). The read cost is measured (``calibrate``): the router
+weighs a disk hit by it.
 
 Write path: off the engine's thread. The host tier overflows inside an admission, on the engine's
 thread, and the slot it frees is reused at once: the block's bytes are copied out (a ``memcpy``) and
@@ -47,6 +50,7 @@ import threading
 import time
 import weakref
 import zlib
+from dataclasses import dataclass
 
 import torch
 
@@ -94,8 +98,8 @@ class DiskBlocks:
         self.record_size = self.record_bytes(device_rows)
         self.path, fd, tmpdir = _create_file(directory, num_slots * self.record_size)
         self._fd = fd
-        self._writer = _Writer(fd, self.path, self.record_size, max(2, MAX_QUEUED_BYTES // self.record_size))
-        self._closer = weakref.finalize(self, _close, self._writer, fd, self.path, tmpdir)
+        self._io = _FileIO(fd, self.path, self.record_size, max(2, MAX_QUEUED_BYTES // self.record_size))
+        self._closer = weakref.finalize(self, _close, self._io, fd, self.path, tmpdir)
         # On a GPU a read lands in host memory first (pinned: the copy up is one DMA).
         on_gpu = device_rows.device.type == "cuda"
         shape, dtype = device_rows.shape[1:], device_rows.dtype
@@ -117,41 +121,32 @@ class DiskBlocks:
     def write(self, slot: int, block_hash: BlockHash, row: torch.Tensor) -> None:
         """Store ``row`` (a host-memory block, free to reuse once this returns) in ``slot`` under
         ``block_hash``: copied and queued for the writer thread; reads see it at once."""
-        self._writer.submit(slot, block_hash, row)
+        self._io.submit(slot, block_hash, row)
 
     def take_failed(self) -> list[BlockHash]:
         """The blocks whose writes failed since the last call (their records are not on disk)."""
-        return self._writer.take_failed()
+        return self._io.take_failed()
 
     def flush(self) -> None:
         """Wait until every queued write has landed (or failed)."""
-        self._writer.queue.join()
+        self._io.queue.join()
 
     def read(self, slot: int, block_hash: BlockHash, block: int) -> bool:
         """Read ``slot`` into device block ``block``; False (the block's content undefined) when the
         record is not ``block_hash``'s or its bytes fail their CRC."""
-        queued = self._writer.queued(slot)
-        if queued is not None:  # its write has not landed yet: the copy it was queued with
-            if queued[0] != block_hash:
-                return False
-            self.device_rows[block].copy_(queued[1])
-            return True
         dst = self.device_rows[block] if self._staging is None else self._staging
-        data = _bytes(dst)
-        header = bytearray(HEADER.size)
-        try:
-            n = os.preadv(self._fd, [header, data], slot * self.record_size)
-        except OSError as exc:
-            logger.error("disk tier: reading slot %d of %s failed: %s", slot, self.path, exc)
-            return False
-        if n != self.record_size:
-            return False
-        recorded, crc = HEADER.unpack(header)
-        if recorded != block_hash or zlib.crc32(data) != crc:
+        if not self._io.read_into(slot, block_hash, dst):
             return False
         if self._staging is not None:
             self.device_rows[block].copy_(self._staging)  # blocking: the staging row is reused next
         return True
+
+    def read_ahead(self, items: list[tuple[int, BlockHash, torch.Tensor]]) -> ReadAhead:
+        """Read each ``(slot, block hash, host row)`` on the reader thread; the returned job's
+        ``done`` is set once all are over, ``results[i]`` whether row i holds its block."""
+        job = ReadAhead(items, [None] * len(items), threading.Event())
+        self._io.reads.put(job)
+        return job
 
     def calibrate(self, rounds: int = 3) -> None:
         """Time reading a few blocks into the device pool, cold (out of the page cache where the file
@@ -181,9 +176,18 @@ class DiskBlocks:
         self._closer()
 
 
-class _Writer:
-    """The thread that writes queued records, and what is queued (it holds no ``DiskBlocks``, so a
-    tier nobody closed is still collected and closed by its finalizer)."""
+@dataclass(eq=False, slots=True)
+class ReadAhead:
+    """Records read on the reader thread (``DiskBlocks.read_ahead``)."""
+
+    items: list[tuple[int, BlockHash, torch.Tensor]]  # (slot, block hash, the host row it lands in)
+    results: list[bool | None]  # per item, once ``done``: whether the row holds its block
+    done: threading.Event
+
+
+class _FileIO:
+    """The threads that write queued records and read records ahead, and what is queued (it holds no
+    ``DiskBlocks``, so a tier nobody closed is still collected and closed by its finalizer)."""
 
     def __init__(self, fd: int, path: str, record_size: int, depth: int) -> None:
         self.fd, self.path, self.record_size = fd, path, record_size
@@ -194,6 +198,38 @@ class _Writer:
         self.queue: queue.Queue = queue.Queue(depth)
         self.thread = threading.Thread(target=self._run, name="pdserve-kv-disk-writer", daemon=True)
         self.thread.start()
+        self.reads: queue.Queue = queue.Queue()
+        self.reader = threading.Thread(target=self._read_loop, name="pdserve-kv-disk-reader", daemon=True)
+        self.reader.start()
+
+    def read_into(self, slot: int, block_hash: BlockHash, dst: torch.Tensor) -> bool:
+        """Read ``slot``'s record into host row ``dst`` (any thread); False when it is not
+        ``block_hash``'s or its bytes fail their CRC. A record whose write has not landed comes from
+        its queued copy, copied under the lock (once the write lands, its buffer is reused)."""
+        with self.lock:
+            queued = self.latest.get(slot)
+            if queued is not None:
+                if queued[0] != block_hash:
+                    return False
+                dst.copy_(queued[1])
+                return True
+        data = _bytes(dst)
+        header = bytearray(HEADER.size)
+        try:
+            n = os.preadv(self.fd, [header, data], slot * self.record_size)
+        except OSError as exc:
+            logger.error("disk tier: reading slot %d of %s failed: %s", slot, self.path, exc)
+            return False
+        if n != self.record_size:
+            return False
+        recorded, crc = HEADER.unpack(header)
+        return recorded == block_hash and zlib.crc32(data) == crc
+
+    def _read_loop(self) -> None:
+        while (job := self.reads.get()) is not None:
+            for i, (slot, block_hash, dst) in enumerate(job.items):
+                job.results[i] = self.read_into(slot, block_hash, dst)
+            job.done.set()
 
     def submit(self, slot: int, block_hash: BlockHash, row: torch.Tensor) -> None:
         with self.lock:
@@ -238,13 +274,14 @@ class _Writer:
             raise OSError(f"short write to {self.path}: {written} of {self.record_size} bytes")
 
     def stop(self) -> None:
-        if self.thread.is_alive():
-            self.queue.put(None)
-            self.thread.join()
+        for thread, jobs in ((self.reader, self.reads), (self.thread, self.queue)):
+            if thread.is_alive():
+                jobs.put(None)
+                thread.join()
 
 
-def _close(writer: _Writer, fd: int, path: str, tmpdir: str | None) -> None:
-    writer.stop()
+def _close(io: _FileIO, fd: int, path: str, tmpdir: str | None) -> None:
+    io.stop()
     _remove(fd, path, tmpdir)
 
 

@@ -111,16 +111,17 @@ class HostTier:
             self._pinned[slot] += 1
         return slot
 
-    def commit(self, block_hash: BlockHash, slot: int) -> bool:
+    def commit(self, block_hash: BlockHash, slot: int, received: bool = True) -> bool:
         """A reserved ``slot`` now holds ``block_hash``'s content: found by lookups from now on. False
-        (the slot is freed) when the hash arrived meanwhile by another way."""
+        (the slot is freed) when the hash arrived meanwhile by another way. ``received``: it came
+        from a peer (counted), not from this engine's disk tier."""
         self.unpin([slot])
         if block_hash in self._slots:
             self._free.append(slot)
             return False
         self._slots[block_hash] = slot
         self._record(BlockStored([block_hash], self.TIER))
-        self.counters.received_blocks += 1
+        self.counters.received_blocks += received
         return True
 
     def release(self, slot: int) -> None:

@@ -100,6 +100,9 @@ class Request:
         # Forks still owed: children are created when the prompt's last chunk has run.
         self.pending_forks = params.n - 1 if sample_index == 0 else 0
         self.block_hashes: list[BlockHash] = []
+        # Its prefix blocks the disk tier read into the host tier before its admission
+        # (engine/kv_disk_prefetch.py): host hits that count as disk hits.
+        self.read_ahead: frozenset[BlockHash] = frozenset()
         self.error: str | None = None
         # Prefill role: stop after the first token and hold the blocks for a peer to read.
         self.prefill_only = prefill_only

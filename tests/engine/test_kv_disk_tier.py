@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from engine.block_pool import BlockRemoved, BlockStored
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_disk_tier import HEADER, DiskBlocks, DiskTier, _Writer
+from engine.kv_disk_tier import HEADER, DiskBlocks, DiskTier, _FileIO
 from engine.kv_host_tier import HostBlocks, HostTier
 
 
@@ -154,20 +154,20 @@ def test_the_file_is_bounded_and_removed_at_close(tmp_path):
     blocks.close()
     blocks.close()  # idempotent
     assert os.listdir(tmp_path) == [] and tmp_path.is_dir()  # a given directory stays
-    assert not blocks._writer.thread.is_alive()
+    assert not blocks._io.thread.is_alive()
 
 
 @pytest.fixture
 def writes_held(monkeypatch):
     """The writer thread waits before each write until the event is set."""
     gate = threading.Event()
-    write = _Writer._write
+    write = _FileIO._write
 
     def held(self, *args):
         gate.wait(60)  # (bounded: a test that waits on a write it should not wait on fails, not hangs)
         write(self, *args)
 
-    monkeypatch.setattr(_Writer, "_write", held)
+    monkeypatch.setattr(_FileIO, "_write", held)
     yield gate
     gate.set()
 
@@ -193,7 +193,7 @@ def test_writes_leave_the_engine_thread_and_reads_see_them_at_once(tmp_path, wri
     assert blocks.read(0, h2, 3) and torch.equal(device[3], torch.full((4,), 2.0))
     writes_held.set()
     blocks.flush()
-    assert _record_hash(blocks, 0) == h2 and blocks._writer.latest == {}
+    assert _record_hash(blocks, 0) == h2 and blocks._io.latest == {}
     device.zero_()
     assert blocks.read(0, h2, 1) and torch.equal(device[1], torch.full((4,), 2.0))  # from the file
     blocks.close()
@@ -220,7 +220,7 @@ def test_a_failed_write_is_forgotten_and_never_served(tmp_path, monkeypatch):
     _compute(kv, device, c)
     kv.free(c)
     kv.disk_blocks.flush()
-    failed = set(kv.disk_blocks._writer.failed)
+    failed = set(kv.disk_blocks._io.failed)
     assert failed and failed <= set(kv.disk_tier.hashes())
     kv.disk_tier.drain_events()
     d = make_request("d", list(range(3000, 3000 + 3 * BS + 1)))
