@@ -125,7 +125,7 @@ def compare(args) -> dict:
         "overflowing": args.num_blocks,
         "fitting": working_set + (args.concurrency + 1) * context_blocks,
     }
-    small_host = args.small_host_share * working_set * _block_bytes(model, block) / 2**30
+    small_host = args.small_host_share * working_set * _block_bytes(model, block, args.dtype) / 2**30
     workloads = {name: pool for name, pool in workloads.items() if name in args.workloads}
     for name, pool in workloads.items():
         print(f"\n== {name}: {tenants} conversations, working set {working_set} blocks, pool {pool}")
@@ -134,6 +134,8 @@ def compare(args) -> dict:
             if name == "overflowing":  # on the fitting one no tier is touched: the same as host_tier
                 configs["small_host"] = (small_host, 0.0)
             configs["small_host_disk"] = (small_host, args.disk_gib)
+            if name == "overflowing":  # the same, every disk block read inside the admitting step
+                configs["small_host_disk_sync"] = (small_host, args.disk_gib)
         reps: dict[str, list[dict]] = {label: [] for label in configs}
         for rep in range(args.repeats):  # alternating order, so drift of the machine hits both
             for label in list(configs)[:: 1 if rep % 2 == 0 else -1]:
@@ -151,11 +153,15 @@ def compare(args) -> dict:
                         max_num_seqs=args.concurrency,
                     )
                 )
-                reps[label].append(
-                    run_workload(
-                        core, tenants, args.rounds, args.system, args.user, args.reply, args.concurrency
-                    )
+                if label.endswith("_sync"):
+                    core.prefetch = None  # no read-ahead (engine/kv_disk_prefetch.py)
+                read_s = _time_disk_reads(core)
+                run = run_workload(
+                    core, tenants, args.rounds, args.system, args.user, args.reply, args.concurrency
                 )
+                run["disk_read_engine_ms"] = read_s[0] * 1e3  # on the engine's thread, in steps
+                run["read_ahead_blocks"] = core.prefetch.read_ahead_blocks if core.prefetch else 0
+                reps[label].append(run)
                 core.close()  # the disk tier's file
                 del core
         first = reps["no_tier"][0]["replies"]
@@ -186,13 +192,32 @@ def compare(args) -> dict:
     return results
 
 
-def _block_bytes(model: str, block: int) -> int:
-    """Bytes of one KV block of ``model`` (float32, as the engine runs it here)."""
+def _time_disk_reads(core) -> list[float]:
+    """Seconds the engine's thread spends in disk-tier reads at admission (a one-item list, growing)."""
+    spent = [0.0]
+    blocks = core.kv.disk_blocks
+    if blocks is not None:
+        read = blocks.read
+
+        def timed(*args):
+            t = time.perf_counter()
+            try:
+                return read(*args)
+            finally:
+                spent[0] += time.perf_counter() - t
+
+        blocks.read = timed
+    return spent
+
+
+def _block_bytes(model: str, block: int, dtype: str | None = None) -> int:
+    """Bytes of one KV block of ``model`` (float32 unless ``dtype`` is a 16-bit one)."""
     config = json.loads((Path(model) / "config.json").read_text())
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads") or heads
-    return config["num_hidden_layers"] * 2 * block * kv_heads * head_dim * 4
+    width = 2 if dtype in ("bfloat16", "float16") else 4
+    return config["num_hidden_layers"] * 2 * block * kv_heads * head_dim * width
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -232,6 +257,12 @@ def _print(out: dict) -> None:
                 f"{ratio['ttft_p90']:.2f}x lower, throughput {ratio['throughput']:.2f}x"
             )
         print(f"{name}: identical outputs: {'yes' if w['identical_outputs'] else 'NO'}")
+        for label, r in w["runs"].items():
+            if r.get("disk_hit_tokens") or label.endswith("disk_sync"):
+                print(
+                    f"{name}: {label}: {r['disk_read_engine_ms']:.1f} ms of disk reads on the engine's "
+                    f"thread, {r['read_ahead_blocks']} blocks read ahead"
+                )
 
 
 def _plot(out: dict, path: Path) -> None:

@@ -35,9 +35,9 @@ class TierMixin:
         """The staged requests whose reads are over join the waiting queue. With nothing else to do,
         wait a moment for a read first (a step must not spin)."""
         p = self.prefetch
-        if p is None or not p.busy():
+        if p is None or not p.active():
             return
-        if not self.scheduler.has_work() and not self._inflight:
+        if p.busy() and not self.scheduler.has_work() and not self._inflight:
             p.wait(STAGED_WAIT_S)
         for req in p.ready():
             self.scheduler.add(req)

@@ -17,7 +17,17 @@ def test_quick_run_compares_tiers_on_an_overflowing_and_a_fitting_workload(tiny_
         assert w["identical_outputs"]
         assert all(r["blocks_free_after"] and r["requests"] > 0 for r in w["runs"].values())
         assert w["runs"]["no_tier"]["host_hit_tokens"] == 0
-    assert set(over["runs"]) == {"no_tier", "host_tier", "small_host", "small_host_disk"}
+    assert set(over["runs"]) == {
+        "no_tier",
+        "host_tier",
+        "small_host",
+        "small_host_disk",
+        "small_host_disk_sync",
+    }
+    # The disk tier's blocks read ahead of admission, and in the peer run inside the admitting steps.
+    ahead, sync = over["runs"]["small_host_disk"], over["runs"]["small_host_disk_sync"]
+    assert ahead["read_ahead_blocks"] > 0 == sync["read_ahead_blocks"]
+    assert sync["disk_hit_tokens"] > 0 and sync["disk_read_engine_ms"] > 0
     assert set(fit["runs"]) == {"no_tier", "host_tier", "small_host_disk"}
     # Overflowing: the second round's prefixes were evicted; only the tier serves them.
     assert over["runs"]["host_tier"]["host_hit_tokens"] > 0

@@ -86,6 +86,8 @@ def test_a_request_read_ahead_waits_outside_while_others_step(tiny_llama, hf_gre
     assert core.prefetch.read_ahead_blocks > 0 and not core.prefetch.busy()
     assert stats.prefix_cache_hits_disk >= core.prefetch.read_ahead_blocks * 8  # counted as disk hits
     assert stats.num_free_blocks == stats.num_blocks and stats.disk_rejected_blocks == 0
+    assert core.step() == []  # the next step lets go of the blocks held for its admission
+    assert not core.kv.host_tier._pinned and not core.kv.disk_tier._pinned
     llm.close()
 
 
