@@ -102,4 +102,6 @@ class LoraMixin:
             self.runner.unpin_lora(seq_id)
 
     def _lora_in_use(self, name: str) -> int:
-        return sum(r.lora == name for r in self.scheduler.requests.values())
+        """Requests of adapter ``name``: queued or running, or staged (their prefix read from disk)."""
+        staged = self.prefetch.requests() if self.prefetch is not None else []
+        return sum(r.lora == name for r in (*self.scheduler.requests.values(), *staged))

@@ -288,12 +288,13 @@ class KVCacheManager:
         return list(zip(cpu, table))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash, in the tiers under the pool too; only when no block is in use."""
-        if not self.pool.reset_prefix_cache():
+        """Forget every cached hash, in the tiers under the pool too; only when no block is in use
+        (nor any tier slot pinned: a read landing in it, a peer's lease, a read-ahead held)."""
+        tiers = [t for t in (self.host_tier, self.disk_tier) if t is not None]
+        if any(t.num_pinned() for t in tiers) or not self.pool.reset_prefix_cache():
             return False
-        for tier in (self.host_tier, self.disk_tier):
-            if tier is not None:
-                tier.clear()
+        for tier in tiers:
+            tier.clear()
         return True
 
     # Host tier ------------------------------------------------------------------------------

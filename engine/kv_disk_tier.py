@@ -227,9 +227,13 @@ class _FileIO:
 
     def _read_loop(self) -> None:
         while (job := self.reads.get()) is not None:
-            for i, (slot, block_hash, dst) in enumerate(job.items):
-                job.results[i] = self.read_into(slot, block_hash, dst)
-            job.done.set()
+            try:
+                for i, (slot, block_hash, dst) in enumerate(job.items):
+                    job.results[i] = self.read_into(slot, block_hash, dst)
+            except Exception:  # a read that did not land is a block recomputed, never a hang
+                logger.exception("disk tier: a read ahead failed")
+            finally:
+                job.done.set()
 
     def submit(self, slot: int, block_hash: BlockHash, row: torch.Tensor) -> None:
         with self.lock:
@@ -281,6 +285,11 @@ class _FileIO:
 
 
 def _close(io: _FileIO, fd: int, path: str, tmpdir: str | None) -> None:
+    if threading.current_thread() in (io.thread, io.reader):
+        # The garbage collector ran the finalizer on one of the threads it stops (a tier nobody
+        # closed, in a reference cycle): a thread of its own joins them.
+        threading.Thread(target=_close, args=(io, fd, path, tmpdir), daemon=True).start()
+        return
     io.stop()
     _remove(fd, path, tmpdir)
 

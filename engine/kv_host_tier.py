@@ -103,6 +103,9 @@ class HostTier:
             if self._pinned[slot] <= 0:
                 self._pinned.pop(slot, None)
 
+    def num_pinned(self) -> int:
+        return len(self._pinned)
+
     def reserve(self) -> int | None:
         """A free slot (evicting for room) that no lookup finds until ``commit``: where a peer's block
         lands. Pinned; None when every slot is pinned."""
@@ -130,9 +133,11 @@ class HostTier:
         self._free.append(slot)
 
     def loaded(self, hashes: list[BlockHash]) -> None:
-        """``hashes`` were copied back to the device: most recently used, and counted."""
+        """``hashes`` were copied back to the device: most recently used, and counted (one dropped
+        meanwhile, e.g. its write to the disk tier failed, is counted and otherwise left out)."""
         for h in hashes:
-            self._slots.move_to_end(h)
+            if h in self._slots:
+                self._slots.move_to_end(h)
         self.counters.loaded_blocks += len(hashes)
 
     def discard(self, block_hash: BlockHash) -> None:

@@ -129,3 +129,52 @@ def test_a_record_read_ahead_that_fails_its_check_is_recomputed(tiny_llama, hf_g
     assert stats.disk_rejected_blocks > 0 and core.prefetch.read_ahead_blocks == 0
     assert stats.num_free_blocks == stats.num_blocks
     llm.close()
+
+
+def test_a_block_dropped_between_its_read_and_its_publication(tiny_llama, hf_greedy, reads_held):
+    """A block read ahead (from its queued copy, say) is forgotten by the disk tier before the read is
+    published (its write failed meanwhile): the request still runs, its output unchanged."""
+    llm = _tiered(tiny_llama)
+    core = llm.core
+    prompt = _on_disk(llm, _prompts(6, 72, seed=17))
+    core.add_request("again", prompt, PARAMS)
+    (staged,) = core.prefetch._staged
+    core.kv.disk_tier.discard(staged.hashes[0])  # what the next spill does after a failed write
+    assert not core.kv.reset_prefix_cache()  # (and no reset while tier slots are pinned)
+    reads_held.set()
+    assert _run(core, "again") == hf_greedy(tiny_llama, prompt, 4)
+    stats = core.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    llm.close()
+
+
+def test_an_adapter_of_a_staged_request_is_in_use(tiny_llama, tmp_path, reads_held):
+    """A request staged for its prefix holds its adapter as a queued one does: not removed, not
+    replaced under it."""
+    from engine.lora.adapter import AdapterError, random_adapter
+    from engine.models.loader import load_hf_config, spec_from_hf_config
+
+    spec = spec_from_hf_config(load_hf_config(tiny_llama))
+    path = random_adapter(tmp_path / "a", spec, rank=4, seed=5, scale=0.5)
+    block_bytes = LLM(str(tiny_llama), **COMMON).core.layout.block_bytes
+    llm = LLM(
+        str(tiny_llama),
+        kv_host_cache_gib=24 * block_bytes / 2**30,
+        kv_disk_cache_gib=100 * (block_bytes + HEADER.size) / 2**30,
+        lora_modules={"a": str(path)},
+        **COMMON,
+    )
+    core = llm.core
+    prompts = _prompts(6, 72, seed=19)
+    with_adapter = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, lora="a")
+    llm.generate(prompts, with_adapter, use_tqdm=False)
+    core.kv.disk_blocks.flush()
+    core.add_request("again", prompts[0], with_adapter)
+    assert "again" in core.prefetch
+    with pytest.raises(AdapterError, match="in use"):
+        core.remove_lora("a")
+    reads_held.set()
+    _run(core, "again")
+    core.step()
+    core.remove_lora("a")  # free once nothing of it is left
+    llm.close()

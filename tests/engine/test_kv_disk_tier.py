@@ -410,3 +410,25 @@ def test_disk_hits_reach_status_and_metrics(tiny_llama):
     assert samples[("pdserve_kv_disk_blocks_used", None)] == stats.disk_cache_used
     assert samples[("pdserve_kv_disk_written_blocks_total", None)] == stats.disk_written_blocks
     llm.close()
+
+
+def test_closed_from_one_of_its_own_threads(tmp_path, monkeypatch):
+    """The garbage collector may run a forgotten tier's finalizer on the tier's reader or writer
+    thread: the file is still removed and both threads end (a thread cannot join itself)."""
+    import time
+
+    device = torch.zeros(4, 4)
+    blocks = DiskBlocks(device, 3, str(tmp_path))
+    io = blocks._io
+
+    def close_here(self, *args):
+        blocks._closer()  # what a collection on this thread would run
+        return False
+
+    monkeypatch.setattr(_FileIO, "read_into", close_here)
+    job = blocks.read_ahead([(0, bytes(16), torch.zeros(4))])
+    assert job.done.wait(30)
+    deadline = time.monotonic() + 30
+    while os.listdir(tmp_path) or io.thread.is_alive() or io.reader.is_alive():
+        assert time.monotonic() < deadline, (os.listdir(tmp_path), io.thread, io.reader)
+        time.sleep(0.01)
