@@ -145,9 +145,8 @@ class DiskPrefetch:
     def wait(self, timeout_s: float) -> None:
         """Until the first staged request's reads are over (or ``timeout_s``): a step with nothing
         else to do waits here instead of spinning."""
-        for st in self._staged:
-            st.job.done.wait(timeout_s)
-            return
+        if self._staged:
+            self._staged[0].job.done.wait(timeout_s)
 
     def _publish(self, st: _Staged) -> None:
         kv = self.kv
@@ -160,11 +159,10 @@ class DiskPrefetch:
                     good.append(h)
                     kept.append(slot)
                 continue
-            kv.host_tier.release(slot)
-            if not ok:  # not the block the tier says: dropped, its tokens are computed
-                logger.error("disk tier: slot of block %s does not hold it: recomputing it", h.hex())
-                kv.disk_tier.counters.rejected_blocks += 1
-                kv.disk_tier.discard(h)
+            kv.host_tier.release(slot)  # not the block the tier says: dropped, its tokens computed
+            logger.error("disk tier: slot of block %s does not hold it: recomputing it", h.hex())
+            kv.disk_tier.counters.rejected_blocks += 1
+            kv.disk_tier.discard(h)
         if kept and not st.aborted:
             kv.host_tier.pin(kept)
             self._held.append((st.req, kept))

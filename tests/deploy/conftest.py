@@ -268,14 +268,19 @@ def _address(hex_address: str) -> str:
     return f"{mapped or ip}:{int(port, 16)}"
 
 
-@pytest.fixture(scope="module")
-def serve_model(tmp_path_factory) -> Path:
-    """A tiny random Llama with a chat template, large enough to stream a few hundred tokens."""
+def make_serve_model(tmp_path_factory, name: str = "serve-model", **overrides) -> Path:
+    """A tiny random Llama with a chat template, large enough to stream a few hundred tokens;
+    ``overrides`` change its config (a longer ``max_position_embeddings``)."""
     from engine.tiny_model import create_tiny_model
 
     return create_tiny_model(
-        tmp_path_factory.mktemp("serve-model"), "llama", weight_scale=4.0, randomize_all=True
+        tmp_path_factory.mktemp(name), "llama", weight_scale=4.0, randomize_all=True, **overrides
     )
+
+
+@pytest.fixture(scope="module")
+def serve_model(tmp_path_factory) -> Path:
+    return make_serve_model(tmp_path_factory)
 
 
 # One service per module, shared by its tests in file order (test_serve_api.py, test_serve_faults.py).

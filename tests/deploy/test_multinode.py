@@ -34,7 +34,7 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-from conftest import API_KEY, ServeProcess
+from conftest import API_KEY, ServeProcess, make_serve_model
 from ray_nodes import RayNodes
 
 from engine import LLM, SamplingParams
@@ -74,15 +74,7 @@ def operator_config(model: Path, tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def serve_model(tmp_path_factory) -> Path:
     """conftest's tiny random Llama with a context long enough for ``LONG_TOKENS``."""
-    from engine.tiny_model import create_tiny_model
-
-    return create_tiny_model(
-        tmp_path_factory.mktemp("serve-model-long"),
-        "llama",
-        weight_scale=4.0,
-        randomize_all=True,
-        max_position_embeddings=CONTEXT,
-    )
+    return make_serve_model(tmp_path_factory, "serve-model-long", max_position_embeddings=CONTEXT)
 
 
 @pytest.fixture(scope="module")

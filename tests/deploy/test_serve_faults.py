@@ -17,7 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import API_KEY, GREEDY, PROMPTS
+from conftest import API_KEY, GREEDY, PROMPTS, make_serve_model
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("blocks_back_after_each_test")]
 
@@ -28,15 +28,7 @@ BLOCK_SIZE = 16  # the engine's default
 @pytest.fixture(scope="module")
 def serve_model(tmp_path_factory) -> Path:
     """conftest's tiny random Llama with a long context: thousands of tokens take minutes to decode."""
-    from engine.tiny_model import create_tiny_model
-
-    return create_tiny_model(
-        tmp_path_factory.mktemp("serve-model-long"),
-        "llama",
-        weight_scale=4.0,
-        randomize_all=True,
-        max_position_embeddings=LONG_CONTEXT,
-    )
+    return make_serve_model(tmp_path_factory, "serve-model-long", max_position_embeddings=LONG_CONTEXT)
 
 
 @pytest.fixture(scope="module")
