@@ -57,7 +57,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--peer-reads",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="a prefill worker may read a prompt's prefix from another prefill worker's KV tiers over NIXL when that is cheaper than computing it (cache_aware routing; needs kv_host_cache_gib)",
+        help="a worker computing a prompt (a prefill worker, or a decode worker serving aggregated) may read its prefix from another worker of its role's KV tiers over NIXL when that is cheaper than computing it (cache_aware routing; needs kv_host_cache_gib)",
     )
     s.add_argument(
         "--kv-streaming-tokens",

@@ -8,9 +8,15 @@ watch) and sends the rest as commands: ``add_peer``, ``pull``, ``pull_early``, `
 ``pull_finish``. An abort ends the request's pull first, as the worker's ``_abort`` does. Messages
 carry the pulls that landed (the request's clock) and the kind of a failed pull's error.
 
+With a host tier, its memory gets an agent of its own (``<agent>-tier``): aggregated requests read a
+prompt's prefix from a peer decode worker's host tier and lend this one's (``worker.peer_tiers``: the
+``lend`` and ``fetch`` commands, ``EngineEvents.fetched``), as a prefill worker's engine process does.
+
     --transfer nixl|inprocess|none   the backend over the engine's KV (none: no hand-offs)
     --agent-name NAME                the NIXL agent's name (the worker's id and epoch)
     --transfer-timeout S             seconds before a pull fails
+    --peer-read-timeout S            seconds before a read of a peer's prefix blocks fails
+    --lend-lease-seconds S           blocks lent to a peer are pinned at most this long
 """
 
 from __future__ import annotations
@@ -22,14 +28,18 @@ from kv_transfer import InProcessFabric, KVCompat, KVTransferBackend
 from proto import pdserve_pb2 as pb
 from proto.convert import params_from_proto
 from worker.engine_process import EngineHost, EngineRole, run
+from worker.peer_tiers import EngineTierPeers, PeerTiers, engine_tiers
 from worker.state import transfer_info_from_proto, transfer_info_to_proto, transfer_stats_to_proto
 
 
 class DecodeEngineRole(EngineRole):
-    def __init__(self, host: EngineHost, transfer: KVTransferBackend, timeout_s: float) -> None:
+    def __init__(
+        self, host: EngineHost, transfer: KVTransferBackend, timeout_s: float, tiers: PeerTiers | None = None
+    ) -> None:
         self.transfer = transfer
         self.landed: list[tuple[str, float]] = []
         self.pulls = KVPuller(host.core, transfer, host.publish, timeout_s, self._on_landed)
+        self.peers = EngineTierPeers(tiers)
 
     def _on_landed(self, request_id: str, seconds: float) -> None:
         self.landed.append((request_id, seconds))
@@ -55,14 +65,17 @@ class DecodeEngineRole(EngineRole):
             if started is not None:
                 reply.started = started
         else:
-            return False
+            return self.peers.run(cmd, reply)
         return True
 
     def abort(self, request_id: str) -> bool | None:
+        if self.peers.abort(request_id):  # not added yet: nothing of it to publish
+            return True
         return self.pulls.abort(request_id)
 
     def tick(self) -> None:
         self.pulls.tick()
+        self.peers.tick()
 
     def hurry(self) -> bool:
         return self.pulls.landing()
@@ -75,6 +88,7 @@ class DecodeEngineRole(EngineRole):
         for rid, seconds in self.landed:
             events.landed.add(request_id=rid, seconds=seconds)
         self.landed.clear()
+        self.peers.finish(events)
         kinds = {}
         for out in outputs:
             if out.error and out.finish_reason == "error":
@@ -101,6 +115,8 @@ def decode_role(host: EngineHost, compat: KVCompat, argv: list[str]) -> EngineRo
     p.add_argument("--transfer", choices=("nixl", "inprocess", "none"), default="none")
     p.add_argument("--agent-name", default="decode")
     p.add_argument("--transfer-timeout", type=float, default=10.0)
+    p.add_argument("--peer-read-timeout", type=float, default=2.0)
+    p.add_argument("--lend-lease-seconds", type=float, default=10.0)
     args = p.parse_args(argv)
     if args.transfer == "none":
         return EngineRole()
@@ -111,7 +127,10 @@ def decode_role(host: EngineHost, compat: KVCompat, argv: list[str]) -> EngineRo
 
         # No NIXL progress thread: the loop polls every iteration (a progress thread spins a core).
         transfer = NixlBackend(args.agent_name, host.core.runner.kv_blocks, compat, progress_thread=False)
-    return DecodeEngineRole(host, transfer, args.transfer_timeout)
+    tiers = engine_tiers(
+        host.core, transfer, args.agent_name, compat, args.lend_lease_seconds, args.peer_read_timeout
+    )
+    return DecodeEngineRole(host, transfer, args.transfer_timeout, tiers)
 
 
 if __name__ == "__main__":

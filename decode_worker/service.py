@@ -1,5 +1,6 @@
 """gRPC face of the decode worker (asyncio): Decode (server stream), DecodeStream (many Decode calls
-multiplexed on one stream, what the router uses), ProvideKV, Abort, GetState.
+multiplexed on one stream, what the router uses), ProvideKV, Abort, GetState, Lend (a peer decode
+worker reads prefix blocks from this one's host tier: ``worker.peer_reads``).
 
 Bad requests are refused with INVALID_ARGUMENT before the engine is touched, and every request with
 UNAVAILABLE once the engine loop failed; failures after the stream started arrive in-band as a
@@ -22,6 +23,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedDecode
 from proto.convert import params_from_proto, stop_reason_text, tokens_message
 from worker.adapters import adapter_rpc
+from worker.peer_reads import lend_rpc
 from worker.runtime import RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,13 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
             kv = pulled_kv_from_handle(request.handle) if request.HasField("handle") else None
             if kv is not None and request.kv_source:
                 raise ValueError("a Decode takes either a KV handle or a kv_source, not both")
+            peer = request.peer if request.HasField("peer") else None
+            if peer is not None and (kv is not None or request.kv_source):
+                raise ValueError(
+                    "a Decode with a peer to read the prefix from takes no KV handle or kv_source"
+                )
+            if peer is not None and not peer.address:
+                raise ValueError("peer.address is required")
             if kv is not None and kv.num_tokens != len(prompt):
                 raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}")
             await self.worker.check_request(prompt, params, handoff=kv is not None or bool(request.kv_source))
@@ -61,6 +70,7 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
                 kv=kv,
                 keepalive_s=keepalive,
                 kv_source=request.kv_source or None,
+                peer=peer,
             ):
                 if isinstance(out, Progress):
                     yield pb.GenerateResponse(
@@ -120,6 +130,10 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=await self.worker.abort(request.request_id))
+
+    async def Lend(self, request: pb.LendRequest, context) -> pb.LendResponse:
+        """Pin the prompt's leading blocks held here for a peer decode worker's read."""
+        return await lend_rpc(self.worker, request, context)
 
     async def Adapter(self, request: pb.AdapterRequest, context) -> pb.AdapterResponse:
         return await adapter_rpc(self.worker, request, context)

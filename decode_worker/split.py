@@ -75,11 +75,21 @@ class SplitDecodeWorker(DecodeWorker):
             agent,
             "--transfer-timeout",
             timeout,
+            "--peer-read-timeout",
+            str(self.config.peer_read_timeout_s),
+            "--lend-lease-seconds",
+            str(self.config.lend_lease_s),
         )
 
     @property
     def takes_handoffs(self) -> bool:
         return self.engine.facts.transfer is not None
+
+    @property
+    def reads_peers(self) -> bool:
+        """Its engine process reads and lends a peer's prefix blocks when it has a transfer agent (and
+        a host tier: without one, a read ends at once and nothing is lent)."""
+        return self.takes_handoffs
 
     async def check_request(self, prompt: list[int], params: SamplingParams, *, handoff: bool) -> None:
         """The engine's limits (a grammar compiles in the engine process, on its helper thread)."""
@@ -116,9 +126,11 @@ class SplitDecodeWorker(DecodeWorker):
             await super().before_register()
 
     async def _admit(
-        self, request_id, prompt, params, priority, kv: PulledKV | None, policy: FailurePolicy
+        self, request_id, prompt, params, priority, kv: PulledKV | None, policy: FailurePolicy, peer=None
     ) -> bool:
         if kv is None:
+            if peer is not None:  # a cancelled read is dropped by the abort that follows (``decode``)
+                await self.read_peer_prefix(request_id, prompt, peer)
             await self.engine.add_request(request_id, prompt, params, priority)
             self.clocks.ready(request_id)
             return True

@@ -45,7 +45,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from kv_transfer import RemoteKVInfo
 from kv_transfer.stats import TransferStats
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
+from worker.peer_reads import PeerReads
 from worker.runtime import RequestFailed, TransferFactory, WorkerRuntime
 
 logger = logging.getLogger(__name__)
@@ -73,6 +76,9 @@ class DecodeWorkerConfig(WorkerConfig):
     warm_interval_s: float = 5.0  # how often new prefill workers are looked up and connected
     keepalive_s: float = 0.5  # a quiet Decode stream carries a Progress message this often
     stream_interval: int = 1  # tokens a stream holds before it sends them (decode_worker.stream_output)
+    # Aggregated requests read a prompt's prefix from a peer decode worker's tiers (worker.peer_reads)
+    peer_read_timeout_s: float = 2.0  # a read of a peer's prefix blocks (Lend + READ) fails after this
+    lend_lease_s: float = 10.0  # blocks lent to a peer are pinned at most this long
 
 
 class WorkerUnavailableError(RuntimeError):
@@ -90,8 +96,9 @@ class Progress:
     interval_s: float
 
 
-class DecodeWorker(PeerWarmup, WorkerRuntime):
+class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
     role = "decode"
+    peer_stub = pb_grpc.DecodeWorkerStub
 
     def __init__(
         self,
@@ -104,8 +111,11 @@ class DecodeWorker(PeerWarmup, WorkerRuntime):
             raise ValueError(
                 f"kv_failure_policy must be one of {FAILURE_POLICIES}, got {config.kv_failure_policy!r}"
             )
+        if not (config.peer_read_timeout_s > 0 and config.lend_lease_s > 0):
+            raise ValueError("peer_read_timeout_s and lend_lease_s must be positive")
         super().__init__(config, transfer_factory)
         self.config: DecodeWorkerConfig = config
+        self._start_peer_reads(config.lend_lease_s, config.peer_read_timeout_s)
         self.fetch_peer = fetch_peer  # address -> the prefill worker's RemoteKVInfo (its GetState)
         self.watch_kv = watch_kv or KVWatch()  # a prompt's blocks as its prefill worker computes them
         self.pulls: KVPuller | None = None  # None: the engine runs in a process of its own
@@ -146,6 +156,7 @@ class DecodeWorker(PeerWarmup, WorkerRuntime):
     def stop(self) -> None:
         self._stop_warmer()
         super().stop()
+        self._stop_peer_reads()
 
     # Requests ---------------------------------------------------------------------------------
 
@@ -166,11 +177,13 @@ class DecodeWorker(PeerWarmup, WorkerRuntime):
         policy: str | None = None,
         keepalive_s: float | None = None,
         kv_source: str | None = None,
+        peer: pb.PeerPrefix | None = None,
     ) -> AsyncIterator[SequenceOutput | Progress]:
         """Stream the request's outputs (from token 2 on when ``kv`` or ``kv_source`` is given), and a
         ``Progress`` whenever nothing was sent for ``keepalive_s`` (None: never). ``kv_source``: the
         prefill worker still computing the prompt; its blocks are read as they are computed, and the
-        complete handle comes through ``provide_kv``.
+        complete handle comes through ``provide_kv``. ``peer`` (aggregated only): a decode worker to
+        read the prompt's first blocks from before computing the rest (``worker.peer_reads``).
 
         Raises ValueError for a request the engine can never serve (``IncompatibleKVError`` for a
         peer with another KV layout), ``KVTransferError`` when the pull fails under the ``fail``
@@ -180,10 +193,12 @@ class DecodeWorker(PeerWarmup, WorkerRuntime):
         policy_ = FailurePolicy(policy or self.config.kv_failure_policy)
         stream = self.loop.open_stream(request_id)
         self.clocks.arrive(request_id)
+        if (kv is not None or kv_source) and peer is not None:
+            raise ValueError("a peer to read the prefix from is for aggregated requests only")
         if kv_source:
             admit = self._admit_streamed(request_id, prompt, params, priority, kv_source, policy_)
         else:
-            admit = self._admit(request_id, prompt, params, priority, kv, policy_)
+            admit = self._admit(request_id, prompt, params, priority, kv, policy_, peer)
         try:
             if keepalive_s is None:
                 admitted = await admit
@@ -239,15 +254,24 @@ class DecodeWorker(PeerWarmup, WorkerRuntime):
     def _abort_soon(self, request_id: str) -> None:
         self.loop.call(lambda: self._abort(request_id))
 
-    async def _admit(self, request_id, prompt, params, priority, kv, policy: FailurePolicy) -> bool:
-        """Add the request (or start its pull); False when the first token already ended it."""
+    async def _admit(
+        self, request_id, prompt, params, priority, kv, policy: FailurePolicy, peer=None
+    ) -> bool:
+        """Add the request (or start its pull); False when the first token already ended it.
+        ``peer``: read the prompt's prefix from that decode worker first."""
 
         def add() -> None:
             self.core.add_request(request_id, prompt, params, priority=priority)
             self.clocks.ready(request_id)
 
         if kv is None:
-            await self.loop.run(add)
+            try:
+                if peer is not None:
+                    await self.read_peer_prefix(request_id, prompt, peer)
+                await self.loop.run(add)
+            except asyncio.CancelledError:  # the caller left mid-read: the read is dropped
+                self.loop.call(lambda: self._drop_peer_read(request_id))
+                raise
             return True
         pull = PendingPull(request_id, prompt, params, priority, kv, policy)
         reachable = await self._connect_peer(pull)
@@ -339,6 +363,7 @@ class DecodeWorker(PeerWarmup, WorkerRuntime):
             while self.loop.stream_ids() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.01)
         await super().shutdown(grace_s)
+        await self._close_peer_reads()
         if isinstance(self.watch_kv, KVWatch):
             await self.watch_kv.close()
 

@@ -217,7 +217,7 @@ class RouterOptions(ReplicaOptions):
     )
     peer_reads: bool = Field(
         True,
-        description="a prefill worker may read a prompt's prefix from another prefill worker's KV tiers over NIXL when that is cheaper than computing it (cache_aware routing; needs kv_host_cache_gib)",
+        description="a worker computing a prompt (a prefill worker, or a decode worker serving aggregated) may read its prefix from another worker of its role's KV tiers over NIXL when that is cheaper than computing it (cache_aware routing; needs kv_host_cache_gib)",
     )
     # Request migration (router/migration.py).
     max_migrations: int = Field(

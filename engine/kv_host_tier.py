@@ -197,7 +197,7 @@ class HostBlocks:
         pin = device_rows.device.type == "cuda"
         self.rows = torch.empty((num_slots, *device_rows.shape[1:]), dtype=device_rows.dtype, pin_memory=pin)
         self.load_s_per_block: float | None = None  # measured: what a host hit costs the router's model
-        # Peer reads into this tier (prefill_worker/peer_tiers.py): on, and their measured time per block.
+        # Peer reads into this tier (worker/peer_tiers.py): on, and their measured time per block.
         self.peer_reads = False
         self.peer_read_s_per_block: float | None = None
 

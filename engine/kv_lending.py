@@ -3,7 +3,7 @@
 A worker whose prompt's prefix lives on a peer can read the peer's blocks over the network instead of
 computing them (issue 33: Mooncake's and LMCache's peer sharing). Both ends are host-tier slots, so the
 memory a peer reads is the host tier's, registered with a transfer agent of its own
-(``prefill_worker/peer_tiers.py``); this module is the engine's bookkeeping around such reads:
+(``worker/peer_tiers.py``); this module is the engine's bookkeeping around such reads:
 
 Owner: ``lend(lease_id, hashes)`` takes the leading run of ``hashes`` this engine holds, on the device
 or in its host tier. A device-only block is copied to the host tier first (it is a cached block: the

@@ -9,7 +9,7 @@ carry the leases taken (``EngineEvents.leases``, before the outputs that hold th
 prompts' blocks (``exposed``); the worker's process answers the gRPC calls from them.
 
 With a host tier, its memory gets an agent of its own (``<agent>-tier``) and the prefix blocks shared
-with peer prefill workers are lent and read here (``prefill_worker.peer_tiers``): a ``lend`` command
+with peer prefill workers are lent and read here (``worker.peer_tiers``): a ``lend`` command
 pins blocks for a peer, a ``fetch`` reads a peer's into the host tier and the message after it lands
 names the request (``fetched``), which the worker then adds.
 
@@ -24,9 +24,9 @@ import argparse
 
 from kv_transfer import InProcessFabric, KVCompat, KVTransferBackend
 from prefill_worker.held import HeldPrompts
-from prefill_worker.peer_tiers import PeerTiers, lent_to_proto, offer_from_proto, tier_backend
 from proto import pdserve_pb2 as pb
 from worker.engine_process import EngineHost, EngineRole, run
+from worker.peer_tiers import EngineTierPeers, PeerTiers, engine_tiers
 from worker.state import transfer_info_to_proto, transfer_stats_to_proto
 
 
@@ -37,10 +37,9 @@ class PrefillEngineRole(EngineRole):
         self.core = host.core
         self.transfer = transfer
         self.held = HeldPrompts(host.core, lease_s, self._announce)
-        self.tiers = tiers
+        self.peers = EngineTierPeers(tiers)
         self._leased: list[pb.EngineLease] = []
         self._exposed: list[pb.EngineExposed] = []
-        self._fetched: list[str] = []
 
     def ready(self, msg: pb.EngineReady) -> None:
         msg.transfer.CopyFrom(transfer_info_to_proto(self.transfer.local_info()))
@@ -53,31 +52,16 @@ class PrefillEngineRole(EngineRole):
             self.held.start_watch(cmd.watch.request_id, cmd.watch.wait_s)
         elif kind == "unwatch":
             self.held.watches.pop(cmd.unwatch, None)
-        elif kind == "lend":
-            if self.tiers is not None:
-                req = cmd.lend
-                slots, sums = self.tiers.lend(req.lease_id, list(req.prompt_token_ids), req.max_blocks)
-                reply.lent.CopyFrom(lent_to_proto(self.tiers, slots, sums))
-        elif kind == "fetch":
-            self._fetch(cmd.fetch)
         else:
-            return False
+            return self.peers.run(cmd, reply)
         return True
-
-    def _fetch(self, msg: pb.EngineFetch) -> None:
-        rid = msg.request_id
-        if self.tiers is None:
-            self._fetched.append(rid)
-            return
-        offer = offer_from_proto(msg.lent, msg.lease_id)
-        self.tiers.fetch(rid, list(msg.prompt_token_ids), offer, lambda _n: self._fetched.append(rid))
 
     def abort(self, request_id: str) -> bool:
         """The caller left: a held prompt is freed, a running one aborted (``release`` unpinned its
         exposed blocks first, so the abort frees them all). Its abort outputs are not sent: nobody
         reads them, and a retry under the same id must not get them."""
         self.held.end_watch(request_id)
-        if self.tiers is not None and self.tiers.abort(request_id):
+        if self.peers.abort(request_id):
             return True
         if self.held.release(request_id, "abandoned"):
             return True
@@ -85,8 +69,7 @@ class PrefillEngineRole(EngineRole):
 
     def tick(self) -> None:
         self.held.tick(self.transfer.get_notifications())
-        if self.tiers is not None:
-            self.tiers.tick()
+        self.peers.tick()
 
     def stats(self, reply: pb.EngineReply) -> None:
         reply.transfer_stats.CopyFrom(transfer_stats_to_proto(self.held.stats))
@@ -101,10 +84,9 @@ class PrefillEngineRole(EngineRole):
         self.held.expose()
         events.leases.extend(self._leased)
         events.exposed.extend(self._exposed)
-        events.fetched.extend(self._fetched)
+        self.peers.finish(events)
         self._leased.clear()
         self._exposed.clear()
-        self._fetched.clear()
         return {}
 
     def _announce(self, request_id: str, block_ids: list[int], complete: bool, end: bool) -> None:
@@ -127,11 +109,9 @@ def prefill_role(host: EngineHost, compat: KVCompat, argv: list[str]) -> EngineR
 
         # No NIXL progress thread: the loop polls every iteration (a progress thread spins a core).
         transfer = NixlBackend(args.agent_name, host.core.runner.kv_blocks, compat, progress_thread=False)
-    tiers = None
-    kv = host.core.kv
-    if kv.host_tier is not None:
-        tier_transfer = tier_backend(transfer, kv.host_blocks.rows, f"{args.agent_name}-tier", compat)
-        tiers = PeerTiers(host.core, tier_transfer, args.lease_seconds, args.peer_read_timeout)
+    tiers = engine_tiers(
+        host.core, transfer, args.agent_name, compat, args.lease_seconds, args.peer_read_timeout
+    )
     return PrefillEngineRole(host, transfer, args.lease_seconds, tiers)
 
 

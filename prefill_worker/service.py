@@ -11,11 +11,10 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto, stop_reason_text
 from worker.adapters import adapter_rpc
+from worker.peer_reads import lend_rpc
 from worker.runtime import RequestFailed
 
 logger = logging.getLogger(__name__)
-
-MAX_LEASE_ID = 64
 
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
@@ -98,24 +97,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     async def Lend(self, request: pb.LendRequest, context) -> pb.LendResponse:
         """Pin the prompt's leading blocks held here for the caller's read (none: an empty answer)."""
-        if not 0 < len(request.lease_id) <= MAX_LEASE_ID:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"lease_id must be 1-{MAX_LEASE_ID} characters"
-            )
-        if len(request.prompt_token_ids) > self.worker.limits.max_model_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the prompt is longer than the model's context"
-            )
-        if self.worker.loop.failure is not None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"{self.worker.worker_id}: {self.worker.loop.failure}"
-            )
-        try:
-            return await self.worker.lend(
-                request.lease_id, list(request.prompt_token_ids), request.max_blocks
-            )
-        except ValueError as exc:  # the lease's name is taken
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return await lend_rpc(self.worker, request, context)
 
     async def Adapter(self, request: pb.AdapterRequest, context) -> pb.AdapterResponse:
         return await adapter_rpc(self.worker, request, context)

@@ -34,7 +34,6 @@ class SplitPrefillWorker(PrefillWorker):
         super().__init__(config)
         self._expiry_unix: dict[str, float] = {}  # leases taken for requests whose caller waits
         self._split_watches: dict[str, _KVWatch] = {}
-        self._fetching: dict[str, asyncio.Future] = {}  # requests reading a peer's blocks
         self._stats = TransferStats()  # the engine process's, as of the last stats reply
         self.released = dict.fromkeys(RELEASES, 0)
         self.engine.add_role_hook(self._on_events)
@@ -44,9 +43,6 @@ class SplitPrefillWorker(PrefillWorker):
         watches, self._split_watches = self._split_watches, {}
         for watch in watches.values():
             watch.end()
-        for landed in self._fetching.values():  # the add that follows fails with the engine's reason
-            if not landed.done():
-                landed.set_result(None)
 
     def engine_module(self) -> tuple[str, tuple[str, ...]]:
         agent = f"{self.worker_id}-{self.epoch}"  # a restarted worker is a new peer
@@ -69,10 +65,6 @@ class SplitPrefillWorker(PrefillWorker):
             if exposed.end:
                 del self._split_watches[exposed.request_id]
                 watch.end()
-        for request_id in events.fetched:
-            landed = self._fetching.get(request_id)
-            if landed is not None and not landed.done():
-                landed.set_result(None)
 
     async def prefill(
         self,
@@ -100,27 +92,6 @@ class SplitPrefillWorker(PrefillWorker):
             self.clocks.forget(request_id)
             expiry = self._expiry_unix.pop(request_id, 0.0)
         return self._result(request_id, prompt, out, clock, expiry)
-
-    @property
-    def reads_peers(self) -> bool:
-        """The engine process reads peers' blocks when it has a host tier (else its read ends at once)."""
-        return True
-
-    async def _fetch(self, request_id: str, prompt: list[int], lent: pb.LendResponse, lease_id: str) -> None:
-        landed = asyncio.get_running_loop().create_future()
-        self._fetching[request_id] = landed
-        try:
-            fetch = pb.EngineFetch(
-                request_id=request_id, prompt_token_ids=prompt, lent=lent, lease_id=lease_id
-            )
-            await self.engine.send(pb.EngineCommand(fetch=fetch))
-            await landed
-        finally:
-            self._fetching.pop(request_id, None)
-
-    async def lend(self, lease_id: str, prompt: list[int], max_blocks: int) -> pb.LendResponse:
-        req = pb.LendRequest(lease_id=lease_id, prompt_token_ids=prompt, max_blocks=max_blocks)
-        return (await self.engine.send(pb.EngineCommand(lend=req))).lent
 
     async def release(self, request_id: str) -> bool:
         released = (await self.engine.send(pb.EngineCommand(release=request_id))).released

@@ -11,7 +11,7 @@ A decode worker may read a prompt's blocks while it is still being computed (``w
 each step, the blocks the step finished are pinned (no preemption or abort frees them before the
 request's release) and announced; the held blocks follow once the prompt is done.
 
-With a host tier, prefill workers share prefix blocks (``prefill_worker.peer_tiers``): a request the
+With a host tier, prefill workers share prefix blocks (``worker.peer_tiers``): a request the
 router sends with a ``PeerPrefix`` first reads the peer's blocks into this worker's host tier, and
 ``lend`` pins this worker's blocks for a peer's read.
 """
@@ -27,9 +27,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SequenceOutput
 from kv_transfer.stats import TransferStats
 from prefill_worker.held import HeldPrompts
-from prefill_worker.peer_tiers import PeerLends, PeerTiers, lent_to_proto, offer_from_proto, tier_backend
 from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
+from worker.peer_reads import PeerReads
 from worker.runtime import RequestFailed, TransferFactory, WorkerRuntime
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,9 @@ class _KVWatch:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
 
-class PrefillWorker(WorkerRuntime):
+class PrefillWorker(PeerReads, WorkerRuntime):
     role = "prefill"
+    peer_stub = pb_grpc.PrefillWorkerStub
 
     def __init__(self, config: PrefillWorkerConfig, transfer_factory: TransferFactory | None = None) -> None:
         if config.lease_seconds <= 0:
@@ -87,8 +89,7 @@ class PrefillWorker(WorkerRuntime):
         super().__init__(config, transfer_factory)
         self.config: PrefillWorkerConfig = config
         self._watches: dict[str, _KVWatch] = {}  # each request's reader; engine thread only
-        self.peer_lends = PeerLends(config.peer_read_timeout_s)
-        self.tiers: PeerTiers | None = None  # engine thread only
+        self._start_peer_reads(config.lease_seconds, config.peer_read_timeout_s)
         if self.core is not None:  # else the engine process's role does this (prefill_worker/split.py)
             self.held = HeldPrompts(self.core, config.lease_seconds, self._announce)  # engine thread only
             self.released = self.held.releases
@@ -96,12 +97,6 @@ class PrefillWorker(WorkerRuntime):
             self.loop.add_tick(self._tick)
             self.loop.add_tick(self.held.expose)
             self.loop.on_failure(lambda _failure: [w.end() for w in self._watches.values()])
-            if self.core.kv.host_tier is not None:
-                rows, agent = self.core.kv.host_blocks.rows, f"{self.worker_id}-{self.epoch}-tier"
-                tier_transfer = tier_backend(self.transfer, rows, agent, self.compat)
-                timeout = config.peer_read_timeout_s
-                self.tiers = PeerTiers(self.core, tier_transfer, config.lease_seconds, timeout)
-                self.loop.add_tick(self.tiers.tick)
 
     def transfer_stats(self) -> TransferStats:
         """Engine thread only: leases that expired before a decode worker read the blocks."""
@@ -170,47 +165,13 @@ class PrefillWorker(WorkerRuntime):
     async def release(self, request_id: str) -> bool:
         return await self.loop.run(lambda: self.held.release(request_id, "release"))
 
-    # Prefix blocks shared with peers ------------------------------------------------------------
-
-    async def read_peer_prefix(self, request_id: str, prompt: list[int], peer: pb.PeerPrefix) -> None:
-        """Ask ``peer`` to lend the prompt's first blocks and read them into this host tier; returns
-        once the read is over, landed or not (a peer that cannot be asked lends nothing)."""
-        if not self.reads_peers or peer.num_blocks == 0:
-            return
-        asked = await self.peer_lends.ask(peer, prompt)
-        if asked is not None:
-            await self._fetch(request_id, prompt, *asked)
-
-    @property
-    def reads_peers(self) -> bool:
-        return self.tiers is not None
-
-    async def _fetch(self, request_id: str, prompt: list[int], lent: pb.LendResponse, lease_id: str) -> None:
-        landed = asyncio.get_running_loop().create_future()
-
-        def done(_published: int) -> None:
-            landed.get_loop().call_soon_threadsafe(lambda: landed.done() or landed.set_result(None))
-
-        offer = offer_from_proto(lent, lease_id)
-        await self.loop.run(lambda: self.tiers.fetch(request_id, prompt, offer, done))
-        await landed
-
-    async def lend(self, lease_id: str, prompt: list[int], max_blocks: int) -> pb.LendResponse:
-        """Pin the prompt's leading blocks held here (at most ``max_blocks``) for a peer's read."""
-        if self.tiers is None:
-            return pb.LendResponse()
-        slots, checksums = await self.loop.run(lambda: self.tiers.lend(lease_id, prompt, max_blocks))
-        return lent_to_proto(self.tiers, slots, checksums)
-
     async def shutdown(self, grace_s: float = 1.0) -> None:
         await super().shutdown(grace_s)
-        await self.peer_lends.close()
+        await self._close_peer_reads()
 
     def stop(self) -> None:
         super().stop()
-        if self.tiers is not None:  # the engine thread has stopped
-            self.tiers.close()
-            self.tiers.transfer.close()
+        self._stop_peer_reads()
 
     async def watch_kv(self, request_id: str) -> AsyncIterator[tuple[list[int], bool]]:
         """(ids of the request's prompt blocks that steps finished since the last, whether the prompt
@@ -253,8 +214,7 @@ class PrefillWorker(WorkerRuntime):
             self.held.release(out.request_id, "abandoned")  # the caller left before the handle
 
     def _abandon(self, request_id: str) -> None:
-        if self.tiers is not None:
-            self.tiers.abort(request_id)
+        self._drop_peer_read(request_id)
         self.core.abort_request(request_id)
         self.held.end_watch(request_id)
         self.held.release(request_id, "abandoned")

@@ -194,20 +194,22 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "handle", "kv_source")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "handle", "kv_source", "peer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     priority: int
     handle: KVHandle
     kv_source: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., kv_source: _Optional[str] = ...) -> None: ...
+    peer: PeerPrefix
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., kv_source: _Optional[str] = ..., peer: _Optional[_Union[PeerPrefix, _Mapping]] = ...) -> None: ...
 
 class WatchKVRequest(_message.Message):
     __slots__ = ("request_id",)

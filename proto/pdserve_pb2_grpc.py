@@ -351,6 +351,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.WorkerState.FromString,
                 _registered_method=True)
+        self.Lend = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Lend',
+                request_serializer=proto_dot_pdserve__pb2.LendRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LendResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -392,6 +397,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lend(self, request, context):
+        """as PrefillWorker.Lend, for aggregated peers
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -424,6 +436,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=proto_dot_pdserve__pb2.GetStateRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.WorkerState.SerializeToString,
+            ),
+            'Lend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lend,
+                    request_deserializer=proto_dot_pdserve__pb2.LendRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LendResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -588,6 +605,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/GetState',
             proto_dot_pdserve__pb2.GetStateRequest.SerializeToString,
             proto_dot_pdserve__pb2.WorkerState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Lend',
+            proto_dot_pdserve__pb2.LendRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LendResponse.FromString,
             options,
             channel_credentials,
             insecure,

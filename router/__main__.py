@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--peer-reads",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="a prefill worker may read a prompt's prefix from another prefill worker's KV tiers over NIXL when that is cheaper than computing it (cache_aware routing; needs kv_host_cache_gib)",
+        help="a worker computing a prompt (a prefill worker, or a decode worker serving aggregated) may read its prefix from another worker of its role's KV tiers over NIXL when that is cheaper than computing it (cache_aware routing; needs kv_host_cache_gib)",
     )
     p.add_argument(
         "--kv-streaming-tokens",

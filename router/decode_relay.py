@@ -27,7 +27,7 @@ from proto.call_stream import StreamedCall
 from registry.schema import WorkerRecord
 from router.cancellation import Cancellation
 from router.migration import MIGRATABLE, DecodeLost, ProgressWatch, continuation
-from router.policies import WorkerLoad
+from router.policies import Route, WorkerLoad
 from router.worker_stubs import WorkerStubs
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,17 @@ class DecodeRelay:
                 early.close()
 
     def _open_decode(
-        self, w: WorkerRecord, rid, prompt, params, priority, handle, deadline, key: str, kv_source: str = ""
+        self,
+        w: WorkerRecord,
+        rid,
+        prompt,
+        params,
+        priority,
+        handle,
+        deadline,
+        key: str,
+        kv_source: str = "",
+        peer: pb.PeerPrefix | None = None,
     ) -> OpenDecode:
         self.decisions[("decode", w.worker_id)] += 1
         load = self.inflight.setdefault(w.worker_id, WorkerLoad())
@@ -105,6 +115,8 @@ class DecodeRelay:
         )
         if handle is not None:
             req.handle.CopyFrom(handle)
+        if peer is not None:
+            req.peer.CopyFrom(peer)
         call = self.stubs.decode_stream(w.address).open(req, timeout=_remaining(deadline))
         decoding = self.cancellation.decoding
         entry = decoding[key] = (w, rid)
@@ -115,6 +127,15 @@ class DecodeRelay:
                 del decoding[key]
 
         return OpenDecode(w, call, undo)
+
+    def _peer_prefix(self, route: Route) -> pb.PeerPrefix | None:
+        """The peer holding the prompt's prefix that the computing worker reads it from (counted as
+        a peer read; worker/peer_reads.py), or None."""
+        p = route.peer
+        if p is None:
+            return None
+        self.stats.peer_reads += 1
+        return pb.PeerPrefix(worker_id=p.worker_id, address=p.address, num_blocks=route.peer_blocks)
 
     async def _provide_kv(self, opened: OpenDecode, handle: pb.KVHandle, deadline) -> bool:
         """Hand a streaming Decode its complete KV handle; False when it did not take it."""
@@ -140,6 +161,7 @@ class DecodeRelay:
         key: str,
         opened: OpenDecode | None = None,
         shifted: bool = False,
+        peer: pb.PeerPrefix | None = None,
     ):
         """Relay Decode from ``w`` (``opened``: its call, already open); a decode worker that is
         unreachable before it sent anything (it died, its record not expired yet) is swapped for the
@@ -150,13 +172,16 @@ class DecodeRelay:
         died, and a pull tells the prefill worker to free (and reuse) those blocks, so a second pull
         could read another request's KV. The new worker computes the prompt plus the first token
         itself (seeded samples depend on positions only, so the output is the same), and the held
-        KV is released. ``key``: the caller's request id (what an abort names), ``rid`` the workers'."""
+        KV is released. ``key``: the caller's request id (what an abort names), ``rid`` the workers'.
+        ``peer`` (aggregated): the decode worker ``w`` reads the prompt's prefix from (not after a swap)."""
         tried: set[str] = set(lost)  # ``shifted``: usage counts the prompt's last token as generated
         samples = params.n or 1
         while True:
             started, ended = False, 0
-            call = opened or self._open_decode(w, rid, prompt, params, priority, handle, deadline, key)
-            opened = None
+            call = opened or self._open_decode(
+                w, rid, prompt, params, priority, handle, deadline, key, peer=peer
+            )
+            opened, peer = None, None
             try:
                 async with aclosing(self._decode(call)) as stream:
                     async for msg in stream:

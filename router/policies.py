@@ -14,9 +14,11 @@ A prefix block in a worker's host tier (engine/kv_host_tier.py) or disk tier (en
 counts between a device hit and a miss: it saves the compute of its tokens less the load the worker
 measured for that tier (``host_hit_cost_pct``, ``disk_hit_cost_pct``). A prefix held by another
 prefill worker (on its device or in its host tier) can be read from there (``PeerPrefix``,
-prefill_worker/peer_tiers.py): for a worker that reads peers, the blocks past its own hits count at
+worker/peer_tiers.py): for a worker that reads peers, the blocks past its own hits count at
 the cost it measured for such reads (``peer_hit_cost_pct``), so a busy owner's tenant goes to an idle
-worker that reads the prefix instead of computing it.
+worker that reads the prefix instead of computing it. Aggregated (no prefill workers), the decode
+worker chosen by load reads the prompt's prefix from the decode worker holding the longest run of
+it when that saves more than its own hits do.
 
 Load is the router's exact count of what it has in flight on a worker (on a decode worker, from the
 moment a request is routed there), plus what the worker's heartbeat shows beyond that (other router
@@ -92,7 +94,7 @@ class Route:
     prefill: WorkerRecord | None  # None: aggregated on the decode worker
     decode: WorkerRecord
     predicted_hit_tokens: int = 0
-    peer: WorkerRecord | None = None  # the prefill worker to read the prompt's first blocks from
+    peer: WorkerRecord | None = None  # the worker (of the computing one's role) to read the prefix from
     peer_blocks: int = 0  # how many (from block 0; the reader skips those it holds)
 
 
@@ -110,7 +112,7 @@ class RoutingInput:
 
 class Policy:
     name = "base"
-    peer_reads = True  # cache_aware: a prefill worker may read the prompt's prefix from a peer
+    peer_reads = True  # cache_aware: a worker computing a prompt may read its prefix from a peer
 
     def choose(self, inp: RoutingInput, index: PrefixIndex) -> Route:
         raise NotImplementedError
@@ -182,7 +184,10 @@ class CacheAware(LeastLoad):
         # A decode worker's pulled KV lands on its device hits only (its host tier serves prompts
         # it computes itself), so those break its ties.
         decode = self._decode(inp, {w: runs[0] for w, runs in tiers.items()})
-        if not inp.prefills:
+        if not inp.prefills:  # aggregated: the decode worker may read the prefix from another
+            _, peer, peer_blocks = _PeerPrefixes(inp.decodes if self.peer_reads else [], tiers).saved(decode)
+            if peer is not None:
+                return Route(None, decode, peer_blocks * bs, peer, peer_blocks)
             return Route(None, decode)
         peers = _PeerPrefixes(inp.prefills if self.peer_reads else [], tiers)
         saved = {w.worker_id: peers.saved(w) for w in inp.prefills}

@@ -315,8 +315,9 @@ class Router(DecodeRelay):
             self.stats.aggregated_fallbacks += route.prefill is not None or (n == 1 and bool(exclude))
             clock.decoding()
             hold.release()
+            peer = self._peer_prefix(route) if route.prefill is None else None  # (else a prefill peer)
             async for msg in self._relay_decode(
-                route.decode, decode_id, prompt, proto_params, priority, None, deadline, lost, key
+                route.decode, decode_id, prompt, proto_params, priority, None, deadline, lost, key, peer=peer
             ):
                 clock.on_message(msg)
                 yield msg
@@ -423,12 +424,9 @@ class Router(DecodeRelay):
         routed = self.routed.add(w.worker_id, hashes.all())
         computed = False
         req = pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority)
-        if route.peer is not None:  # read the prefix from the peer holding it (prefill_worker/peer_tiers.py)
-            p = route.peer
-            req.peer.CopyFrom(
-                pb.PeerPrefix(worker_id=p.worker_id, address=p.address, num_blocks=route.peer_blocks)
-            )
-            self.stats.peer_reads += 1
+        peer = self._peer_prefix(route)
+        if peer is not None:
+            req.peer.CopyFrom(peer)
         try:
             call = self.stubs.prefill(w.address).Prefill(req, timeout=_remaining(deadline))
             resp = await watched(call, w, self.view.silent_for, self.migration)

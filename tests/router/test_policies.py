@@ -285,6 +285,34 @@ def test_peer_reads_can_be_turned_off():
     assert (r.prefill.worker_id, r.peer, r.predicted_hit_tokens) == ("p1", None, 0)
 
 
+def test_aggregated_the_decode_worker_chosen_by_load_reads_the_prefix_from_the_one_holding_it():
+    """No prefill workers: d0 holds the prompt's 8 blocks (device, then host tier) but runs 3
+    requests, d1 none. d1 is chosen by load and reads the 7 usable blocks from d0 at its measured
+    cost; a worker that reads no peers (100%), one whose own hits are as long, or peer reads turned
+    off compute instead. Only a decode worker is ever named as the peer."""
+    idx = index_of({"d1": []})
+    assert idx.apply(KVEventRecord("d0", 1, 1, RESYNCED, HASHES[:3], HASHES[3:8]))
+
+    def route(d1_cost: int, reads: bool = True, index=idx):
+        ds = [decode("d0", num_running=3), decode("d1", peer_hit_cost_pct=d1_cost)]
+        policy = make_policy("cache_aware")
+        policy.peer_reads = reads
+        return policy.choose(inp([], ds), index)
+
+    r = route(20)
+    assert (r.prefill, r.decode.worker_id, r.peer.worker_id, r.peer_blocks, r.predicted_hit_tokens) == (
+        None,
+        "d1",
+        "d0",
+        7,
+        28,
+    )
+    assert route(100).peer is None
+    assert route(20, reads=False).peer is None
+    own = index_of({"d0": HASHES[:8], "d1": HASHES[:8]})
+    assert route(0, index=own).peer is None  # d1's own device hits: nothing to read
+
+
 def test_adapters_decide_candidates_salt_and_hand_off():
     from router.policies import Route, salt_of, serves, with_handoff
 

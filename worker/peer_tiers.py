@@ -1,8 +1,9 @@
-"""A prefill worker's reads of prefix blocks from a peer's host tier over NIXL, both ends (issue 33).
+"""A worker's reads of prefix blocks from a peer's host tier over NIXL, both ends (issue 33).
 
-When the router's index shows a prompt's first blocks on another prefill worker (its device or host
-tier) and computing them here would cost more than reading them, the request comes with a
-``PeerPrefix``. The worker's process asks the peer to ``Lend`` them (gRPC): the peer's engine pins the
+When the router's index shows a prompt's first blocks on another worker of the same role (its device
+or host tier) and computing them here would cost more than reading them, the request comes with a
+``PeerPrefix``: a prefill worker's Prefill, or an aggregated Decode on a decode worker (one that
+computes the prompt itself). The worker's process asks the peer to ``Lend`` them (gRPC): the peer's engine pins the
 blocks in its host tier under a lease (``engine.kv_lending``) and answers with their host slots, a CRC
 of each and its host-tier agent. This engine then reads those slots into reserved slots of its own
 host tier (one NIXL READ; the notification ends the peer's lease), publishes the blocks whose CRC
@@ -13,8 +14,9 @@ one: the output is the same either way.
 
 Each engine with a host tier registers the tier's memory with an agent of its own (``<agent>-tier``),
 beside the agent over its device KV that decode workers read: a peer reads host memory to host memory.
-Everything here runs where the engine's KV lives (the engine thread, or the engine process's loop),
-polled each iteration like the held prompts' notifications.
+Everything here runs where the engine's KV lives (the engine thread, or the engine process's loop:
+``EngineTierPeers``), polled each iteration like the held prompts' notifications; the worker process's
+side (the Lend call, the fetch command) is ``worker.peer_reads``.
 """
 
 from __future__ import annotations
@@ -236,10 +238,12 @@ def offer_from_proto(msg: pb.LendResponse, lease_id: str) -> LendOffer:
 
 
 class PeerLends:
-    """The worker process's side of a read: ask the peer for a lease (gRPC, a channel per peer)."""
+    """The worker process's side of a read: ask the peer for a lease (gRPC, a channel per peer).
+    ``stub``: the peers' gRPC stub (a peer is of the reader's role: its service answers Lend)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, stub=pb_grpc.PrefillWorkerStub) -> None:
         self.timeout_s = timeout_s
+        self.stub = stub
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def ask(self, peer: pb.PeerPrefix, prompt: list[int]) -> tuple[pb.LendResponse, str] | None:
@@ -251,7 +255,7 @@ class PeerLends:
         lease_id = uuid.uuid4().hex
         req = pb.LendRequest(lease_id=lease_id, prompt_token_ids=prompt, max_blocks=peer.num_blocks)
         try:
-            resp = await pb_grpc.PrefillWorkerStub(channel).Lend(req, timeout=self.timeout_s)
+            resp = await self.stub(channel).Lend(req, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             logger.warning("peer %s lent no blocks: %s", peer.worker_id, exc.details() or exc.code().name)
             return None
@@ -261,3 +265,59 @@ class PeerLends:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+
+def engine_tiers(
+    core,
+    transfer: KVTransferBackend | None,
+    agent_name: str,
+    compat: KVCompat,
+    lease_s: float,
+    timeout_s: float,
+) -> PeerTiers | None:
+    """The peer reads of an engine with a host tier and a transfer agent over its KV (None without
+    either: such an engine reads and lends nothing). Its host tier gets an agent ``<agent_name>-tier``."""
+    if core.kv.host_tier is None or transfer is None:
+        return None
+    rows = core.kv.host_blocks.rows
+    return PeerTiers(core, tier_backend(transfer, rows, f"{agent_name}-tier", compat), lease_s, timeout_s)
+
+
+class EngineTierPeers:
+    """An engine process role's part in peer reads: the ``lend`` and ``fetch`` commands, polled each
+    iteration, and the requests whose read is over (``EngineEvents.fetched``, after which the worker
+    adds them). Without ``tiers`` every fetch is over at once and nothing is lent."""
+
+    def __init__(self, tiers: PeerTiers | None) -> None:
+        self.tiers = tiers
+        self._fetched: list[str] = []
+
+    def run(self, cmd: pb.EngineCommand, reply: pb.EngineReply) -> bool:
+        kind = cmd.WhichOneof("kind")
+        if kind == "lend":
+            if self.tiers is not None:
+                req = cmd.lend
+                slots, sums = self.tiers.lend(req.lease_id, list(req.prompt_token_ids), req.max_blocks)
+                reply.lent.CopyFrom(lent_to_proto(self.tiers, slots, sums))
+        elif kind == "fetch":
+            msg, rid = cmd.fetch, cmd.fetch.request_id
+            if self.tiers is None:
+                self._fetched.append(rid)
+            else:
+                offer = offer_from_proto(msg.lent, msg.lease_id)
+                self.tiers.fetch(rid, list(msg.prompt_token_ids), offer, lambda _n: self._fetched.append(rid))
+        else:
+            return False
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Whether the request was reading a peer's blocks (its read is dropped)."""
+        return self.tiers is not None and self.tiers.abort(request_id)
+
+    def tick(self) -> None:
+        if self.tiers is not None:
+            self.tiers.tick()
+
+    def finish(self, events: pb.EngineEvents) -> None:
+        events.fetched.extend(self._fetched)
+        self._fetched.clear()

@@ -21,8 +21,8 @@ from engine import LLM, SamplingParams
 from engine.block_hash import hash_blocks
 from ingress.metrics import IngressMetrics
 from kv_transfer import InProcessBackend, InProcessFabric, KVCompat
-from prefill_worker.peer_tiers import LendOffer, PeerTiers
 from proto import pdserve_pb2 as pb
+from worker.peer_tiers import LendOffer, PeerTiers
 from worker.state import stats_to_proto
 
 BS = 8
