@@ -143,3 +143,74 @@ def test_a_prefix_held_by_a_busy_worker_is_read_by_another_over_nixl(
             await cluster.stop()
 
     asyncio.run(run())
+
+
+def test_aggregated_a_decode_worker_reads_a_busy_peers_prefix_over_nixl(
+    workers, redis_server, tiny_llama, hf_greedy
+):
+    """Issue 33 item 3, aggregated (no prefill workers): d0 (engine in the worker's process) computes
+    a tenant's prompt; with d0 busy, the router sends the tenant's next prompt to d1 (engine in its
+    own process) with d0 as the peer. d1 asks d0 to lend the blocks (DecodeWorker.Lend), reads them
+    host tier to host tier over NIXL and serves them as host hits: output equals HF, d0's lease ends
+    with the read, every block is back."""
+    cluster = Cluster(
+        workers,
+        redis_server,
+        num_prefill=0,
+        num_decode=2,
+        kv_flags=("--kv-host-cache-gib", "0.01"),
+        decode_flags=((), ("--engine-process",)),
+    )
+    rng = random.Random(6)
+    tenant = [rng.randrange(3, 1000) for _ in range(PREFIX)]
+    other = [rng.randrange(3, 1000) for _ in range(PREFIX)]
+
+    def busy(worker: str | None) -> None:
+        """The router counts 10 requests running on ``worker`` (none: no extra load anywhere)."""
+        cluster.router.inflight.clear()
+        if worker is not None:
+            cluster.router.inflight[worker] = WorkerLoad(requests=10)
+
+    async def until(check, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    def record(worker: str):
+        return next(w for w in cluster.view.live_workers("decode") if w.worker_id == worker)
+
+    decisions = cluster.router.decisions
+
+    async def body():
+        busy("d1")
+        first = [*tenant, 7, 8, 9]
+        assert await cluster.generate("a", first) == hf_greedy(tiny_llama, first, 6)
+        assert decisions[("decode", "d0")] == 1
+        busy("d0")
+        warm = [*other, 1]
+        assert await cluster.generate("b", warm) == hf_greedy(tiny_llama, warm, 6)
+        assert decisions[("decode", "d1")] == 1  # d1 has measured a prefill: it can cost reads
+        with cluster.view.index.lock:
+            held = lambda: sum(cluster.view.index.match_tiers(hash_blocks(tenant, BS), ["d0"])["d0"])  # noqa: E731
+        await until(lambda: held() == PREFIX // BS, "the index never showed d0's blocks")
+        await until(lambda: record("d1").peer_hit_cost_pct < 100, "d1 never reported a peer-read cost")
+        second = [*tenant, 4, 5, 6, 10, 11]
+        assert await cluster.generate("c", second) == hf_greedy(tiny_llama, second, 6)
+        assert decisions[("decode", "d1")] == 2
+        assert cluster.router.stats.peer_reads == 1
+        d0, d1 = [await state(d.address, "decode") for d in cluster.decodes]
+        assert d0.stats.peer_lent_blocks == PREFIX // BS
+        assert d1.stats.peer_received_blocks == PREFIX // BS
+        assert d1.stats.prefix_cache_hits_host == PREFIX
+        busy(None)
+        await cluster.all_free()
+
+    async def run():
+        await cluster.start()
+        try:
+            await body()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
