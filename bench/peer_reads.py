@@ -1,21 +1,24 @@
-"""Prefix blocks read across prefill workers (issue 33 item 3) vs computed, over HTTP, same requests.
+"""Prefix blocks read across workers (issue 33 item 3) vs computed, over HTTP, same requests.
 
-The full stack (``pdserve serve``: 2 prefill + 1 decode workers, embedded Redis) on the hot-tenant
+The full stack (``pdserve serve``: 2 prefill + 1 decode workers, embedded Redis; ``--mode
+aggregated``: 2 decode workers that compute their prompts, no prefill workers) on the hot-tenant
 prefix workload: ``T`` tenants drawn from a Zipf distribution (``--skew``), each request a tenant's
 ``P``-token system prompt plus a unique question, ``C`` clients back to back. The hot tenants' owner
 gets a queue, and ``cache_aware`` spills them onto the other prefill worker, which then computes the
-prefix again (no peer reads) or reads it from the owner's tiers over NIXL (peer reads). Three runs:
+prefix again (no peer reads) or reads it from the owner's tiers over NIXL (peer reads). Aggregated,
+the router picks the decode worker by load, so a tenant's request lands where its prefix is not half
+of the time; the worker then computes it or reads it from the other. Three runs:
 
 - ``no tier``: no host tier (nothing to read from a peer's host tier; device-held prefixes are
   recomputed on spill),
-- ``host tier``: ``kv_host_cache_gib`` on the prefill workers, ``--no-peer-reads``,
+- ``host tier``: ``kv_host_cache_gib`` on the workers that compute prompts, ``--no-peer-reads``,
 - ``host tier + peer reads``: the same with peer reads (the default).
 
-Each prefill pool holds about half the tenants' prompts (the working set overflows one worker's
+Each computing worker's pool holds about half the tenants' prompts (the working set overflows one worker's
 pool). Reported: TTFT p50/p90 and requests/s at the HTTP client, the blocks read from peers
 (``pdserve_kv_peer_blocks_total``), and the ratios to ``host tier``.
 
-    python -m bench.peer_reads [--quick]
+    python -m bench.peer_reads [--quick] [--mode aggregated]
 """
 
 from __future__ import annotations
@@ -55,15 +58,19 @@ def _peer_blocks(base: str) -> dict[str, float]:
     return out
 
 
-def run(v: Variant, quick: bool, host_gib: float) -> dict:
+def run(v: Variant, quick: bool, host_gib: float, mode: str = "disaggregated") -> dict:
     args = bench_args(warmup=0, ignore_eos=True, vocab_size=VOCAB, no_progress=False)
     runs = {}
     for config in CONFIGS:
         engine = {"num_blocks": v.prefill_blocks()}
         if config != "no tier":
             engine["kv_host_cache_gib"] = host_gib
-        flags = ["--prefill", "2", "--decode", "1", "--worker-cpus", "0.5"]
-        flags += ["--prefill-engine", json.dumps(engine)]
+        if mode == "aggregated":
+            flags = ["--mode", "aggregated", "--decode", "2", "--worker-cpus", "0.5"]
+            flags += ["--decode-engine", json.dumps(engine)]
+        else:
+            flags = ["--prefill", "2", "--decode", "1", "--worker-cpus", "0.5"]
+            flags += ["--prefill-engine", json.dumps(engine)]
         if config == "host tier":
             flags.append("--no-peer-reads")
         print(f"\n[{config}] pdserve serve {' '.join(flags)}", flush=True)
@@ -92,6 +99,7 @@ def run(v: Variant, quick: bool, host_gib: float) -> dict:
         for config, r in runs.items()
     }
     return {
+        "mode": mode,
         "variant": v.__dict__,
         "block_size": BLOCK,
         "suffix": SUFFIX,
@@ -121,7 +129,8 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xticks(range(len(names)), names, rotation=10)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle("hot tenants on 2 prefill workers: prefix read from the owner vs computed")
+    where = "2 decode workers, aggregated" if result.get("mode") == "aggregated" else "2 prefill workers"
+    fig.suptitle(f"hot tenants on {where}: prefix read from the owner vs computed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -134,14 +143,23 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--skew", type=float, default=1.2, help="Zipf exponent of the tenants' popularity")
-    p.add_argument("--host-gib", type=float, default=0.25, help="each prefill worker's host tier")
-    p.add_argument("--output", default=str(RESULTS / "peer_reads.json"))
+    p.add_argument("--host-gib", type=float, default=0.25, help="each computing worker's host tier")
+    p.add_argument(
+        "--mode",
+        default="disaggregated",
+        choices=("disaggregated", "aggregated"),
+        help="peer reads between 2 prefill workers (1 decode), or between 2 aggregated decode workers",
+    )
+    p.add_argument(
+        "--output", help="default: results/peer_reads.json (aggregated: peer_reads_aggregated.json)"
+    )
     a = p.parse_args()
     v = Variant(
         "peer_reads", tenants=a.tenants, prefix_len=a.prefix_len, concurrency=a.concurrency, skew=a.skew
     )
-    result = run(v, a.quick, a.host_gib)
-    out = Path(a.output)
+    result = run(v, a.quick, a.host_gib, a.mode)
+    name = "peer_reads.json" if a.mode == "disaggregated" else "peer_reads_aggregated.json"
+    out = Path(a.output or RESULTS / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print("\n==== peer reads vs computing the prefix (ratios vs 'host tier', >1 better) ====")

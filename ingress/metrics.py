@@ -166,7 +166,7 @@ class _ClusterCollector:
         )
         peer_blocks = CounterMetricFamily(
             "pdserve_kv_peer_blocks",
-            "Prefix blocks shared between prefill workers' host tiers, by direction (received: read "
+            "Prefix blocks shared between workers' host tiers (within a role), by direction (received: read "
             "from a peer and published; lent; rejected: read but failed their CRC, recomputed)",
             labels=[*labels, "direction"],
         )
