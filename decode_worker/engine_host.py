@@ -69,8 +69,9 @@ class DecodeEngineRole(EngineRole):
         return True
 
     def abort(self, request_id: str) -> bool | None:
-        if self.peers.abort(request_id):  # not added yet: nothing of it to publish
-            return True
+        # A read of a peer's blocks is dropped, the request not added yet: the abort finds nothing
+        # (an Abort call says so, and its caller cancels the stream instead).
+        self.peers.abort(request_id)
         return self.pulls.abort(request_id)
 
     def tick(self) -> None:

@@ -12,6 +12,7 @@ lends nothing, a failed read publishes nothing, and the request is added all the
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -50,16 +51,22 @@ class PeerReads:
         once the read is over, landed or not (a peer that cannot be asked lends nothing)."""
         if not self.reads_peers or peer.num_blocks == 0:
             return
+        t0 = time.monotonic()
         asked = await self.peer_lends.ask(peer, prompt)
         if asked is None:
             return
         lent, lease_id = asked
+        asked_s = time.monotonic() - t0
         landed = asyncio.get_running_loop().create_future()
         if self.engine is not None:
             self._fetching[request_id] = landed
             try:
                 fetch = pb.EngineFetch(
-                    request_id=request_id, prompt_token_ids=prompt, lent=lent, lease_id=lease_id
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    lent=lent,
+                    lease_id=lease_id,
+                    asked_s=asked_s,
                 )
                 await self.engine.send(pb.EngineCommand(fetch=fetch))
                 await landed
@@ -71,7 +78,7 @@ class PeerReads:
             landed.get_loop().call_soon_threadsafe(lambda: landed.done() or landed.set_result(None))
 
         offer = offer_from_proto(lent, lease_id)
-        await self.loop.run(lambda: self.tiers.fetch(request_id, prompt, offer, done))
+        await self.loop.run(lambda: self.tiers.fetch(request_id, prompt, offer, done, asked_s))
         await landed
 
     async def lend(self, lease_id: str, prompt: list[int], max_blocks: int) -> pb.LendResponse:

@@ -100,10 +100,17 @@ class PeerTiers:
     # Reader ---------------------------------------------------------------------------------------
 
     def fetch(
-        self, request_id: str, prompt: list[int], offer: LendOffer, done: Callable[[int], None]
+        self,
+        request_id: str,
+        prompt: list[int],
+        offer: LendOffer,
+        done: Callable[[int], None],
+        asked_s: float = 0.0,
     ) -> None:
         """Read ``offer``'s blocks into this host tier; ``done(blocks published)`` is called once the
-        read is over (at once when there is nothing to read), before the request may be admitted."""
+        read is over (at once when there is nothing to read), before the request may be admitted.
+        ``asked_s``: how long the Lend call took, counted in the read's measured cost (the router
+        weighs a read by all it costs the request, not by the transfer alone)."""
         if request_id in self._fetches:
             raise ValueError(f"request {request_id} is already reading a peer's blocks")
         hashes = self._hashes(prompt, len(offer.slots))
@@ -132,7 +139,7 @@ class PeerTiers:
             done(0)
             return
         self._fetches[request_id] = _Fetch(
-            request_id, hashes, taken, list(offer.checksums), handle, done, time.monotonic()
+            request_id, hashes, taken, list(offer.checksums), handle, done, time.monotonic() - asked_s
         )
 
     def _end_lease(self, offer: LendOffer) -> None:
@@ -305,14 +312,20 @@ class EngineTierPeers:
                 self._fetched.append(rid)
             else:
                 offer = offer_from_proto(msg.lent, msg.lease_id)
-                self.tiers.fetch(rid, list(msg.prompt_token_ids), offer, lambda _n: self._fetched.append(rid))
+                over = lambda _n: self._fetched.append(rid)  # noqa: E731
+                self.tiers.fetch(rid, list(msg.prompt_token_ids), offer, over, msg.asked_s)
         else:
             return False
         return True
 
     def abort(self, request_id: str) -> bool:
-        """Whether the request was reading a peer's blocks (its read is dropped)."""
-        return self.tiers is not None and self.tiers.abort(request_id)
+        """Whether the request was reading a peer's blocks. Its read is dropped and announced as over:
+        whoever waits for it goes on (a cancelled caller is gone; an Abort call's caller then cancels
+        the stream, which aborts the request it adds)."""
+        if self.tiers is None or not self.tiers.abort(request_id):
+            return False
+        self._fetched.append(request_id)
+        return True
 
     def tick(self) -> None:
         if self.tiers is not None:

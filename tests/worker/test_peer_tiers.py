@@ -202,3 +202,78 @@ def test_nothing_held_nothing_lent_and_leases_expire(pair):
     pair.check_back()
     # The reader's hashes are the owner's: the same chain over the same tokens.
     assert len(offer.slots) == len(hash_blocks(prompt[: 11 * BS], BS))
+
+
+def test_an_engine_process_role_lends_fetches_and_announces_a_dropped_read_as_over(pair):
+    """``EngineTierPeers`` (an engine process role's part): ``lend`` and ``fetch`` commands; a read
+    that lands is announced in the next message's ``fetched``; an abort mid-read drops it and
+    announces it too (else the worker's admission would wait for it forever); without tiers a fetch
+    is over at once and nothing is lent."""
+    from proto import pdserve_pb2 as pb
+    from worker.peer_tiers import EngineTierPeers, lent_to_proto
+
+    owner, reader = EngineTierPeers(pair.owner), EngineTierPeers(pair.reader)
+    prompt = _prompt(8)
+    pair.llms[0].generate([prompt], PARAMS, use_tqdm=False)
+
+    def lend(lease_id: str) -> pb.LendResponse:
+        reply = pb.EngineReply()
+        cmd = pb.EngineCommand(
+            lend=pb.LendRequest(lease_id=lease_id, prompt_token_ids=prompt, max_blocks=100)
+        )
+        assert owner.run(cmd, reply)
+        assert len(reply.lent.slots) == 11
+        return reply.lent
+
+    def fetch(role: EngineTierPeers, rid: str, lent: pb.LendResponse, lease_id: str) -> None:
+        msg = pb.EngineFetch(request_id=rid, prompt_token_ids=prompt, lent=lent, lease_id=lease_id)
+        assert role.run(pb.EngineCommand(fetch=msg), pb.EngineReply())
+
+    def announced(role: EngineTierPeers) -> list[str]:
+        events = pb.EngineEvents()
+        role.finish(events)
+        return list(events.fetched)
+
+    pair.fabric.stall_reads()
+    fetch(reader, "gone", lend("l1"), "l1")
+    assert announced(reader) == []  # still reading
+    assert reader.abort("gone") and not reader.abort("gone")
+    assert announced(reader) == ["gone"]
+    pair.fabric.resume_reads()
+    reader.tick()
+    owner.tick()
+    fetch(reader, "r", lend("l2"), "l2")
+    deadline = time.monotonic() + 10
+    while not (done := announced(reader)):
+        assert time.monotonic() < deadline, "the read never ended"
+        reader.tick()
+        owner.tick()
+    assert done == ["r"]
+    assert all(h in pair.llms[1].core.kv.host_tier for h in hash_blocks(prompt[:88], BS))  # published
+    owner.tick()  # the read's notification ends the lease
+    bare = EngineTierPeers(None)
+    fetch(bare, "x", lent_to_proto(pair.owner, [], []), "l3")
+    assert announced(bare) == ["x"] and not bare.abort("x")
+    reply = pb.EngineReply()
+    assert bare.run(pb.EngineCommand(lend=pb.LendRequest(lease_id="l4", prompt_token_ids=prompt)), reply)
+    assert not reply.HasField("lent") or not reply.lent.slots
+    pair.check_back()
+
+
+def test_a_reads_measured_cost_counts_its_lend_call(pair):
+    """What the router weighs a peer read by is all it cost: the Lend call's time too, spread over
+    the blocks read (11 here), not the transfer alone (microseconds on this fabric)."""
+    prompt = _prompt(9)
+    pair.llms[0].generate([prompt], PARAMS, use_tqdm=False)
+    landed: list[int] = []
+    pair.reader.fetch("r", prompt, pair.lend(prompt), landed.append, asked_s=1.1)
+    deadline = time.monotonic() + 10
+    while not landed:
+        assert time.monotonic() < deadline, "the read never ended"
+        pair.reader.tick()
+        pair.owner.tick()
+    pair.owner.tick()
+    assert landed == [11]
+    assert pair.reader.fetch_s_per_block >= 0.1
+    assert pair.llms[1].core.kv.host_blocks.peer_read_s_per_block == pair.reader.fetch_s_per_block
+    pair.check_back()
