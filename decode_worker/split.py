@@ -114,7 +114,7 @@ class SplitDecodeWorker(DecodeWorker):
     async def busy(self) -> int:
         reply = await self._engine_stats()
         s = reply.stats
-        waiting = reply.pending_pulls + len(self._provided)
+        waiting = reply.pending_pulls + len(self._provided) + len(self.reading)
         return s.num_running + s.num_waiting + s.num_swapped + s.num_transferring + waiting
 
     async def get_state(self) -> pb.WorkerState:

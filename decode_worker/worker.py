@@ -142,7 +142,7 @@ class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
 
     async def busy(self) -> int:
         s, pulls = await self.loop.run(lambda: (self.core.stats(), len(self.pulls)))
-        return s.num_running + s.num_waiting + s.num_swapped + s.num_transferring + pulls
+        return s.num_running + s.num_waiting + s.num_swapped + s.num_transferring + pulls + len(self.reading)
 
     async def transfer_snapshot(self) -> TransferStats:
         return await self.loop.run(self.pulls.stats.snapshot)

@@ -145,7 +145,7 @@ class SplitPrefillWorker(PrefillWorker):
     async def busy(self) -> int:
         reply = await self._engine_stats()
         s = reply.stats
-        return s.num_running + s.num_waiting + s.num_swapped + reply.num_leases
+        return s.num_running + s.num_waiting + s.num_swapped + reply.num_leases + len(self.reading)
 
     async def get_state(self) -> pb.WorkerState:
         reply = await self._engine_stats()

@@ -104,7 +104,7 @@ class PrefillWorker(PeerReads, WorkerRuntime):
 
     async def busy(self) -> int:
         stats, leases = await self.loop.run(lambda: (self.core.stats(), len(self.held.leases)))
-        return stats.num_running + stats.num_waiting + stats.num_swapped + leases
+        return stats.num_running + stats.num_waiting + stats.num_swapped + leases + len(self.reading)
 
     # Requests ---------------------------------------------------------------------------------
 

@@ -31,6 +31,9 @@ class PeerReads:
         self.peer_lends = PeerLends(timeout_s, self.peer_stub)
         self.tiers: PeerTiers | None = None  # engine thread only
         self._fetching: dict[str, asyncio.Future] = {}  # engine process: requests reading a peer's blocks
+        self.reading: set[str] = (
+            set()
+        )  # requests asking a peer or reading its blocks (what a drain waits for)
         if self.engine is not None:
             self.engine.add_role_hook(self._on_fetched)
             self.engine.on_failure(self._end_fetches)
@@ -51,6 +54,13 @@ class PeerReads:
         once the read is over, landed or not (a peer that cannot be asked lends nothing)."""
         if not self.reads_peers or peer.num_blocks == 0:
             return
+        self.reading.add(request_id)
+        try:
+            await self._read_peer_prefix(request_id, prompt, peer)
+        finally:
+            self.reading.discard(request_id)
+
+    async def _read_peer_prefix(self, request_id: str, prompt: list[int], peer: pb.PeerPrefix) -> None:
         t0 = time.monotonic()
         asked = await self.peer_lends.ask(peer, prompt)
         if asked is None:

@@ -122,8 +122,9 @@ def test_a_peer_that_is_gone_or_holds_nothing_leaves_the_prompt_to_compute(pair,
 
 
 def test_a_stream_cancelled_mid_read_drops_the_read(pair):
-    """The read is held (the fabric lands nothing); the caller leaves: the read is dropped at once
-    (nothing pending), the request never runs, and once the bytes land the slots settle."""
+    """The read is held (the fabric lands nothing) and counts as work a drain waits for; the caller
+    leaves: the read is dropped at once (nothing pending), the request never runs, and once the
+    bytes land the slots settle."""
     prompt = _prompt(4)
     d1 = pair.workers[1]
 
@@ -138,6 +139,7 @@ def test_a_stream_cancelled_mid_read_drops_the_read(pair):
         pair.fabric.stall_reads()
         call = asyncio.ensure_future(pair.decode(1, "b", prompt, pair.peer(0)))
         await until(lambda: d1.loop.run(d1.tiers.pending), "the read never started")
+        assert await d1.busy() == 1  # a drain waits for it
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
         await until(lambda: d1.loop.run(lambda: d1.tiers.pending() == 0), "the read was not dropped")
