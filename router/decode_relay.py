@@ -25,9 +25,10 @@ import grpc
 from proto import pdserve_pb2 as pb
 from proto.call_stream import StreamedCall
 from registry.schema import WorkerRecord
+from router.affinity import RoutedPrefixes
 from router.cancellation import Cancellation
 from router.migration import MIGRATABLE, DecodeLost, ProgressWatch, continuation
-from router.policies import Route, WorkerLoad
+from router.policies import PromptWork, Route, WorkerLoad
 from router.worker_stubs import WorkerStubs
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class DecodeRelay:
     watch: ProgressWatch
     stats: object
     kv_streaming_tokens: int
+    routed: RoutedPrefixes
 
     stubs: WorkerStubs
 
@@ -217,6 +219,26 @@ class DecodeRelay:
                     self._in_background(self._release_at(handle.address, handle.request_id, handle.epoch))
                     prompt, params = continuation(prompt, params, handle)
                     handle, shifted = None, True
+
+    async def _relay_computed(
+        self, route: Route, hashes, rid, prompt, params, priority, deadline, lost, key: str, clock
+    ):
+        """Relay a Decode whose worker computes the prompt (aggregated, or after the prefill failed):
+        its prompt work counts on that worker until the first token (``PromptWork``), and a route
+        made aggregated names the peer to read the prefix from."""
+        peer = self._peer_prefix(route) if route.prefill is None else None  # (else a prefill peer)
+        d, hit = route.decode, route.predicted_hit_tokens if route.prefill is None else 0
+        work = PromptWork(self.inflight, self.routed, d.worker_id, len(prompt) - hit, hashes.all(), False)
+        try:
+            async for msg in self._relay_decode(
+                d, rid, prompt, params, priority, None, deadline, lost, key, peer=peer
+            ):
+                if msg.WhichOneof("kind") == "tokens":
+                    work.done(True)
+                clock.on_message(msg)
+                yield msg
+        finally:
+            work.done(False)
 
     async def _decode(self, opened: OpenDecode):
         try:

@@ -7,7 +7,9 @@ prompt tokens a worker would still compute plus the uncached tokens already queu
 worker wins until its queue costs more than the recompute elsewhere, so a hot tenant spills onto a
 second worker instead of piling up on one (llm-d's prefix + queue scorers, with the weights fixed
 by both terms being tokens of work); a new prefix goes where the cache has the most room. A decode
-worker is chosen by running requests and free KV blocks, its own cached prefix breaking ties. Among
+worker that receives its KV is chosen by running requests and free KV blocks, its own cached prefix
+breaking ties; aggregated (no prefill workers), the decode worker computes the prompt and is chosen
+as a prefill worker is, by the same cost, its running batch breaking ties. Among
 otherwise equal workers, a request of a LoRA adapter goes to one that has the adapter in a device
 slot (its heartbeat's ``resident_loras``), where it runs without a swap-in.
 A prefix block in a worker's host tier (engine/kv_host_tier.py) or disk tier (engine/kv_disk_tier.py)
@@ -16,9 +18,8 @@ measured for that tier (``host_hit_cost_pct``, ``disk_hit_cost_pct``). A prefix 
 prefill worker (on its device or in its host tier) can be read from there (``PeerPrefix``,
 worker/peer_tiers.py): for a worker that reads peers, the blocks past its own hits count at
 the cost it measured for such reads (``peer_hit_cost_pct``), so a busy owner's tenant goes to an idle
-worker that reads the prefix instead of computing it. Aggregated (no prefill workers), the decode
-worker chosen by load reads the prompt's prefix from the decode worker holding the longest run of
-it when that saves more than its own hits do.
+worker that reads the prefix instead of computing it; aggregated, decode workers read from each
+other the same way.
 
 Load is the router's exact count of what it has in flight on a worker (on a decode worker, from the
 moment a request is routed there), plus what the worker's heartbeat shows beyond that (other router
@@ -87,6 +88,33 @@ class DecodeHold:
         if self._load is not None:
             self._load.requests -= 1
             self._load = None
+
+
+class PromptWork:
+    """A prompt routed to the worker that computes it (a prefill worker, or an aggregated decode
+    worker), counted there until its first token: the uncached tokens it queues there (what the
+    next route sees as that worker's queue) and its blocks as routed there (``router.affinity``: a
+    second request of the prefix follows it before the worker's KV events reach the index).
+    ``done`` (idempotent) when the first token came (``computed``) or the attempt ended without."""
+
+    __slots__ = ("_load", "_requests", "_routed", "_token", "_work")
+
+    def __init__(
+        self, inflight, routed, worker_id: str, work: int, hashes: list[bytes], request: bool
+    ) -> None:
+        self._load = inflight.setdefault(worker_id, WorkerLoad())
+        self._work, self._requests, self._routed = work, int(request), routed
+        self._load.prompt_tokens += work
+        self._load.requests += self._requests
+        self._token: int | None = routed.add(worker_id, hashes)
+
+    def done(self, computed: bool) -> None:
+        if self._token is None:
+            return
+        self._load.prompt_tokens -= self._work
+        self._load.requests -= self._requests
+        self._routed.settle(self._token, computed)
+        self._token = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,12 +211,9 @@ class CacheAware(LeastLoad):
         hits = {w: sum(runs) for w, runs in tiers.items()}
         # A decode worker's pulled KV lands on its device hits only (its host tier serves prompts
         # it computes itself), so those break its ties.
+        if not inp.prefills:
+            return self._aggregated(inp, tiers, hits)
         decode = self._decode(inp, {w: runs[0] for w, runs in tiers.items()})
-        if not inp.prefills:  # aggregated: the decode worker may read the prefix from another
-            _, peer, peer_blocks = _PeerPrefixes(inp.decodes if self.peer_reads else [], tiers).saved(decode)
-            if peer is not None:
-                return Route(None, decode, peer_blocks * bs, peer, peer_blocks)
-            return Route(None, decode)
         peers = _PeerPrefixes(inp.prefills if self.peer_reads else [], tiers)
         saved = {w.worker_id: peers.saved(w) for w in inp.prefills}
         # Ties (e.g. a new prefix on idle workers) go where the cache has the most room, which
@@ -207,6 +232,28 @@ class CacheAware(LeastLoad):
         if peer is not None:
             return Route(prefill, decode, peer_blocks * bs, peer, peer_blocks)
         return Route(prefill, decode, hits.get(prefill.worker_id, 0) * bs)
+
+    def _aggregated(self, inp: RoutingInput, tiers: dict[str, Runs], hits: dict[str, int]) -> Route:
+        """Aggregated: the decode worker computes the prompt, so it is chosen as a prefill worker is
+        (the prompt tokens it would still compute, a peer's blocks read at its cost, plus the
+        uncached tokens queued there), its running batch breaking ties."""
+        bs = inp.block_size
+        peers = _PeerPrefixes(inp.decodes if self.peer_reads else [], tiers)
+        saved = {w.worker_id: peers.saved(w) for w in inp.decodes}
+        decode = min(
+            inp.decodes,
+            key=lambda w: (
+                inp.prompt_len - saved[w.worker_id][0] * bs + self._queued_tokens(inp, w),
+                self._busy(inp, w),
+                self._swaps(inp, w),
+                -w.num_free_blocks,
+                w.worker_id,
+            ),
+        )
+        _, peer, peer_blocks = saved[decode.worker_id]
+        if peer is not None:
+            return Route(None, decode, peer_blocks * bs, peer, peer_blocks)
+        return Route(None, decode, hits.get(decode.worker_id, 0) * bs)
 
 
 Runs = tuple[int, int, int]  # a prefix hit's blocks on the device, then in the host tier, then on disk

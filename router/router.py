@@ -43,6 +43,7 @@ from router.policies import (
     DecodeHold,
     NoWorkersError,
     Policy,
+    PromptWork,
     Route,
     RoutingInput,
     WorkerLoad,
@@ -315,11 +316,8 @@ class Router(DecodeRelay):
             self.stats.aggregated_fallbacks += route.prefill is not None or (n == 1 and bool(exclude))
             clock.decoding()
             hold.release()
-            peer = self._peer_prefix(route) if route.prefill is None else None  # (else a prefill peer)
-            async for msg in self._relay_decode(
-                route.decode, decode_id, prompt, proto_params, priority, None, deadline, lost, key, peer=peer
-            ):
-                clock.on_message(msg)
+            args = (route, hashes, decode_id, prompt, proto_params, priority, deadline, lost, key, clock)
+            async for msg in self._relay_computed(*args):
                 yield msg
             return
         clock.first_token()
@@ -416,12 +414,15 @@ class Router(DecodeRelay):
     ) -> pb.PrefillResponse:
         w = route.prefill
         self.decisions[("prefill", w.worker_id)] += 1
-        load = self.inflight.setdefault(w.worker_id, WorkerLoad())
         # The work this puts in front of later requests: the tokens the worker must still compute.
-        work = len(prompt) - route.predicted_hit_tokens
-        load.prompt_tokens += work
-        load.requests += 1
-        routed = self.routed.add(w.worker_id, hashes.all())
+        work = PromptWork(
+            self.inflight,
+            self.routed,
+            w.worker_id,
+            len(prompt) - route.predicted_hit_tokens,
+            hashes.all(),
+            True,
+        )
         computed = False
         req = pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=priority)
         peer = self._peer_prefix(route)
@@ -433,9 +434,7 @@ class Router(DecodeRelay):
             computed = True
             return resp
         finally:
-            load.prompt_tokens -= work
-            load.requests -= 1
-            self.routed.settle(routed, computed)
+            work.done(computed)
 
     def _in_background(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -166,10 +166,10 @@ def test_aggregated_a_decode_worker_reads_a_busy_peers_prefix_over_nixl(
     other = [rng.randrange(3, 1000) for _ in range(PREFIX)]
 
     def busy(worker: str | None) -> None:
-        """The router counts 10 requests running on ``worker`` (none: no extra load anywhere)."""
+        """The router counts 10k tokens queued on ``worker`` (none: no extra load anywhere)."""
         cluster.router.inflight.clear()
         if worker is not None:
-            cluster.router.inflight[worker] = WorkerLoad(requests=10)
+            cluster.router.inflight[worker] = WorkerLoad(prompt_tokens=10_000)
 
     async def until(check, what: str) -> None:
         deadline = time.monotonic() + 20

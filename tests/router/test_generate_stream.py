@@ -84,7 +84,7 @@ def test_a_caller_that_leaves_cancels_its_decode_on_the_worker(redis_server, vie
             assert (await anext(stay)).HasField("tokens")  # the other call on the streams goes on
             await stay.aclose()
             await until(lambda: router.active == 0, "the router's streams ended")
-            assert all(router.inflight[w.worker_id].requests == 0 for w in workers)
+            assert all(load.requests == 0 for load in router.inflight.values())
 
     asyncio.run(main())
 

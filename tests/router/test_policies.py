@@ -151,7 +151,29 @@ def test_predicted_hit_tokens_count_whole_blocks_of_the_chosen_prefill(policy):
 def test_no_prefill_workers_routes_aggregated_to_a_decode_worker(policy):
     index = index_of({"d1": HASHES})
     route = choose(policy, [], [decode("d1"), decode("d0", num_running=1)], index)
-    assert route.prefill is None and route.decode.worker_id == "d1" and route.predicted_hit_tokens == 0
+    hit = 28 if policy == "cache_aware" else 0  # d1 computes the prompt: its 7 usable blocks are hits
+    assert route.prefill is None and route.decode.worker_id == "d1" and route.predicted_hit_tokens == hit
+
+
+def test_aggregated_a_prompt_goes_where_its_prefix_is_until_that_queue_costs_more():
+    """No prefill workers: the decode worker computes the prompt, so cache_aware weighs it as it
+    does a prefill worker. d0 holds the prompt's 7 usable blocks (28 tokens) and runs more requests
+    than d1: it wins while its queue is under the 28 tokens it saves; past that d1 computes it. A
+    host-tier hit counts at its measured cost. least_load goes by running requests alone."""
+    idx = index_of({"d0": HASHES[:8], "d1": []})
+
+    def route(policy: str = "cache_aware", queued: int = 0, index=idx, **d0):
+        ds = [decode("d0", num_running=3, queued_prompt_tokens=queued, **d0), decode("d1")]
+        return choose(policy, [], ds, index)
+
+    assert (route().decode.worker_id, route().predicted_hit_tokens) == ("d0", 28)
+    assert route(queued=27).decode.worker_id == "d0"
+    assert route(queued=29).decode.worker_id == "d1"
+    assert route("least_load").decode.worker_id == "d1"
+    host = index_of({"d1": []})
+    assert host.apply(KVEventRecord("d0", 1, 1, RESYNCED, [], HASHES[:8]))
+    assert route(queued=10, index=host, host_hit_cost_pct=50).decode.worker_id == "d0"  # saves 14
+    assert route(queued=15, index=host, host_hit_cost_pct=50).decode.worker_id == "d1"
 
 
 def test_make_policy_rejects_an_unknown_name():
@@ -286,10 +308,11 @@ def test_peer_reads_can_be_turned_off():
 
 
 def test_aggregated_the_decode_worker_chosen_by_load_reads_the_prefix_from_the_one_holding_it():
-    """No prefill workers: d0 holds the prompt's 8 blocks (device, then host tier) but runs 3
-    requests, d1 none. d1 is chosen by load and reads the 7 usable blocks from d0 at its measured
-    cost; a worker that reads no peers (100%), one whose own hits are as long, or peer reads turned
-    off compute instead. Only a decode worker is ever named as the peer."""
+    """No prefill workers: d0 holds the prompt's 8 blocks (3 on its device, 5 in a host tier whose
+    loads measured as dear as computing) and runs 3 requests; d1 holds none but reads a peer's
+    blocks at 20% of computing them. Reading the 7 usable blocks saves d1 more than its own hits
+    save d0, so d1 computes the prompt with d0 as the peer; a worker that reads no peers (100%), one
+    whose own hits are as long, or peer reads turned off compute instead."""
     idx = index_of({"d1": []})
     assert idx.apply(KVEventRecord("d0", 1, 1, RESYNCED, HASHES[:3], HASHES[3:8]))
 

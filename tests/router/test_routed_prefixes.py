@@ -104,3 +104,50 @@ def test_refused_prefill_leaves_no_record(redis_server):
             assert router.routed.holders() == {} and len(router.routed) == 0
 
     asyncio.run(main())
+
+
+def test_aggregated_a_routed_prompt_draws_the_next_to_its_decode_worker(redis_server):
+    """No prefill workers: the decode worker computes the prompt, so it is recorded there and its
+    uncached tokens count on it until its first token. A second request with the same prefix
+    follows it though that worker has some work queued and the other none; afterwards nothing is
+    left counted."""
+
+    async def main() -> None:
+        url = redis_server.url
+        view = ClusterView(url, poll_s=0.05)
+        view.start()
+        decodes = [FakeDecodeWorker(f"d{i}", max_tokens=3) for i in range(2)]
+        for d in decodes:
+            await d.start(url)
+        router = Router(view)
+        router.routed = RoutedPrefixes(grace_s=5.0, clock=Frozen())
+        server, address = await serve(router)
+        channel = grpc.aio.insecure_channel(address)
+        stub = pb_grpc.RouterStub(channel)
+
+        async def generate(rid: str, prompt: list[int]) -> None:
+            params = pb.SamplingParams(max_tokens=3, ignore_eos=True)
+            req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params)
+            async for _ in stub.Generate(req, timeout=30):
+                pass
+
+        try:
+            await until(lambda: len(view.live_workers("decode")) == 2, "the view lists both workers")
+            await generate("a", PROMPT)
+            (first,) = [w for w, n in router.decisions.items() if n]
+            hashes = hash_blocks(PROMPT, 4)
+            assert all(set(router.routed.holders()[h]) == {first[1]} for h in hashes)
+            router.inflight[first[1]].prompt_tokens = 8
+            await generate("b", [*PROMPT[:16], 900, 901, 902])
+            assert router.decisions[first] == 2
+            router.inflight[first[1]].prompt_tokens = 0
+            assert all((load.prompt_tokens, load.requests) == (0, 0) for load in router.inflight.values())
+        finally:
+            await channel.close()
+            await server.stop(0)
+            await router.close()
+            for d in decodes:
+                await d.stop()
+            view.stop()
+
+    asyncio.run(main())
