@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from engine.scheduler import Scheduler
 
 STAGED_WAIT_S = 0.002  # a step with only staged requests waits this long for their reads
+# Before its first measured read of a peer's blocks, a worker assumes one costs at least this share
+# of computing them: a read's fixed costs (the Lend call, a step on each side) dwarf its bytes, and
+# an optimistic guess would route reads that lose to computing until the first measure lands.
+PEER_READ_PRIOR = 0.5
 
 
 class TierMixin:
@@ -57,8 +61,9 @@ class TierMixin:
     def host_hit_cost_pct(self) -> int:
         """A host-tier hit's cost in % of computing the block (measured load time over a block's
         measured prefill time; 100 without either). Disk: its read time. Peer: the read's measured
-        time (``peer_tiers``; before one, a host load's: the same bytes over a link no faster) plus
-        the host load after it; 100 when this engine reads no peer's blocks."""
+        time (``peer_tiers``: the Lend call and the READ, recent reads weighing most; before one,
+        ``PEER_READ_PRIOR`` of computing the block) plus the host load after it; 100 when this
+        engine reads no peer's blocks."""
         return self._load_cost_pct(self.kv.host_blocks)
 
     def disk_hit_cost_pct(self) -> int:
@@ -66,8 +71,12 @@ class TierMixin:
 
     def peer_hit_cost_pct(self) -> int:
         h = self.kv.host_blocks
-        read_s = (h.peer_read_s_per_block or h.load_s_per_block) if h else None
-        return self._load_cost_pct(h, read_s) if h and h.peer_reads else 100
+        if h is None or not h.peer_reads or not self._prefill_s_per_token:
+            return 100
+        read_s = h.peer_read_s_per_block
+        if read_s is None:
+            read_s = PEER_READ_PRIOR * self._prefill_s_per_token * self.kv.block_size
+        return self._load_cost_pct(h, read_s)
 
     def _load_cost_pct(self, blocks, extra_s: float = 0.0) -> int:
         if blocks is None or blocks.load_s_per_block is None or not self._prefill_s_per_token:

@@ -40,6 +40,8 @@ from worker.state import transfer_info_from_proto, transfer_info_to_proto
 
 logger = logging.getLogger(__name__)
 
+READ_COST_WEIGHT = 0.25  # the last read's weight in the measured cost per block (a moving average)
+
 
 @dataclass(frozen=True, slots=True)
 class LendOffer:
@@ -77,9 +79,7 @@ class PeerTiers:
         self._fetches: dict[str, _Fetch] = {}
         self._unsettled: list[_Fetch] = []  # failed reads that may still write their slots
         self.failed_reads = 0
-        self.fetch_s_per_block: float | None = None  # measured on landed reads (an average)
-        self._fetched_blocks = 0
-        self._fetch_s = 0.0
+        self.fetch_s_per_block: float | None = None  # measured on landed reads (recent ones weigh most)
         self.kv.host_blocks.peer_reads = True  # the router may send it prompts to read from peers
 
     def info(self) -> RemoteKVInfo:
@@ -209,9 +209,11 @@ class PeerTiers:
         self._unsettled = still
 
     def _record(self, blocks: int, seconds: float) -> None:
-        self._fetched_blocks += blocks
-        self._fetch_s += seconds
-        self.fetch_s_per_block = self._fetch_s / self._fetched_blocks
+        """A landed read's time per block, into a moving average: what a read costs follows the
+        owners' load (a Lend waits for the owner's step), which changes as the traffic does."""
+        last = seconds / blocks
+        old = self.fetch_s_per_block
+        self.fetch_s_per_block = last if old is None else old + READ_COST_WEIGHT * (last - old)
         self.kv.host_blocks.peer_read_s_per_block = self.fetch_s_per_block
 
     def close(self) -> None:

@@ -276,4 +276,23 @@ def test_a_reads_measured_cost_counts_its_lend_call(pair):
     assert landed == [11]
     assert pair.reader.fetch_s_per_block >= 0.1
     assert pair.llms[1].core.kv.host_blocks.peer_read_s_per_block == pair.reader.fetch_s_per_block
+    assert pair.llms[1].core.peer_hit_cost_pct() == 100  # 0.1 s a block: dearer than computing it
     pair.check_back()
+
+
+def test_before_its_first_read_a_reader_assumes_half_the_compute_then_follows_recent_reads(pair):
+    """The prior: a read costs at least half of computing its blocks until one is measured (an
+    optimistic guess would route reads that lose to computing). Then a moving average of the
+    measured reads: a slow read, then fast ones, and the cost comes down again."""
+    from engine.core_tiers import PEER_READ_PRIOR
+
+    core = pair.llms[1].core
+    pair.llms[1].generate([_prompt(10)], PARAMS, use_tqdm=False)  # measures its prefill speed
+    assert core.peer_hit_cost_pct() >= 100 * PEER_READ_PRIOR
+    pair.reader._record(10, 10.0)  # 1 s a block
+    slow = pair.reader.fetch_s_per_block
+    assert slow == 1.0 and core.peer_hit_cost_pct() == 100
+    for _ in range(40):
+        pair.reader._record(10, 0.0)
+    assert pair.reader.fetch_s_per_block < slow * 0.001
+    assert core.peer_hit_cost_pct() < 100 * PEER_READ_PRIOR  # measured cheap: the prior is gone
