@@ -146,7 +146,8 @@ def format_status(cluster, states) -> str:
 def format_cache_tiers(states) -> str:
     """Per worker with a host tier: prompt tokens served by each tier, the tiers' use and the blocks
     copied into them (a disk tier's columns read ``-`` on a worker without one), and the blocks read
-    from peers' tiers and lent to peers (prefill workers)."""
+    from peers' tiers and lent to peers (prefill workers among themselves; decode workers when
+    aggregated)."""
     host = ("HOST HITS", "HOST TIER USED", "OFFLOADED")
     disk = ("DISK HITS", "DISK TIER USED", "WRITTEN")
     rows = [("WORKER", "PROMPT TOKENS", "DEVICE HITS", *host, *disk, "FROM PEERS", "LENT")]
