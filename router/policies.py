@@ -322,17 +322,20 @@ def salt_of(w: WorkerRecord, lora: str) -> str:
     return w.cache_salt + (w.lora_salt(lora) or "") if lora else w.cache_salt
 
 
-def prefill_locally(prompt: list[int], d: WorkerRecord, lora: str, limit: int, index: PrefixIndex) -> bool:
-    """Whether decode worker ``d`` should prefill this prompt itself: the part it has not cached is
-    at most ``limit`` tokens, so a prefill hop and a KV transfer would cost more than computing it
-    there (``limit`` 0: never)."""
+def prefill_locally(
+    prompt: list[int], d: WorkerRecord, lora: str, limit: int, index: PrefixIndex
+) -> int | None:
+    """The prompt tokens decode worker ``d`` has cached when it should prefill this prompt itself
+    (the part it has not cached is at most ``limit`` tokens, so a prefill hop and a KV transfer
+    would cost more than computing it there); None when it should not (``limit`` 0: never)."""
     if limit <= 0:
-        return False
+        return None
     if len(prompt) <= limit:
-        return True
+        return 0  # (not looked up: the whole prompt is short)
     with index.lock:
         hit = index.match(iter_block_hashes(prompt, d.block_size, salt_of(d, lora)), [d.worker_id])
-    return len(prompt) - hit.get(d.worker_id, 0) * d.block_size <= limit
+    cached = hit.get(d.worker_id, 0) * d.block_size
+    return cached if len(prompt) - cached <= limit else None
 
 
 def with_handoff(route: Route, lora: str) -> Route:
@@ -344,7 +347,7 @@ def with_handoff(route: Route, lora: str) -> Route:
         and (not lora or route.prefill.lora_salt(lora) == route.decode.lora_salt(lora))
     ):
         return route
-    return Route(None, route.decode, route.predicted_hit_tokens)
+    return Route(None, route.decode)  # (the prefill worker's predicted hits are not the decode worker's)
 
 
 def make_policy(name: str) -> Policy:

@@ -240,13 +240,12 @@ class Router(DecodeRelay):
         route, hashes = self._route(prompt, lost=lost, lora=proto_params.lora)
         n = proto_params.n or 1
         lora, idx = proto_params.lora, self.view.index
-        if (
-            route.prefill is not None
-            and n == 1
-            and prefill_locally(prompt, route.decode, lora, self.local_prefill_tokens, idx)
-        ):
+        local = None
+        if route.prefill is not None and n == 1:
+            local = prefill_locally(prompt, route.decode, lora, self.local_prefill_tokens, idx)
+        if local is not None:  # the decode worker computes the rest: ``local`` tokens are cached there
             self.stats.local_prefills += 1
-            route = Route(None, route.decode, route.predicted_hit_tokens)
+            route = Route(None, route.decode, local)
         clock.routed()
         # A Decode opened before the prefill, the KV streaming to it while computed (or None).
         hold = DecodeHold(self.inflight, route.decode.worker_id)
