@@ -228,17 +228,20 @@ class DecodeRelay:
         made aggregated names the peer to read the prefix from."""
         peer = self._peer_prefix(route) if route.prefill is None else None  # (else a prefill peer)
         d, hit = route.decode, route.predicted_hit_tokens if route.prefill is None else 0
-        work = PromptWork(self.inflight, self.routed, d.worker_id, len(prompt) - hit, hashes.all(), False)
+        work = None
+        if not route.sole:  # (a sole worker's queue and blocks weigh in no choice)
+            work = PromptWork(self.inflight, self.routed, d.worker_id, len(prompt) - hit, hashes.all(), False)
         try:
             async for msg in self._relay_decode(
                 d, rid, prompt, params, priority, None, deadline, lost, key, peer=peer
             ):
-                if msg.WhichOneof("kind") == "tokens":
+                if work is not None and msg.WhichOneof("kind") == "tokens":
                     work.done(True)
                 clock.on_message(msg)
                 yield msg
         finally:
-            work.done(False)
+            if work is not None:
+                work.done(False)
 
     async def _decode(self, opened: OpenDecode):
         try:

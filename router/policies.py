@@ -124,6 +124,7 @@ class Route:
     predicted_hit_tokens: int = 0
     peer: WorkerRecord | None = None  # the worker (of the computing one's role) to read the prefix from
     peer_blocks: int = 0  # how many (from block 0; the reader skips those it holds)
+    sole: bool = False  # the only candidate: nothing was weighed, and nothing later will be
 
 
 @dataclass(slots=True)

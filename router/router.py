@@ -136,6 +136,8 @@ class Router(DecodeRelay):
             )
         ref = (prefills or decodes)[0]
         hashes = PromptHashes(prompt, ref.block_size, salt_of(ref, lora))
+        if not prefills and len(decodes) == 1:  # nothing to choose: no lookup, no hashing, no record
+            return Route(None, ref, sole=True), hashes
         holders = self.routed.holders()
         inp = RoutingInput(
             iter(hashes), len(prompt), ref.block_size, prefills, decodes, self.inflight, holders, lora

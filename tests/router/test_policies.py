@@ -192,6 +192,25 @@ class _View:
         return [w for w in self.workers if role is None or w.role == role]
 
 
+def test_a_sole_aggregated_worker_is_routed_to_without_weighing_anything():
+    """One decode worker and no prefill workers: nothing to choose, so the router neither looks the
+    prompt up nor hashes it (its per-request cost on the short-request path); with two it weighs."""
+
+    class Counting(PrefixIndex):
+        lookups = 0
+
+        def match_tiers(self, *args, **kwargs):
+            Counting.lookups += 1
+            return super().match_tiers(*args, **kwargs)
+
+    index = Counting()
+    one, two = [decode("d0")], [decode("d0"), decode("d1")]
+    route, hashes = Router(_View(one, index))._route(PROMPT)
+    assert (route.decode.worker_id, route.sole, Counting.lookups, hashes._done) == ("d0", True, 0, [])
+    route = Router(_View(two, index)).route(PROMPT)
+    assert not route.sole and Counting.lookups == 1
+
+
 def test_router_hashes_the_prompt_with_the_workers_block_size_and_salt():
     """The router's keys equal the engines': same block size, same cache salt (the model's namespace)."""
     bs, salt = 8, "tiny-llama"
