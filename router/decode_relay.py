@@ -164,6 +164,7 @@ class DecodeRelay:
         opened: OpenDecode | None = None,
         shifted: bool = False,
         peer: pb.PeerPrefix | None = None,
+        work: PromptWork | None = None,
     ):
         """Relay Decode from ``w`` (``opened``: its call, already open); a decode worker that is
         unreachable before it sent anything (it died, its record not expired yet) is swapped for the
@@ -175,73 +176,72 @@ class DecodeRelay:
         could read another request's KV. The new worker computes the prompt plus the first token
         itself (seeded samples depend on positions only, so the output is the same), and the held
         KV is released. ``key``: the caller's request id (what an abort names), ``rid`` the workers'.
-        ``peer`` (aggregated): the decode worker ``w`` reads the prompt's prefix from (not after a swap)."""
+        ``peer`` (aggregated): the decode worker ``w`` reads the prompt's prefix from (not after a swap);
+        ``work``: the prompt's work counted on ``w``, done at its first token or the relay's end."""
         tried: set[str] = set(lost)  # ``shifted``: usage counts the prompt's last token as generated
         samples = params.n or 1
-        while True:
-            started, ended = False, 0
-            call = opened or self._open_decode(
-                w, rid, prompt, params, priority, handle, deadline, key, peer=peer
-            )
-            opened, peer = None, None
-            try:
-                async with aclosing(self._decode(call)) as stream:
-                    async for msg in stream:
-                        started = True
-                        kind = msg.WhichOneof("kind")
-                        if kind == "finished":
-                            ended += 1
-                            if shifted and msg.finished.usage.prompt_tokens:
-                                msg.finished.usage.prompt_tokens -= 1
-                                msg.finished.usage.completion_tokens += 1
-                        elif kind == "error":
-                            if msg.error.code == "unavailable":  # it cannot go on: resume elsewhere
-                                raise DecodeLost(w.worker_id, msg.error.message)
-                            ended = samples  # a refusal or failure of this request: passed on as is
-                        yield msg
-                if ended < samples:
-                    raise DecodeLost(w.worker_id, "its stream ended before the request did", suspect=False)
-                return
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                if _expired(deadline) or code not in MIGRATABLE:
-                    raise
-                if started or code != grpc.StatusCode.UNAVAILABLE:
-                    raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
-                tried.add(w.worker_id)
-                others = self.decode_candidates(tried, params.lora)
-                if not others:
-                    raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
-                logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)
-                self.stats.decode_retries += 1
-                w = min(others, key=lambda d: self.inflight.get(d.worker_id, WorkerLoad()).requests)
-                if handle is not None:
-                    self._in_background(self._release_at(handle.address, handle.request_id, handle.epoch))
-                    prompt, params = continuation(prompt, params, handle)
-                    handle, shifted = None, True
-
-    async def _relay_computed(
-        self, route: Route, hashes, rid, prompt, params, priority, deadline, lost, key: str, clock
-    ):
-        """Relay a Decode whose worker computes the prompt (aggregated, or after the prefill failed):
-        its prompt work counts on that worker until the first token (``PromptWork``), and a route
-        made aggregated names the peer to read the prefix from."""
-        peer = self._peer_prefix(route) if route.prefill is None else None  # (else a prefill peer)
-        d, hit = route.decode, route.predicted_hit_tokens if route.prefill is None else 0
-        work = None
-        if not route.sole:  # (a sole worker's queue and blocks weigh in no choice)
-            work = PromptWork(self.inflight, self.routed, d.worker_id, len(prompt) - hit, hashes.all(), False)
         try:
-            async for msg in self._relay_decode(
-                d, rid, prompt, params, priority, None, deadline, lost, key, peer=peer
-            ):
-                if work is not None and msg.WhichOneof("kind") == "tokens":
-                    work.done(True)
-                clock.on_message(msg)
-                yield msg
+            while True:
+                started, ended = False, 0
+                call = opened or self._open_decode(
+                    w, rid, prompt, params, priority, handle, deadline, key, peer=peer
+                )
+                opened, peer = None, None
+                try:
+                    async with aclosing(self._decode(call)) as stream:
+                        async for msg in stream:
+                            started = True
+                            kind = msg.WhichOneof("kind")
+                            if kind == "tokens" and work is not None:
+                                work.done(True)  # its prompt is computed: no longer queued there
+                            elif kind == "finished":
+                                ended += 1
+                                if shifted and msg.finished.usage.prompt_tokens:
+                                    msg.finished.usage.prompt_tokens -= 1
+                                    msg.finished.usage.completion_tokens += 1
+                            elif kind == "error":
+                                if msg.error.code == "unavailable":  # it cannot go on: resume elsewhere
+                                    raise DecodeLost(w.worker_id, msg.error.message)
+                                ended = samples  # a refusal or failure of this request: passed on as is
+                            yield msg
+                    if ended < samples:
+                        raise DecodeLost(
+                            w.worker_id, "its stream ended before the request did", suspect=False
+                        )
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    if _expired(deadline) or code not in MIGRATABLE:
+                        raise
+                    if started or code != grpc.StatusCode.UNAVAILABLE:
+                        raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
+                    tried.add(w.worker_id)
+                    others = self.decode_candidates(tried, params.lora)
+                    if not others:
+                        raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
+                    logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)
+                    self.stats.decode_retries += 1
+                    w = min(others, key=lambda d: self.inflight.get(d.worker_id, WorkerLoad()).requests)
+                    if handle is not None:
+                        self._in_background(self._release_at(handle.address, handle.request_id, handle.epoch))
+                        prompt, params = continuation(prompt, params, handle)
+                        handle, shifted = None, True
         finally:
             if work is not None:
                 work.done(False)
+
+    def _computing(self, route: Route, hashes, prompt) -> tuple[pb.PeerPrefix | None, PromptWork | None]:
+        """For a Decode whose worker computes the prompt (aggregated, or after the prefill failed):
+        the peer a route made aggregated names to read the prefix from, and the prompt's work
+        counted on that worker until its first token (none on a sole worker: it weighs in no
+        choice)."""
+        peer = self._peer_prefix(route) if route.prefill is None else None  # (else a prefill peer)
+        if route.sole:
+            return peer, None
+        d, hit = route.decode, route.predicted_hit_tokens if route.prefill is None else 0
+        return peer, PromptWork(
+            self.inflight, self.routed, d.worker_id, len(prompt) - hit, hashes.all(), False
+        )
 
     async def _decode(self, opened: OpenDecode):
         try:

@@ -317,8 +317,10 @@ class Router(DecodeRelay):
             self.stats.aggregated_fallbacks += route.prefill is not None or (n == 1 and bool(exclude))
             clock.decoding()
             hold.release()
-            args = (route, hashes, decode_id, prompt, proto_params, priority, deadline, lost, key, clock)
-            async for msg in self._relay_computed(*args):
+            peer, work = self._computing(route, hashes, prompt)
+            args = (route.decode, decode_id, prompt, proto_params, priority, None, deadline, lost, key)
+            async for msg in self._relay_decode(*args, work=work, peer=peer):
+                clock.on_message(msg)
                 yield msg
             return
         clock.first_token()
