@@ -191,10 +191,10 @@ class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
         """
         self._check_available()
         policy_ = FailurePolicy(policy or self.config.kv_failure_policy)
-        stream = self.loop.open_stream(request_id)
-        self.clocks.arrive(request_id)
         if (kv is not None or kv_source) and peer is not None:
             raise ValueError("a peer to read the prefix from is for aggregated requests only")
+        stream = self.loop.open_stream(request_id)
+        self.clocks.arrive(request_id)
         if kv_source:
             admit = self._admit_streamed(request_id, prompt, params, priority, kv_source, policy_)
         else:
