@@ -31,9 +31,8 @@ class PeerReads:
         self.peer_lends = PeerLends(timeout_s, self.peer_stub)
         self.tiers: PeerTiers | None = None  # engine thread only
         self._fetching: dict[str, asyncio.Future] = {}  # engine process: requests reading a peer's blocks
-        self.reading: set[str] = (
-            set()
-        )  # requests asking a peer or reading its blocks (what a drain waits for)
+        # requests asking a peer or reading its blocks (what a drain waits for)
+        self.reading: set[str] = set()
         if self.engine is not None:
             self.engine.add_role_hook(self._on_fetched)
             self.engine.on_failure(self._end_fetches)
