@@ -312,7 +312,7 @@ class _ClusterCollector:
             )
             yield CounterMetricFamily(
                 "pdserve_router_peer_reads",
-                "Prefills sent with a peer prefill worker to read the prompt's prefix from (KV tiers)",
+                "Prompts sent with a peer of the computing worker's role to read their prefix from (KV tiers)",
                 value=c.peer_reads,
             )
             yield CounterMetricFamily(

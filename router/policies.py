@@ -208,53 +208,38 @@ class CacheAware(LeastLoad):
         with index.lock:
             tiers = _capped(inp, index.match_tiers(inp.hashes, workers, inp.routed))
             cached = {w.worker_id: index.num_blocks_of(w.worker_id) for w in inp.prefills}
-        bs = inp.block_size
         hits = {w: sum(runs) for w, runs in tiers.items()}
+        if not inp.prefills:  # aggregated: the decode worker computes the prompt, its batch breaks ties
+            ties = lambda w: (self._busy(inp, w), self._swaps(inp, w), -w.num_free_blocks, w.worker_id)  # noqa: E731
+            return Route(None, *self._cheapest(inp, inp.decodes, tiers, hits, ties))
         # A decode worker's pulled KV lands on its device hits only (its host tier serves prompts
         # it computes itself), so those break its ties.
-        if not inp.prefills:
-            return self._aggregated(inp, tiers, hits)
         decode = self._decode(inp, {w: runs[0] for w, runs in tiers.items()})
-        peers = _PeerPrefixes(inp.prefills if self.peer_reads else [], tiers)
-        saved = {w.worker_id: peers.saved(w) for w in inp.prefills}
         # Ties (e.g. a new prefix on idle workers) go where the cache has the most room, which
         # spreads tenants over the workers instead of piling them onto the first one.
-        prefill = min(
-            inp.prefills,
-            key=lambda w: (
-                inp.prompt_len - saved[w.worker_id][0] * bs + self._queued_tokens(inp, w),
-                self._swaps(inp, w),
-                -hits.get(w.worker_id, 0),
-                cached[w.worker_id],
-                w.worker_id,
-            ),
-        )
-        _, peer, peer_blocks = saved[prefill.worker_id]
-        if peer is not None:
-            return Route(prefill, decode, peer_blocks * bs, peer, peer_blocks)
-        return Route(prefill, decode, hits.get(prefill.worker_id, 0) * bs)
+        ties = lambda w: (self._swaps(inp, w), -hits.get(w.worker_id, 0), cached[w.worker_id], w.worker_id)  # noqa: E731
+        prefill, *rest = self._cheapest(inp, inp.prefills, tiers, hits, ties)
+        return Route(prefill, decode, *rest)
 
-    def _aggregated(self, inp: RoutingInput, tiers: dict[str, Runs], hits: dict[str, int]) -> Route:
-        """Aggregated: the decode worker computes the prompt, so it is chosen as a prefill worker is
-        (the prompt tokens it would still compute, a peer's blocks read at its cost, plus the
-        uncached tokens queued there), its running batch breaking ties."""
+    def _cheapest(self, inp: RoutingInput, candidates, tiers: dict[str, Runs], hits: dict[str, int], ties):
+        """The worker among ``candidates`` that would give the prompt's first token soonest: the
+        prompt tokens it would still compute (its own hits, or a peer's blocks read at its measured
+        cost) plus the uncached tokens queued there, ``ties(worker)`` ordering the rest. Returns
+        (worker, predicted hit tokens, the peer to read from or None, the peer's blocks)."""
         bs = inp.block_size
-        peers = _PeerPrefixes(inp.decodes if self.peer_reads else [], tiers)
-        saved = {w.worker_id: peers.saved(w) for w in inp.decodes}
-        decode = min(
-            inp.decodes,
+        peers = _PeerPrefixes(candidates if self.peer_reads else [], tiers)
+        saved = {w.worker_id: peers.saved(w) for w in candidates}
+        best = min(
+            candidates,
             key=lambda w: (
                 inp.prompt_len - saved[w.worker_id][0] * bs + self._queued_tokens(inp, w),
-                self._busy(inp, w),
-                self._swaps(inp, w),
-                -w.num_free_blocks,
-                w.worker_id,
+                *ties(w),
             ),
         )
-        _, peer, peer_blocks = saved[decode.worker_id]
+        _, peer, peer_blocks = saved[best.worker_id]
         if peer is not None:
-            return Route(None, decode, peer_blocks * bs, peer, peer_blocks)
-        return Route(None, decode, hits.get(decode.worker_id, 0) * bs)
+            return best, peer_blocks * bs, peer, peer_blocks
+        return best, hits.get(best.worker_id, 0) * bs, None, 0
 
 
 Runs = tuple[int, int, int]  # a prefix hit's blocks on the device, then in the host tier, then on disk

@@ -76,6 +76,72 @@ def test_tenants_return_to_the_worker_holding_their_prefix_in_its_host_tier(
     asyncio.run(run())
 
 
+async def _read_from_a_busy_owner(cluster, role: str, seed: int, want) -> None:
+    """Workers ``<r>0`` and ``<r>1`` of ``role`` (r: its initial), both with host tiers. With the
+    second busy, the first computes a tenant's prompt; with the first busy, the second computes
+    another (so it has measured a prefill and can cost a read); once the index shows the first's
+    blocks and the second a peer-read cost, the tenant's next prompt goes, the first still busy, to
+    the second with the first as its peer. Every output equals ``want`` (HF); every block is back,
+    then the two workers' states (owner, reader) are returned."""
+    owner, reader = f"{role[0]}0", f"{role[0]}1"
+    rng = random.Random(seed)
+    tenant = [rng.randrange(3, 1000) for _ in range(PREFIX)]
+    other = [rng.randrange(3, 1000) for _ in range(PREFIX)]
+    decisions = cluster.router.decisions
+
+    def busy(worker: str | None) -> None:
+        """The router counts 10k tokens queued on ``worker`` (none: no extra load anywhere)."""
+        cluster.router.inflight.clear()
+        if worker is not None:
+            cluster.router.inflight[worker] = WorkerLoad(prompt_tokens=10_000)
+
+    async def until(check, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    def peer_cost() -> int:
+        return next(w for w in cluster.view.live_workers(role) if w.worker_id == reader).peer_hit_cost_pct
+
+    def held() -> int:
+        with cluster.view.index.lock:
+            return sum(cluster.view.index.match_tiers(hash_blocks(tenant, BS), [owner])[owner])
+
+    busy(reader)
+    first = [*tenant, 7, 8, 9]
+    assert await cluster.generate("a", first) == want(first)
+    assert decisions[(role, owner)] == 1
+    busy(owner)
+    warm = [*other, 1]
+    assert await cluster.generate("b", warm) == want(warm)
+    assert decisions[(role, reader)] == 1
+    await until(lambda: held() == PREFIX // BS, f"the index never showed {owner}'s blocks")
+    await until(lambda: peer_cost() < 100, f"{reader} never reported a peer-read cost")
+    second = [*tenant, 4, 5, 6, 10, 11]
+    assert await cluster.generate("c", second) == want(second)
+    assert decisions[(role, reader)] == 2
+    assert cluster.router.stats.peer_reads == 1
+    busy(None)
+    await cluster.all_free()
+    workers = cluster.prefills if role == "prefill" else cluster.decodes
+    owner_state, reader_state = [await state(w.address, role) for w in workers]
+    assert owner_state.stats.peer_lent_blocks == PREFIX // BS
+    assert reader_state.stats.peer_received_blocks == PREFIX // BS
+    assert reader_state.stats.prefix_cache_hits_host == PREFIX
+
+
+def _run(cluster, body) -> None:
+    async def run():
+        await cluster.start()
+        try:
+            await body()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
 def test_a_prefix_held_by_a_busy_worker_is_read_by_another_over_nixl(
     workers, redis_server, tiny_llama, hf_greedy
 ):
@@ -91,58 +157,14 @@ def test_a_prefix_held_by_a_busy_worker_is_read_by_another_over_nixl(
         kv_flags=("--kv-host-cache-gib", "0.01"),
         prefill_flags=((), ("--engine-process",)),
     )
-    rng = random.Random(5)
-    tenant = [rng.randrange(3, 1000) for _ in range(PREFIX)]
-    other = [rng.randrange(3, 1000) for _ in range(PREFIX)]
-
-    def busy(worker: str | None) -> None:
-        """The router counts 10k tokens queued on ``worker`` (none: no extra load anywhere)."""
-        cluster.router.inflight.clear()
-        if worker is not None:
-            cluster.router.inflight[worker] = WorkerLoad(prompt_tokens=10_000)
-
-    async def until(check, what: str) -> None:
-        deadline = time.monotonic() + 20
-        while not check():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.05)
-
-    def record(worker: str):
-        return next(w for w in cluster.view.live_workers("prefill") if w.worker_id == worker)
 
     async def body():
-        busy("p1")
-        first = [*tenant, 7, 8, 9]
-        assert await cluster.generate("a", first) == hf_greedy(tiny_llama, first, 6)
-        assert cluster.routes["a"].prefill_worker == "p0"
-        busy("p0")
-        warm = [*other, 1]
-        assert await cluster.generate("b", warm) == hf_greedy(tiny_llama, warm, 6)
-        assert cluster.routes["b"].prefill_worker == "p1"  # p1 has measured a prefill: it can cost reads
-        with cluster.view.index.lock:
-            held = lambda: sum(cluster.view.index.match_tiers(hash_blocks(tenant, BS), ["p0"])["p0"])  # noqa: E731
-        await until(lambda: held() == PREFIX // BS, "the index never showed p0's blocks")
-        await until(lambda: record("p1").peer_hit_cost_pct < 100, "p1 never reported a peer-read cost")
-        second = [*tenant, 4, 5, 6, 10, 11]
-        assert await cluster.generate("c", second) == hf_greedy(tiny_llama, second, 6)
+        await _read_from_a_busy_owner(cluster, "prefill", 5, lambda p: hf_greedy(tiny_llama, p, 6))
         route = cluster.routes["c"]
         assert (route.prefill_worker, route.peer_worker) == ("p1", "p0"), route
         assert route.delivered_hit_tokens == route.predicted_hit_tokens == PREFIX, route
-        p0, p1 = [await state(p.address, "prefill") for p in cluster.prefills]
-        assert p0.stats.peer_lent_blocks == PREFIX // BS
-        assert p1.stats.peer_received_blocks == PREFIX // BS and p1.stats.prefix_cache_hits_host == PREFIX
-        assert cluster.router.stats.peer_reads == 1
-        busy(None)
-        await cluster.all_free()
 
-    async def run():
-        await cluster.start()
-        try:
-            await body()
-        finally:
-            await cluster.stop()
-
-    asyncio.run(run())
+    _run(cluster, body)
 
 
 def test_aggregated_a_decode_worker_reads_a_busy_peers_prefix_over_nixl(
@@ -161,56 +183,6 @@ def test_aggregated_a_decode_worker_reads_a_busy_peers_prefix_over_nixl(
         kv_flags=("--kv-host-cache-gib", "0.01"),
         decode_flags=((), ("--engine-process",)),
     )
-    rng = random.Random(6)
-    tenant = [rng.randrange(3, 1000) for _ in range(PREFIX)]
-    other = [rng.randrange(3, 1000) for _ in range(PREFIX)]
-
-    def busy(worker: str | None) -> None:
-        """The router counts 10k tokens queued on ``worker`` (none: no extra load anywhere)."""
-        cluster.router.inflight.clear()
-        if worker is not None:
-            cluster.router.inflight[worker] = WorkerLoad(prompt_tokens=10_000)
-
-    async def until(check, what: str) -> None:
-        deadline = time.monotonic() + 20
-        while not check():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.05)
-
-    def record(worker: str):
-        return next(w for w in cluster.view.live_workers("decode") if w.worker_id == worker)
-
-    decisions = cluster.router.decisions
-
-    async def body():
-        busy("d1")
-        first = [*tenant, 7, 8, 9]
-        assert await cluster.generate("a", first) == hf_greedy(tiny_llama, first, 6)
-        assert decisions[("decode", "d0")] == 1
-        busy("d0")
-        warm = [*other, 1]
-        assert await cluster.generate("b", warm) == hf_greedy(tiny_llama, warm, 6)
-        assert decisions[("decode", "d1")] == 1  # d1 has measured a prefill: it can cost reads
-        with cluster.view.index.lock:
-            held = lambda: sum(cluster.view.index.match_tiers(hash_blocks(tenant, BS), ["d0"])["d0"])  # noqa: E731
-        await until(lambda: held() == PREFIX // BS, "the index never showed d0's blocks")
-        await until(lambda: record("d1").peer_hit_cost_pct < 100, "d1 never reported a peer-read cost")
-        second = [*tenant, 4, 5, 6, 10, 11]
-        assert await cluster.generate("c", second) == hf_greedy(tiny_llama, second, 6)
-        assert decisions[("decode", "d1")] == 2
-        assert cluster.router.stats.peer_reads == 1
-        d0, d1 = [await state(d.address, "decode") for d in cluster.decodes]
-        assert d0.stats.peer_lent_blocks == PREFIX // BS
-        assert d1.stats.peer_received_blocks == PREFIX // BS
-        assert d1.stats.prefix_cache_hits_host == PREFIX
-        busy(None)
-        await cluster.all_free()
-
-    async def run():
-        await cluster.start()
-        try:
-            await body()
-        finally:
-            await cluster.stop()
-
-    asyncio.run(run())
+    _run(
+        cluster, lambda: _read_from_a_busy_owner(cluster, "decode", 6, lambda p: hf_greedy(tiny_llama, p, 6))
+    )
