@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import pytest
 from test_decode_worker import BLOCK, P_BLOCKS, _prompt, collect, pulled_kv, wait_until
@@ -101,6 +102,24 @@ def pair(tiny_llama):
     p.stop()
 
 
+def _hold_after_first_step(p: PrefillWorker, gate: threading.Event) -> None:
+    """The prefill worker's second step waits for ``gate`` (its first step's blocks are announced)."""
+    step, steps = p.core.step, []
+
+    def held_step():
+        steps.append(None)
+        if len(steps) == 2:
+            assert gate.wait(60), "the decode worker never read the first step's blocks"
+        return step()
+
+    p.core.step = held_step
+
+
+def _requested(d: DecodeWorker, rid: str) -> int:
+    pull = d.pulls._pulls.get(rid)
+    return 0 if pull is None else pull.requested
+
+
 @pytest.fixture(scope="module")
 def engine_alone(tiny_llama):
     llm = LLM(str(tiny_llama), block_size=BLOCK, num_blocks=64)
@@ -142,6 +161,9 @@ def test_streamed_pull_equals_engine_alone_and_frees_everything(pair, engine_alo
     prompt = _prompt(12 * BLOCK + 3, 5)
     if provide_when == "watch_broke_off":
         pair.watch_blocks = 1
+    gate = threading.Event()
+    if provide_when == "at_once":  # on a loaded machine the prompt may finish before any early read
+        _hold_after_first_step(pair.p, gate)
 
     async def run():
         stream = pair.d.decode("r", prompt, GREEDY, kv_source="p")
@@ -155,7 +177,11 @@ def test_streamed_pull_equals_engine_alone_and_frees_everything(pair, engine_alo
 
         consumer = asyncio.ensure_future(consume())
         await wait_until(lambda: pair.watched("r"), "the decode worker to watch the prompt")
-        res = await pair.p.prefill("r", prompt, GREEDY)
+        prefill = asyncio.ensure_future(pair.p.prefill("r", prompt, GREEDY))
+        if provide_when == "at_once":  # the first step's blocks are read before the prompt goes on
+            await wait_until(lambda: pair.d.loop.run(lambda: _requested(pair.d, "r") > 0), "a block read early")
+            gate.set()
+        res = await prefill
         if provide_when == "all_read":  # every block was announced before the handle comes
             n = len(res.block_ids)
             await wait_until(
