@@ -179,7 +179,9 @@ def test_streamed_pull_equals_engine_alone_and_frees_everything(pair, engine_alo
         await wait_until(lambda: pair.watched("r"), "the decode worker to watch the prompt")
         prefill = asyncio.ensure_future(pair.p.prefill("r", prompt, GREEDY))
         if provide_when == "at_once":  # the first step's blocks are read before the prompt goes on
-            await wait_until(lambda: pair.d.loop.run(lambda: _requested(pair.d, "r") > 0), "a block read early")
+            await wait_until(
+                lambda: pair.d.loop.run(lambda: _requested(pair.d, "r") > 0), "a block read early"
+            )
             gate.set()
         res = await prefill
         if provide_when == "all_read":  # every block was announced before the handle comes
