@@ -16,7 +16,8 @@ The profile covers the engine's steps and KV transfers; everything else on the s
 tokenization, gRPC hops between ingress, router and workers, streaming) is not in it, and on this
 2-core machine the front end shares the cores with the engines. The errors say how much that is.
 
-    python -m bench.planner_validation [--quick] [--model PATH] [--rate-fraction 0.5]
+    python -m bench.planner_validation [--quick] [--model PATH] [--load 0.5]
+    python -m bench.planner_validation --replay results/planner_validation.json --output OUT.json
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from loadgen.serving_client import send
 from loadgen.serving_datasets import ServingRequest
 from planner.costs import ModelProfile
 from planner.profile import Grid, profile_engine
-from planner.served import Client, measure_served
+from planner.served import Client, fit_overhead, measure_served
 from planner.simulator import Deployment, SimRequest, Simulator, summarize
 from planner.traffic import Lengths, Traffic
 
@@ -170,13 +171,7 @@ def run(args: argparse.Namespace) -> dict:
                 requests = t.generate(vocab)
                 real = summarize(asyncio.run(replay(base, requests))).as_dict()
                 row = {"layout": layout.name, "mix": name, "rate": t.rate, "measured": real}
-                for key, profile, cores_shared in (
-                    ("engine_only", engine_only, None),
-                    ("served", served, cores),
-                ):
-                    dep = Deployment(layout.prefill, layout.decode, host_cores=cores_shared)
-                    sim = summarize(Simulator(profile, dep).run(t.generate(vocab))).as_dict()
-                    row[key] = {"predicted": sim, "error": errors(real, sim)}
+                predict(row, layout, engine_only, served, cores, t.generate(vocab))
                 rows.append(row)
                 print(_line(row), flush=True)
     return {
@@ -187,6 +182,34 @@ def run(args: argparse.Namespace) -> dict:
         "traffic": {k: asdict(v) for k, v in traffic.items()},
         "rows": rows,
     }
+
+
+def predict(row: dict, layout: Layout, engine_only, served, cores: int, requests: list[SimRequest]) -> None:
+    """The simulator's predictions for ``row``'s measured run: from the engine profile alone, and with
+    the served path's overhead on cores shared by workers and front end."""
+    for key, profile, shared in (("engine_only", engine_only, None), ("served", served, cores)):
+        dep = Deployment(layout.prefill, layout.decode, host_cores=shared)
+        fresh = [SimRequest(r.arrival, r.prompt, r.output_len) for r in requests]
+        sim = summarize(Simulator(profile, dep).run(fresh)).as_dict()
+        row[key] = {"predicted": sim, "error": errors(row["measured"], sim)}
+
+
+def replay_stored(result: dict) -> dict:
+    """``result`` (a stored run) predicted again by this simulator: the same profiles, traffic and
+    measurements; each served overhead refitted from its samples (``fit_overhead`` as it is now)."""
+    profiles = {int(k): ModelProfile.from_json(v) for k, v in result["profiles"].items()}
+    vocab = next(iter(profiles.values())).model["vocab_size"]
+    traffic = {name: Traffic.from_dict(t) for name, t in result["traffic"].items()}
+    by_name = {layout.name: layout for layout in LAYOUTS}
+    for row in result["rows"]:
+        layout = by_name[row["layout"]]
+        engine_only = profiles[max(1, result["cores"] // layout.workers)]
+        over = fit_overhead(result["served_overheads"][layout.name]["samples"])
+        result["served_overheads"][layout.name] = over.to_json()
+        served = replace(engine_only, served={_mode(layout): over})
+        requests = traffic[row["mix"]].generate(vocab)
+        predict(row, layout, engine_only, served, result["cores"], requests)
+    return result
 
 
 def _mode(layout: Layout) -> str:
@@ -257,8 +280,13 @@ def main() -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint (created when missing)")
     p.add_argument("--load", type=float, default=1.0, help="scale every mix's arrival rate")
     p.add_argument("--output", default=str(RESULTS / "planner_validation.json"))
+    p.add_argument(
+        "--replay",
+        metavar="RESULT",
+        help="predict a stored run's measurements again with this simulator (seconds, no deployment)",
+    )
     args = p.parse_args()
-    result = run(args)
+    result = replay_stored(json.loads(Path(args.replay).read_text())) if args.replay else run(args)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -90,30 +90,37 @@ SERVED_MODES = ("aggregated", "disaggregated")
 class ServedOverhead:
     """What a deployment adds to the engine's steps, measured on it by ``pdserve profile --served``
     (``planner.served``): HTTP, tokenization, the router and the gRPC hops before the first token
-    (``ttft_s``), and each decode step's streaming out through worker, router and ingress
-    (``step_s + step_per_seq_s * batch``). ``samples``: the measurements these were fitted to."""
+    (``ttft_s``), a prompt's computation running ``prefill_scale`` slower than the engine alone
+    measured it (the served worker shares its cores with the front end's processes), and each decode
+    step's streaming out through worker, router and ingress (``step_s + step_per_seq_s * batch``).
+    ``samples``: the measurements these were fitted to."""
 
     ttft_s: float = 0.0
     step_s: float = 0.0
     step_per_seq_s: float = 0.0
     samples: tuple[dict, ...] = ()
+    prefill_scale: float = 0.0  # served prefill time = engine prefill time * (1 + prefill_scale)
+
+    FIELDS = ("ttft_s", "step_s", "step_per_seq_s", "prefill_scale")
 
     def to_json(self) -> dict:
-        out = {k: getattr(self, k) for k in ("ttft_s", "step_s", "step_per_seq_s")}
-        return out | {"samples": list(self.samples)}
+        return {k: getattr(self, k) for k in self.FIELDS} | {"samples": list(self.samples)}
 
     @classmethod
     def from_json(cls, data, where: str) -> ServedOverhead:
         if not isinstance(data, dict):
             raise ProfileError(f"profile field {where} must be an object")
-        for k in ("ttft_s", "step_s", "step_per_seq_s"):
+        data = {"prefill_scale": 0.0} | data  # profiles written before it was measured
+        for k in cls.FIELDS:
             v = data.get(k)
             if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
                 raise ProfileError(f"profile field {where}.{k} must be a number >= 0, got {v!r}")
         samples = data.get("samples", [])
         if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
             raise ProfileError(f"profile field {where}.samples must be a list of objects")
-        return cls(data["ttft_s"], data["step_s"], data["step_per_seq_s"], tuple(samples))
+        return cls(
+            data["ttft_s"], data["step_s"], data["step_per_seq_s"], tuple(samples), data["prefill_scale"]
+        )
 
 
 @dataclass

@@ -5,7 +5,9 @@ end, the router, the gRPC hops to the workers, and streams each token back the s
 here on the deployment itself, one load level at a time so nothing queues:
 
 - **Before the first token**: single requests of several prompt lengths, one at a time; the client's
-  TTFT minus the profile's prefill time for that prompt. ``ttft_s`` is the median.
+  TTFT minus the profile's prefill time for that prompt, fitted as ``ttft_s + prefill_scale *
+  prefill`` (a fixed delay, and a served prompt computed slower than the engine alone computes it:
+  on a CPU host the front end's processes take cycles from the worker's threads).
 - **Per decode step**: ``batch`` requests sent together (same length, so they decode in one batch);
   the median gap between streamed chunks minus the profile's decode step at that batch and context,
   fitted as ``step_s + step_per_seq_s * batch`` (non-negative least squares).
@@ -101,7 +103,7 @@ def measure_served(
     client: Client,
     profile: ModelProfile,
     prompt_lengths: tuple[int, ...] = (32, 128, 256),
-    batches: tuple[int, ...] = (1, 2, 4, 8),
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
     output_tokens: int = 24,
     repeats: int = 3,
     progress: Progress = print,
@@ -142,22 +144,30 @@ def measure_served(
 
 def fit_overhead(samples: list[dict]) -> ServedOverhead:
     """The overhead model from measured samples (see the module doc); never below zero."""
-    ttft = [s["seconds"] - s["engine_s"] for s in samples if s["kind"] == "ttft"]
+    ttft = [s for s in samples if s["kind"] == "ttft"]
     itl = [s for s in samples if s["kind"] == "itl"]
     if not ttft or not itl:
         raise ServedError("the served overhead needs TTFT and ITL samples")
-    extra = np.array([s["seconds"] - s["engine_s"] for s in itl])
-    batch = np.array([float(s["batch"]) for s in itl])
-    step, per_seq = max(float(np.median(extra)), 0.0), 0.0
-    if len(set(batch)) > 1:  # least squares in seconds (not relative: an overhead can be ~0)
-        (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(batch), batch], axis=1), extra, rcond=None)
-        if b < 0:  # grows with nothing: a constant
-            pass
-        elif a < 0:  # all of it per sequence
-            step, per_seq = 0.0, max(float(batch @ extra / (batch @ batch)), 0.0)
-        else:
-            step, per_seq = float(a), float(b)
-    return ServedOverhead(max(statistics.median(ttft), 0.0), step, per_seq, tuple(samples))
+    fixed, scale = _affine([s["engine_s"] for s in ttft], [s["seconds"] - s["engine_s"] for s in ttft])
+    batch = [float(s["batch"]) for s in itl]
+    step, per_seq = _affine(batch, [s["seconds"] - s["engine_s"] for s in itl])
+    return ServedOverhead(fixed, step, per_seq, tuple(samples), prefill_scale=scale)
+
+
+def _affine(x: list[float], extra: list[float]) -> tuple[float, float]:
+    """``extra ~ a + b * x`` by least squares in seconds (not relative: an overhead can be ~0), both
+    never below zero: a slope that comes out negative leaves the median as a constant, an intercept
+    that does leaves all of it proportional to ``x``."""
+    xs, ys = np.asarray(x), np.asarray(extra)
+    constant = (max(float(np.median(ys)), 0.0), 0.0)
+    if len(set(x)) < 2:
+        return constant
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(xs), xs], axis=1), ys, rcond=None)
+    if b < 0:  # grows with nothing: a constant
+        return constant
+    if a < 0:  # all of it proportional
+        return 0.0, max(float(xs @ ys / (xs @ xs)), 0.0)
+    return float(a), float(b)
 
 
 def _batch_gaps(client: Client, prompts: list[list[int]], output_tokens: int) -> list[float]:

@@ -17,7 +17,8 @@ What it models, as the real system does it:
   ``engine.block_pool`` keeps them; hits shorten prefills.
 
 - **The served path** (when the profile has it for the deployment's mode: ``pdserve profile
-  --served``): a fixed delay before routing (front end, router, hops) and a per-step streaming cost.
+  --served``): a fixed delay before routing (front end, router, hops), prompts computed slower than
+  the engine alone computes them, and a per-step streaming cost.
 - **Shared cores** (``host_cores``, a CPU deployment on one host): a step is stretched by the busy
   workers' threads over the cores when they exceed them.
 
@@ -38,6 +39,8 @@ from planner.costs import ModelProfile, ServedOverhead
 from registry.prefix_index import PrefixIndex
 from registry.schema import REMOVED, STORED, KVEventRecord, WorkerRecord
 from router.policies import RoutingInput, make_policy
+
+FRONT_WINDOW_S = 1.0  # the front end's CPU load on shared cores: its work over this much past
 
 
 @dataclass
@@ -169,6 +172,7 @@ class Simulator:
             self.index.replace(w.wid, epoch=1, seq=0, hashes=[])  # registered, nothing cached yet
         self._by_id = {w.wid: w for w in self.prefills + self.decodes}
         self._events: list = []
+        self._front: deque[tuple[float, float, _Worker | None]] = deque()  # front-end work
         self._tie = itertools.count()
         self.now = 0.0
 
@@ -186,6 +190,7 @@ class Simulator:
     # Arrival and routing ---------------------------------------------------------------------------
 
     def _arrive(self, req: SimRequest) -> None:
+        self._front_work(self.over.ttft_s)
         whole = (
             (len(req.prompt) - 1) // self.block_size * self.block_size
         )  # the last token is always computed
@@ -246,20 +251,34 @@ class Simulator:
         cost = 0.0
         if chunks:
             work = sum(p.coef[1] * n + p.coef[2] * n * (s.ctx + n / 2) for s, n in chunks)
-            cost += p.coef[0] + work
+            cost += (p.coef[0] + work) * (1.0 + self.over.prefill_scale)
         if w.running:
             ctx = statistics.fmean(s.ctx + s.generated for s in w.running)
             cost += self.profile.decode_step_s(len(w.running), ctx) - (p.coef[0] if chunks else 0.0)
             cost += self.over.step_s + self.over.step_per_seq_s * len(w.running)
         w.busy = True
-        self._at(self.now + max(cost * self._sharing(), 1e-9), self._step_done, w, chunks, list(w.running))
+        self._at(self.now + max(cost * self._sharing(w), 1e-9), self._step_done, w, chunks, list(w.running))
 
-    def _sharing(self) -> float:
-        """How much slower a step starting now runs on cores the busy workers share (1: not shared)."""
+    def _sharing(self, w: _Worker) -> float:
+        """How much slower a step starting now runs on cores the busy workers and the front end share
+        (1: not shared)."""
         if self.dep.host_cores is None:
             return 1.0
         busy = sum(w.busy for w in self._by_id.values())  # the one starting this step included
-        return max(1.0, busy * self.threads / self.dep.host_cores)
+        return max(1.0, (busy * self.threads + self._front_load(w)) / self.dep.host_cores)
+
+    def _front_work(self, cpu_s: float, source: _Worker | None = None) -> None:
+        """The front end (ingress, router, the workers' gRPC sides) spent ``cpu_s`` now, streaming
+        ``source``'s tokens (None: taking a request in)."""
+        if self.dep.host_cores is not None and cpu_s > 0:
+            self._front.append((self.now, cpu_s, source))
+
+    def _front_load(self, stepping: _Worker) -> float:
+        """Cores the front end kept busy over the last ``FRONT_WINDOW_S``, less streaming
+        ``stepping``'s own tokens (measured with its steps: ``step_per_seq_s``)."""
+        while self._front and self._front[0][0] < self.now - FRONT_WINDOW_S:
+            self._front.popleft()
+        return sum(c for _, c, source in self._front if source is not stepping) / FRONT_WINDOW_S
 
     def _admit(self, w: _Worker) -> None:
         """Move prefilled sequences (KV arrived) and local prompts into the batch while blocks last;
@@ -279,6 +298,7 @@ class Simulator:
         for s in batch:  # one token each
             s.generated += 1
             s.req.token_times.append(self.now)
+        self._front_work(self.over.step_per_seq_s * len(batch), w)
         finished = [s for s in w.running if s.generated >= s.req.output_len]
         if finished:
             w.reserved -= sum(self._blocks(s) for s in finished)

@@ -57,6 +57,12 @@ class Traffic:
     seed: int = 0
     trace: tuple[dict, ...] = ()  # when given: these requests, not the generated ones
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Traffic:
+        """The inverse of ``dataclasses.asdict`` (a description stored with a result)."""
+        parts = {"prompt": Lengths(**d["prompt"]), "output": Lengths(**d["output"]), "slo": SLO(**d["slo"])}
+        return cls(**(d | parts | {"trace": tuple(d.get("trace", ()))}))
+
     def scaled(self, rate: float = 1.0, prompt: float = 1.0) -> Traffic:
         """What if: ``rate`` times the arrivals, prompts ``prompt`` times as long."""
         from dataclasses import replace

@@ -5,7 +5,7 @@ profile of another model refused at the command line."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import yaml
@@ -13,7 +13,7 @@ from synthetic import synthetic_profile
 
 from cli.main import main as pdserve
 from planner.plan import PlanError, evaluate, plan
-from planner.traffic import TrafficError, load_traffic, parse_traffic
+from planner.traffic import Traffic, TrafficError, load_traffic, parse_traffic
 
 TRAFFIC = {
     "rate": 20.0,
@@ -102,6 +102,18 @@ def test_generated_traffic_is_the_same_for_the_same_seed_and_shares_prefixes():
     heads = {tuple(r.prompt[:128]) for r in a}
     assert len(heads) == 4  # every prompt opens with one of the 4 shared prefixes
     assert all(256 <= len(r.prompt) <= 768 for r in a)
+
+
+def test_a_stored_description_reads_back_as_the_same_traffic(tmp_path):
+    (tmp_path / "t.jsonl").write_text('{"arrival_s": 0, "prompt_tokens": 9, "output_tokens": 2}\n')
+    for t in (parse_traffic(TRAFFIC), load_traffic(_trace_file(tmp_path))):
+        back = Traffic.from_dict(json.loads(json.dumps(asdict(t))))
+        assert back == t and [r.prompt for r in back.generate()] == [r.prompt for r in t.generate()]
+
+
+def _trace_file(tmp_path):
+    (tmp_path / "traced.yaml").write_text("trace: t.jsonl\nslo: {ttft_p90_s: 1.0}\n")
+    return tmp_path / "traced.yaml"
 
 
 def test_the_plan_is_the_fewest_workers_that_meet_the_slos():

@@ -15,7 +15,7 @@ from bench.ports import free_port
 from cli.main import main as pdserve
 from planner.costs import ModelProfile, ProfileError, ServedOverhead
 from planner.served import Client, ServedError, fit_overhead, measure_served
-from planner.simulator import Deployment, SimRequest, Simulator
+from planner.simulator import FRONT_WINDOW_S, Deployment, SimRequest, Simulator
 
 
 def prompt(tenant: int, length: int) -> list[int]:
@@ -42,13 +42,18 @@ def test_the_overhead_fit_recovers_the_costs_added_to_the_engine():
     assert over.step_s >= 0 and over.step_per_seq_s == pytest.approx(0.0553 / 85)  # through the origin
     with pytest.raises(ServedError, match="needs TTFT and ITL samples"):
         fit_overhead(samples[:2])
+    # A served prompt computed 30% slower than the engine alone, after a 4 ms hop: both recovered.
+    for s, e in zip(samples[:2], (0.01, 0.05), strict=True):
+        s["seconds"] = e + 0.004 + 0.3 * e
+    over = fit_overhead(samples)
+    assert (over.ttft_s, over.prefill_scale) == pytest.approx((0.004, 0.3))
 
 
 def test_the_simulator_adds_the_served_path_of_the_deployments_mode():
-    over = ServedOverhead(ttft_s=0.02, step_s=0.001, step_per_seq_s=0.0005)
+    over = ServedOverhead(ttft_s=0.02, step_s=0.001, step_per_seq_s=0.0005, prefill_scale=0.5)
     p = replace(synthetic_profile(), served={"disaggregated": over})
     [r] = Simulator(p, Deployment(1, 1)).run([SimRequest(1.0, prompt(1, 200), 3)])
-    assert r.first_token == pytest.approx(1.0 + 0.02 + p.prefill_s(200, 0), abs=1e-12)
+    assert r.first_token == pytest.approx(1.0 + 0.02 + 1.5 * p.prefill_s(200, 0), abs=1e-12)
     t = r.first_token + p.transfer_s(200)
     expected = [r.first_token]
     for k in range(2):
@@ -78,8 +83,33 @@ def test_workers_sharing_too_few_cores_run_slower_and_enough_cores_change_nothin
         Deployment(1, 1, host_cores=0)
 
 
+def test_the_front_end_streaming_on_shared_cores_slows_the_other_workers_steps():
+    """Streaming a worker's tokens takes cores from the others' steps (counted over the last
+    ``FRONT_WINDOW_S``); a worker's own streaming is in its step already (``step_per_seq_s``)."""
+    over = ServedOverhead(step_per_seq_s=0.01)
+    base = replace(synthetic_profile(), hardware={"device": "cpu", "torch_threads": 1})
+    p = replace(base, served={"disaggregated": over, "aggregated": over})
+
+    def run(cores: int | None) -> list[SimRequest]:
+        reqs = [SimRequest(0.0, prompt(1, 512), 64), SimRequest(0.2, prompt(2, 1024), 4)]
+        return Simulator(p, Deployment(1, 1, host_cores=cores)).run(reqs)
+
+    alone, shared = run(None), run(2)
+    assert alone[1].first_token == pytest.approx(0.2 + p.prefill_s(1024), abs=1e-12)
+    streamed = sum(t <= 0.2 for t in shared[0].token_times[1:])  # the first token is the prefill's
+    assert streamed > 5
+    load = streamed * 0.01 / FRONT_WINDOW_S  # cores the front end kept busy: decode and prefill busy too
+    assert shared[1].first_token == pytest.approx(0.2 + p.prefill_s(1024) * (2 + load) / 2, abs=1e-12)
+
+    def one(cores: int | None) -> list[float]:
+        reqs = [SimRequest(0.0, prompt(1, 512), 64)]
+        return Simulator(p, Deployment(0, 1, host_cores=cores)).run(reqs)[0].token_times
+
+    assert one(1) == one(None)  # alone on its core: its own streaming does not slow it again
+
+
 def test_a_profile_keeps_its_served_overheads_and_refuses_malformed_ones(tmp_path):
-    over = ServedOverhead(0.01, 0.002, 0.0003, ({"kind": "ttft", "seconds": 0.02},))
+    over = ServedOverhead(0.01, 0.002, 0.0003, ({"kind": "ttft", "seconds": 0.02},), 0.25)
     p = replace(synthetic_profile(), served={"aggregated": over})
     p.save(tmp_path / "p.json")
     assert ModelProfile.load(tmp_path / "p.json").served == {"aggregated": over}
@@ -90,12 +120,20 @@ def test_a_profile_keeps_its_served_overheads_and_refuses_malformed_ones(tmp_pat
         ),
         (lambda d: d["served"].update(pipelined={}), "served must map serving modes"),
         (lambda d: d["served"]["aggregated"].update(samples="x"), "served.aggregated.samples must be a list"),
+        (
+            lambda d: d["served"]["aggregated"].update(prefill_scale="x"),
+            "served.aggregated.prefill_scale must be a number >= 0",
+        ),
     ):
         data = json.loads((tmp_path / "p.json").read_text())
         edit(data)
         (tmp_path / "bad.json").write_text(json.dumps(data))
         with pytest.raises(ProfileError, match=message):
             ModelProfile.load(tmp_path / "bad.json")
+    data = json.loads((tmp_path / "p.json").read_text())
+    del data["served"]["aggregated"]["prefill_scale"]  # a profile from before it was measured
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert ModelProfile.load(tmp_path / "old.json").served["aggregated"] == replace(over, prefill_scale=0.0)
 
 
 @pytest.fixture(scope="module")
