@@ -95,7 +95,9 @@ def _served(args: argparse.Namespace) -> int:
     )
     replace(profile, served={**profile.served, args.served_mode: over}).save(args.out)
     print(
-        f"served path ({args.served_mode}): {over.ttft_s * 1e3:.2f} ms before the first token, "
+        f"served path ({args.served_mode}): {over.ttft_s * 1e3:.2f} ms + "
+        f"{over.per_token_s * 1e6:.1f} us per prompt token before the first token, prompts computed "
+        f"{over.prefill_scale:.0%} slower than the engine alone, "
         f"{over.step_s * 1e3:.2f} ms + {over.step_per_seq_s * 1e3:.3f} ms per sequence per decode step"
     )
     print(f"profile written to {args.out}")

@@ -90,7 +90,7 @@ SERVED_MODES = ("aggregated", "disaggregated")
 class ServedOverhead:
     """What a deployment adds to the engine's steps, measured on it by ``pdserve profile --served``
     (``planner.served``): HTTP, tokenization, the router and the gRPC hops before the first token
-    (``ttft_s``), a prompt's computation running ``prefill_scale`` slower than the engine alone
+    (``ttft_s``, and ``per_token_s`` per prompt token), a prompt's computation running ``prefill_scale`` slower than the engine alone
     measured it (the served worker shares its cores with the front end's processes), and each decode
     step's streaming out through worker, router and ingress (``step_s + step_per_seq_s * batch``).
     ``samples``: the measurements these were fitted to."""
@@ -100,8 +100,13 @@ class ServedOverhead:
     step_per_seq_s: float = 0.0
     samples: tuple[dict, ...] = ()
     prefill_scale: float = 0.0  # served prefill time = engine prefill time * (1 + prefill_scale)
+    per_token_s: float = 0.0  # the front end's time per prompt token, before the prompt reaches a worker
 
-    FIELDS = ("ttft_s", "step_s", "step_per_seq_s", "prefill_scale")
+    FIELDS = ("ttft_s", "step_s", "step_per_seq_s", "prefill_scale", "per_token_s")
+
+    def intake_s(self, prompt_tokens: int) -> float:
+        """A request's time in the front end before a worker sees it."""
+        return self.ttft_s + self.per_token_s * prompt_tokens
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.FIELDS} | {"samples": list(self.samples)}
@@ -110,7 +115,7 @@ class ServedOverhead:
     def from_json(cls, data, where: str) -> ServedOverhead:
         if not isinstance(data, dict):
             raise ProfileError(f"profile field {where} must be an object")
-        data = {"prefill_scale": 0.0} | data  # profiles written before it was measured
+        data = {"prefill_scale": 0.0, "per_token_s": 0.0} | data  # profiles written before these
         for k in cls.FIELDS:
             v = data.get(k)
             if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
@@ -118,9 +123,7 @@ class ServedOverhead:
         samples = data.get("samples", [])
         if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
             raise ProfileError(f"profile field {where}.samples must be a list of objects")
-        return cls(
-            data["ttft_s"], data["step_s"], data["step_per_seq_s"], tuple(samples), data["prefill_scale"]
-        )
+        return cls(**{k: data[k] for k in cls.FIELDS}, samples=tuple(samples))
 
 
 @dataclass

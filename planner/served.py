@@ -4,10 +4,12 @@ The engine profile times prefill and decode steps; a user's request also crosses
 end, the router, the gRPC hops to the workers, and streams each token back the same way. Measured
 here on the deployment itself, one load level at a time so nothing queues:
 
-- **Before the first token**: single requests of several prompt lengths, one at a time; the client's
-  TTFT minus the profile's prefill time for that prompt, fitted as ``ttft_s + prefill_scale *
-  prefill`` (a fixed delay, and a served prompt computed slower than the engine alone computes it:
-  on a CPU host the front end's processes take cycles from the worker's threads).
+- **Before the first token**: single requests of several prompt lengths, one at a time, each sent
+  twice (the second time its whole blocks are cached: long, yet little to compute); the client's
+  TTFT minus the profile's prefill time for that prompt, fitted as ``ttft_s + per_token_s * prompt
+  + prefill_scale * prefill`` (non-negative least squares): a fixed delay, the front end's work per
+  prompt token, and a served prompt computed slower than the engine alone computes it (on a CPU host
+  the front end's processes take cycles from the worker's threads).
 - **Per decode step**: ``batch`` requests sent together (same length, so they decode in one batch);
   the median gap between streamed chunks minus the profile's decode step at that batch and context,
   fitted as ``step_s + step_per_seq_s * batch`` (non-negative least squares).
@@ -120,16 +122,23 @@ def measure_served(
 
     client.stream(prompt(16), 4)  # warm-up: connections, compiled paths
     samples = []
+    bs = profile.model["block_size"]
     for n in prompt_lengths:
-        runs = []
+        fresh, again = [], []
         for _ in range(repeats):
-            t0, times = client.stream(prompt(n), 2)
-            runs.append(times[0] - t0)
-        ttft = statistics.median(runs)
-        samples.append({"kind": "ttft", "prompt": n, "seconds": ttft, "engine_s": profile.prefill_s(n)})
-        progress(
-            f"TTFT of a {n}-token prompt alone: {ttft * 1e3:.1f} ms (engine {profile.prefill_s(n) * 1e3:.1f})"
-        )
+            p = prompt(n)
+            t0, times = client.stream(p, 2)
+            fresh.append(times[0] - t0)
+            t0, times = client.stream(p, 2)  # its whole blocks are cached now
+            again.append(times[0] - t0)
+        cached = (n - 1) // bs * bs
+        for runs, hit in ((fresh, 0), (again, cached)):
+            ttft, engine = statistics.median(runs), profile.prefill_s(n - hit, hit)
+            samples.append({"kind": "ttft", "prompt": n, "cached": hit, "seconds": ttft, "engine_s": engine})
+            progress(
+                f"TTFT of a {n}-token prompt alone, {hit} cached: {ttft * 1e3:.1f} ms "
+                f"(engine {engine * 1e3:.1f})"
+            )
     n = prompt_lengths[0]
     for b in batches:
         gaps: list[float] = []
@@ -148,10 +157,32 @@ def fit_overhead(samples: list[dict]) -> ServedOverhead:
     itl = [s for s in samples if s["kind"] == "itl"]
     if not ttft or not itl:
         raise ServedError("the served overhead needs TTFT and ITL samples")
-    fixed, scale = _affine([s["engine_s"] for s in ttft], [s["seconds"] - s["engine_s"] for s in ttft])
+    fixed, scale, per_token = _ttft_terms(ttft)
     batch = [float(s["batch"]) for s in itl]
     step, per_seq = _affine(batch, [s["seconds"] - s["engine_s"] for s in itl])
-    return ServedOverhead(fixed, step, per_seq, tuple(samples), prefill_scale=scale)
+    return ServedOverhead(fixed, step, per_seq, tuple(samples), prefill_scale=scale, per_token_s=per_token)
+
+
+def _ttft_terms(ttft: list[dict]) -> tuple[float, float, float]:
+    """(fixed, prefill_scale, per prompt token): a prompt's served TTFT over its engine time as
+    ``fixed + prefill_scale * engine_s + per_token * prompt``. A cached repeat of a prompt (long, yet
+    little to compute) tells the front end's per-token cost from a slower prefill; without one (an
+    older profile) the per-token term is left out."""
+    extra = [s["seconds"] - s["engine_s"] for s in ttft]
+    if not any(s.get("cached") for s in ttft):
+        return (*_affine([s["engine_s"] for s in ttft], extra), 0.0)
+    x = np.array([[1.0, s["engine_s"], float(s["prompt"])] for s in ttft])
+    y = np.array(extra)
+    keep = [0, 1, 2]
+    while True:  # least squares in seconds; a term that comes out negative explains nothing: dropped
+        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    out = [0.0, 0.0, 0.0]
+    for i, c in zip(keep, coef, strict=True):
+        out[i] = max(float(c), 0.0)
+    return out[0], out[1], out[2]
 
 
 def _affine(x: list[float], extra: list[float]) -> tuple[float, float]:

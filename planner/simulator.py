@@ -181,7 +181,7 @@ class Simulator:
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         for r in requests:  # the front end and the router's hops come before any worker sees it
-            self._at(r.arrival + self.over.ttft_s, self._arrive, r)
+            self._at(r.arrival + self.over.intake_s(len(r.prompt)), self._arrive, r)
         while self._events:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
@@ -190,7 +190,7 @@ class Simulator:
     # Arrival and routing ---------------------------------------------------------------------------
 
     def _arrive(self, req: SimRequest) -> None:
-        self._front_work(self.over.ttft_s)
+        self._front_work(self.over.intake_s(len(req.prompt)))
         whole = (
             (len(req.prompt) - 1) // self.block_size * self.block_size
         )  # the last token is always computed

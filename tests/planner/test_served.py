@@ -46,14 +46,25 @@ def test_the_overhead_fit_recovers_the_costs_added_to_the_engine():
     for s, e in zip(samples[:2], (0.01, 0.05), strict=True):
         s["seconds"] = e + 0.004 + 0.3 * e
     over = fit_overhead(samples)
-    assert (over.ttft_s, over.prefill_scale) == pytest.approx((0.004, 0.3))
+    assert (over.ttft_s, over.prefill_scale, over.per_token_s) == pytest.approx((0.004, 0.3, 0.0))
+    # With cached repeats (long prompts, little to compute) the front end's per-token cost is told
+    # apart from a slower prefill.
+    ttft = [
+        {"kind": "ttft", "prompt": n, "cached": c, "seconds": e + 0.004 + 0.3 * e + 2e-5 * n, "engine_s": e}
+        for n, c, e in ((32, 0, 0.01), (32, 16, 0.006), (256, 0, 0.05), (256, 240, 0.012))
+    ]
+    over = fit_overhead(ttft + samples[2:])
+    assert (over.ttft_s, over.prefill_scale, over.per_token_s) == pytest.approx((0.004, 0.3, 2e-5))
+    assert over.intake_s(100) == pytest.approx(0.004 + 100 * 2e-5)
 
 
 def test_the_simulator_adds_the_served_path_of_the_deployments_mode():
-    over = ServedOverhead(ttft_s=0.02, step_s=0.001, step_per_seq_s=0.0005, prefill_scale=0.5)
+    over = ServedOverhead(
+        ttft_s=0.02, step_s=0.001, step_per_seq_s=0.0005, prefill_scale=0.5, per_token_s=1e-5
+    )
     p = replace(synthetic_profile(), served={"disaggregated": over})
     [r] = Simulator(p, Deployment(1, 1)).run([SimRequest(1.0, prompt(1, 200), 3)])
-    assert r.first_token == pytest.approx(1.0 + 0.02 + 1.5 * p.prefill_s(200, 0), abs=1e-12)
+    assert r.first_token == pytest.approx(1.0 + 0.02 + 200e-5 + 1.5 * p.prefill_s(200, 0), abs=1e-12)
     t = r.first_token + p.transfer_s(200)
     expected = [r.first_token]
     for k in range(2):
@@ -109,7 +120,7 @@ def test_the_front_end_streaming_on_shared_cores_slows_the_other_workers_steps()
 
 
 def test_a_profile_keeps_its_served_overheads_and_refuses_malformed_ones(tmp_path):
-    over = ServedOverhead(0.01, 0.002, 0.0003, ({"kind": "ttft", "seconds": 0.02},), 0.25)
+    over = ServedOverhead(0.01, 0.002, 0.0003, ({"kind": "ttft", "seconds": 0.02},), 0.25, 3e-6)
     p = replace(synthetic_profile(), served={"aggregated": over})
     p.save(tmp_path / "p.json")
     assert ModelProfile.load(tmp_path / "p.json").served == {"aggregated": over}
@@ -131,9 +142,11 @@ def test_a_profile_keeps_its_served_overheads_and_refuses_malformed_ones(tmp_pat
         with pytest.raises(ProfileError, match=message):
             ModelProfile.load(tmp_path / "bad.json")
     data = json.loads((tmp_path / "p.json").read_text())
-    del data["served"]["aggregated"]["prefill_scale"]  # a profile from before it was measured
+    for key in ("prefill_scale", "per_token_s"):  # a profile from before they were measured
+        del data["served"]["aggregated"][key]
     (tmp_path / "old.json").write_text(json.dumps(data))
-    assert ModelProfile.load(tmp_path / "old.json").served["aggregated"] == replace(over, prefill_scale=0.0)
+    old = ModelProfile.load(tmp_path / "old.json").served["aggregated"]
+    assert old == replace(over, prefill_scale=0.0, per_token_s=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -153,17 +166,20 @@ def test_measuring_a_real_server_samples_ttft_alone_and_itl_per_batch(server, ti
     over = measure_served(
         Client(server), _profile_of(tiny_llama), batches=(1, 3), repeats=1, progress=lines.append
     )
-    kinds = [(s["kind"], s.get("prompt"), s.get("batch")) for s in over.samples]
+    kinds = [(s["kind"], s.get("prompt"), s.get("cached"), s.get("batch")) for s in over.samples]
     assert kinds == [
-        ("ttft", 32, None),
-        ("ttft", 128, None),
-        ("ttft", 256, None),
-        ("itl", 32, 1),
-        ("itl", 32, 3),
+        ("ttft", 32, 0, None),
+        ("ttft", 32, 16, None),  # sent again: its whole blocks cached
+        ("ttft", 128, 0, None),
+        ("ttft", 128, 112, None),
+        ("ttft", 256, 0, None),
+        ("ttft", 256, 240, None),
+        ("itl", 32, None, 1),
+        ("itl", 32, None, 3),
     ]
     assert all(s["seconds"] > 0 for s in over.samples)
-    assert min(over.ttft_s, over.step_s, over.step_per_seq_s) >= 0
-    assert len(lines) == 5 and lines[0].startswith("TTFT of a 32-token prompt alone")
+    assert min(over.ttft_s, over.step_s, over.step_per_seq_s, over.per_token_s, over.prefill_scale) >= 0
+    assert len(lines) == 8 and lines[0].startswith("TTFT of a 32-token prompt alone, 0 cached")
     with pytest.raises(ServedError, match=r"names no model\.vocab_size"):
         measure_served(Client(server), synthetic_profile())  # nothing to draw prompt tokens below
 
@@ -175,7 +191,7 @@ def test_the_command_stores_the_served_path_in_the_profile(server, tiny_llama, t
     assert "--served needs --served-mode" in capsys.readouterr().err
     assert pdserve(["profile", "--out", str(path), "--served", server, "--served-mode", "aggregated"]) == 0
     served = ModelProfile.load(path).served
-    assert set(served) == {"aggregated"} and len(served["aggregated"].samples) == 7
+    assert set(served) == {"aggregated"} and len(served["aggregated"].samples) == 12
     nobody = f"http://127.0.0.1:{free_port()}"
     assert pdserve(["profile", "--out", str(path), "--served", nobody, "--served-mode", "aggregated"]) == 1
     assert f"cannot reach {nobody}" in capsys.readouterr().err
