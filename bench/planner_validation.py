@@ -38,7 +38,8 @@ from bench.offline_throughput import DEFAULT_MODEL_DIR, ensure_model
 from bench.serving_harness import bench_args, serving
 from loadgen.serving_client import send
 from loadgen.serving_datasets import ServingRequest
-from planner.costs import ModelProfile
+from planner import host_cpu
+from planner.costs import ModelProfile, ServedOverhead
 from planner.profile import Grid, profile_engine
 from planner.served import Client, fit_overhead, measure_served
 from planner.simulator import Deployment, SimRequest, Simulator, summarize
@@ -162,11 +163,20 @@ def run(args: argparse.Namespace) -> dict:
             # The simulator models the steady state: warm up with a trace of another seed first.
             warm = replace(traffic["plain"], seed=99)
             print(f"warming up: {warm.requests} requests of another seed ...", flush=True)
-            asyncio.run(replay(base, warm.generate(vocab)))
+            cpu0 = time.process_time()
+            tokens = sum(len(r.token_times) for r in asyncio.run(replay(base, warm.generate(vocab))))
+            client_cpu = (time.process_time() - cpu0) / tokens
+            print(f"  the load generator's CPU: {client_cpu * 1e3:.3f} ms per streamed token", flush=True)
             print("measuring the served path's overhead (pdserve profile --served) ...", flush=True)
-            over = measure_served(Client(base), engine_only, repeats=2 if args.quick else 3, progress=_indent)
-            overheads[layout.name] = over.to_json()
-            served = replace(engine_only, served={_mode(layout): over})
+            over = measure_served(
+                Client(base),
+                engine_only,
+                repeats=2 if args.quick else 3,
+                progress=_indent,
+                front_cpu=host_cpu.front_cpu_s,
+            )
+            overheads[layout.name] = over.to_json() | {"load_generator_cpu_per_token_s": client_cpu}
+            served = replace(engine_only, served={_mode(layout): with_load_generator(over, client_cpu)})
             for name, t in traffic.items():
                 requests = t.generate(vocab)
                 real = summarize(asyncio.run(replay(base, requests))).as_dict()
@@ -204,12 +214,24 @@ def replay_stored(result: dict) -> dict:
     for row in result["rows"]:
         layout = by_name[row["layout"]]
         engine_only = profiles[max(1, result["cores"] // layout.workers)]
-        over = fit_overhead(result["served_overheads"][layout.name]["samples"])
-        result["served_overheads"][layout.name] = over.to_json()
-        served = replace(engine_only, served={_mode(layout): over})
+        stored = result["served_overheads"][layout.name]
+        over = fit_overhead(stored["samples"])
+        client_cpu = stored.get("load_generator_cpu_per_token_s", 0.0)
+        result["served_overheads"][layout.name] = over.to_json() | {
+            "load_generator_cpu_per_token_s": client_cpu
+        }
+        served = replace(engine_only, served={_mode(layout): with_load_generator(over, client_cpu)})
         requests = traffic[row["mix"]].generate(vocab)
         predict(row, layout, engine_only, served, result["cores"], requests)
     return result
+
+
+def with_load_generator(over: ServedOverhead, cpu_per_token_s: float) -> ServedOverhead:
+    """The front end's CPU plus the load generator's: here it runs on the deployment's cores too (a
+    user's clients would not), and the simulator is to predict what was measured."""
+    if not (over.cpu_per_request_s or over.cpu_per_token_s):
+        return over  # not measured: the latency terms stand in for the front end's CPU
+    return replace(over, cpu_per_token_s=over.cpu_per_token_s + cpu_per_token_s)
 
 
 def _mode(layout: Layout) -> str:

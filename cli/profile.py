@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _served(args: argparse.Namespace) -> int:
     from dataclasses import replace
+    from urllib.parse import urlsplit
 
+    from planner import host_cpu
     from planner.costs import ModelProfile
     from planner.served import Client, measure_served
     from settings import environment
@@ -90,8 +92,13 @@ def _served(args: argparse.Namespace) -> int:
     print(
         f"measuring {args.served} ({client.model}) against the engine profile {args.out} ...", file=sys.stderr
     )
+    # A deployment on this machine shares its cores with the front end: measure the front end's CPU.
+    local = host_cpu.available() and urlsplit(args.served).hostname in ("127.0.0.1", "localhost", "::1")
     over = measure_served(
-        client, profile, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True)
+        client,
+        profile,
+        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
+        front_cpu=host_cpu.front_cpu_s if local else None,
     )
     replace(profile, served={**profile.served, args.served_mode: over}).save(args.out)
     print(
@@ -100,5 +107,10 @@ def _served(args: argparse.Namespace) -> int:
         f"{over.prefill_scale:.0%} slower than the engine alone, "
         f"{over.step_s * 1e3:.2f} ms + {over.step_per_seq_s * 1e3:.3f} ms per sequence per decode step"
     )
+    if local:
+        print(
+            f"front end CPU on this host: {over.cpu_per_request_s * 1e3:.2f} ms per request, "
+            f"{over.cpu_per_token_s * 1e3:.3f} ms per streamed token"
+        )
     print(f"profile written to {args.out}")
     return 0

@@ -101,12 +101,34 @@ class ServedOverhead:
     samples: tuple[dict, ...] = ()
     prefill_scale: float = 0.0  # served prefill time = engine prefill time * (1 + prefill_scale)
     per_token_s: float = 0.0  # the front end's time per prompt token, before the prompt reaches a worker
+    # The front end's CPU on the engines' host (0: not measured, a remote deployment): per request
+    # and per streamed token. On shared cores the simulator takes it from the engines.
+    cpu_per_request_s: float = 0.0
+    cpu_per_token_s: float = 0.0
 
-    FIELDS = ("ttft_s", "step_s", "step_per_seq_s", "prefill_scale", "per_token_s")
+    FIELDS = (
+        "ttft_s",
+        "step_s",
+        "step_per_seq_s",
+        "prefill_scale",
+        "per_token_s",
+        "cpu_per_request_s",
+        "cpu_per_token_s",
+    )
 
     def intake_s(self, prompt_tokens: int) -> float:
         """A request's time in the front end before a worker sees it."""
         return self.ttft_s + self.per_token_s * prompt_tokens
+
+    def request_cpu_s(self, prompt_tokens: int) -> float:
+        """The front end's CPU for taking a request in; unmeasured, its intake time stands in."""
+        measured = self.cpu_per_request_s or self.cpu_per_token_s
+        return self.cpu_per_request_s if measured else self.intake_s(prompt_tokens)
+
+    def token_cpu_s(self) -> float:
+        """The front end's CPU per streamed token; unmeasured, the streaming time per sequence."""
+        measured = self.cpu_per_request_s or self.cpu_per_token_s
+        return self.cpu_per_token_s if measured else self.step_per_seq_s
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.FIELDS} | {"samples": list(self.samples)}
@@ -115,7 +137,7 @@ class ServedOverhead:
     def from_json(cls, data, where: str) -> ServedOverhead:
         if not isinstance(data, dict):
             raise ProfileError(f"profile field {where} must be an object")
-        data = {"prefill_scale": 0.0, "per_token_s": 0.0} | data  # profiles written before these
+        data = dict.fromkeys(cls.FIELDS[3:], 0.0) | data  # profiles written before these were measured
         for k in cls.FIELDS:
             v = data.get(k)
             if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:

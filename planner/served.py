@@ -14,6 +14,10 @@ here on the deployment itself, one load level at a time so nothing queues:
   the median gap between streamed chunks minus the profile's decode step at that batch and context,
   fitted as ``step_s + step_per_seq_s * batch`` (non-negative least squares).
 
+- **The front end's CPU** (``front_cpu``, a deployment on this machine: ``planner.host_cpu``): its
+  CPU seconds over the TTFT phase (2 tokens per request) and the ITL phase (dozens), solved for CPU
+  per request and per streamed token.
+
 Prompts are random token ids (nothing cached between samples); every request is greedy with
 ``ignore_eos``, so its length is the one asked for.
 """
@@ -54,6 +58,8 @@ class Client:
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.model = self._models()[0]
+        self.requests = self.chunks = 0  # streamed so far (the CPU phases' counts)
+        self._count = threading.Lock()
 
     def _conn(self) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self.u.scheme == "https" else http.client.HTTPConnection
@@ -98,6 +104,9 @@ class Client:
             conn.close()
         if not times:
             raise ServedError("a request streamed no text")
+        with self._count:
+            self.requests += 1
+            self.chunks += len(times)
         return t0, times
 
 
@@ -109,7 +118,11 @@ def measure_served(
     output_tokens: int = 24,
     repeats: int = 3,
     progress: Progress = print,
+    front_cpu: Callable[[], float] | None = None,
 ) -> ServedOverhead:
+    """``front_cpu``: a running count of the front end's CPU seconds (``planner.host_cpu`` where the
+    deployment runs on this machine): read around the TTFT and ITL phases, it adds the front end's
+    CPU per request and per streamed token, what the simulator takes from shared cores."""
     rng = random.Random(0)
     vocab = profile.model.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 10:
@@ -121,8 +134,9 @@ def measure_served(
         return [rng.randrange(10, vocab) for _ in range(n)]
 
     client.stream(prompt(16), 4)  # warm-up: connections, compiled paths
-    samples = []
+    samples: list[dict] = []
     bs = profile.model["block_size"]
+    phase = _CPUPhase(client, front_cpu)
     for n in prompt_lengths:
         fresh, again = [], []
         for _ in range(repeats):
@@ -139,6 +153,7 @@ def measure_served(
                 f"TTFT of a {n}-token prompt alone, {hit} cached: {ttft * 1e3:.1f} ms "
                 f"(engine {engine * 1e3:.1f})"
             )
+    phase.end("ttft", samples, progress)
     n = prompt_lengths[0]
     for b in batches:
         gaps: list[float] = []
@@ -148,7 +163,33 @@ def measure_served(
         engine = profile.decode_step_s(b, n + output_tokens / 2)
         samples.append({"kind": "itl", "batch": b, "prompt": n, "seconds": itl, "engine_s": engine})
         progress(f"ITL at a batch of {b}: {itl * 1e3:.2f} ms (engine step {engine * 1e3:.2f})")
+    phase.end("itl", samples, progress)
     return fit_overhead(samples)
+
+
+class _CPUPhase:
+    """The front end's CPU over a phase of requests: a ``cpu`` sample of its seconds, requests and
+    streamed chunks (about one token each)."""
+
+    def __init__(self, client: Client, front_cpu: Callable[[], float] | None) -> None:
+        self.client, self.read = client, front_cpu
+        self._start()
+
+    def _start(self) -> None:
+        self.at = (self.read() if self.read else 0.0, self.client.requests, self.client.chunks)
+
+    def end(self, name: str, samples: list[dict], progress: Progress) -> None:
+        if self.read is None:
+            return
+        cpu, requests, chunks = (
+            now - then
+            for now, then in zip(
+                (self.read(), self.client.requests, self.client.chunks), self.at, strict=True
+            )
+        )
+        samples.append({"kind": "cpu", "phase": name, "requests": requests, "tokens": chunks, "seconds": cpu})
+        progress(f"front end CPU over the {name} phase: {cpu:.2f} s for {requests} requests, {chunks} tokens")
+        self._start()
 
 
 def fit_overhead(samples: list[dict]) -> ServedOverhead:
@@ -160,7 +201,30 @@ def fit_overhead(samples: list[dict]) -> ServedOverhead:
     fixed, scale, per_token = _ttft_terms(ttft)
     batch = [float(s["batch"]) for s in itl]
     step, per_seq = _affine(batch, [s["seconds"] - s["engine_s"] for s in itl])
-    return ServedOverhead(fixed, step, per_seq, tuple(samples), prefill_scale=scale, per_token_s=per_token)
+    cpu_request, cpu_token = _cpu_terms([s for s in samples if s["kind"] == "cpu"])
+    return ServedOverhead(
+        fixed,
+        step,
+        per_seq,
+        tuple(samples),
+        prefill_scale=scale,
+        per_token_s=per_token,
+        cpu_per_request_s=cpu_request,
+        cpu_per_token_s=cpu_token,
+    )
+
+
+def _cpu_terms(phases: list[dict]) -> tuple[float, float]:
+    """(CPU per request, per token) from phases of different tokens per request (the TTFT phase
+    streams 2 each, the ITL phase dozens): ``seconds = requests * a + tokens * b``, both >= 0."""
+    if not phases:
+        return 0.0, 0.0
+    x = np.array([[float(p["requests"]), float(p["tokens"])] for p in phases])
+    y = np.array([max(float(p["seconds"]), 0.0) for p in phases])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    if (coef >= 0).all() and len(phases) >= 2:
+        return float(coef[0]), float(coef[1])
+    return 0.0, float(y.sum() / max(x[:, 1].sum(), 1.0))  # one phase, or no split: all per token
 
 
 def _ttft_terms(ttft: list[dict]) -> tuple[float, float, float]:

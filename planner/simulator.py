@@ -20,7 +20,8 @@ What it models, as the real system does it:
   --served``): a fixed delay before routing (front end, router, hops), prompts computed slower than
   the engine alone computes them, and a per-step streaming cost.
 - **Shared cores** (``host_cores``, a CPU deployment on one host): a step is stretched by the busy
-  workers' threads over the cores when they exceed them.
+  workers' threads plus the front end's CPU load (its CPU per request and per streamed token over
+  the last second, as ``pdserve profile --served`` measured it) over the cores, when they exceed them.
 
 Not modelled: preemption, speculative decoding, KV tiers, a front end that saturates. Times are
 seconds from the first arrival.
@@ -190,7 +191,6 @@ class Simulator:
     # Arrival and routing ---------------------------------------------------------------------------
 
     def _arrive(self, req: SimRequest) -> None:
-        self._front_work(self.over.intake_s(len(req.prompt)))
         whole = (
             (len(req.prompt) - 1) // self.block_size * self.block_size
         )  # the last token is always computed
@@ -211,6 +211,7 @@ class Simulator:
         seq = _Seq(req, hashes, todo=len(req.prompt) - hit, ctx=hit, decode=decode)
         target.waiting.append(seq)
         target.queued += seq.todo
+        self._front_work(self.over.request_cpu_s(len(req.prompt)), target)
         self._kick(target)
 
     def _prefills_locally(self, req: SimRequest, hashes: list[bytes], decode: _Worker) -> bool:
@@ -267,18 +268,20 @@ class Simulator:
         busy = sum(w.busy for w in self._by_id.values())  # the one starting this step included
         return max(1.0, (busy * self.threads + self._front_load(w)) / self.dep.host_cores)
 
-    def _front_work(self, cpu_s: float, source: _Worker | None = None) -> None:
-        """The front end (ingress, router, the workers' gRPC sides) spent ``cpu_s`` now, streaming
-        ``source``'s tokens (None: taking a request in)."""
+    def _front_work(self, cpu_s: float, source: _Worker) -> None:
+        """The front end (ingress, router, the workers' gRPC sides) spent ``cpu_s`` now on a request
+        of ``source`` (taking it in, streaming its tokens)."""
         if self.dep.host_cores is not None and cpu_s > 0:
             self._front.append((self.now, cpu_s, source))
 
     def _front_load(self, stepping: _Worker) -> float:
-        """Cores the front end kept busy over the last ``FRONT_WINDOW_S``, less streaming
-        ``stepping``'s own tokens (measured with its steps: ``step_per_seq_s``)."""
+        """Cores the front end kept busy over the last ``FRONT_WINDOW_S``. A worker whose threads
+        fill the cores had its own requests' front-end work on its critical path when the served
+        path was measured (``prefill_scale``, ``step_per_seq_s``): that part is not counted again."""
         while self._front and self._front[0][0] < self.now - FRONT_WINDOW_S:
             self._front.popleft()
-        return sum(c for _, c, source in self._front if source is not stepping) / FRONT_WINDOW_S
+        own_counted = self.threads < self.dep.host_cores
+        return sum(c for _, c, src in self._front if own_counted or src is not stepping) / FRONT_WINDOW_S
 
     def _admit(self, w: _Worker) -> None:
         """Move prefilled sequences (KV arrived) and local prompts into the batch while blocks last;
@@ -298,7 +301,7 @@ class Simulator:
         for s in batch:  # one token each
             s.generated += 1
             s.req.token_times.append(self.now)
-        self._front_work(self.over.step_per_seq_s * len(batch), w)
+        self._front_work(self.over.token_cpu_s() * len(batch), w)
         finished = [s for s in w.running if s.generated >= s.req.output_len]
         if finished:
             w.reserved -= sum(self._blocks(s) for s in finished)
@@ -319,6 +322,7 @@ class Simulator:
         s.req.first_token = self.now
         s.req.token_times.append(self.now)
         s.generated = 1
+        self._front_work(self.over.token_cpu_s(), w)
         if s.req.output_len <= 1:
             return
         decode = s.decode

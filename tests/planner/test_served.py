@@ -13,6 +13,7 @@ from synthetic import synthetic_profile
 from bench.minimal_server import minimal_serving
 from bench.ports import free_port
 from cli.main import main as pdserve
+from planner import host_cpu
 from planner.costs import ModelProfile, ProfileError, ServedOverhead
 from planner.served import Client, ServedError, fit_overhead, measure_served
 from planner.simulator import FRONT_WINDOW_S, Deployment, SimRequest, Simulator
@@ -42,6 +43,17 @@ def test_the_overhead_fit_recovers_the_costs_added_to_the_engine():
     assert over.step_s >= 0 and over.step_per_seq_s == pytest.approx(0.0553 / 85)  # through the origin
     with pytest.raises(ServedError, match="needs TTFT and ITL samples"):
         fit_overhead(samples[:2])
+    # The front end's CPU over a phase of 2 tokens per request and one of 24: per request and per token.
+    cpu = [
+        {"kind": "cpu", "requests": r, "tokens": t, "seconds": 0.003 * r + 0.0005 * t}
+        for r, t in ((12, 24), (40, 960))
+    ]
+    over = fit_overhead(samples + cpu)
+    assert (over.cpu_per_request_s, over.cpu_per_token_s) == pytest.approx((0.003, 0.0005))
+    assert fit_overhead(samples + cpu[1:]).cpu_per_token_s == pytest.approx(
+        0.6 / 960
+    )  # one phase: all per token
+    assert fit_overhead(samples).cpu_per_token_s == 0.0  # not measured (a remote deployment)
     # A served prompt computed 30% slower than the engine alone, after a 4 ms hop: both recovered.
     for s, e in zip(samples[:2], (0.01, 0.05), strict=True):
         s["seconds"] = e + 0.004 + 0.3 * e
@@ -94,10 +106,13 @@ def test_workers_sharing_too_few_cores_run_slower_and_enough_cores_change_nothin
         Deployment(1, 1, host_cores=0)
 
 
-def test_the_front_end_streaming_on_shared_cores_slows_the_other_workers_steps():
-    """Streaming a worker's tokens takes cores from the others' steps (counted over the last
-    ``FRONT_WINDOW_S``); a worker's own streaming is in its step already (``step_per_seq_s``)."""
-    over = ServedOverhead(step_per_seq_s=0.01)
+@pytest.mark.parametrize("measured", [False, True])
+def test_the_front_end_on_shared_cores_slows_the_workers_steps(measured):
+    """Taking requests in and streaming tokens takes cores from the workers' steps (counted over the
+    last ``FRONT_WINDOW_S``): the front end's measured CPU, or unmeasured its latency terms; a worker
+    whose threads fill the cores has its own requests' share in its measured latency already."""
+    cpu = {"cpu_per_request_s": 0.03, "cpu_per_token_s": 0.01} if measured else {}
+    over = ServedOverhead(ttft_s=0.0 if measured else 0.03, step_per_seq_s=0.002 if measured else 0.01, **cpu)
     base = replace(synthetic_profile(), hardware={"device": "cpu", "torch_threads": 1})
     p = replace(base, served={"disaggregated": over, "aggregated": over})
 
@@ -106,11 +121,15 @@ def test_the_front_end_streaming_on_shared_cores_slows_the_other_workers_steps()
         return Simulator(p, Deployment(1, 1, host_cores=cores)).run(reqs)
 
     alone, shared = run(None), run(2)
-    assert alone[1].first_token == pytest.approx(0.2 + p.prefill_s(1024), abs=1e-12)
-    streamed = sum(t <= 0.2 for t in shared[0].token_times[1:])  # the first token is the prefill's
+    intake = over.intake_s(1024)
+    assert alone[1].first_token == pytest.approx(0.2 + intake + p.prefill_s(1024), abs=1e-12)
+    streamed = sum(t <= 0.2 + intake for t in shared[0].token_times)
     assert streamed > 5
-    load = streamed * 0.01 / FRONT_WINDOW_S  # cores the front end kept busy: decode and prefill busy too
-    assert shared[1].first_token == pytest.approx(0.2 + p.prefill_s(1024) * (2 + load) / 2, abs=1e-12)
+    # Cores the front end kept busy (the first request's intake and tokens, the second's intake),
+    # with the decode and the prefill worker busy too.
+    load = (2 * 0.03 + streamed * 0.01) / FRONT_WINDOW_S
+    expected = 0.2 + intake + p.prefill_s(1024) * (2 + load) / 2
+    assert shared[1].first_token == pytest.approx(expected, abs=1e-12)
 
     def one(cores: int | None) -> list[float]:
         reqs = [SimRequest(0.0, prompt(1, 512), 64)]
@@ -164,9 +183,23 @@ def _profile_of(tiny_llama) -> ModelProfile:
 def test_measuring_a_real_server_samples_ttft_alone_and_itl_per_batch(server, tiny_llama):
     lines = []
     over = measure_served(
-        Client(server), _profile_of(tiny_llama), batches=(1, 3), repeats=1, progress=lines.append
+        Client(server),
+        _profile_of(tiny_llama),
+        batches=(1, 3),
+        repeats=1,
+        progress=lines.append,
+        front_cpu=host_cpu.front_cpu_s,
     )
-    kinds = [(s["kind"], s.get("prompt"), s.get("cached"), s.get("batch")) for s in over.samples]
+    cpu = [s for s in over.samples if s["kind"] == "cpu"]
+    # The server's CPU over each phase: 6 lone requests of 2 tokens, then 1 + 3 of 24 (a chunk each).
+    assert [(s["phase"], s["requests"]) for s in cpu] == [("ttft", 6), ("itl", 4)]
+    assert cpu[0]["tokens"] <= 12 and cpu[1]["tokens"] >= 4 * 12
+    assert over.cpu_per_token_s > 0 and all(s["seconds"] > 0 for s in cpu)
+    kinds = [
+        (s["kind"], s.get("prompt"), s.get("cached"), s.get("batch"))
+        for s in over.samples
+        if s["kind"] != "cpu"
+    ]
     assert kinds == [
         ("ttft", 32, 0, None),
         ("ttft", 32, 16, None),  # sent again: its whole blocks cached
@@ -179,7 +212,7 @@ def test_measuring_a_real_server_samples_ttft_alone_and_itl_per_batch(server, ti
     ]
     assert all(s["seconds"] > 0 for s in over.samples)
     assert min(over.ttft_s, over.step_s, over.step_per_seq_s, over.per_token_s, over.prefill_scale) >= 0
-    assert len(lines) == 8 and lines[0].startswith("TTFT of a 32-token prompt alone, 0 cached")
+    assert len(lines) == 10 and lines[0].startswith("TTFT of a 32-token prompt alone, 0 cached")
     with pytest.raises(ServedError, match=r"names no model\.vocab_size"):
         measure_served(Client(server), synthetic_profile())  # nothing to draw prompt tokens below
 
@@ -191,7 +224,8 @@ def test_the_command_stores_the_served_path_in_the_profile(server, tiny_llama, t
     assert "--served needs --served-mode" in capsys.readouterr().err
     assert pdserve(["profile", "--out", str(path), "--served", server, "--served-mode", "aggregated"]) == 0
     served = ModelProfile.load(path).served
-    assert set(served) == {"aggregated"} and len(served["aggregated"].samples) == 12
+    assert set(served) == {"aggregated"} and len(served["aggregated"].samples) == 14  # + 2 CPU phases
+    assert served["aggregated"].cpu_per_token_s > 0  # a server on this machine: its CPU measured
     nobody = f"http://127.0.0.1:{free_port()}"
     assert pdserve(["profile", "--out", str(path), "--served", nobody, "--served-mode", "aggregated"]) == 1
     assert f"cannot reach {nobody}" in capsys.readouterr().err

@@ -1,0 +1,56 @@
+"""The front end's CPU on a host it shares with the engines (issue 34): what ``pdserve profile
+--served`` measures when the deployment runs on this machine, for the simulator's shared cores.
+
+A served request costs CPU outside the engines' steps: HTTP, the router, the workers' gRPC sides,
+streaming each token back, Ray's own processes. At low load that is delay (``ServedOverhead``'s
+latency terms); on a CPU host under load it is cores taken from the engines. ``front_cpu_s`` reads it
+from Linux's ``/proc``: the machine's busy CPU time less the engine processes' (``*.engine_host``)
+and this process's own (the client measuring it).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENGINE_MARK = b".engine_host"  # the engine processes' module: prefill_worker.engine_host, decode_...
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def available() -> bool:
+    return Path("/proc/stat").exists()
+
+
+def front_cpu_s() -> float:
+    """CPU seconds the machine spent so far outside the engine processes and this one (a running
+    count: the difference of two readings is what happened between them)."""
+    return _machine_busy_s() - sum(_process_cpu_s(pid) for pid in _engine_pids()) - _process_cpu_s("self")
+
+
+def _machine_busy_s() -> float:
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    # user nice system idle iowait irq softirq steal: all but idle and iowait
+    return (sum(fields) - fields[3] - fields[4]) / _TICK
+
+
+def _process_cpu_s(pid) -> float:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone meanwhile
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+
+
+def _engine_pids() -> list[str]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ENGINE_MARK in cmdline:
+            out.append(entry.name)
+    return out

@@ -1,0 +1,42 @@
+"""``planner.host_cpu``: the front end's CPU on this machine is the machine's busy time less the engine
+processes' (found by their module, ``*.engine_host``) and the measuring process's own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from planner import host_cpu
+
+# Burns about 0.3 s of CPU, says so, then waits for its stdin to close.
+BURN = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\nsys.stdin.read()\n"
+
+
+def _burner(*argv: str) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-c", BURN, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout.readline() == "done\n"  # its CPU is spent
+    return p
+
+
+def test_engine_processes_are_told_apart_and_their_cpu_read():
+    engine, other = _burner("prefill_worker.engine_host"), _burner("router")
+    try:
+        pids = host_cpu._engine_pids()
+        assert str(engine.pid) in pids and str(other.pid) not in pids
+        assert host_cpu._process_cpu_s(engine.pid) >= 0.25
+        assert host_cpu._process_cpu_s(999_999_999) == 0.0  # gone: nothing
+    finally:
+        for p in (engine, other):
+            p.stdin.close()
+            p.wait(timeout=30)
+
+
+def test_the_front_end_is_the_machine_less_the_engines_and_this_process(monkeypatch):
+    monkeypatch.setattr(host_cpu, "_machine_busy_s", lambda: 10.0)
+    monkeypatch.setattr(host_cpu, "_engine_pids", lambda: ["1", "2"])
+    spent = {"1": 3.0, "2": 2.5, "self": 1.0}
+    monkeypatch.setattr(host_cpu, "_process_cpu_s", lambda pid: spent[str(pid)])
+    assert host_cpu.front_cpu_s() == 3.5
+    assert host_cpu.available()  # this Linux machine has /proc
