@@ -179,11 +179,16 @@ def run(args: argparse.Namespace) -> dict:
             served = replace(engine_only, served={_mode(layout): with_load_generator(over, client_cpu)})
             for name, t in traffic.items():
                 requests = t.generate(vocab)
+                before, t0, c0 = host_cpu.usage(), time.perf_counter(), time.process_time()
                 real = summarize(asyncio.run(replay(base, requests))).as_dict()
-                row = {"layout": layout.name, "mix": name, "rate": t.rate, "measured": real}
+                span = time.perf_counter() - t0
+                cores = host_cpu.cores_between(before, host_cpu.usage(), span)
+                cores["load_generator"] = (time.process_time() - c0) / span
+                row = {"layout": layout.name, "mix": name, "rate": t.rate, "measured": real, "cores": cores}
                 predict(row, layout, engine_only, served, cores, t.generate(vocab))
                 rows.append(row)
                 print(_line(row), flush=True)
+                print(_cores_line(cores), flush=True)
     return {
         "model": model,
         "cores": cores,
@@ -236,6 +241,14 @@ def with_load_generator(over: ServedOverhead, cpu_per_token_s: float) -> ServedO
 
 def _mode(layout: Layout) -> str:
     return "aggregated" if layout.prefill == 0 else "disaggregated"
+
+
+def _cores_line(cores: dict) -> str:
+    engines = " + ".join(f"{c:.2f}" for c in cores["engines"])
+    return (
+        f"  cores busy: machine {cores['machine']:.2f} = engines {engines} + front end {cores['front']:.2f}"
+        f" + load generator {cores['load_generator']:.2f}"
+    )
 
 
 def _indent(line: str) -> None:

@@ -27,6 +27,36 @@ def front_cpu_s() -> float:
     return _machine_busy_s() - sum(_process_cpu_s(pid) for pid in _engine_pids()) - _process_cpu_s("self")
 
 
+def usage() -> dict:
+    """A reading of where the machine's CPU went so far: ``machine`` (busy seconds), ``engines``
+    (each engine process's seconds, by pid) and ``front`` (the rest but this process)."""
+    engines = {pid: _process_cpu_s(pid) for pid in _engine_pids()}
+    machine = _machine_busy_s()
+    return {
+        "machine": machine,
+        "engines": engines,
+        "front": machine - sum(engines.values()) - _process_cpu_s("self"),
+    }
+
+
+def cores_between(before: dict, after: dict, seconds: float) -> dict:
+    """Cores each part kept busy between two ``usage`` readings ``seconds`` apart (engines: each
+    process that ran throughout, busiest first)."""
+    engines = sorted(
+        (
+            after["engines"][pid] - before["engines"][pid]
+            for pid in after["engines"]
+            if pid in before["engines"]
+        ),
+        reverse=True,
+    )
+    return {
+        "machine": (after["machine"] - before["machine"]) / seconds,
+        "engines": [e / seconds for e in engines],
+        "front": (after["front"] - before["front"]) / seconds,
+    }
+
+
 def _machine_busy_s() -> float:
     fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
     # user nice system idle iowait irq softirq steal: all but idle and iowait

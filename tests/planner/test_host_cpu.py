@@ -40,3 +40,13 @@ def test_the_front_end_is_the_machine_less_the_engines_and_this_process(monkeypa
     monkeypatch.setattr(host_cpu, "_process_cpu_s", lambda pid: spent[str(pid)])
     assert host_cpu.front_cpu_s() == 3.5
     assert host_cpu.available()  # this Linux machine has /proc
+
+
+def test_a_run_is_split_into_the_cores_each_part_kept_busy():
+    before = {"machine": 10.0, "engines": {"7": 1.0, "8": 2.0, "9": 0.5}, "front": 4.0}
+    after = {"machine": 14.0, "engines": {"7": 2.5, "8": 2.5, "10": 1.0}, "front": 5.0}
+    cores = host_cpu.cores_between(before, after, 2.0)
+    # Engines that ran throughout, busiest first; one that ended or started meanwhile is left out.
+    assert cores == {"machine": 2.0, "engines": [0.75, 0.25], "front": 0.5}
+    now = host_cpu.usage()
+    assert now["machine"] >= sum(now["engines"].values()) and set(now) == {"machine", "engines", "front"}
