@@ -182,13 +182,13 @@ def run(args: argparse.Namespace) -> dict:
                 before, t0, c0 = host_cpu.usage(), time.perf_counter(), time.process_time()
                 real = summarize(asyncio.run(replay(base, requests))).as_dict()
                 span = time.perf_counter() - t0
-                cores = host_cpu.cores_between(before, host_cpu.usage(), span)
-                cores["load_generator"] = (time.process_time() - c0) / span
-                row = {"layout": layout.name, "mix": name, "rate": t.rate, "measured": real, "cores": cores}
+                busy = host_cpu.cores_between(before, host_cpu.usage(), span)
+                busy["load_generator"] = (time.process_time() - c0) / span
+                row = {"layout": layout.name, "mix": name, "rate": t.rate, "measured": real, "cores": busy}
                 predict(row, layout, engine_only, served, cores, t.generate(vocab))
                 rows.append(row)
                 print(_line(row), flush=True)
-                print(_cores_line(cores), flush=True)
+                print(_cores_line(busy), flush=True)
     return {
         "model": model,
         "cores": cores,
