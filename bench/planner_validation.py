@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> dict:
                 engine_only,
                 repeats=2 if args.quick else 3,
                 progress=_indent,
-                front_cpu=host_cpu.front_cpu_s,
+                host_usage=host_cpu.usage,
             )
             overheads[layout.name] = over.to_json() | {"load_generator_cpu_per_token_s": client_cpu}
             served = replace(engine_only, served={_mode(layout): with_load_generator(over, client_cpu)})

@@ -98,7 +98,7 @@ def _served(args: argparse.Namespace) -> int:
         client,
         profile,
         progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
-        front_cpu=host_cpu.front_cpu_s if local else None,
+        host_usage=host_cpu.usage if local else None,
     )
     replace(profile, served={**profile.served, args.served_mode: over}).save(args.out)
     print(
@@ -110,7 +110,8 @@ def _served(args: argparse.Namespace) -> int:
     if local:
         print(
             f"front end CPU on this host: {over.cpu_per_request_s * 1e3:.2f} ms per request, "
-            f"{over.cpu_per_token_s * 1e3:.3f} ms per streamed token"
+            f"{over.cpu_per_token_s * 1e3:.3f} ms per streamed token; a busy engine process keeps "
+            + (f"{over.engine_cores:.2f} cores busy" if over.engine_cores else "no engine process found")
         )
     print(f"profile written to {args.out}")
     return 0

@@ -105,6 +105,7 @@ class ServedOverhead:
     # and per streamed token. On shared cores the simulator takes it from the engines.
     cpu_per_request_s: float = 0.0
     cpu_per_token_s: float = 0.0
+    engine_cores: float = 0.0  # cores a busy engine process keeps busy (0: not measured)
 
     FIELDS = (
         "ttft_s",
@@ -114,6 +115,7 @@ class ServedOverhead:
         "per_token_s",
         "cpu_per_request_s",
         "cpu_per_token_s",
+        "engine_cores",
     )
 
     def intake_s(self, prompt_tokens: int) -> float:

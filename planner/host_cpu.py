@@ -3,9 +3,9 @@
 
 A served request costs CPU outside the engines' steps: HTTP, the router, the workers' gRPC sides,
 streaming each token back, Ray's own processes. At low load that is delay (``ServedOverhead``'s
-latency terms); on a CPU host under load it is cores taken from the engines. ``front_cpu_s`` reads it
-from Linux's ``/proc``: the machine's busy CPU time less the engine processes' (``*.engine_host``)
-and this process's own (the client measuring it).
+latency terms); on a CPU host under load it is cores taken from the engines. ``usage`` reads it
+from Linux's ``/proc``: the machine's busy CPU time less the engine processes' (``*.engine_host``,
+read each) and this process's own (the client measuring it).
 """
 
 from __future__ import annotations
@@ -19,12 +19,6 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def available() -> bool:
     return Path("/proc/stat").exists()
-
-
-def front_cpu_s() -> float:
-    """CPU seconds the machine spent so far outside the engine processes and this one (a running
-    count: the difference of two readings is what happened between them)."""
-    return _machine_busy_s() - sum(_process_cpu_s(pid) for pid in _engine_pids()) - _process_cpu_s("self")
 
 
 def usage() -> dict:

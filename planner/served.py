@@ -14,9 +14,11 @@ here on the deployment itself, one load level at a time so nothing queues:
   the median gap between streamed chunks minus the profile's decode step at that batch and context,
   fitted as ``step_s + step_per_seq_s * batch`` (non-negative least squares).
 
-- **The front end's CPU** (``front_cpu``, a deployment on this machine: ``planner.host_cpu``): its
-  CPU seconds over the TTFT phase (2 tokens per request) and the ITL phase (dozens), solved for CPU
-  per request and per streamed token.
+- **The host's CPU** (``host_usage``, a deployment on this machine: ``planner.host_cpu``): the front
+  end's CPU seconds over the TTFT phase (2 tokens per request) and the ITL phase (dozens), solved for
+  CPU per request and per streamed token; and the engine processes' CPU seconds over the time the
+  profile says their steps took (``engine_cores``: a busy engine process keeps its torch threads
+  and its own gRPC, IPC and transfer threads busy).
 
 Prompts are random token ids (nothing cached between samples); every request is greedy with
 ``ignore_eos``, so its length is the one asked for.
@@ -118,11 +120,11 @@ def measure_served(
     output_tokens: int = 24,
     repeats: int = 3,
     progress: Progress = print,
-    front_cpu: Callable[[], float] | None = None,
+    host_usage: Callable[[], dict] | None = None,
 ) -> ServedOverhead:
-    """``front_cpu``: a running count of the front end's CPU seconds (``planner.host_cpu`` where the
-    deployment runs on this machine): read around the TTFT and ITL phases, it adds the front end's
-    CPU per request and per streamed token, what the simulator takes from shared cores."""
+    """``host_usage``: ``planner.host_cpu.usage`` where the deployment runs on this machine. Read
+    around the TTFT and ITL phases, it adds the front end's CPU per request and per streamed token,
+    and the cores a busy engine process keeps busy: what the simulator takes from shared cores."""
     rng = random.Random(0)
     vocab = profile.model.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 10:
@@ -136,16 +138,20 @@ def measure_served(
     client.stream(prompt(16), 4)  # warm-up: connections, compiled paths
     samples: list[dict] = []
     bs = profile.model["block_size"]
-    phase = _CPUPhase(client, front_cpu)
+    phase = _CPUPhase(client, host_usage)
     for n in prompt_lengths:
         fresh, again = [], []
+        cached = (n - 1) // bs * bs
+        # Each request: its prefill (fresh, then cached) and its second token's decode step.
+        phase.busy += repeats * (
+            profile.prefill_s(n) + profile.prefill_s(n - cached, cached) + 2 * profile.decode_step_s(1, n)
+        )
         for _ in range(repeats):
             p = prompt(n)
             t0, times = client.stream(p, 2)
             fresh.append(times[0] - t0)
             t0, times = client.stream(p, 2)  # its whole blocks are cached now
             again.append(times[0] - t0)
-        cached = (n - 1) // bs * bs
         for runs, hit in ((fresh, 0), (again, cached)):
             ttft, engine = statistics.median(runs), profile.prefill_s(n - hit, hit)
             samples.append({"kind": "ttft", "prompt": n, "cached": hit, "seconds": ttft, "engine_s": engine})
@@ -161,6 +167,7 @@ def measure_served(
             gaps += _batch_gaps(client, [prompt(n) for _ in range(b)], output_tokens)
         itl = statistics.median(gaps)
         engine = profile.decode_step_s(b, n + output_tokens / 2)
+        phase.busy += repeats * (b * profile.prefill_s(n) + (output_tokens - 1) * engine)
         samples.append({"kind": "itl", "batch": b, "prompt": n, "seconds": itl, "engine_s": engine})
         progress(f"ITL at a batch of {b}: {itl * 1e3:.2f} ms (engine step {engine * 1e3:.2f})")
     phase.end("itl", samples, progress)
@@ -168,27 +175,40 @@ def measure_served(
 
 
 class _CPUPhase:
-    """The front end's CPU over a phase of requests: a ``cpu`` sample of its seconds, requests and
-    streamed chunks (about one token each)."""
+    """The host's CPU over a phase of requests: a ``cpu`` sample of the front end's seconds, its
+    requests and streamed chunks (about one token each), the engine processes' seconds and how long
+    the profile says their steps kept them busy (``busy``, added up by the caller)."""
 
-    def __init__(self, client: Client, front_cpu: Callable[[], float] | None) -> None:
-        self.client, self.read = client, front_cpu
+    def __init__(self, client: Client, usage: Callable[[], dict] | None) -> None:
+        self.client, self.read = client, usage
         self._start()
 
     def _start(self) -> None:
-        self.at = (self.read() if self.read else 0.0, self.client.requests, self.client.chunks)
+        self.at = (self.read() if self.read else None, self.client.requests, self.client.chunks)
+        self.busy = 0.0
 
     def end(self, name: str, samples: list[dict], progress: Progress) -> None:
         if self.read is None:
             return
-        cpu, requests, chunks = (
-            now - then
-            for now, then in zip(
-                (self.read(), self.client.requests, self.client.chunks), self.at, strict=True
-            )
+        then, now = self.at[0], self.read()
+        requests, chunks = self.client.requests - self.at[1], self.client.chunks - self.at[2]
+        front = now["front"] - then["front"]
+        engines = sum(now["engines"][p] - then["engines"][p] for p in now["engines"] if p in then["engines"])
+        samples.append(
+            {
+                "kind": "cpu",
+                "phase": name,
+                "requests": requests,
+                "tokens": chunks,
+                "seconds": front,
+                "engine_seconds": engines,
+                "engine_busy_s": self.busy,
+            }
         )
-        samples.append({"kind": "cpu", "phase": name, "requests": requests, "tokens": chunks, "seconds": cpu})
-        progress(f"front end CPU over the {name} phase: {cpu:.2f} s for {requests} requests, {chunks} tokens")
+        progress(
+            f"CPU over the {name} phase: front end {front:.2f} s for {requests} requests, {chunks} tokens; "
+            f"engine processes {engines:.2f} s over {self.busy:.2f} s of steps"
+        )
         self._start()
 
 
@@ -201,7 +221,8 @@ def fit_overhead(samples: list[dict]) -> ServedOverhead:
     fixed, scale, per_token = _ttft_terms(ttft)
     batch = [float(s["batch"]) for s in itl]
     step, per_seq = _affine(batch, [s["seconds"] - s["engine_s"] for s in itl])
-    cpu_request, cpu_token = _cpu_terms([s for s in samples if s["kind"] == "cpu"])
+    cpu = [s for s in samples if s["kind"] == "cpu"]
+    cpu_request, cpu_token = _cpu_terms(cpu)
     return ServedOverhead(
         fixed,
         step,
@@ -211,7 +232,16 @@ def fit_overhead(samples: list[dict]) -> ServedOverhead:
         per_token_s=per_token,
         cpu_per_request_s=cpu_request,
         cpu_per_token_s=cpu_token,
+        engine_cores=_engine_cores(cpu),
     )
+
+
+def _engine_cores(phases: list[dict]) -> float:
+    """Cores a busy engine process keeps busy: its CPU seconds over the seconds its steps took by
+    the profile (its torch threads, and its gRPC, IPC and transfer threads); 0 when not measured."""
+    cpu = sum(p.get("engine_seconds", 0.0) for p in phases)
+    busy = sum(p.get("engine_busy_s", 0.0) for p in phases)
+    return cpu / busy if cpu > 0 and busy > 0 else 0.0
 
 
 def _cpu_terms(phases: list[dict]) -> tuple[float, float]:

@@ -266,7 +266,8 @@ class Simulator:
         if self.dep.host_cores is None:
             return 1.0
         busy = sum(w.busy for w in self._by_id.values())  # the one starting this step included
-        return max(1.0, (busy * self.threads + self._front_load(w)) / self.dep.host_cores)
+        cores = self.over.engine_cores or self.threads  # what a busy worker's process keeps busy
+        return max(1.0, (busy * cores + self._front_load(w)) / self.dep.host_cores)
 
     def _front_work(self, cpu_s: float, source: _Worker) -> None:
         """The front end (ingress, router, the workers' gRPC sides) spent ``cpu_s`` now on a request

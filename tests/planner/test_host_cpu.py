@@ -38,7 +38,7 @@ def test_the_front_end_is_the_machine_less_the_engines_and_this_process(monkeypa
     monkeypatch.setattr(host_cpu, "_engine_pids", lambda: ["1", "2"])
     spent = {"1": 3.0, "2": 2.5, "self": 1.0}
     monkeypatch.setattr(host_cpu, "_process_cpu_s", lambda pid: spent[str(pid)])
-    assert host_cpu.front_cpu_s() == 3.5
+    assert host_cpu.usage() == {"machine": 10.0, "engines": {"1": 3.0, "2": 2.5}, "front": 3.5}
     assert host_cpu.available()  # this Linux machine has /proc
 
 

@@ -46,14 +46,16 @@ def test_the_overhead_fit_recovers_the_costs_added_to_the_engine():
     # The front end's CPU over a phase of 2 tokens per request and one of 24: per request and per token.
     cpu = [
         {"kind": "cpu", "requests": r, "tokens": t, "seconds": 0.003 * r + 0.0005 * t}
-        for r, t in ((12, 24), (40, 960))
+        | {"engine_seconds": 1.3 * busy, "engine_busy_s": busy}
+        for r, t, busy in ((12, 24, 0.5), (40, 960, 2.0))
     ]
     over = fit_overhead(samples + cpu)
     assert (over.cpu_per_request_s, over.cpu_per_token_s) == pytest.approx((0.003, 0.0005))
+    assert over.engine_cores == pytest.approx(1.3)  # its torch thread and 0.3 of a core more
     assert fit_overhead(samples + cpu[1:]).cpu_per_token_s == pytest.approx(
         0.6 / 960
     )  # one phase: all per token
-    assert fit_overhead(samples).cpu_per_token_s == 0.0  # not measured (a remote deployment)
+    assert fit_overhead(samples).cpu_per_token_s == fit_overhead(samples).engine_cores == 0.0  # remote
     # A served prompt computed 30% slower than the engine alone, after a 4 ms hop: both recovered.
     for s, e in zip(samples[:2], (0.01, 0.05), strict=True):
         s["seconds"] = e + 0.004 + 0.3 * e
@@ -102,6 +104,10 @@ def test_workers_sharing_too_few_cores_run_slower_and_enough_cores_change_nothin
     shared = run(1)  # two busy single-thread workers on one core: each step takes twice as long
     assert shared[1].first_token == pytest.approx(0.2 + 2 * p.prefill_s(1024), abs=1e-12)
     assert [r.token_times for r in run(2)] == [r.token_times for r in alone]
+    # Engine processes measured keeping 1.5 cores busy each (their threads beyond torch's): on two
+    # cores the pair of busy workers wants three.
+    p = replace(p, served={"disaggregated": ServedOverhead(engine_cores=1.5)})
+    assert run(2)[1].first_token == pytest.approx(0.2 + 1.5 * p.prefill_s(1024), abs=1e-12)
     with pytest.raises(ValueError, match="host_cores must be at least 1"):
         Deployment(1, 1, host_cores=0)
 
@@ -188,7 +194,7 @@ def test_measuring_a_real_server_samples_ttft_alone_and_itl_per_batch(server, ti
         batches=(1, 3),
         repeats=1,
         progress=lines.append,
-        front_cpu=host_cpu.front_cpu_s,
+        host_usage=host_cpu.usage,
     )
     cpu = [s for s in over.samples if s["kind"] == "cpu"]
     # The server's CPU over each phase: 6 lone requests of 2 tokens, then 1 + 3 of 24 (a chunk each).
