@@ -23,31 +23,30 @@ def available() -> bool:
 
 def usage() -> dict:
     """A reading of where the machine's CPU went so far: ``machine`` (busy seconds), ``engines``
-    (each engine process's seconds, by pid) and ``front`` (the rest but this process)."""
+    (each engine process's seconds, by pid) and ``self`` (this process's). Two readings make a
+    ``between``."""
     engines = {pid: _process_cpu_s(pid) for pid in _engine_pids()}
-    machine = _machine_busy_s()
-    return {
-        "machine": machine,
-        "engines": engines,
-        "front": machine - sum(engines.values()) - _process_cpu_s("self"),
-    }
+    return {"machine": _machine_busy_s(), "engines": engines, "self": _process_cpu_s("self")}
+
+
+def between(before: dict, after: dict) -> dict:
+    """CPU seconds between two ``usage`` readings: ``machine``, ``engines`` (each engine process's,
+    by pid; one started meanwhile counts from its start) and ``front``: the rest, less this process
+    (never below 0: an engine process that ended meanwhile took its last seconds with it)."""
+    engines = {pid: cpu - before["engines"].get(pid, 0.0) for pid, cpu in after["engines"].items()}
+    machine = after["machine"] - before["machine"]
+    front = machine - sum(engines.values()) - (after["self"] - before["self"])
+    return {"machine": machine, "engines": engines, "front": max(front, 0.0)}
 
 
 def cores_between(before: dict, after: dict, seconds: float) -> dict:
-    """Cores each part kept busy between two ``usage`` readings ``seconds`` apart (engines: each
-    process that ran throughout, busiest first)."""
-    engines = sorted(
-        (
-            after["engines"][pid] - before["engines"][pid]
-            for pid in after["engines"]
-            if pid in before["engines"]
-        ),
-        reverse=True,
-    )
+    """Cores each part kept busy between two ``usage`` readings ``seconds`` apart (engines busiest
+    first)."""
+    spent = between(before, after)
     return {
-        "machine": (after["machine"] - before["machine"]) / seconds,
-        "engines": [e / seconds for e in engines],
-        "front": (after["front"] - before["front"]) / seconds,
+        "machine": spent["machine"] / seconds,
+        "engines": sorted((e / seconds for e in spent["engines"].values()), reverse=True),
+        "front": spent["front"] / seconds,
     }
 
 

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from planner import host_cpu
 from planner.costs import ModelProfile, ServedOverhead
 
 Progress = Callable[[str], None]
@@ -190,10 +191,9 @@ class _CPUPhase:
     def end(self, name: str, samples: list[dict], progress: Progress) -> None:
         if self.read is None:
             return
-        then, now = self.at[0], self.read()
+        spent = host_cpu.between(self.at[0], self.read())
         requests, chunks = self.client.requests - self.at[1], self.client.chunks - self.at[2]
-        front = now["front"] - then["front"]
-        engines = sum(now["engines"][p] - then["engines"][p] for p in now["engines"] if p in then["engines"])
+        front, engines = spent["front"], sum(spent["engines"].values())
         samples.append(
             {
                 "kind": "cpu",

@@ -38,15 +38,25 @@ def test_the_front_end_is_the_machine_less_the_engines_and_this_process(monkeypa
     monkeypatch.setattr(host_cpu, "_engine_pids", lambda: ["1", "2"])
     spent = {"1": 3.0, "2": 2.5, "self": 1.0}
     monkeypatch.setattr(host_cpu, "_process_cpu_s", lambda pid: spent[str(pid)])
-    assert host_cpu.usage() == {"machine": 10.0, "engines": {"1": 3.0, "2": 2.5}, "front": 3.5}
+    assert host_cpu.usage() == {"machine": 10.0, "engines": {"1": 3.0, "2": 2.5}, "self": 1.0}
     assert host_cpu.available()  # this Linux machine has /proc
 
 
 def test_a_run_is_split_into_the_cores_each_part_kept_busy():
-    before = {"machine": 10.0, "engines": {"7": 1.0, "8": 2.0, "9": 0.5}, "front": 4.0}
-    after = {"machine": 14.0, "engines": {"7": 2.5, "8": 2.5, "10": 1.0}, "front": 5.0}
-    cores = host_cpu.cores_between(before, after, 2.0)
-    # Engines that ran throughout, busiest first; one that ended or started meanwhile is left out.
-    assert cores == {"machine": 2.0, "engines": [0.75, 0.25], "front": 0.5}
+    before = {"machine": 10.0, "engines": {"7": 1.0, "8": 2.0, "9": 0.5}, "self": 1.0}
+    after = {"machine": 14.0, "engines": {"7": 2.5, "8": 2.5, "10": 1.0}, "self": 1.5}
+    # Engine 9 ended meanwhile (its last seconds count as the front end's); 10 started.
+    assert host_cpu.between(before, after) == {
+        "machine": 4.0,
+        "engines": {"7": 1.5, "8": 0.5, "10": 1.0},
+        "front": 0.5,
+    }
+    assert host_cpu.cores_between(before, after, 2.0) == {
+        "machine": 2.0,
+        "engines": [0.75, 0.5, 0.25],
+        "front": 0.25,
+    }
+    # An engine process missed by the first reading counts whole: never a negative front end.
+    assert host_cpu.between({**before, "engines": {}}, after)["front"] == 0.0
     now = host_cpu.usage()
-    assert now["machine"] >= sum(now["engines"].values()) and set(now) == {"machine", "engines", "front"}
+    assert set(now) == {"machine", "engines", "self"} and now["machine"] > 0
