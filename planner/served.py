@@ -17,8 +17,8 @@ here on the deployment itself, one load level at a time so nothing queues:
 - **The host's CPU** (``host_usage``, a deployment on this machine: ``planner.host_cpu``): the front
   end's CPU seconds over the TTFT phase (2 tokens per request) and the ITL phase (dozens), solved for
   CPU per request and per streamed token; and the engine processes' CPU seconds over the time the
-  profile says their steps took (``engine_cores``: a busy engine process keeps its torch threads
-  and its own gRPC, IPC and transfer threads busy).
+  profile says their steps took in the TTFT phase (``engine_cores``: a busy engine process keeps its
+  torch threads and its own gRPC, IPC and transfer threads busy).
 
 Prompts are random token ids (nothing cached between samples); every request is greedy with
 ``ignore_eos``, so its length is the one asked for.
@@ -238,7 +238,10 @@ def fit_overhead(samples: list[dict]) -> ServedOverhead:
 
 def _engine_cores(phases: list[dict]) -> float:
     """Cores a busy engine process keeps busy: its CPU seconds over the seconds its steps took by
-    the profile (its torch threads, and its gRPC, IPC and transfer threads); 0 when not measured."""
+    the profile (its torch threads, and its gRPC, IPC and transfer threads); 0 when not measured.
+    From the TTFT phase: one request at a time, each step on one engine whatever the layout (the
+    ITL phase's batches split over several decode workers, each step's base paid on each)."""
+    phases = [p for p in phases if p.get("phase") == "ttft"]
     cpu = sum(p.get("engine_seconds", 0.0) for p in phases)
     busy = sum(p.get("engine_busy_s", 0.0) for p in phases)
     return cpu / busy if cpu > 0 and busy > 0 else 0.0
