@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -36,6 +37,7 @@ import torch
 
 from bench.offline_throughput import DEFAULT_MODEL_DIR, ensure_model
 from bench.serving_harness import bench_args, serving
+from ingress.request_timing import DEBUG_HEADER
 from loadgen.serving_client import send
 from loadgen.serving_datasets import ServingRequest
 from planner import host_cpu
@@ -48,6 +50,7 @@ from planner.traffic import Lengths, Traffic
 RESULTS = Path(__file__).parent / "results"
 NUM_BLOCKS = 1024
 METRICS = ("ttft_p50", "ttft_p90", "itl_p50", "throughput")
+HOPS_SHOWN = ("ttft", "prefill_queue", "prefill_compute", "kv_transfer", "decode_queue")  # printed per mix
 CLIENT = bench_args(ignore_eos=True)  # greedy (temperature 0), every output as long as asked
 
 
@@ -106,19 +109,26 @@ def saturated_throughput(profile: ModelProfile, traffic: Traffic, vocab: int) ->
     return summarize(Simulator(profile, Deployment(0, 1)).run(reqs)).throughput
 
 
-async def _one(session, url: str, model: str, req: SimRequest, start: float) -> SimRequest:
+async def _one(
+    session, url: str, model: str, req: SimRequest, start: float, hops: list | None = None
+) -> SimRequest:
     """``req`` sent at its arrival time by the load generator's client; its chunks' times (from
     ``start``): the first chunk is the first token, each later chunk one gap, as a client sees them."""
     await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
     sent = time.perf_counter() - start
-    res = await send(session, url, model, ServingRequest(req.prompt, req.output_len), CLIENT, {})
+    headers = {DEBUG_HEADER: "timing"} if hops is not None else {}
+    res = await send(session, url, model, ServingRequest(req.prompt, req.output_len), CLIENT, headers)
     if not res.ok:
         raise RuntimeError(f"a request failed: {res.error}")
     times = list(itertools.accumulate([sent + res.ttft_s, *res.itl_s]))
+    if hops is not None and res.timing_ms:
+        hops.append(res.timing_ms)
     return SimRequest(req.arrival, req.prompt, len(times), first_token=times[0], token_times=times)
 
 
-async def replay(base: str, requests: list[SimRequest]) -> list[SimRequest]:
+async def replay(base: str, requests: list[SimRequest], hops: list | None = None) -> list[SimRequest]:
+    """``requests`` sent at their arrival times; with ``hops`` (a list), each also asks the server
+    for its hop timing (``x-pdserve-debug: timing``) and its ms per hop are appended there."""
     import aiohttp
 
     url = base + "/v1/completions"
@@ -131,7 +141,7 @@ async def replay(base: str, requests: list[SimRequest]) -> list[SimRequest]:
         warmup = [SimRequest(0.0, [warm.randrange(10, vocab) for _ in range(64)], 8) for _ in range(4)]
         await asyncio.gather(*(_one(s, url, model, r, time.perf_counter()) for r in warmup))
         start = time.perf_counter()
-        return list(await asyncio.gather(*(_one(s, url, model, r, start) for r in requests)))
+        return list(await asyncio.gather(*(_one(s, url, model, r, start, hops) for r in requests)))
 
 
 def errors(real: dict, sim: dict) -> dict:
@@ -180,15 +190,24 @@ def run(args: argparse.Namespace) -> dict:
             for name, t in traffic.items():
                 requests = t.generate(vocab)
                 before, t0, c0 = host_cpu.usage(), time.perf_counter(), time.process_time()
-                real = summarize(asyncio.run(replay(base, requests))).as_dict()
+                hops: list[dict] = []
+                real = summarize(asyncio.run(replay(base, requests, hops))).as_dict()
                 span = time.perf_counter() - t0
                 busy = host_cpu.cores_between(before, host_cpu.usage(), span)
                 busy["load_generator"] = (time.process_time() - c0) / span
                 row = {"layout": layout.name, "mix": name, "rate": t.rate, "measured": real, "cores": busy}
+                row["hops_ms_p50"] = {
+                    k: statistics.median(h[k] for h in hops if k in h) for k in {k for h in hops for k in h}
+                }
                 predict(row, layout, engine_only, served, cores, t.generate(vocab))
                 rows.append(row)
                 print(_line(row), flush=True)
                 print(_cores_line(busy), flush=True)
+                shown = [k for k in HOPS_SHOWN if k in row["hops_ms_p50"]]
+                print(
+                    "  hops p50 (ms): " + ", ".join(f"{k} {row['hops_ms_p50'][k]:.1f}" for k in shown),
+                    flush=True,
+                )
     return {
         "model": model,
         "cores": cores,
