@@ -90,10 +90,12 @@ SERVED_MODES = ("aggregated", "disaggregated")
 class ServedOverhead:
     """What a deployment adds to the engine's steps, measured on it by ``pdserve profile --served``
     (``planner.served``): HTTP, tokenization, the router and the gRPC hops before the first token
-    (``ttft_s``, and ``per_token_s`` per prompt token), a prompt's computation running ``prefill_scale`` slower than the engine alone
-    measured it (the served worker shares its cores with the front end's processes), and each decode
-    step's streaming out through worker, router and ingress (``step_s + step_per_seq_s * batch``).
-    ``samples``: the measurements these were fitted to."""
+    (``ttft_s``, and ``per_token_s`` per prompt token), a prompt's computation running
+    ``prefill_scale`` slower than the engine alone measured it (the served worker shares its cores
+    with the front end's processes), and each decode step's streaming out through worker, router
+    and ingress (``step_s + step_per_seq_s * batch``); on the engines' own host, the front end's CPU
+    and the cores a busy engine process keeps busy. ``samples``: the measurements these were fitted
+    to."""
 
     ttft_s: float = 0.0
     step_s: float = 0.0

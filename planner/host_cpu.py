@@ -3,9 +3,10 @@
 
 A served request costs CPU outside the engines' steps: HTTP, the router, the workers' gRPC sides,
 streaming each token back, Ray's own processes. At low load that is delay (``ServedOverhead``'s
-latency terms); on a CPU host under load it is cores taken from the engines. ``usage`` reads it
-from Linux's ``/proc``: the machine's busy CPU time less the engine processes' (``*.engine_host``,
-read each) and this process's own (the client measuring it).
+latency terms); on a CPU host under load it is cores taken from the engines. ``usage`` reads
+Linux's ``/proc`` (the machine's busy CPU time, each engine process's, ``*.engine_host``, and this
+process's own: the client measuring it); ``between`` two readings, the front end is the machine
+less the engines and the client.
 """
 
 from __future__ import annotations

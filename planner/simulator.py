@@ -19,9 +19,10 @@ What it models, as the real system does it:
 - **The served path** (when the profile has it for the deployment's mode: ``pdserve profile
   --served``): a fixed delay before routing (front end, router, hops), prompts computed slower than
   the engine alone computes them, and a per-step streaming cost.
-- **Shared cores** (``host_cores``, a CPU deployment on one host): a step is stretched by the busy
-  workers' threads plus the front end's CPU load (its CPU per request and per streamed token over
-  the last second, as ``pdserve profile --served`` measured it) over the cores, when they exceed them.
+- **Shared cores** (``host_cores``, a CPU deployment on one host): a step is stretched by the cores
+  the busy workers' processes keep busy (``engine_cores`` as ``pdserve profile --served`` measured
+  it, else their torch threads) plus the front end's CPU load (its CPU per request and per streamed
+  token over the last second) over the cores, when they exceed them.
 
 Not modelled: preemption, speculative decoding, KV tiers, a front end that saturates. Times are
 seconds from the first arrival.
@@ -173,7 +174,7 @@ class Simulator:
             self.index.replace(w.wid, epoch=1, seq=0, hashes=[])  # registered, nothing cached yet
         self._by_id = {w.wid: w for w in self.prefills + self.decodes}
         self._events: list = []
-        self._front: deque[tuple[float, float, _Worker | None]] = deque()  # front-end work
+        self._front: deque[tuple[float, float, _Worker]] = deque()  # (when, CPU s, whose) front-end work
         self._tie = itertools.count()
         self.now = 0.0
 
@@ -265,7 +266,7 @@ class Simulator:
         (1: not shared)."""
         if self.dep.host_cores is None:
             return 1.0
-        busy = sum(w.busy for w in self._by_id.values())  # the one starting this step included
+        busy = sum(other.busy for other in self._by_id.values())  # the one starting this step included
         cores = self.over.engine_cores or self.threads  # what a busy worker's process keeps busy
         return max(1.0, (busy * cores + self._front_load(w)) / self.dep.host_cores)
 
@@ -282,7 +283,7 @@ class Simulator:
         while self._front and self._front[0][0] < self.now - FRONT_WINDOW_S:
             self._front.popleft()
         own_counted = self.threads < self.dep.host_cores
-        return sum(c for _, c, src in self._front if own_counted or src is not stepping) / FRONT_WINDOW_S
+        return sum(c for _, c, whose in self._front if own_counted or whose is not stepping) / FRONT_WINDOW_S
 
     def _admit(self, w: _Worker) -> None:
         """Move prefilled sequences (KV arrived) and local prompts into the batch while blocks last;

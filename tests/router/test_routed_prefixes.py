@@ -36,15 +36,18 @@ class Frozen:
 
 
 @contextlib.asynccontextmanager
-async def _stack(url: str, prefills: dict[str, pb_grpc.PrefillWorkerServicer], clock: Frozen):
-    """The router's gRPC service over these fake prefill workers and a fake decode worker; yields the
-    router, a Generate caller, and once the view lists every worker."""
+async def _stack(
+    url: str, prefills: dict[str, pb_grpc.PrefillWorkerServicer], clock: Frozen, decode_workers: int = 1
+):
+    """The router's gRPC service over these fake prefill workers and ``decode_workers`` fake decode
+    workers; yields the router, a Generate caller, and once the view lists every worker."""
     view = ClusterView(url, poll_s=0.05)
     view.start()
     add = pb_grpc.add_PrefillWorkerServicer_to_server
     servers = [await _start(p, add, wid, "prefill", url, 100) for wid, p in prefills.items()]
-    decode = FakeDecodeWorker("d0", max_tokens=3)
-    await decode.start(url)
+    decodes = [FakeDecodeWorker(f"d{i}", max_tokens=3) for i in range(decode_workers)]
+    for d in decodes:
+        await d.start(url)
     router = Router(view)
     router.routed = RoutedPrefixes(grace_s=5.0, clock=clock)
     server, address = await serve(router)
@@ -58,7 +61,9 @@ async def _stack(url: str, prefills: dict[str, pb_grpc.PrefillWorkerServicer], c
             pass
 
     try:
-        await until(lambda: len(view.live_workers()) == len(prefills) + 1, "the view lists every worker")
+        await until(
+            lambda: len(view.live_workers()) == len(prefills) + decode_workers, "the view lists every worker"
+        )
         yield router, generate
     finally:
         await channel.close()
@@ -66,7 +71,8 @@ async def _stack(url: str, prefills: dict[str, pb_grpc.PrefillWorkerServicer], c
         await router.close()
         for s in servers:
             await s.stop(0)
-        await decode.stop()
+        for d in decodes:
+            await d.stop()
         view.stop()
 
 
@@ -113,41 +119,17 @@ def test_aggregated_a_routed_prompt_draws_the_next_to_its_decode_worker(redis_se
     left counted."""
 
     async def main() -> None:
-        url = redis_server.url
-        view = ClusterView(url, poll_s=0.05)
-        view.start()
-        decodes = [FakeDecodeWorker(f"d{i}", max_tokens=3) for i in range(2)]
-        for d in decodes:
-            await d.start(url)
-        router = Router(view)
-        router.routed = RoutedPrefixes(grace_s=5.0, clock=Frozen())
-        server, address = await serve(router)
-        channel = grpc.aio.insecure_channel(address)
-        stub = pb_grpc.RouterStub(channel)
-
-        async def generate(rid: str, prompt: list[int]) -> None:
-            params = pb.SamplingParams(max_tokens=3, ignore_eos=True)
-            req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params)
-            async for _ in stub.Generate(req, timeout=30):
-                pass
-
-        try:
-            await until(lambda: len(view.live_workers("decode")) == 2, "the view lists both workers")
+        async with _stack(redis_server.url, {}, Frozen(), decode_workers=2) as (router, generate):
             await generate("a", PROMPT)
             (first,) = [w for w, n in router.decisions.items() if n]
             hashes = hash_blocks(PROMPT, 4)
             assert all(set(router.routed.holders()[h]) == {first[1]} for h in hashes)
-            router.inflight[first[1]].prompt_tokens = 8
+            # Busier by the tie-break too (a request running there): only the prefix draws it back.
+            load = router.inflight[first[1]]
+            load.prompt_tokens, load.requests = 8, 1
             await generate("b", [*PROMPT[:16], 900, 901, 902])
             assert router.decisions[first] == 2
-            router.inflight[first[1]].prompt_tokens = 0
+            load.prompt_tokens, load.requests = 0, 0
             assert all((load.prompt_tokens, load.requests) == (0, 0) for load in router.inflight.values())
-        finally:
-            await channel.close()
-            await server.stop(0)
-            await router.close()
-            for d in decodes:
-                await d.stop()
-            view.stop()
 
     asyncio.run(main())
