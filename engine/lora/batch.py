@@ -1,7 +1,8 @@
 """One step's adapters: which slot each token of the flat batch uses, and the update a projection adds.
 
 ``y[t] += x[t] @ A[s] @ B[s]`` with ``s`` the adapter slot of token ``t`` (-1: the base model, no
-update), for a batch that mixes adapters. ``lora_update_ref`` is the torch implementation (one pair of
+update), for a batch that mixes adapters; a fused projection's ``B`` comes in parts, each onto its
+own output columns (``engine.lora.slots``). ``lora_update_ref`` is the torch implementation (one pair of
 matmuls per adapter in the batch; the CPU engine runs it and the Triton kernels are tested against
 it); on CUDA ``engine.lora.kernels.lora_update`` runs the same update over tiles (``make_tiles``).
 """
@@ -15,10 +16,11 @@ import torch
 TILE = 16  # tokens per tile of the Triton kernels: tl.dot's smallest block
 
 
-def lora_update_ref(y: torch.Tensor, x: torch.Tensor, slots, a: torch.Tensor, b: torch.Tensor) -> None:
+def lora_update_ref(y: torch.Tensor, x: torch.Tensor, slots, a: torch.Tensor, parts) -> None:
     """``y += delta`` in place (``y`` ``[T, O]``, ``x`` ``[T, K]``, ``slots``: each token's slot, a
-    list or a ``[T]`` tensor; ``a`` ``[slots, K, N]``, ``b`` ``[slots, N, O]``)."""
-    apply_groups(y, x, slot_groups(slots.tolist() if isinstance(slots, torch.Tensor) else slots), a, b)
+    list or a ``[T]`` tensor; ``a`` ``[slots, K, P * R]``; ``parts``: P ``(b [slots, R, O_i], lo, hi)``,
+    part ``i``'s expand and its output columns, ``engine.lora.slots.LoraSlots.layer_weights``)."""
+    apply_groups(y, x, slot_groups(slots.tolist() if isinstance(slots, torch.Tensor) else slots), a, parts)
 
 
 def slot_groups(token_slots: list[int]) -> list[tuple[int, slice | torch.Tensor]]:
@@ -37,14 +39,36 @@ def slot_groups(token_slots: list[int]) -> list[tuple[int, slice | torch.Tensor]
     return out
 
 
-def apply_groups(y: torch.Tensor, x: torch.Tensor, groups, a: torch.Tensor, b: torch.Tensor) -> None:
+def long_runs(token_slots: list[int], min_len: int = TILE) -> tuple[list[tuple[int, slice]], list[int]]:
+    """The runs of at least ``min_len`` consecutive tokens of one adapter (prefill chunks), and the
+    token slots with those runs' tokens set to -1 (the rest, for the batched layout)."""
+    runs: list[tuple[int, slice]] = []
+    rest = list(token_slots)
+    start = 0
+    for t in range(1, len(token_slots) + 1):
+        if t == len(token_slots) or token_slots[t] != token_slots[start]:
+            if token_slots[start] >= 0 and t - start >= min_len:
+                runs.append((token_slots[start], slice(start, t)))
+                rest[start:t] = [-1] * (t - start)
+            start = t
+    return runs, rest
+
+
+def apply_groups(y: torch.Tensor, x: torch.Tensor, groups, a: torch.Tensor, parts) -> None:
+    """One shrink and one expand per part for each ``(slot, rows)``: a slice of rows is updated in
+    place (``addmm_`` on ``y``'s view: no copy of the rows), index rows by ``index_add_``."""
+    r = a.shape[2] // len(parts)
     for s, rows in groups:
-        if isinstance(rows, slice):
-            xs = x[rows]
-            y[rows] += ((xs @ a[s].to(xs.dtype)) @ b[s].to(xs.dtype)).to(y.dtype)
-        else:
-            xs = x.index_select(0, rows)
-            y.index_add_(0, rows, ((xs @ a[s].to(xs.dtype)) @ b[s].to(xs.dtype)).to(y.dtype))
+        xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+        xa = xs @ a[s].to(xs.dtype)
+        for i, (b, lo, hi) in enumerate(parts):
+            xa_i, b_i = xa[:, i * r : (i + 1) * r], b[s].to(xs.dtype)
+            if isinstance(rows, slice) and y.dtype == xs.dtype:
+                y[rows, lo:hi].addmm_(xa_i, b_i)
+            elif isinstance(rows, slice):
+                y[rows, lo:hi] += (xa_i @ b_i).to(y.dtype)
+            else:
+                y[:, lo:hi].index_add_(0, rows, (xa_i @ b_i).to(y.dtype))
 
 
 def make_tiles(token_slots: list[int]) -> tuple[list[int], list[int], list[int]]:
@@ -70,20 +94,28 @@ def make_tiles(token_slots: list[int]) -> tuple[list[int], list[int], list[int]]
 @dataclass(frozen=True, slots=True)
 class PaddedSlots:
     """A step's adapted tokens laid out ``[slots, G, ...]`` (G: the most tokens any slot has), for
-    the update as two batched matmuls over every slot: 5 ops per projection, whatever the number of
-    adapters (a loop over them costs 4 each: most of a decode step on a small model). ``index``: the
-    token of each padded row (padding repeats token 0); ``mask``: 1 for a real row, 0 for padding."""
+    the update as batched matmuls over every slot: a fixed number of ops per projection, whatever
+    the number of adapters (a loop over them costs 4 each: most of a decode step on a small model).
+    ``index``: the token of each padded row (padding repeats token 0); ``mask``: 1 for a real row, 0
+    for padding; ``inverse``: each token's padded row, a padding row (all zero after the mask) for a
+    base-model token. The expand's rows go back to the tokens by ``inverse`` (a gather and a dense
+    add): ``index_add_`` on this CPU scatters through an index as large as the output, and cannot
+    add into one part's columns without a copy."""
 
     index: torch.Tensor  # [slots * G] int64
     mask: torch.Tensor | None  # [slots * G, 1]; None: no padding
+    inverse: torch.Tensor  # [T] int64
     g: int
 
     @classmethod
-    def plan(cls, groups, num_slots: int, num_adapted: int) -> PaddedSlots | None:
+    def plan(cls, groups, num_slots: int, num_tokens: int) -> PaddedSlots | None:
         """The layout, or None where padding would more than double the rows (a long prefill chunk
         beside decodes: the loop over adapters is cheaper there)."""
         rows = {s: (list(range(r.start, r.stop)) if isinstance(r, slice) else r.tolist()) for s, r in groups}
+        num_adapted = sum(len(r) for r in rows.values())
         g = max(len(r) for r in rows.values())
+        if num_adapted < num_tokens and num_slots * g == num_adapted:
+            g += 1  # base-model tokens need a padding row to read their zero update from
         if num_slots * g > 2 * num_adapted + num_slots:
             return None
         index = [0] * (num_slots * g)
@@ -91,16 +123,26 @@ class PaddedSlots:
         for s, r in rows.items():
             index[s * g : s * g + len(r)] = r
             mask[s * g : s * g + len(r)] = [1.0] * len(r)
+        inverse = [mask.index(0.0) if num_adapted < num_tokens else 0] * num_tokens
+        for row, (t, m) in enumerate(zip(index, mask, strict=True)):
+            if m:
+                inverse[t] = row
         padded = torch.tensor(mask).unsqueeze(1) if min(mask) == 0 else None
-        return cls(torch.tensor(index, dtype=torch.int64), padded, g)
+        return cls(
+            torch.tensor(index, dtype=torch.int64), padded, torch.tensor(inverse, dtype=torch.int64), g
+        )
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        xg = x.index_select(0, self.index).view(a.shape[0], self.g, x.shape[1])
-        xa = torch.bmm(xg, a.to(x.dtype))  # [slots, G, N]
+    def apply(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, parts) -> None:
+        slots = a.shape[0]
+        xg = x.index_select(0, self.index).view(slots, self.g, x.shape[1])
+        xa = torch.bmm(xg, a.to(x.dtype))  # [slots, G, P * R]
         if self.mask is not None:  # padding rows zeroed here, at rank width, not at the output's
-            xa.mul_(self.mask.view(a.shape[0], self.g, 1).to(x.dtype))
-        delta = torch.bmm(xa, b.to(x.dtype)).view(-1, y.shape[1])
-        y.index_add_(0, self.index, delta.to(y.dtype))
+            xa.mul_(self.mask.view(slots, self.g, 1).to(x.dtype))
+        r = a.shape[2] // len(parts)
+        for i, (b, lo, hi) in enumerate(parts):
+            xa_i = xa if len(parts) == 1 else xa[:, :, i * r : (i + 1) * r]
+            delta = torch.bmm(xa_i, b.to(x.dtype)).view(-1, hi - lo).index_select(0, self.inverse)
+            (y if len(parts) == 1 else y[:, lo:hi]).add_(delta.to(y.dtype))
 
 
 @dataclass(slots=True)
@@ -111,17 +153,21 @@ class LoraBatch:
     weights: object
     token_slots: torch.Tensor  # [T] int64, -1: the base model
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    groups: list | None = None  # CPU: ``slot_groups``, found once per step for every layer
-    padded: PaddedSlots | None = None  # CPU: the batched layout, where it pays
+    groups: list | None = None  # CPU: ``slot_groups`` of the tokens not in ``runs``
+    padded: PaddedSlots | None = None  # CPU: the batched layout of those, where it pays
+    runs: list | None = None  # CPU: ``long_runs``, each its own pair of matmuls on ``y``'s rows
 
     @classmethod
     def build(cls, weights, token_slots: list[int], device: torch.device) -> LoraBatch:
         slots = torch.tensor(token_slots, dtype=torch.int64)
         if device.type != "cuda":
-            groups = slot_groups(token_slots)
-            adapted = sum(s >= 0 for s in token_slots)
-            padded = PaddedSlots.plan(groups, weights.max_loras, adapted) if len(groups) > 1 else None
-            return cls(weights, slots, groups=groups, padded=padded)
+            # Prefill chunks run as themselves (a gather and a scatter of their rows would cost
+            # more than their matmuls); decodes of many adapters in the batched layout.
+            runs, rest = long_runs(token_slots)
+            groups = slot_groups(rest)
+            many = len(groups) > 1
+            padded = PaddedSlots.plan(groups, weights.max_loras, len(token_slots)) if many else None
+            return cls(weights, slots, groups=groups, padded=padded, runs=runs)
         tiles = tuple(
             torch.tensor(part, dtype=torch.int32).to(device, non_blocking=True)
             for part in make_tiles(token_slots)
@@ -130,13 +176,15 @@ class LoraBatch:
 
     def update(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """Add the batch's adapters' update of projection ``proj`` of ``layer`` to ``y`` in place."""
-        a, b = self.weights.layer_weights(layer, proj)
+        a, parts = self.weights.layer_weights(layer, proj)
+        if self.runs:
+            apply_groups(y, x, self.runs, a, parts)
         if self.padded is not None:
-            self.padded.apply(y, x, a, b)
+            self.padded.apply(y, x, a, parts)
             return
         if self.tiles is None:
-            apply_groups(y, x, self.groups, a, b)
+            apply_groups(y, x, self.groups, a, parts)
             return
         from engine.lora.kernels import lora_update
 
-        lora_update(y, x, self.tiles, a, b, TILE)
+        lora_update(y, x, self.tiles, a, parts, TILE)

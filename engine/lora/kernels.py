@@ -4,8 +4,9 @@ runs of up to ``tile`` consecutive tokens of one adapter (a prefill chunk is one
 adapter next to each other share one). A tile's program multiplies its tokens by the slot's A in one
 ``tl.dot`` (shrink, into a float32 ``[T, N]`` buffer), then by its B and adds into ``y`` (expand):
 the segmented-GEMM scheme of Punica / S-LoRA. Base-model tokens belong to no tile and cost nothing.
-Slot tensors: ``A`` ``[slots, K, N]``, ``B`` ``[slots, N, O]`` (``N``: the stacked ranks of a fused
-projection's parts, ``engine.lora.slots``).
+Slot tensors: ``A`` ``[slots, K, N]`` (``N``: the stacked ranks of a fused projection's parts) and a
+``B`` ``[slots, R, O_i]`` per part, whose expand writes the part's own output columns
+(``engine.lora.slots``).
 """
 
 from __future__ import annotations
@@ -85,24 +86,31 @@ def lora_update(
     x: torch.Tensor,
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     a: torch.Tensor,
-    b: torch.Tensor,
+    parts,
     tile: int,
 ) -> None:
     """``y += delta`` in place over ``tiles`` = (starts, lengths, slots) on the device, each at most
-    ``tile`` tokens long (``engine.lora.batch.make_tiles``, ``TILE``: a power of two >= 16)."""
+    ``tile`` tokens long (``engine.lora.batch.make_tiles``, ``TILE``: a power of two >= 16); ``a``
+    ``[slots, K, P * R]``, ``parts``: P ``(b [slots, R, O_i], lo, hi)`` (one shrink, one expand per part
+    into its output columns)."""
     starts, lengths, slots = tiles
     num_tiles = starts.shape[0]
     if num_tiles == 0:
         return
-    assert x.stride(1) == 1 and y.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
-    k, n, o = x.shape[1], a.shape[2], b.shape[2]
+    assert x.stride(1) == 1 and y.stride(1) == 1 and a.stride(2) == 1
+    k, n = x.shape[1], a.shape[2]
+    r = n // len(parts)
     xa = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
     block_n = max(16, min(64, triton.next_power_of_2(n)))
     _shrink_kernel[(num_tiles, triton.cdiv(n, block_n))](
         x, a, xa, starts, lengths, slots, k, n, x.stride(0), a.stride(0), a.stride(1), xa.stride(0),
         BLOCK_T=tile, BLOCK_N=block_n, BLOCK_K=64,
     )  # fmt: skip
-    _expand_kernel[(num_tiles, triton.cdiv(o, 64))](
-        xa, b, y, starts, lengths, slots, n, o, xa.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_T=tile, BLOCK_O=64, BLOCK_N=block_n,
-    )  # fmt: skip
+    block_r = max(16, min(64, triton.next_power_of_2(r)))
+    for i, (b, lo, hi) in enumerate(parts):
+        assert b.stride(2) == 1
+        xa_i, y_i = xa[:, i * r : (i + 1) * r], y[:, lo:hi]
+        _expand_kernel[(num_tiles, triton.cdiv(hi - lo, 64))](
+            xa_i, b, y_i, starts, lengths, slots, r, hi - lo, xa_i.stride(0), b.stride(0), b.stride(1),
+            y_i.stride(0), BLOCK_T=tile, BLOCK_O=64, BLOCK_N=block_r,
+        )  # fmt: skip

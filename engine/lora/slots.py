@@ -1,12 +1,14 @@
 """The adapters an engine serves: every loaded one in host memory, up to ``max_loras`` in device slots.
 
-Each fused projection of each layer has one ``A`` ``[slots, in, parts * R]`` and one ``B``
-``[slots, parts * R, out]`` tensor on the device (``R``: ``max_lora_rank``; ``parts``: q, k, v of
-``qkv``, gate and up of ``gate_up``), laid out so that ``x @ A[s] @ B[s]`` is the update (contiguous
-operands for the CPU's batched matmuls). Part ``i`` of an adapter of rank ``r`` fills columns
-``i*R .. i*R + r`` of its slot's ``A`` and the same rows of ``B`` within the part's output columns;
-the rest stays zero, so a fused projection's update is one shrink and one expand whatever the
-parts' ranks.
+Each fused projection of each layer has one ``A`` ``[slots, in, parts * R]`` on the device and one
+``B`` ``[slots, R, out_i]`` per part (``R``: ``max_lora_rank``; ``parts``: q, k, v of ``qkv``, gate
+and up of ``gate_up``): the update is ``x @ A[s]`` once (the shrink), then part ``i``'s columns
+``i*R .. (i+1)*R`` of it times that part's ``B[s]`` into the part's output columns (the expand).
+Contiguous operands for the CPU's batched matmuls. Part ``i`` of an adapter of rank ``r`` fills
+columns ``i*R .. i*R + r`` of its slot's ``A`` and rows ``0 .. r`` of its part's ``B``; the rest stays
+zero. One ``B`` over all the parts' outputs would hold the parts' updates block-diagonally: half of
+``gate_up``'s and two thirds of ``qkv``'s expand would multiply zeros, which cost a fused expand on
+this CPU as much as the rest of the adapters' work.
 
 A sequence pins its adapter's slot from the step that first runs it until it finishes or is
 preempted (``acquire`` / ``release``); an adapter no sequence runs stays resident until a new one
@@ -46,7 +48,7 @@ class LoraSlots:
             for p, (k, _) in shapes.items()
         }
         self.b = {
-            p: torch.zeros((n, max_loras, NUM_PARTS[p] * r, sum(outs)), dtype=dtype, device=device)
+            p: tuple(torch.zeros((n, max_loras, r, out), dtype=dtype, device=device) for out in outs)
             for p, (_, outs) in shapes.items()
         }
         self.adapters: dict[str, LoraAdapter] = {}
@@ -57,10 +59,16 @@ class LoraSlots:
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
+        tensors = [*self.a.values(), *(b for parts in self.b.values() for b in parts)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
-    def layer_weights(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.a[proj][layer], self.b[proj][layer]
+    def layer_weights(self, layer: int, proj: str) -> tuple[torch.Tensor, tuple]:
+        """``A`` ``[slots, in, parts * R]`` and each part's ``(B [slots, R, out_i], lo, hi)``:
+        ``lo:hi`` its columns of the projection's output."""
+        parts = tuple(
+            (b[layer], lo, hi) for b, (lo, hi) in zip(self.b[proj], self.part_rows[proj], strict=True)
+        )
+        return self.a[proj][layer], parts
 
     def add(self, adapter: LoraAdapter) -> None:
         """Serve ``adapter`` (a new one, or new weights under a served name no sequence runs)."""
@@ -119,11 +127,11 @@ class LoraSlots:
         r = self.max_rank
         for p in self.a:
             self.a[p][:, slot].zero_()
-            self.b[p][:, slot].zero_()
+            for b in self.b[p]:
+                b[:, slot].zero_()
         for (layer, p, part), m in adapter.modules.items():
-            lo, hi = self.part_rows[p][part]
             self.a[p][layer, slot, :, part * r : part * r + m.rank].copy_(m.a.T)
-            self.b[p][layer, slot, part * r : part * r + m.rank, lo:hi].copy_(m.b.T)
+            self.b[p][part][layer, slot, : m.rank].copy_(m.b.T)
         self.num_loads += 1
         self.load_seconds += time.perf_counter() - t0
 

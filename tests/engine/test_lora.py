@@ -198,9 +198,12 @@ def test_an_adapter_written_by_pdserve_loads_in_peft_with_the_same_output(
 @pytest.mark.parametrize(
     ("slots", "path"),
     [
-        ([1, 0, 2, 0, 1, 2], "padded"),  # decodes of 3 adapters, 2 each: two batched matmuls, no mask
+        ([1, 0, 2, 0, 1, 2], "padded"),  # decodes of 3 adapters, 2 each: batched matmuls, no mask
         ([0, -1, 1, 1, 1, 2], "padded+mask"),  # uneven: padding rows masked out
-        ([0] * 20 + [1], "loop"),  # a prefill chunk beside a decode: padding would cost 3x the rows
+        ([0, 1, 2, -1], "padded+mask"),  # even, every slot used: a padding row for the base token
+        ([0] * 20 + [1], "runs+loop"),  # a prefill chunk on its own rows, a decode beside it
+        ([0] * 20 + [1, 2, -1, 1, 2], "runs+padded+mask"),  # a chunk, then decodes of two adapters
+        ([2] * 17 + [-1] * 3 + [0] * 16, "runs"),  # two chunks of two adapters and a base one
     ],
 )
 def test_the_cpu_update_paths_equal_a_per_token_reference(slots, path):
@@ -211,16 +214,22 @@ def test_the_cpu_update_paths_equal_a_per_token_reference(slots, path):
     from engine.lora.batch import LoraBatch
 
     gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(3, 24, 8, generator=gen), torch.randn(3, 8, 40, generator=gen)
-    x, y = torch.randn(len(slots), 24, generator=gen), torch.randn(len(slots), 40, generator=gen)
+    a = torch.randn(3, 24, 16, generator=gen)  # two parts of rank 8 (q and k, say), fused
+    parts = ((torch.randn(3, 8, 40, generator=gen), 0, 40), (torch.randn(3, 8, 24, generator=gen), 40, 64))
+    x, y = torch.randn(len(slots), 24, generator=gen), torch.randn(len(slots), 64, generator=gen)
     want = y.clone()
     for t, s in enumerate(slots):
         if s >= 0:
-            want[t] += x[t] @ a[s] @ b[s]
-    weights = SimpleNamespace(max_loras=3, layer_weights=lambda layer, proj: (a, b))
+            for i, (b, lo, hi) in enumerate(parts):
+                want[t, lo:hi] += x[t] @ a[s][:, 8 * i : 8 * (i + 1)] @ b[s]
+    weights = SimpleNamespace(max_loras=3, layer_weights=lambda layer, proj: (a, parts))
     batch = LoraBatch.build(weights, slots, torch.device("cpu"))
-    chosen = "loop" if batch.padded is None else "padded+mask" if batch.padded.mask is not None else "padded"
-    assert chosen == path
+    chosen = ["runs"] if batch.runs else []
+    if batch.padded is not None:
+        chosen.append("padded+mask" if batch.padded.mask is not None else "padded")
+    elif batch.groups:
+        chosen.append("loop")
+    assert "+".join(chosen) == path
     batch.update(y, x, 0, "qkv")
     torch.testing.assert_close(y, want)
 

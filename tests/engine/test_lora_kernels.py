@@ -34,23 +34,40 @@ def test_tiles_are_runs_of_one_slot_up_to_a_tile_long():
     assert lengths == [2, 1, 1, TILE, 3, 1]
 
 
+def per_token(y, x, slots, a, parts):
+    """The update token by token: what both implementations must add."""
+    out, r = y.clone().float(), a.shape[2] // len(parts)
+    for t, s in enumerate(slots):
+        if s >= 0:
+            xa = x[t].float() @ a[s].float()
+            for i, (b, lo, hi) in enumerate(parts):
+                out[t, lo:hi] += xa[i * r : (i + 1) * r] @ b[s].float()
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(("k", "n", "o"), [(64, 48, 96), (40, 16, 200)])
-def test_kernel_matches_the_reference(dtype, k, n, o):
+@pytest.mark.parametrize(("k", "r", "outs"), [(64, 16, (96,)), (40, 12, (100, 36, 36)), (48, 16, (80, 80))])
+def test_kernel_matches_the_reference(dtype, k, r, outs):
     gen = torch.Generator().manual_seed(0)
     slots_list = [0] * 21 + [-1] * 3 + [2, 1, 2, -1, 1] + [1] * 5  # a prefill run, base tokens, decodes
     t = len(slots_list)
     x = torch.randn(t, k, generator=gen).to(dtype).to(DEVICE)
-    a = (0.2 * torch.randn(3, k, n, generator=gen)).to(dtype).to(DEVICE)
-    b = (0.2 * torch.randn(3, n, o, generator=gen)).to(dtype).to(DEVICE)
-    y0 = torch.randn(t, o, generator=gen).to(dtype).to(DEVICE)
+    a = (0.2 * torch.randn(3, k, len(outs) * r, generator=gen)).to(dtype).to(DEVICE)
+    cols = [sum(outs[:i]) for i in range(len(outs) + 1)]
+    parts = tuple(
+        ((0.2 * torch.randn(3, r, o, generator=gen)).to(dtype).to(DEVICE), cols[i], cols[i + 1])
+        for i, o in enumerate(outs)
+    )
+    y0 = torch.randn(t, cols[-1], generator=gen).to(dtype).to(DEVICE)
+    want = per_token(y0, x, slots_list, a, parts)
     ref = y0.clone()
-    lora_update_ref(ref, x, torch.tensor(slots_list, device=DEVICE), a, b)
+    lora_update_ref(ref, x, torch.tensor(slots_list, device=DEVICE), a, parts)
     out = y0.clone()
     tiles = tuple(torch.tensor(part, dtype=torch.int32, device=DEVICE) for part in make_tiles(slots_list))
-    lora_update(out, x, tiles, a, b, TILE)
+    lora_update(out, x, tiles, a, parts, TILE)
     atol, rtol = TOL[dtype]
-    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(ref.float().cpu(), want.cpu(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.float().cpu(), want.cpu(), atol=atol, rtol=rtol)
     base = [i for i, s in enumerate(slots_list) if s < 0]
     assert torch.equal(out[base], y0[base])  # base-model tokens are untouched
     assert not torch.allclose(out.float(), y0.float())  # the adapters did change the others
