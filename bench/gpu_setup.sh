@@ -8,6 +8,7 @@ if [ -d .whl ]; then
     fastapi uvicorn uvloop httptools pydantic redis fakeredis prometheus-client pyyaml 2>&1 | tail -2
   # the generated stubs need this side's grpcio (a bare host may have an older one)
   "$PY" -m pip install --quiet --no-index --no-deps --upgrade --find-links .whl grpcio protobuf 2>&1 | tail -2
+  "$PY" -m pip install --quiet --no-index --no-deps --find-links .whl psutil peft accelerate 2>&1 | tail -2
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 MODELS=${MODELS:-/tmp/pdserve-models}

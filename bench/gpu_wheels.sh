@@ -9,5 +9,10 @@ PY=${PY:-.venv/bin/python}
   --platform any -d .whl \
   fastapi uvicorn uvloop httptools pydantic redis fakeredis prometheus-client pyyaml \
   "grpcio==$("$PY" -c "import grpc; print(grpc.__version__)")" \
-  "protobuf==$("$PY" -c "import google.protobuf as p; print(p.__version__)")"
+  "protobuf==$("$PY" -c "import google.protobuf as p; print(p.__version__)")" psutil
+# peft (the LoRA tests' reference, bench/gpu_lora.sh) without its dependencies: torch and
+# transformers are the host's own
+"$PY" -m pip download --quiet --no-deps -d .whl \
+  "peft==$("$PY" -c "import peft; print(peft.__version__)")" \
+  "accelerate==$("$PY" -c "import accelerate; print(accelerate.__version__)")"
 du -sh .whl

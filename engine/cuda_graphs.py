@@ -10,6 +10,12 @@ KV tensor's last block), so padding cannot touch a real sequence. The attention 
 ``max_model_len``, so one graph serves every context length (the kernels mask past each row's
 length). Only steps whose every sequence decodes one token qualify; prefill chunks run eagerly.
 
+With LoRA adapters (``lora``: the engine's ``LoraSlots``), the graphs also capture the adapters'
+update, from per-token kernels (``engine.lora.kernels.lora_update_per_token``) that read each row's
+slot from a static buffer: a step of any mix of adapters and the base model replays the same graph,
+its slots copied in first (-1 for the base model and padding rows). The slots' weights stay at fixed
+addresses (an adapter is copied into its slot in place), so swapping adapters needs no recapture.
+
 With ``capture=False`` the same static-buffer path runs eagerly: that is how CPU tests (Triton under
 its interpreter) check the padding and buffers against the plain path, token for token.
 """
@@ -21,6 +27,7 @@ import logging
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.lora.batch import GraphLora
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,7 @@ class DecodeGraphRunner:
         max_model_len: int,
         max_batch: int,
         capture: bool = True,
+        lora=None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -60,6 +68,8 @@ class DecodeGraphRunner:
         self.slot_offsets = torch.zeros(n, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
         self.block_tables = torch.full((n, width), self.pad_block, dtype=torch.int64, device=dev)
+        self.lora = lora
+        self.lora_slots = torch.full((n,), -1, dtype=torch.int64, device=dev) if lora is not None else None
         self._metas = {b: self._static_meta(b) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -76,13 +86,14 @@ class DecodeGraphRunner:
             query_start_loc=list(range(b + 1)),
             block_tables=self.block_tables[:b],
             block_size=self.block_size,
+            lora=GraphLora(self.lora, self.lora_slots[:b]) if self.lora is not None else None,
         )
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         b = len(meta.seq_lens_list)
         return (
             meta.num_decodes == b
-            and meta.lora is None  # NOTE: adapter steps launch eagerly (their tiles vary per step)
+            and (meta.lora is None or self.lora is not None)
             and 0 < b <= self.max_batch
             and meta.block_tables.shape[1] <= self.block_tables.shape[1]
         )
@@ -100,6 +111,11 @@ class DecodeGraphRunner:
         self.seq_lens[:b].copy_(meta.seq_lens)
         self.block_tables[:b, :width].copy_(meta.block_tables)
         self.block_tables[:b, width:].fill_(self.pad_block)
+        if self.lora_slots is not None:
+            if meta.lora is None:
+                self.lora_slots[:b].fill_(-1)
+            else:
+                self.lora_slots[:b].copy_(meta.lora.token_slots)
         if bucket > b:  # rows of an earlier, larger batch: back to padding
             self.input_ids[b:bucket].zero_()
             self.positions[b:bucket].zero_()
@@ -107,6 +123,8 @@ class DecodeGraphRunner:
             self.slot_offsets[b:bucket].zero_()
             self.seq_lens[b:bucket].fill_(1)
             self.block_tables[b:bucket].fill_(self.pad_block)
+            if self.lora_slots is not None:
+                self.lora_slots[b:bucket].fill_(-1)
         if self.capture:
             self._graphs[bucket].replay()
             return self._outputs[bucket][:b]

@@ -151,6 +151,7 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
                     config.block_size,
                     self.max_model_len,
                     min(config.cuda_graph_max_batch, config.max_num_seqs),
+                    lora=self.lora_slots,
                 )
                 logger.info("decode CUDA graphs captured in %.1fs", time.perf_counter() - t0)
             except RuntimeError as exc:  # e.g. an op that cannot be captured: correct, just slower

@@ -188,3 +188,19 @@ class LoraBatch:
         from engine.lora.kernels import lora_update
 
         lora_update(y, x, self.tiles, a, parts, TILE)
+
+
+@dataclass(slots=True)
+class GraphLora:
+    """The adapters of a decode step replayed from a CUDA graph (``engine.cuda_graphs``): each row's
+    slot in a static device buffer the runner fills before the replay (-1: the base model or a
+    padding row), and per-token kernels whose launches depend only on the batch size."""
+
+    weights: object
+    token_slots: torch.Tensor  # [B] int64 on the device: a view of the graph runner's buffer
+
+    def update(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
+        from engine.lora.kernels import lora_update_per_token
+
+        a, parts = self.weights.layer_weights(layer, proj)
+        lora_update_per_token(y, x, self.token_slots, a, parts)

@@ -17,7 +17,7 @@ import pytest
 import triton
 
 from engine.lora.batch import TILE, lora_update_ref, make_tiles
-from engine.lora.kernels import lora_update
+from engine.lora.kernels import lora_update, lora_update_per_token
 
 INTERPRETED = triton.knobs.runtime.interpret
 if not INTERPRETED and not torch.cuda.is_available():
@@ -65,9 +65,16 @@ def test_kernel_matches_the_reference(dtype, k, r, outs):
     out = y0.clone()
     tiles = tuple(torch.tensor(part, dtype=torch.int32, device=DEVICE) for part in make_tiles(slots_list))
     lora_update(out, x, tiles, a, parts, TILE)
+    per_token_out = y0.clone()  # the CUDA-graph decode path's kernels, one program per token
+    lora_update_per_token(per_token_out, x, torch.tensor(slots_list, device=DEVICE), a, parts)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(ref.float().cpu(), want.cpu(), atol=atol, rtol=rtol)
     torch.testing.assert_close(out.float().cpu(), want.cpu(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(per_token_out.float().cpu(), want.cpu(), atol=atol, rtol=rtol)
+    assert torch.equal(
+        per_token_out[[i for i, s in enumerate(slots_list) if s < 0]],
+        y0[[i for i, s in enumerate(slots_list) if s < 0]],
+    )
     base = [i for i, s in enumerate(slots_list) if s < 0]
     assert torch.equal(out[base], y0[base])  # base-model tokens are untouched
     assert not torch.allclose(out.float(), y0.float())  # the adapters did change the others
