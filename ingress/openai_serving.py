@@ -244,9 +244,15 @@ class OpenAIServing:
                 batch: list[ChoiceDelta] | None = first
                 gen.stamps.first_out = time.perf_counter()
                 tools = {i: ToolStream(req.tools) for i in range(req.params.n)} if req.tools else None
+                plain = tools is None and req.logprobs is None and req.prompt_logprobs is None
                 while batch is not None:
-                    choices = [self._stream_choice(req, d, tools) for d in batch]
-                    tail += head + _dumps(choices) + b"}\n\n"
+                    choices = b",".join(
+                        _plain_choice(req.chat, d.index, d.text)
+                        if plain and d.finish_reason is None
+                        else _dumps(self._stream_choice(req, d, tools))
+                        for d in batch
+                    )
+                    tail += head + b"[" + choices + b"]}\n\n"
                     if not gen.ended:  # no later event is known yet: out now
                         yield tail
                         tail = b""
@@ -333,6 +339,16 @@ _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 def _dumps(obj) -> bytes:
     return _ENCODE(obj).encode()
+
+
+_TEXT_CHOICE = b'{"index":%d,"text":%b,"logprobs":null,"finish_reason":null}'
+_CHAT_CHOICE = b'{"index":%d,"delta":{"content":%b},"logprobs":null,"finish_reason":null}'
+
+
+def _plain_choice(chat: bool, index: int, text: str) -> bytes:
+    """A streamed choice of text alone (no logprobs, tools or finish): the bytes ``_dumps`` writes
+    for ``_stream_choice``'s dict, with only the text encoded (per token, most of a chunk's JSON)."""
+    return (_CHAT_CHOICE if chat else _TEXT_CHOICE) % (index, _ENCODE(text).encode())
 
 
 def _sse(obj: dict) -> bytes:

@@ -29,6 +29,7 @@ class RouterClient:
         self._address: str | None = None
         self._channel: grpc.aio.Channel | None = None
         self._calls: CallMux | None = None  # Generate calls, all on one GenerateStream
+        self._router: pb_grpc.RouterStub | None = None  # the channel's stub, built once
         self._worker_channels: dict[str, grpc.aio.Channel] = {}
 
     async def _stub(self, refresh: bool = False) -> pb_grpc.RouterStub:
@@ -40,8 +41,9 @@ class RouterClient:
                 if self._channel is not None:
                     await self._channel.close()
                 self._address, self._channel = address, grpc.aio.insecure_channel(address)
-                self._calls = CallMux(pb_grpc.RouterStub(self._channel).GenerateStream, address, "generate")
-        return pb_grpc.RouterStub(self._channel)
+                self._router = pb_grpc.RouterStub(self._channel)
+                self._calls = CallMux(self._router.GenerateStream, address, "generate")
+        return self._router
 
     async def generate(
         self, request_id: str, prompt: list[int], params, priority: int, timeout_s: float
@@ -54,7 +56,8 @@ class RouterClient:
             request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), priority=priority
         )
         for attempt in range(2):
-            await self._stub(refresh=attempt > 0)
+            if self._calls is None or attempt:
+                await self._stub(refresh=attempt > 0)
             call = self._calls.open(req, timeout=timeout_s)
             started = False
             try:
