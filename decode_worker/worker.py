@@ -47,6 +47,7 @@ from kv_transfer import RemoteKVInfo
 from kv_transfer.stats import TransferStats
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto.quiet_timer import QuietTimer
 from worker.config import WorkerConfig
 from worker.peer_reads import PeerReads
 from worker.runtime import RequestFailed, TransferFactory, WorkerRuntime
@@ -199,6 +200,7 @@ class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
             admit = self._admit_streamed(request_id, prompt, params, priority, kv_source, policy_)
         else:
             admit = self._admit(request_id, prompt, params, priority, kv, policy_, peer)
+        quiet: QuietTimer | None = None
         try:
             if keepalive_s is None:
                 admitted = await admit
@@ -214,15 +216,15 @@ class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
                 return  # the first token already ended the request
             unfinished = params.n  # every sample ends with its own finish reason
             hold = StreamInterval(self.config.stream_interval, first_sent=bool(kv or kv_source))
+            quiet = QuietTimer(lambda: keepalive_s) if keepalive_s is not None else None
             while True:
                 # Whatever the engine produced since the last look goes out as one output per
                 # sample: a stream that fell behind catches up in one message, not one per token.
-                if keepalive_s is None:
+                if quiet is None:
                     outs = [await stream.get()]
                 else:
                     try:
-                        async with asyncio.timeout(keepalive_s):
-                            outs = [await stream.get()]
+                        outs = [await quiet.wait(stream.get())]
                     except TimeoutError:  # quiet: what is held goes out, or a sign of life
                         outs = hold.flush() or [self.progress(keepalive_s)]
                         for out in outs:
@@ -241,6 +243,8 @@ class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
                         if unfinished == 0:
                             return
         finally:
+            if quiet is not None:
+                quiet.close()
             self.loop.close_stream(request_id)
             self.clocks.forget(request_id)
             self._handed_off.discard(request_id)

@@ -34,7 +34,6 @@ partitioned network) trips it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 import grpc
 
 from proto import pdserve_pb2 as pb
+from proto.quiet_timer import QuietTimer
 
 logger = logging.getLogger(__name__)
 
@@ -214,23 +214,26 @@ class ProgressWatch:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """``stream``'s messages, ``Progress`` consumed here; raises ``DecodeLost`` on a stall."""
         it = aiter(stream)
-        while True:
-            limit = self.deadline_s(worker_id)
-            silence = limit + self._interval_s.get(worker_id, 0.0)
-            try:
-                async with asyncio.timeout(silence):
-                    msg = await anext(it)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise DecodeLost(worker_id, f"stalled: silent for {silence:.1f}s") from None
-            if msg.WhichOneof("kind") != "progress":
-                yield msg
-                continue
-            p = msg.progress
-            self._step_s[worker_id] = p.step_ms / 1e3
-            self._interval_s[worker_id] = p.interval_ms / 1e3
-            if p.blocked_ms / 1e3 > limit:
-                raise DecodeLost(
-                    worker_id, f"stalled: its engine made no progress for {p.blocked_ms / 1e3:.1f}s"
-                )
+        quiet = QuietTimer(lambda: self.deadline_s(worker_id) + self._interval_s.get(worker_id, 0.0))
+        try:
+            while True:
+                try:
+                    msg = await quiet.wait(anext(it))
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    silence = self.deadline_s(worker_id) + self._interval_s.get(worker_id, 0.0)
+                    raise DecodeLost(worker_id, f"stalled: silent for {silence:.1f}s") from None
+                if msg.WhichOneof("kind") != "progress":
+                    yield msg
+                    continue
+                p = msg.progress
+                limit = self.deadline_s(worker_id)  # from what was known before this message
+                self._step_s[worker_id] = p.step_ms / 1e3
+                self._interval_s[worker_id] = p.interval_ms / 1e3
+                if p.blocked_ms / 1e3 > limit:
+                    raise DecodeLost(
+                        worker_id, f"stalled: its engine made no progress for {p.blocked_ms / 1e3:.1f}s"
+                    )
+        finally:
+            quiet.close()
