@@ -11,6 +11,7 @@ NOTE: this module imports no torch, so the router may compute and compare compat
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
@@ -64,9 +65,9 @@ class KVCompat:
         return asdict(self)
 
     def hash(self) -> str:
-        """Stable hex digest: sha256 of canonical JSON (sorted keys, no spaces), same on every host."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+        """Stable hex digest: sha256 of canonical JSON (sorted keys, no spaces), same on every host.
+        Computed once per distinct record (every handed-off request names it)."""
+        return _digest(self)
 
     def mismatches(self, other: KVCompat) -> list[str]:
         """``"field mine != theirs"`` for every field that differs, in declaration order."""
@@ -76,6 +77,12 @@ class KVCompat:
             if mine != theirs:
                 out.append(f"{f.name} {mine} != {theirs}")
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(c: KVCompat) -> str:
+    canonical = json.dumps(c.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def dtype_name(dtype: object) -> str:
