@@ -240,9 +240,18 @@ def stack_layout(
         for w in a.workloads:
             # Disaggregated, the decode worker's engine runs no prompt: its mixed steps mean nothing.
             stats = None if disaggregated else functools.partial(engine_stats, workers["decode_worker"])
+            prefilled = _prefilled(workers)
             out[w.name] = measure(base, served, w, a, vocab, pids, stats)
             out[w.name]["kv_blocks"] = check_blocks(procs, workers, before)
+            if disaggregated:  # the prompts were the prefill worker's (not prefilled where they decode)
+                out[w.name]["prefill_worker_prompt_tokens"] = _prefilled(workers) - prefilled
         return out
+
+
+def _prefilled(workers: dict[str, str]) -> int:
+    """Prompt tokens the prefill worker's engine computed so far (0 without one)."""
+    address = workers.get("prefill_worker")
+    return engine_stats(address, "prefill_worker").prompt_tokens if address else 0
 
 
 LAYOUTS: dict[str, Callable[[argparse.Namespace, str, int], dict]] = {

@@ -1,4 +1,5 @@
-"""gRPC face of the prefill worker (asyncio): Prefill, Release, WatchKV, GetState, Lend."""
+"""gRPC face of the prefill worker (asyncio): Prefill (also on a call stream, ``PrefillStream``: the
+router's), Release, WatchKV, GetState, Lend."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 from prefill_worker.worker import PrefillWorker
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto.call_stream import MultiplexedPrefill
 from proto.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto, stop_reason_text
 from worker.adapters import adapter_rpc
 from worker.peer_reads import lend_rpc
@@ -17,7 +19,7 @@ from worker.runtime import RequestFailed
 logger = logging.getLogger(__name__)
 
 
-class PrefillService(pb_grpc.PrefillWorkerServicer):
+class PrefillService(MultiplexedPrefill, pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
 

@@ -3,7 +3,8 @@
 Per token, a call of its own costs the sender's gRPC stack, the network and the receiver a message
 each, for every request: at 32 sequences an engine step is 32 messages to the router and 32 more to
 the front end. On a call stream (``DecodeWorker.DecodeStream``: a router's Decode calls to one
-worker; ``Router.GenerateStream``: a front end's Generate calls to its router) the server runs each
+worker; ``PrefillWorker.PrefillStream``: its Prefill calls, one answer each; ``Router.GenerateStream``:
+a front end's Generate calls to its router) the server runs each
 opened call's handler exactly as a call of its own (same validation, messages, in-band errors), puts
 what they produce in one outbox, and sends the whole outbox as one ``CallStreamBatch`` whenever it
 has something. An engine step wakes all its streams in one callback, so it leaves as one message;
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 # (request, context) -> the call's messages: a servicer's server-streaming method
 Handler = Callable[[object, object], AsyncIterator[pb.GenerateResponse]]
+_MESSAGES = (pb.GenerateResponse, pb.PrefillResponse)  # what a call's items carry
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _END = object()  # a call's last item when it ended OK
 
@@ -69,10 +71,12 @@ class _CallContext:
 
 
 async def serve_calls(
-    handler: Handler, kind: str, requests: AsyncIterator[pb.CallStreamRequestBatch]
+    handler: Handler, kind: str, requests: AsyncIterator[pb.CallStreamRequestBatch], out: str = "message"
 ) -> AsyncIterator[pb.CallStreamBatch]:
-    """A call stream's batches, each call of ``kind`` ("decode", "generate") run by ``handler``, until
-    the caller closes its side and every call has ended; the stream's end cancels calls still open."""
+    """A call stream's batches, each call of ``kind`` ("decode", "generate", "prefill") run by
+    ``handler``, its messages in the items' field ``out`` ("message"; "prefill": a Prefill call's
+    answer), until the caller closes its side and every call has ended; the stream's end cancels
+    calls still open."""
     calls: dict[int, asyncio.Task] = {}
     # The next batch, built in place: a message is copied once, into it (an item built apart and
     # then the batch from the items copied it twice, 2.5 us a message against 0.7).
@@ -84,7 +88,7 @@ async def serve_calls(
         code, details = grpc.StatusCode.OK, ""
         try:
             async for msg in handler(request, _CallContext(timeout_s)):
-                outbox[0].items.add(call_id=call_id).message.CopyFrom(msg)
+                getattr(outbox[0].items.add(call_id=call_id), out).CopyFrom(msg)
                 ready.set()
         except asyncio.CancelledError:
             return  # cancelled by its caller, or the stream ended: nobody reads an end
@@ -145,6 +149,18 @@ class MultiplexedDecode:
             yield batch
 
 
+class MultiplexedPrefill:
+    """``PrefillStream`` for a servicer that has the unary ``Prefill`` (the worker's, and any
+    stand-in's): each call's one message is the answer, and a call ends as the unary call would."""
+
+    async def PrefillStream(self, request_iterator, context):
+        async def one(request, ctx):
+            yield await self.Prefill(request, ctx)
+
+        async for batch in serve_calls(one, "prefill", request_iterator, out="prefill"):
+            yield batch
+
+
 class MultiplexedGenerate:
     """``GenerateStream`` for a servicer that has ``Generate`` (the router's)."""
 
@@ -173,7 +189,7 @@ class StreamedCall:
     def __aiter__(self) -> StreamedCall:
         return self
 
-    async def __anext__(self) -> pb.GenerateResponse:
+    async def __anext__(self) -> pb.GenerateResponse | pb.PrefillResponse:
         while not self._items:
             if self._waiter is not None:
                 raise RuntimeError("a StreamedCall has one reader")
@@ -183,7 +199,7 @@ class StreamedCall:
             finally:
                 self._waiter = None
         item = self._items.popleft()
-        if isinstance(item, pb.GenerateResponse):
+        if isinstance(item, _MESSAGES):
             return item
         self._items.append(item)  # the end stays: reading past it ends (or raises) again
         if item is _END:
@@ -198,9 +214,19 @@ class StreamedCall:
         self._stream.send(pb.CallStreamRequest(call_id=self.call_id, cancel=True))
         return True
 
+    async def answer(self):
+        """The call's one message (a Prefill call's answer): as awaiting a unary call."""
+        try:
+            return await self.__anext__()
+        except StopAsyncIteration:
+            raise rpc_error(grpc.StatusCode.INTERNAL, "the call ended without an answer") from None
+
     def deliver(self, item: pb.CallStreamItem) -> None:
-        if item.HasField("message"):
+        which = item.WhichOneof("kind")
+        if which == "message":
             self._push(item.message)
+        elif which == "prefill":
+            self._push(item.prefill)
         elif item.end.code == 0:
             self._finish(_END)
         else:

@@ -344,18 +344,20 @@ class GenerateResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class CallStreamRequest(_message.Message):
-    __slots__ = ("call_id", "decode", "generate", "cancel", "timeout_s")
+    __slots__ = ("call_id", "decode", "generate", "cancel", "prefill", "timeout_s")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     decode: DecodeRequest
     generate: GenerateRequest
     cancel: bool
+    prefill: PrefillRequest
     timeout_s: float
-    def __init__(self, call_id: _Optional[int] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, call_id: _Optional[int] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class CallStreamRequestBatch(_message.Message):
     __slots__ = ("requests",)
@@ -372,14 +374,16 @@ class CallEnd(_message.Message):
     def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class CallStreamItem(_message.Message):
-    __slots__ = ("call_id", "message", "end")
+    __slots__ = ("call_id", "message", "end", "prefill")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     message: GenerateResponse
     end: CallEnd
-    def __init__(self, call_id: _Optional[int] = ..., message: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[_Union[CallEnd, _Mapping]] = ...) -> None: ...
+    prefill: PrefillResponse
+    def __init__(self, call_id: _Optional[int] = ..., message: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[_Union[CallEnd, _Mapping]] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
 
 class CallStreamBatch(_message.Message):
     __slots__ = ("items",)

@@ -39,6 +39,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.stream_stream(
+                '/pdserve.v1.PrefillWorker/PrefillStream',
+                request_serializer=proto_dot_pdserve__pb2.CallStreamRequestBatch.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.CallStreamBatch.FromString,
+                _registered_method=True)
         self.Adapter = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Adapter',
                 request_serializer=proto_dot_pdserve__pb2.AdapterRequest.SerializeToString,
@@ -71,6 +76,13 @@ class PrefillWorkerServicer:
 
     def Prefill(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request_iterator, context):
+        """the router's
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -112,6 +124,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=proto_dot_pdserve__pb2.CallStreamRequestBatch.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.CallStreamBatch.SerializeToString,
             ),
             'Adapter': grpc.unary_unary_rpc_method_handler(
                     servicer.Adapter,
@@ -166,6 +183,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Prefill',
             proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
             proto_dot_pdserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.PrefillWorker/PrefillStream',
+            proto_dot_pdserve__pb2.CallStreamRequestBatch.SerializeToString,
+            proto_dot_pdserve__pb2.CallStreamBatch.FromString,
             options,
             channel_credentials,
             insecure,

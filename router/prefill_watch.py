@@ -1,7 +1,7 @@
 """The prefill call's stall watch.
 
-A Prefill RPC is unary: nothing comes back until the prompt is done, so, unlike a decode stream, it
-cannot carry keepalives. The registry can: every worker heartbeats about once a second, with how
+A Prefill call has one answer: nothing comes back until the prompt is done, so, unlike a decode
+stream, it cannot carry keepalives. The registry can: every worker heartbeats about once a second, with how
 long ago its engine thread last reported its load. While a prefill call is open the router looks
 at the worker through its cluster view; when the worker has shown no sign of life for longer than
 the stall deadline (its heartbeats stopped rising: a stopped or cut-off process; or its engine
@@ -34,11 +34,11 @@ async def watched(
     options: MigrationOptions,
     poll_s: float = 0.25,
 ) -> pb.PrefillResponse:
-    """The response of ``call`` (a gRPC unary call to ``worker``), unless ``silent_for(worker id)``
-    passes the worker's stall deadline first: then the call is cancelled and ``PrefillStalled``
-    raised."""
+    """The answer of ``call`` (a Prefill call to ``worker`` on its call stream, a
+    ``proto.call_stream.StreamedCall``), unless ``silent_for(worker id)`` passes the worker's stall
+    deadline first: then the call is cancelled and ``PrefillStalled`` raised."""
     limit_s = options.deadline_s(worker.step_ms / 1e3)
-    task = asyncio.ensure_future(call)
+    task = asyncio.ensure_future(call.answer())
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=poll_s)

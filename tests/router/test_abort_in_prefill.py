@@ -11,13 +11,14 @@ from fake_decode_worker import FakeDecodeWorker, until
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto.call_stream import MultiplexedPrefill
 from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord, WorkerRegistration, connect
 from router.router import Router
 from router.service import serve
 
 
-class StuckPrefillWorker(pb_grpc.PrefillWorkerServicer):
+class StuckPrefillWorker(MultiplexedPrefill, pb_grpc.PrefillWorkerServicer):
     """Accepts Prefill calls and never answers them; records the calls and their cancellation."""
 
     def __init__(self) -> None:

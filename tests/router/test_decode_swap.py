@@ -14,7 +14,7 @@ from fake_decode_worker import FakeDecodeWorker, until
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from proto.call_stream import MultiplexedDecode
+from proto.call_stream import MultiplexedDecode, MultiplexedPrefill
 from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord, WorkerRegistration, connect
 from router.router import Router
@@ -24,7 +24,7 @@ PROMPT = list(range(1, 20))
 FIRST_TOKEN, SEED = 77, 1234
 
 
-class HandingPrefillWorker(pb_grpc.PrefillWorkerServicer):
+class HandingPrefillWorker(MultiplexedPrefill, pb_grpc.PrefillWorkerServicer):
     """Answers Prefill with a KV handle (first token, seed); records Release calls."""
 
     def __init__(self) -> None:
@@ -134,7 +134,7 @@ def test_swapped_decode_worker_recomputes_instead_of_reusing_the_handle(redis_se
     asyncio.run(main())
 
 
-class UnsatisfiablePrefillWorker(pb_grpc.PrefillWorkerServicer):
+class UnsatisfiablePrefillWorker(MultiplexedPrefill, pb_grpc.PrefillWorkerServicer):
     """Refuses every request as the engine does one it cannot satisfy (a grammar that allows none of
     the model's tokens): FAILED_PRECONDITION, the request's own fault."""
 

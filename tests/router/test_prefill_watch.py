@@ -15,31 +15,43 @@ from router.prefill_watch import PrefillStalled, watched
 OPTIONS = MigrationOptions(stall_floor_s=5.0, stall_step_multiple=20.0)
 
 
+class _Call:
+    """A Prefill call as the router holds it (``StreamedCall``'s ``answer`` and ``cancel``)."""
+
+    def __init__(self) -> None:
+        self.future = asyncio.get_running_loop().create_future()
+
+    async def answer(self):
+        return await self.future
+
+    def cancel(self) -> bool:
+        return self.future.cancel()
+
+
 def _worker(step_ms: int) -> WorkerRecord:
     return WorkerRecord(worker_id="p0", role="prefill", address="-", epoch=1, step_ms=step_ms)
 
 
 def test_a_silent_worker_past_its_deadline_has_its_call_cancelled():
     async def run() -> None:
-        call = asyncio.get_running_loop().create_future()  # never answers
+        call = _Call()  # never answers
         with pytest.raises(PrefillStalled, match="p0"):
             await watched(call, _worker(0), lambda _: 6.0, OPTIONS, poll_s=0.01)
-        assert call.cancelled()
+        assert call.future.cancelled()
 
     asyncio.run(run())
 
 
 def test_a_worker_with_slow_steps_gets_a_longer_deadline_and_its_answer_comes_through():
     async def run() -> None:
-        loop = asyncio.get_running_loop()
-        call = loop.create_future()
+        call = _Call()
         silent = 0.0
 
         def silent_for(_: str) -> float:  # the silence rises past the floor, not past 20 x 1 s
             nonlocal silent
             silent += 1.0
             if silent >= 12:
-                call.set_result(pb.PrefillResponse())
+                call.future.set_result(pb.PrefillResponse())
             return silent
 
         resp = await watched(call, _worker(1000), silent_for, OPTIONS, poll_s=0.01)
