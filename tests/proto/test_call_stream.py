@@ -13,7 +13,7 @@ import pytest
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from proto.call_stream import CallMux, MultiplexedDecode, serve_calls
+from proto.call_stream import CallMux, MultiplexedDecode, MultiplexedPrefill, serve_calls
 
 
 class SteppedDecode(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
@@ -167,5 +167,69 @@ def test_every_call_fails_unavailable_when_the_worker_goes_and_the_next_uses_a_n
         finally:
             await mux.close()
             await channel.close()
+
+    asyncio.run(main())
+
+
+class HeldPrefill(MultiplexedPrefill, pb_grpc.PrefillWorkerServicer):
+    """A unary Prefill whose answers wait for ``release()``; a prompt of [0] is refused."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        rid = request.request_id
+        if list(request.prompt_token_ids) == [0]:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{rid}: prompt refused")
+        self.started.append(rid)
+        try:
+            await self.go.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+        return pb.PrefillResponse(
+            handle=pb.KVHandle(request_id=rid, first_token=len(request.prompt_token_ids))
+        )
+
+
+def test_prefill_calls_answer_once_refuse_with_their_status_and_cancel_on_the_worker():
+    """``PrefillStream``: each Prefill call on the stream gets its own answer, as the unary call
+    would; a refusal is the call's status; a cancel reaches the worker's handler."""
+
+    async def main() -> None:
+        servicer = HeldPrefill()
+        server = grpc.aio.server()
+        pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        channel = grpc.aio.insecure_channel(address)
+        mux = CallMux(pb_grpc.PrefillWorkerStub(channel).PrefillStream, address, "prefill")
+        try:
+            calls = {
+                rid: mux.open(pb.PrefillRequest(request_id=rid, prompt_token_ids=[1] * n), timeout=60)
+                for rid, n in (("a", 3), ("b", 5), ("c", 7))
+            }
+            refused = mux.open(pb.PrefillRequest(request_id="x", prompt_token_ids=[0]), timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await refused.answer()
+            assert (
+                err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                and "x: prompt refused" in err.value.details()
+            )
+            await _until(lambda: len(servicer.started) == 3, "the three prefills to start")
+            calls["c"].cancel()
+            await _until(lambda: servicer.cancelled == ["c"], "the cancel to reach the worker")
+            servicer.go.set()
+            answers = {rid: await calls[rid].answer() for rid in ("a", "b")}
+            assert {rid: (r.handle.request_id, r.handle.first_token) for rid, r in answers.items()} == {
+                "a": ("a", 3),
+                "b": ("b", 5),
+            }
+        finally:
+            await mux.close()
+            await channel.close()
+            await server.stop(None)
 
     asyncio.run(main())
