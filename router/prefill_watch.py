@@ -38,16 +38,31 @@ async def watched(
     ``proto.call_stream.StreamedCall``), unless ``silent_for(worker id)`` passes the worker's stall
     deadline first: then the call is cancelled and ``PrefillStalled`` raised."""
     limit_s = options.deadline_s(worker.step_ms / 1e3)
-    task = asyncio.ensure_future(call.answer())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            silent = silent_for(worker.worker_id)
-            if silent > limit_s:
-                raise PrefillStalled(worker.worker_id, silent)
-    finally:
-        if not task.done():
-            call.cancel()
+    # One timer that re-arms itself every ``poll_s`` and cancels the waiting task on a stall: no task
+    # or ``asyncio.wait`` per call (most prefills answer before the first check).
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    stalled: list[float] = []
+
+    def check() -> None:
+        nonlocal handle
+        silent = silent_for(worker.worker_id)
+        if silent > limit_s:
+            stalled.append(silent)
             task.cancel()
+        else:
+            handle = loop.call_later(poll_s, check)
+
+    handle = loop.call_later(poll_s, check)
+    answered = False
+    try:
+        resp = await call.answer()
+        answered = True
+        return resp
+    except asyncio.CancelledError:
+        if stalled and task.uncancel() == 0:
+            raise PrefillStalled(worker.worker_id, stalled[0]) from None
+        raise
+    finally:
+        handle.cancel()
+        if not answered:
+            call.cancel()

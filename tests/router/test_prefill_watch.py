@@ -22,7 +22,8 @@ class _Call:
         self.future = asyncio.get_running_loop().create_future()
 
     async def answer(self):
-        return await self.future
+        # As a StreamedCall: the waiting task's cancel does not end the call; only cancel() does.
+        return await asyncio.shield(self.future)
 
     def cancel(self) -> bool:
         return self.future.cancel()
@@ -56,5 +57,25 @@ def test_a_worker_with_slow_steps_gets_a_longer_deadline_and_its_answer_comes_th
 
         resp = await watched(call, _worker(1000), silent_for, OPTIONS, poll_s=0.01)
         assert isinstance(resp, pb.PrefillResponse) and silent >= 12
+
+    asyncio.run(run())
+
+
+def test_a_caller_leaving_cancels_the_call_and_is_no_stall():
+    async def run() -> None:
+        call = _Call()
+        started = asyncio.Event()
+
+        async def caller():
+            started.set()
+            return await watched(call, _worker(0), lambda _: 0.0, OPTIONS, poll_s=0.01)
+
+        task = asyncio.ensure_future(caller())
+        await started.wait()
+        await asyncio.sleep(0.05)  # a few healthy checks pass first
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert call.future.cancelled()
 
     asyncio.run(run())
