@@ -80,6 +80,7 @@ class NixlBackend:
         region = (kv.data_ptr(), self.num_blocks * self.block_bytes, self._device_id, "")
         self._reg = agent.register_memory([region], self._mem_type)
         self._metadata: bytes = agent.get_agent_metadata()
+        self._local_info: RemoteKVInfo | None = None
         self._inflight = InflightReads(agent, bindings.nixlRemoteDisconnectError, bindings.nixlNotFoundError)
         self._peers = NixlPeers(agent, agent_name, compat, self.block_bytes)
         self._ids = itertools.count()
@@ -88,16 +89,20 @@ class NixlBackend:
         logger.info("NIXL agent %s: %d KV blocks in %s", agent_name, self.num_blocks, self._mem_type)
 
     def local_info(self) -> RemoteKVInfo:
-        return RemoteKVInfo(
-            agent_name=self.agent_name,
-            agent_metadata=self._metadata,
-            base_addr=self._kv.data_ptr(),
-            block_bytes=self.block_bytes,
-            num_blocks=self.num_blocks,
-            compat=self.compat,
-            mem_type=self._mem_type,
-            device_id=self._device_id,
-        )
+        """What a peer needs to read these blocks (fixed for the agent's life: built once; every
+        prefilled request's handle names the agent)."""
+        if self._local_info is None:
+            self._local_info = RemoteKVInfo(
+                agent_name=self.agent_name,
+                agent_metadata=self._metadata,
+                base_addr=self._kv.data_ptr(),
+                block_bytes=self.block_bytes,
+                num_blocks=self.num_blocks,
+                compat=self.compat,
+                mem_type=self._mem_type,
+                device_id=self._device_id,
+            )
+        return self._local_info
 
     def add_peer(self, info: RemoteKVInfo) -> None:
         with self._lock:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from engine.engine_loop import EngineLoop
 from engine.scheduler_output import SequenceOutput
 
@@ -63,3 +65,56 @@ def test_outputs_for_a_closed_loop_are_dropped_without_failing_the_engine_thread
     assert opened.is_set()
     engine_loop.publish([_out("r", 1)])  # raised RuntimeError("Event loop is closed") before
     assert engine_loop.failure is None
+
+
+class _IdleCore:
+    """An engine with nothing to step: the loop only runs commands (the logic under test)."""
+
+    def has_work(self) -> bool:
+        return False
+
+
+def test_awaited_commands_reply_together_and_a_cancelled_wait_does_not_run():
+    engine_loop = EngineLoop(core=_IdleCore(), idle_tick_s=0.001)
+    ran: list[str] = []
+
+    def command(name: str):
+        def fn():
+            ran.append(name)
+            if name == "bad":
+                raise ValueError("refused")
+            return (name, threading.get_ident())
+
+        return fn
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(*args):
+            nonlocal wakeups
+            wakeups += 1
+            return real(*args)
+
+        loop.call_soon_threadsafe = counting
+        waits = {
+            n: asyncio.ensure_future(engine_loop.run(command(n))) for n in ("a", "b", "bad", "gone", "c")
+        }
+        await asyncio.sleep(0)  # every command queued before the engine thread runs any
+        waits["gone"].cancel()
+        await asyncio.sleep(0)
+        engine_loop.start()
+        results = {n: (await w) for n, w in waits.items() if n not in ("bad", "gone")}
+        with pytest.raises(ValueError, match="refused"):
+            await waits["bad"]
+        assert waits["gone"].cancelled()
+        assert wakeups == 1  # the four replies reached this loop in one callback
+        assert {n: r[0] for n, r in results.items()} == {"a": "a", "b": "b", "c": "c"}
+        assert {r[1] for r in results.values()} == {engine_loop._thread.ident}  # on the engine thread
+        assert ran == ["a", "b", "bad", "c"]  # the cancelled wait's command never ran
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine_loop.stop()
