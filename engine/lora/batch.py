@@ -148,7 +148,7 @@ class PaddedSlots:
 @dataclass(slots=True)
 class LoraBatch:
     """The adapters of one forward: ``weights`` (``engine.lora.slots.LoraSlots``), each token's slot,
-    and on CUDA the tiles the kernels run over."""
+    and on CUDA the tiles the kernels run over (made when an eager step first needs them)."""
 
     weights: object
     token_slots: torch.Tensor  # [T] int64, -1: the base model
@@ -156,6 +156,9 @@ class LoraBatch:
     groups: list | None = None  # CPU: ``slot_groups`` of the tokens not in ``runs``
     padded: PaddedSlots | None = None  # CPU: the batched layout of those, where it pays
     runs: list | None = None  # CPU: ``long_runs``, each its own pair of matmuls on ``y``'s rows
+    # CUDA: each token's slot, for the tiles of an eagerly launched step, made on its first update; a
+    # decode step replayed from a CUDA graph reads ``token_slots`` only and never makes them.
+    slot_list: list[int] | None = None
 
     @classmethod
     def build(cls, weights, token_slots: list[int], device: torch.device) -> LoraBatch:
@@ -168,26 +171,28 @@ class LoraBatch:
             many = len(groups) > 1
             padded = PaddedSlots.plan(groups, weights.max_loras, len(token_slots)) if many else None
             return cls(weights, slots, groups=groups, padded=padded, runs=runs)
-        tiles = tuple(
-            torch.tensor(part, dtype=torch.int32).to(device, non_blocking=True)
-            for part in make_tiles(token_slots)
-        )
-        return cls(weights, slots.to(device, non_blocking=True), tiles)
+        return cls(weights, slots.to(device, non_blocking=True), slot_list=token_slots)
 
     def update(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """Add the batch's adapters' update of projection ``proj`` of ``layer`` to ``y`` in place."""
         a, parts = self.weights.layer_weights(layer, proj)
+        if self.slot_list is not None:
+            from engine.lora.kernels import lora_update
+
+            if self.tiles is None:
+                device = self.token_slots.device
+                self.tiles = tuple(
+                    torch.tensor(part, dtype=torch.int32).to(device, non_blocking=True)
+                    for part in make_tiles(self.slot_list)
+                )
+            lora_update(y, x, self.tiles, a, parts, TILE)
+            return
         if self.runs:
             apply_groups(y, x, self.runs, a, parts)
         if self.padded is not None:
             self.padded.apply(y, x, a, parts)
             return
-        if self.tiles is None:
-            apply_groups(y, x, self.groups, a, parts)
-            return
-        from engine.lora.kernels import lora_update
-
-        lora_update(y, x, self.tiles, a, parts, TILE)
+        apply_groups(y, x, self.groups, a, parts)
 
 
 @dataclass(slots=True)

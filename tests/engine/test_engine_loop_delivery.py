@@ -17,22 +17,26 @@ def _out(rid: str, token: int, finish: str | None = None) -> SequenceOutput:
     return SequenceOutput(rid, 0, [token], finish_reason=finish)
 
 
+def _count_wakeups(loop: asyncio.AbstractEventLoop) -> list[int]:
+    """``[n]``: the times another thread woke ``loop`` (``call_soon_threadsafe``) from now on."""
+    count = [0]
+    real = loop.call_soon_threadsafe
+
+    def counting(*args):
+        count[0] += 1
+        return real(*args)
+
+    loop.call_soon_threadsafe = counting
+    return count
+
+
 def test_a_steps_outputs_wake_each_loop_once_and_arrive_in_order():
     engine_loop = EngineLoop(core=None)
     hooked: list[str] = []
     engine_loop.add_output_hook(lambda out: hooked.append(out.request_id))
 
     async def run():
-        loop = asyncio.get_running_loop()
-        wakeups = 0
-        real = loop.call_soon_threadsafe
-
-        def counting(*args):
-            nonlocal wakeups
-            wakeups += 1
-            return real(*args)
-
-        loop.call_soon_threadsafe = counting
+        wakeups = _count_wakeups(asyncio.get_running_loop())
         queues = {rid: engine_loop.open_stream(rid) for rid in ("a", "b", "c")}
         step = [_out("a", 1), _out("b", 2), _out("a", 3), _out("gone", 4), _out("c", 5, "length")]
         # From another thread, as the engine thread publishes.
@@ -43,7 +47,7 @@ def test_a_steps_outputs_wake_each_loop_once_and_arrive_in_order():
             while len(got[rid]) < {"a": 2, "b": 1, "c": 1}[rid]:
                 got[rid].append((await q.get()).new_token_ids[0])
         engine_thread.join()
-        assert wakeups == 1
+        assert wakeups[0] == 1
         assert got == {"a": [1, 3], "b": [2], "c": [5]}
         assert all(q.empty() for q in queues.values())
 
@@ -88,16 +92,7 @@ def test_awaited_commands_reply_together_and_a_cancelled_wait_does_not_run():
         return fn
 
     async def run():
-        loop = asyncio.get_running_loop()
-        wakeups = 0
-        real = loop.call_soon_threadsafe
-
-        def counting(*args):
-            nonlocal wakeups
-            wakeups += 1
-            return real(*args)
-
-        loop.call_soon_threadsafe = counting
+        wakeups = _count_wakeups(asyncio.get_running_loop())
         waits = {
             n: asyncio.ensure_future(engine_loop.run(command(n))) for n in ("a", "b", "bad", "gone", "c")
         }
@@ -109,7 +104,7 @@ def test_awaited_commands_reply_together_and_a_cancelled_wait_does_not_run():
         with pytest.raises(ValueError, match="refused"):
             await waits["bad"]
         assert waits["gone"].cancelled()
-        assert wakeups == 1  # the four replies reached this loop in one callback
+        assert wakeups[0] == 1  # the four replies reached this loop in one callback
         assert {n: r[0] for n, r in results.items()} == {"a": "a", "b": "b", "c": "c"}
         assert {r[1] for r in results.values()} == {engine_loop._thread.ident}  # on the engine thread
         assert ran == ["a", "b", "bad", "c"]  # the cancelled wait's command never ran

@@ -78,3 +78,42 @@ def test_kernel_matches_the_reference(dtype, k, r, outs):
     base = [i for i, s in enumerate(slots_list) if s < 0]
     assert torch.equal(out[base], y0[base])  # base-model tokens are untouched
     assert not torch.allclose(out.float(), y0.float())  # the adapters did change the others
+
+
+def test_an_eager_steps_tiles_are_made_on_its_first_update_and_a_graph_step_makes_none():
+    """``LoraBatch`` as built for CUDA: its tiles come from the slots when an eagerly launched step
+    first updates a projection (the kernels then add the right update); a decode step replayed from
+    a CUDA graph reads only ``token_slots`` and never pays for them."""
+    from types import SimpleNamespace
+
+    from engine.lora.batch import LoraBatch
+
+    gen = torch.Generator().manual_seed(3)
+    slots_list = [1] * 18 + [-1, 0, 1, 0]
+    k, r, outs = 32, 8, (40, 24)
+    x = torch.randn(len(slots_list), k, generator=gen).to(DEVICE)
+    a = (0.2 * torch.randn(2, k, len(outs) * r, generator=gen)).to(DEVICE)
+    parts = (
+        ((0.2 * torch.randn(2, r, 40, generator=gen)).to(DEVICE), 0, 40),
+        (
+            (0.2 * torch.randn(2, r, 24, generator=gen)).to(DEVICE),
+            40,
+            64,
+        ),
+    )
+    weights = SimpleNamespace(max_loras=2, layer_weights=lambda layer, proj: (a, parts))
+    replayed = LoraBatch(weights, torch.tensor(slots_list, device=DEVICE), slot_list=slots_list)
+    assert replayed.tiles is None  # built, never updated eagerly: no tiles made
+    batch = LoraBatch(weights, torch.tensor(slots_list, device=DEVICE), slot_list=slots_list)
+    y0 = torch.randn(len(slots_list), 64, generator=gen).to(DEVICE)
+    want = per_token(y0, x, slots_list, a, parts)
+    atol, rtol = TOL[torch.float32]
+    y = y0.clone()
+    batch.update(y, x, 0, "qkv")
+    tiles = batch.tiles
+    assert [t.tolist() for t in tiles] == [list(part) for part in make_tiles(slots_list)]
+    torch.testing.assert_close(y.float().cpu(), want.cpu(), atol=atol, rtol=rtol)
+    y = y0.clone()
+    batch.update(y, x, 1, "qkv")  # the next projection reuses them
+    assert batch.tiles is tiles
+    torch.testing.assert_close(y.float().cpu(), want.cpu(), atol=atol, rtol=rtol)
