@@ -34,6 +34,13 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     return h.digest()
 
 
+def hash_next_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str = "") -> BlockHash:
+    """The hash of the block of ``token_ids`` after the one hashed ``parent`` (None: the first):
+    ``hash_blocks`` of one block, without its chunking (a decode fills one block at a time)."""
+    prev = parent if parent is not None else root_hash(salt)
+    return hashlib.blake2b(prev + _pack(token_ids), digest_size=_DIGEST_SIZE).digest()
+
+
 def hash_blocks(
     token_ids: Sequence[int],
     block_size: int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from operator import attrgetter
 
 import torch
 
@@ -40,6 +41,7 @@ from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 PREFILL_STEP_TOKENS = 64  # a step this large is mostly prompt work: it measures prefill cost per token
+_new_token_ids = attrgetter("new_token_ids")
 
 
 class EngineCore(TransferMixin, LoraMixin, TierMixin):
@@ -365,7 +367,7 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
                 outs.extend(self._finish_group(req.group_id, RequestStatus.FINISHED_ERROR, error))
         if self.scheduler.batching is not None:  # the fair policy sizes later steps from this one's time
             self.scheduler.batching.observe(sched.total_num_scheduled_tokens, time.perf_counter() - t0)
-        self._generation_tokens += sum(len(o.new_token_ids) for o in outs)
+        self._generation_tokens += sum(map(len, map(_new_token_ids, outs)))
         return outs
 
     def pending_prompt_tokens(self) -> int:

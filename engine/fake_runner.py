@@ -42,13 +42,15 @@ class FakeRunner:
             if run.seq_id not in num_tokens:
                 raise RuntimeError(f"running delta for {run.seq_id!r}, which the runner never received")
         out = RunnerOutput()
-        for data in (*sched.new_seqs, *sched.running_seqs):
-            seq_id = data.seq_id
-            end = data.num_computed_tokens + sched.num_scheduled_tokens[seq_id]
+        for seq_id in sched.decode_ids:
+            if seq_id not in num_tokens:
+                raise RuntimeError(f"fast-path decode of {seq_id!r}, which the runner never received")
+        for seq_id, computed, num_samples in sched.spans():
+            end = computed + sched.num_scheduled_tokens[seq_id]
             known = num_tokens[seq_id]
             if end > known:
                 raise RuntimeError(f"{seq_id!r} scheduled up to token {end} but has only {known}")
             if end == known:
-                out.sampled[seq_id] = [self.token_fn(seq_id, known)] * data.num_samples
+                out.sampled[seq_id] = [self.token_fn(seq_id, known)] * num_samples
                 num_tokens[seq_id] = known + 1
         return out

@@ -262,6 +262,18 @@ class KVCacheManager:
             self._cache_full_blocks(req, table, pos + 1)
         return True
 
+    def append_block(self, req: Request) -> int | None:
+        """Fast path for a decode whose token opens a block: a fresh block appended to its table,
+        as ``can_allocate`` + ``allocate`` would (None when none is free: the slow path preempts)."""
+        if not self.pool.num_free:
+            return None
+        table = self.tables[req.request_id]
+        (block,) = self.pool.allocate(1)
+        table.append(block)
+        if self.enable_caching:
+            self._cache_full_blocks(req, table, req.num_computed_tokens + 1)
+        return block
+
     # Swap -----------------------------------------------------------------------------------
 
     def can_swap_out(self, req: Request) -> bool:

@@ -18,13 +18,14 @@ from engine.kv_quant import block_rows
 from engine.logits_processing import LogitsAdjustment
 from engine.lora.batch import LoraBatch
 from engine.models.llama import LlamaForCausalLM
-from engine.persistent_batch import BlockTables, FlatBatch, StepUploader, upload_step
+from engine.persistent_batch import BlockTables, StepUploader, upload_step
 from engine.prompt_logprobs import prompt_logprobs
 from engine.request import PLACEHOLDER
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, sample_seed
 from engine.sampling_params import SamplingParams
 from engine.sampling_plan import SamplingPlan, plan_sampling
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.step_batch import batch_order, flatten_step
 from engine.structured_output import GrammarState, StructuredOutputs
 
 
@@ -108,8 +109,8 @@ class ModelRunner:
             return launch
         # Drafts first: the verifying forward below takes each speculating sequence's drafts as input.
         drafts = self.speculator.propose(self, sched) if sched.num_spec_tokens else {}
-        order = self._batch_order(sched, drafts)
-        input_ids, positions, meta, sample_rows, spec_rows, plan = self._prepare(sched, order, drafts)
+        order, bulk = batch_order(sched, drafts, self.seqs, self.backend.name == "torch")
+        input_ids, positions, meta, sample_rows, spec_rows, plan = self._prepare(sched, order, bulk, drafts)
         masks = self._grammar_masks(sample_rows) if self._grammar_seqs else None  # filled during the forward
         self.num_forwards += 1
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
@@ -137,14 +138,13 @@ class ModelRunner:
             launch.host_tokens.copy_(tokens, non_blocking=True)
             launch.ready = torch.cuda.Event()
             launch.ready.record()
-        rows_of: dict[str, int] = {}
-        for i, (_, seq_id, n) in enumerate(sample_rows):
-            assert n == 1, "a forking sequence never overlaps"
-            state = self.seqs[seq_id]
-            launch.slots[seq_id] = len(state.token_ids)
-            state.token_ids.append(PLACEHOLDER)
-            rows_of[seq_id] = i
-        self._inflight = (tokens, rows_of)
+        assert {n for _, _, n in sample_rows} == {1}, "a forking sequence never overlaps"
+        ids = [s for _, s, _ in sample_rows]
+        lists = [self.seqs[s].token_ids for s in ids]
+        launch.slots = dict(zip(ids, map(len, lists)))
+        for token_ids in lists:
+            token_ids.append(PLACEHOLDER)
+        self._inflight = (tokens, dict(zip(ids, range(len(ids)))))
         return launch
 
     def collect(self, launch: StepLaunch) -> RunnerOutput:
@@ -163,13 +163,17 @@ class ModelRunner:
         want_logprobs = launch.plan.want_logprobs
         slots = launch.slots
         if launch.plan.expand is None and not self._grammar_seqs:  # one plain sample per sequence
-            sampled, seqs = out.sampled, self.seqs
-            for (_, seq_id, _), tok in zip(launch.sample_rows, token_list):
-                sampled[seq_id] = [tok]
+            # NOTE: every sequence, every step: C-level loops where they do.
+            ids = [s for _, s, _ in launch.sample_rows]
+            out.sampled.update(zip(ids, [[t] for t in token_list]))
+            seqs = self.seqs
+            if not slots:
+                for token_ids, tok in zip([seqs[s].token_ids for s in ids], token_list):
+                    token_ids.append(tok)
+                return out
+            for seq_id, tok in zip(ids, token_list):  # fill the placeholder, unless it ended meanwhile
                 state = seqs.get(seq_id)
-                if not slots:
-                    state.token_ids.append(tok)
-                elif state is not None and state.token_ids[slots[seq_id]] == PLACEHOLDER:
+                if state is not None and state.token_ids[slots[seq_id]] == PLACEHOLDER:
                     state.token_ids[slots[seq_id]] = tok
             return out
         row = 0
@@ -208,15 +212,6 @@ class ModelRunner:
         if sync and not sync.isdisjoint(sched.num_scheduled_tokens):
             return True
         return any(d.num_samples > 1 for d in sched.running_seqs) if seqs else False
-
-    def _batch_order(self, sched: SchedulerOutput, drafts: dict[str, list[int]]) -> list[str]:
-        """Decodes first (the torch backend also wants them longest context first: it groups them by
-        length); a sequence that speculates this step runs as a short prefill chunk."""
-        n = sched.num_scheduled_tokens
-        if self.backend.name == "torch" or drafts:
-            return sorted(n, key=lambda s: (n[s] != 1 or bool(drafts.get(s)), -len(self.seqs[s].token_ids)))
-        decodes = [s for s, k in n.items() if k == 1]
-        return decodes if len(decodes) == len(n) else decodes + [s for s, k in n.items() if k != 1]
 
     @property
     def kv_blocks(self) -> torch.Tensor:
@@ -297,73 +292,18 @@ class ModelRunner:
                 state.block_ids.extend(run.new_block_ids)
                 tables.append(run.seq_id, run.new_block_ids)
 
-    def _prepare(self, sched: SchedulerOutput, order: list[str], drafts: dict[str, list[int]]):
-        """The step's flat batch; a speculating sequence's span is its last token and its drafts."""
-        computed = {d.seq_id: d.num_computed_tokens for d in sched.new_seqs}
-        forks = {d.seq_id: d.num_samples for d in sched.new_seqs if d.num_samples > 1}
-        for d in sched.running_seqs:
-            computed[d.seq_id] = d.num_computed_tokens
-            if d.num_samples > 1:
-                forks[d.seq_id] = d.num_samples
-        num_scheduled = sched.num_scheduled_tokens
-        seqs, row_of = self.seqs, self.tables.row_of
-        flat = FlatBatch()
-        sample_rows: list[tuple[int, str, int]] = []
-        spec_rows: list[tuple[int, str, list[int]]] = []
-        patch_dst: list[int] = []
-        patch_src: list[int] = []
-        sample_spans: list[int] = []  # each sampled row's span
-        row = 0
-        # Decodes first (one token each, its last: it samples), in one lean loop.
-        tokens, positions, token_rows, seq_lens = flat.tokens, flat.positions, flat.token_rows, flat.seq_lens
-        for seq_id in order:
-            if num_scheduled[seq_id] != 1 or (drafts and seq_id in drafts):
-                break
-            token_ids = seqs[seq_id].token_ids
-            start = computed[seq_id]
-            if start + 1 != len(token_ids):
-                break  # a one-token prefill chunk: the general loop below
-            tok = token_ids[start]
-            r = row_of[seq_id]
-            tokens.append(tok)
-            positions.append(start)
-            token_rows.append(r)
-            seq_lens.append(start + 1)
-            sample_rows.append((row, seq_id, forks.get(seq_id, 1) if forks else 1))
-            sample_spans.append(row)
-            if tok == PLACEHOLDER:  # sampled by the step in flight: read it on the device
-                patch_dst.append(row)
-                patch_src.append(self._inflight[1][seq_id])
-            row += 1
-        if row:
-            flat.span_rows.extend(token_rows)
-            flat.query_start_loc.extend(range(1, row + 1))
-            flat.num_decodes = row
-        for seq_id in order[row:]:
-            token_ids = seqs[seq_id].token_ids
-            start = computed[seq_id]
-            k = num_scheduled[seq_id]
-            draft = drafts.get(seq_id) if drafts else None
-            if draft:
-                toks = [token_ids[start], *draft]
-                spec_rows.append((row, seq_id, draft))
-            else:
-                toks = token_ids[start : start + k]
-                n = len(toks)  # k, unless slots were scheduled for drafts that were not proposed
-                if start + n == len(token_ids):
-                    sample_rows.append((row + n - 1, seq_id, forks.get(seq_id, 1) if forks else 1))
-                    sample_spans.append(len(flat.seq_lens))
-                if n and toks[-1] == PLACEHOLDER:  # sampled by the step in flight: read it on the device
-                    assert n == 1 and self._inflight is not None, "only a decode reads a placeholder"
-                    patch_dst.append(row)
-                    patch_src.append(self._inflight[1][seq_id])
-            flat.add(toks, start, row_of[seq_id])
-            row += len(toks)
+    def _prepare(self, sched: SchedulerOutput, order: list[str], bulk: int, drafts: dict[str, list[int]]):
+        """The step's inputs on the device (``engine.step_batch`` builds its flat batch)."""
+        inflight = self._inflight
+        step = flatten_step(
+            sched, order, bulk, drafts, self.seqs, self.tables.row_of, inflight[1] if inflight else None
+        )
+        flat, sample_rows = step.flat, step.sample_rows
         plan = plan_sampling(
             self.seqs, self._special, self._random, self.tables.row_of, self.eos_token_ids,
-            sample_rows, sample_spans, bool(forks),
+            sample_rows, step.sample_spans, bool(step.forks),
         )  # fmt: skip
-        patches = (patch_dst, patch_src, self._inflight[0]) if patch_dst else None
+        patches = (step.patch_dst, step.patch_src, inflight[0]) if step.patch_dst else None
         inputs = upload_step(
             flat, self.tables, self.uploader, self.layout.block_size, self.backend, plan.scalars, patches
         )
@@ -372,7 +312,7 @@ class ModelRunner:
             lora_rows = self._lora_rows
             token_slots = [lora_rows.get(r, -1) for r in flat.token_rows]
             inputs.meta.lora = LoraBatch.build(self.lora, token_slots, self.device)
-        return inputs.input_ids, inputs.positions, inputs.meta, sample_rows, spec_rows, plan
+        return inputs.input_ids, inputs.positions, inputs.meta, sample_rows, step.spec_rows, plan
 
     def unpin_lora(self, seq_id: str) -> None:
         """Release the adapter slot sequence ``seq_id`` pins (a no-op once released)."""

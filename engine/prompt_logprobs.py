@@ -16,8 +16,7 @@ def prompt_logprobs(
 ) -> dict:
     """seq_id -> (first position, [{prompt token: logprob, top-k alternatives...}, ...]); sequence
     ``order[i]``'s rows of ``hidden`` start at ``query_start_loc[i]``."""
-    computed = {d.seq_id: d.num_computed_tokens for d in sched.new_seqs}
-    computed.update({d.seq_id: d.num_computed_tokens for d in sched.running_seqs})
+    computed = sched.computed_before()
     rows: list[int] = []
     spans: list[tuple[str, int, int, int]] = []  # (seq, first position, first row in ``rows``, count)
     for i, seq_id in enumerate(order):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.block_hash import BlockHash, hash_blocks
+from engine.block_hash import BlockHash, hash_blocks, hash_next_block
 from engine.sampling_params import SamplingParams
 
 # Overlapped scheduling: a token sampled by the step still running on the device; the scheduler
@@ -108,6 +108,16 @@ class Request:
         self.prefill_only = prefill_only
         # Trailing PLACEHOLDER tokens: sampled by steps still in flight (overlapped scheduling).
         self.num_placeholders = 0
+        # The lean decode path (``StepResults.update``): no logprobs, forks or hand-off to report,
+        # and only a token of ``stop_token_set`` or the length reaching ``stop_len`` (or the model's
+        # limit) can end it; anything else sampled is a plain append.
+        self.lean = (
+            params.logprobs is None and params.prompt_logprobs is None and params.n == 1 and not prefill_only
+        )
+        self.stop_token_set = (frozenset() if params.ignore_eos else eos_token_ids) | frozenset(
+            params.stop_token_ids
+        )
+        self.stop_len = self.prompt_len + params.max_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -157,6 +167,11 @@ class Request:
         known = len(self.token_ids) - self.num_placeholders  # a placeholder's block waits for its value
         if (done + 1) * block_size <= known:
             parent = self.block_hashes[-1] if done else None
+            if (done + 2) * block_size > known:  # one block filled (a decode's): no chunking
+                start = done * block_size
+                tokens = self.token_ids[start : start + block_size]
+                self.block_hashes.append(hash_next_block(parent, tokens, salt + self.lora_salt))
+                return
             tokens = self.token_ids if known == len(self.token_ids) else self.token_ids[:known]
             salt += self.lora_salt
             self.block_hashes.extend(hash_blocks(tokens, block_size, salt, parent, start_block=done))
@@ -173,11 +188,6 @@ class Request:
         reading its value on the device) as a PLACEHOLDER until its value is in."""
         self.token_ids.append(PLACEHOLDER)
         self.num_placeholders += 1
-
-    def last_token_pending(self, max_model_len: int) -> bool:
-        """Whether the placeholder this sequence ends with is its last token (max_tokens, context)."""
-        n = len(self.token_ids)
-        return n - self.prompt_len >= self.params.max_tokens or n >= max_model_len
 
     def record_prompt_logprobs(self, start: int, entries: list[dict[int, float]]) -> None:
         if self.prompt_logprobs is not None:

@@ -167,37 +167,66 @@ class Scheduler(TransferQueue, StepResults):
     def _schedule_running(
         self, candidates: list[Request], out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]
     ) -> None:
-        running_out = out.running_seqs
-        num_scheduled = out.num_scheduled_tokens
-        # NOTE: every running sequence, every step: names bound once, the decode fast path first.
-        running, sent, try_append = RequestStatus.RUNNING, self._sent_to_runner, self.kv.try_append_slot
+        # NOTE: every running sequence, every step: names bound once, the decode fast path inline.
+        running, sent, max_len = RequestStatus.RUNNING, self._sent_to_runner, self.max_model_len
+        spec, kv = self.num_spec_tokens, self.kv
+        tables, ref_cnt, bs = kv.tables, kv.pool.ref_cnt, kv.block_size
+        try_append, append_block = kv.try_append_slot, kv.append_block
+        fast_ids, fast_pos = out.decode_ids, out.decode_positions
+        left = budget[0]
         for req in candidates:
-            if budget[0] == 0:
-                return
+            if left == 0:
+                break
             if req.status != running:
                 continue  # preempted earlier in this step
-            if req.num_placeholders and req.last_token_pending(self.max_model_len):
-                continue  # the step in flight samples its last token: nothing left to decode
-            num_new = min(len(req.token_ids) - req.num_computed_tokens, budget[0])
+            n = len(req.token_ids)
+            if req.num_placeholders and (n >= req.stop_len or n >= max_len):
+                continue  # the step in flight samples its last token (max_tokens or the context)
+            pos = req.num_computed_tokens
+            num_new = n - pos
             seq_id = req.request_id
             if num_new == 1:
-                if self.num_spec_tokens and self._speculate(req, out, scheduled, budget):
-                    continue
-                if not req.pending_forks and seq_id in sent and try_append(req):
-                    # Fast path: a decode whose token fits in its own last block.
-                    pos = req.num_computed_tokens
-                    running_out.append(RunningSequenceData(seq_id, _NO_BLOCKS, None, pos))
-                    req.num_computed_tokens = pos + 1
-                    num_scheduled[seq_id] = 1
-                    budget[0] -= 1
-                    continue
-            while not self.kv.can_allocate(req, num_new, None, 0):
-                victim = self._pick_victim(scheduled.keys() | {req.request_id})
-                self._preempt(victim or req, out)
-                if victim is None:
-                    break
-            else:
-                self._emit(req, num_new, out, scheduled, budget)
+                if spec:
+                    budget[0] = left
+                    if self._speculate(req, out, scheduled, budget):
+                        left = budget[0]
+                        continue
+                if not req.pending_forks and seq_id in sent:
+                    # Fast path: the token goes into the sequence's own last block (the block it
+                    # fills is cached by ``try_append_slot``).
+                    table = tables[seq_id]
+                    idx = pos // bs
+                    if idx < len(table):
+                        if ref_cnt[table[idx]] == 1 and (pos % bs != bs - 1 or try_append(req)):
+                            fast_ids.append(seq_id)
+                            fast_pos.append(pos)
+                            req.num_computed_tokens = pos + 1
+                            scheduled[seq_id] = 1
+                            left -= 1
+                            continue
+                    elif idx == len(table) and (block := append_block(req)) is not None:
+                        # Its token opens a block: one fresh block, a delta of one id.
+                        out.running_seqs.append(RunningSequenceData(seq_id, [block], None, pos))
+                        req.num_computed_tokens = pos + 1
+                        scheduled[seq_id] = 1
+                        left -= 1
+                        continue
+            budget[0] = left
+            self._schedule_one(req, min(num_new, left), out, scheduled, budget)
+            left = budget[0]
+        budget[0] = left
+
+    def _schedule_one(
+        self, req: Request, num_new: int, out: SchedulerOutput, scheduled: dict[str, int], budget: list[int]
+    ) -> None:
+        """A running sequence off the fast path (it needs a block, shares its last one, forks, or
+        returns to the runner): allocate, preempting later sequences while no block is free."""
+        while not self.kv.can_allocate(req, num_new, None, 0):
+            victim = self._pick_victim(scheduled.keys() | {req.request_id})
+            self._preempt(victim or req, out)
+            if victim is None:
+                return
+        self._emit(req, num_new, out, scheduled, budget)
 
     def _speculate(
         self, req: Request, out: SchedulerOutput, scheduled: dict[str, int], budget: list[int]
@@ -407,9 +436,6 @@ class Scheduler(TransferQueue, StepResults):
             if not ids:
                 del self.groups[req.group_id]
         return held
-
-
-_NO_BLOCKS: list[int] = []
 
 
 def _priority_key(req: Request) -> tuple[int, float]:

@@ -53,6 +53,29 @@ class SchedulerOutput:
     # Speculating decodes: seq_id -> k. Scheduled for 1 + k tokens (the last one and k drafts the
     # runner proposes); 1 to k + 1 come back in ``RunnerOutput.sampled``.
     num_spec_tokens: dict[str, int] = field(default_factory=dict)
+    # Running decodes on the fast path, in scheduling order: one token each, at these positions, into
+    # a block the sequence owns already (no block change, one sample). Kept out of ``running_seqs``:
+    # a plain decode costs two list entries, not an object.
+    decode_ids: list[str] = field(default_factory=list)
+    decode_positions: list[int] = field(default_factory=list)
+
+    def computed_before(self) -> dict[str, int]:
+        """seq_id -> tokens computed before this step, for every sequence scheduled in it."""
+        computed = dict(zip(self.decode_ids, self.decode_positions))
+        for d in self.new_seqs:
+            computed[d.seq_id] = d.num_computed_tokens
+        for d in self.running_seqs:
+            computed[d.seq_id] = d.num_computed_tokens
+        return computed
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """(seq_id, tokens computed before this step, samples) of every scheduled sequence: new and
+        running ones in order, then the fast-path decodes."""
+        spans = [
+            (d.seq_id, d.num_computed_tokens, d.num_samples) for d in (*self.new_seqs, *self.running_seqs)
+        ]
+        spans.extend((s, p, 1) for s, p in zip(self.decode_ids, self.decode_positions))
+        return spans
 
     @property
     def is_empty(self) -> bool:

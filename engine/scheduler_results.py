@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.request import Request, RequestStatus
+from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.scheduler_output import RunnerOutput, SchedulerOutput, SequenceOutput
 
 if TYPE_CHECKING:
@@ -29,8 +29,11 @@ class StepResults:
 
     def expect_tokens(self, seq_ids: list[str]) -> None:
         """Overlapped scheduling: the step just launched samples a token for each of ``seq_ids``."""
-        for seq_id in seq_ids:
-            self.requests[seq_id].expect_token()
+        requests = self.requests
+        for seq_id in seq_ids:  # NOTE: every sequence, every overlapped step: ``expect_token`` inline
+            req = requests[seq_id]
+            req.token_ids.append(PLACEHOLDER)
+            req.num_placeholders += 1
 
     def _resolve(self, req: Request, token: int, logprobs: list[dict[int, float]] | None) -> SequenceOutput:
         """Fill ``req``'s oldest placeholder and check stops on it; a request that stops there keeps
@@ -56,9 +59,36 @@ class StepResults:
             if seq_id in requests:
                 requests[seq_id].record_prompt_logprobs(start, entries)
         spec = sched.num_spec_tokens
+        max_len = self.max_model_len
+        get, emit = requests.get, outputs.append
         for seq_id, tokens in result.sampled.items():
-            req = requests.get(seq_id)
+            req = get(seq_id)
             if req is None:
+                continue
+            if req.lean and not (spec and seq_id in spec):
+                # NOTE: every plain decode of every sequence, every step: one token, inline checks.
+                ids = req.token_ids
+                tok = tokens[0]
+                pending = req.num_placeholders
+                if pending:  # overlapped: preempted meanwhile or not, the value is its token
+                    n = len(ids) - pending + 1
+                    if tok in req.stop_token_set or n >= req.stop_len or n >= max_len:
+                        emit(self._resolve(req, tok, None))
+                        continue
+                    ids[n - 1] = tok
+                    req.num_placeholders = pending - 1
+                elif req.status is running:
+                    ids.append(tok)
+                    n = len(ids)
+                    if tok in req.stop_token_set or n >= req.stop_len or n >= max_len:
+                        emit(self._output(req, tokens, None, req.check_stop(max_len)))
+                        continue
+                else:
+                    continue
+                emit(SequenceOutput(
+                    req.group_id, req.sample_index, tokens, None, None, None, req.prompt_len,
+                    max(req.num_cached_tokens, 0),
+                ))  # fmt: skip
                 continue
             logprobs = all_logprobs.get(seq_id) if all_logprobs else None
             if req.num_placeholders:  # overlapped: preempted meanwhile or not, the value is its token

@@ -171,8 +171,7 @@ class Speculator:
         self.stats = SpecStats(config.num_speculative_tokens)
 
     def propose(self, runner, sched) -> dict[str, list[int]]:
-        computed = {d.seq_id: d.num_computed_tokens for d in sched.new_seqs}
-        computed.update({d.seq_id: d.num_computed_tokens for d in sched.running_seqs})
+        computed = sched.computed_before()
         items = [(s, runner.seqs[s], computed[s], k) for s, k in sched.num_spec_tokens.items()]
         drafts = self.proposer.propose(items)
         return {s: d for s, d in drafts.items() if d}

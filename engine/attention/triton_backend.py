@@ -41,7 +41,8 @@ class TritonAttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         nd = meta.num_decodes
         qsl = meta.query_start_loc
-        assert all(qsl[i + 1] - qsl[i] == 1 for i in range(nd)), "decodes come first, one token each"
+        # Spans are never empty, so offsets 0..nd at the first nd + 1 entries mean one token each.
+        assert qsl[nd] == nd, "decodes come first, one token each"
         first = qsl[nd]
         self._plan = _StepPlan(
             meta=meta,

@@ -64,11 +64,11 @@ class KVCheckingRunner:
                 self.tables[run.seq_id].extend(run.new_block_ids)
         bs = self.kv.block_size
         ends: dict[str, int] = {}
-        for data in (*sched.new_seqs, *sched.running_seqs):
-            seq_id, table = data.seq_id, self.tables[data.seq_id]
+        for seq_id, computed, _ in sched.spans():
+            table = self.tables[seq_id]
             assert table == self.kv.tables[seq_id], f"runner's block table of {seq_id} is stale"
-            end = data.num_computed_tokens + sched.num_scheduled_tokens[seq_id]
-            for pos in range(data.num_computed_tokens, end):
+            end = computed + sched.num_scheduled_tokens[seq_id]
+            for pos in range(computed, end):
                 self.gpu[table[pos // bs]][pos % bs] = self._key(seq_id, pos)
             ends[seq_id] = end
         for seq_id, end in ends.items():

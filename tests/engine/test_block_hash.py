@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_hash import hash_block, hash_blocks, root_hash
+from engine.block_hash import hash_block, hash_blocks, hash_next_block, root_hash
+from engine.request import Request
+from engine.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BS = 4
@@ -77,6 +79,23 @@ def test_extending_a_chain_equals_recomputing_it(split: int) -> None:
     head = hash_blocks(TOKENS[: split * BS], BS, salt="s")
     tail = hash_blocks(TOKENS, BS, salt="s", parent=head[-1], start_block=split)
     assert head + tail == full
+
+
+def test_one_block_at_a_time_equals_the_chain() -> None:
+    """A decode fills one block at a time (``hash_next_block``, ``Request.update_block_hashes``'s
+    one-block path): the same chain as hashing the tokens at once, salt and adapter salt included."""
+    tokens = [(7 * i + 3) % 1000 for i in range(70)]
+    chain, parent = [], None
+    for b in range(70 // 4):
+        parent = hash_next_block(parent, tokens[4 * b : 4 * b + 4], "m")
+        chain.append(parent)
+    assert chain == hash_blocks(tokens, 4, "m")
+    req = Request("r", tokens[:5], SamplingParams(max_tokens=100), seed=0, lora_salt="|a")
+    req.update_block_hashes(4, "m")
+    for tok in tokens[5:]:
+        req.token_ids.append(tok)
+        req.update_block_hashes(4, "m")
+    assert req.block_hashes == hash_blocks(tokens, 4, "m|a")
 
 
 def test_invalid_block_size_is_rejected() -> None:

@@ -37,10 +37,8 @@ class _CountingUploader(StepUploader):
         return super().upload(packed)
 
 
-def _tables(device_path: bool) -> BlockTables:
-    tables = BlockTables(64, torch.device("cpu"), rows=2)  # 2 rows: growth is exercised too
-    tables.on_host = not device_path  # the GPU's way: writes wait for the step's upload
-    return tables
+def _tables() -> BlockTables:
+    return BlockTables(64, torch.device("cpu"), rows=2)  # 2 rows: growth is exercised too
 
 
 def _check_step(tables, uploader, seqs: dict[str, tuple[list[int], list[int]]], rng) -> None:
@@ -71,40 +69,39 @@ def _check_step(tables, uploader, seqs: dict[str, tuple[list[int], list[int]]], 
 
 
 def test_tables_follow_the_deltas_like_a_rebuilt_batch():
-    for device_path in (False, True):
-        rng = random.Random(7)
-        tables, uploader = _tables(device_path), _CountingUploader()
-        seqs: dict[str, tuple[list[int], list[int]]] = {}
-        next_block = iter(range(10_000))
-        for step in range(60):
-            if len(seqs) < 6 and rng.random() < 0.5:  # a new sequence with its prompt's blocks
-                n = rng.randint(2, 30)
-                blocks = [next(next_block) for _ in range(-(-n // BS))]
-                seqs[f"s{step}"] = ([rng.randrange(100) for _ in range(n)], blocks)
-                tables.add(f"s{step}", blocks)
-            for seq_id, (toks, blocks) in list(seqs.items()):
-                r = rng.random()
-                if r < 0.1:  # finished: its row goes back to be reused
-                    del seqs[seq_id]
-                    tables.remove(seq_id)
-                    continue
-                if r < 0.15:  # copy-on-write: a block in the middle changed
-                    blocks[rng.randrange(len(blocks))] = next(next_block)
-                    tables.replace(seq_id, blocks)
-                toks.append(rng.randrange(100))
-                if len(toks) > len(blocks) * BS:  # crossed a block boundary
-                    blocks.append(next(next_block))
-                    tables.append(seq_id, [blocks[-1]])
-            if seqs:
-                _check_step(tables, uploader, seqs, rng)
-        assert len(uploader.sizes) > 40  # one upload per step
+    rng = random.Random(7)
+    tables, uploader = _tables(), _CountingUploader()
+    seqs: dict[str, tuple[list[int], list[int]]] = {}
+    next_block = iter(range(10_000))
+    for step in range(60):
+        if len(seqs) < 6 and rng.random() < 0.5:  # a new sequence with its prompt's blocks
+            n = rng.randint(2, 30)
+            blocks = [next(next_block) for _ in range(-(-n // BS))]
+            seqs[f"s{step}"] = ([rng.randrange(100) for _ in range(n)], blocks)
+            tables.add(f"s{step}", blocks)
+        for seq_id, (toks, blocks) in list(seqs.items()):
+            r = rng.random()
+            if r < 0.1:  # finished: its row goes back to be reused
+                del seqs[seq_id]
+                tables.remove(seq_id)
+                continue
+            if r < 0.15:  # copy-on-write: a block in the middle changed
+                blocks[rng.randrange(len(blocks))] = next(next_block)
+                tables.replace(seq_id, blocks)
+            toks.append(rng.randrange(100))
+            if len(toks) > len(blocks) * BS:  # crossed a block boundary
+                blocks.append(next(next_block))
+                tables.append(seq_id, [blocks[-1]])
+        if seqs:
+            _check_step(tables, uploader, seqs, rng)
+    assert len(uploader.sizes) > 40  # one upload per step
 
 
 def test_a_decode_steps_upload_does_not_grow_with_context():
     """256 decoding sequences at 128 or 4096 tokens: the same upload, bar the blocks just crossed."""
     sizes = {}
     for context in (128, 4096):
-        tables, uploader = _tables(device_path=True), _CountingUploader()
+        tables, uploader = _tables(), _CountingUploader()
         tables.width = 4096 // BS + 8
         tables.table = torch.zeros((256, tables.width), dtype=torch.int64)
         tables._free = list(range(255, -1, -1))
@@ -120,7 +117,7 @@ def test_a_decode_steps_upload_does_not_grow_with_context():
 
 
 def test_sampling_scalars_ride_in_the_same_upload():
-    tables, uploader = _tables(device_path=True), _CountingUploader()
+    tables, uploader = _tables(), _CountingUploader()
     tables.add("a", [3])
     tables.add("b", [5])
     scalars = SamplingScalars([0.7, 0.0], [0, 5], [0.9, 1.0], [0.0, 0.05], [2**62 + 3, 11], [3, 4])
@@ -143,19 +140,18 @@ def test_sampling_parameters_are_stored_once_and_gathered_for_the_rows_that_samp
     """Set when a sequence arrives (the GPU's way: a pending write in the next upload), then each
     step uploads only which rows sample: the device gathers their parameters, and a sampled token's
     position is its span's context length."""
-    for device_path in (False, True):
-        tables, uploader = _tables(device_path), _CountingUploader()
-        for i, seq_id in enumerate(("a", "b", "c")):
-            tables.add(seq_id, [10 + i])
-            tables.set_sampling(seq_id, 0.5 + i, i, 0.9 - 0.1 * i, 0.01 * i, 2**62 + i)
-        spans = [([1], 2, "a"), ([2], 3, "c"), ([4, 5], 0, "b")]
-        gather = SampleGather([tables.row_of["c"], tables.row_of["b"]], [1, 2])  # a's row does not sample
-        got = build_step_inputs(spans, tables, uploader, BS, TorchAttentionBackend(), gather)
-        s = got.sampling
-        assert torch.allclose(s["temperature"], torch.tensor([2.5, 1.5])) and s["top_k"].tolist() == [2, 1]
-        assert torch.allclose(s["top_p"], torch.tensor([0.7, 0.8])) and torch.allclose(
-            s["min_p"], torch.tensor([0.02, 0.01])
-        )
-        assert s["seeds"].tolist() == [2**62 + 2, 2**62 + 1]
-        assert s["positions"].tolist() == [4, 2]  # c: context 3 + 1 token; b: 0 + 2 tokens
-        assert len(uploader.sizes) == 1
+    tables, uploader = _tables(), _CountingUploader()
+    for i, seq_id in enumerate(("a", "b", "c")):
+        tables.add(seq_id, [10 + i])
+        tables.set_sampling(seq_id, 0.5 + i, i, 0.9 - 0.1 * i, 0.01 * i, 2**62 + i)
+    spans = [([1], 2, "a"), ([2], 3, "c"), ([4, 5], 0, "b")]
+    gather = SampleGather([tables.row_of["c"], tables.row_of["b"]], [1, 2])  # a's row does not sample
+    got = build_step_inputs(spans, tables, uploader, BS, TorchAttentionBackend(), gather)
+    s = got.sampling
+    assert torch.allclose(s["temperature"], torch.tensor([2.5, 1.5])) and s["top_k"].tolist() == [2, 1]
+    assert torch.allclose(s["top_p"], torch.tensor([0.7, 0.8])) and torch.allclose(
+        s["min_p"], torch.tensor([0.02, 0.01])
+    )
+    assert s["seeds"].tolist() == [2**62 + 2, 2**62 + 1]
+    assert s["positions"].tolist() == [4, 2]  # c: context 3 + 1 token; b: 0 + 2 tokens
+    assert len(uploader.sizes) == 1

@@ -1,0 +1,131 @@
+"""A step's flat batch, built on the host from the scheduler's output and the runner's state.
+
+Decodes come first, one token each; the scheduler's fast-path decodes (``SchedulerOutput.decode_ids``)
+lead, built with a list operation per column rather than a loop iteration per sequence. A
+speculating sequence's span is its last token and its drafts. A token still being sampled by the
+step in flight (overlapped scheduling: a PLACEHOLDER) is read on the device: a patch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import repeat
+
+from engine.persistent_batch import FlatBatch
+from engine.request import PLACEHOLDER
+from engine.scheduler_output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepBatch:
+    flat: FlatBatch = field(default_factory=FlatBatch)
+    sample_rows: list[tuple[int, str, int]] = field(default_factory=list)  # (row, seq, samples)
+    sample_spans: list[int] = field(default_factory=list)  # each sampled row's span
+    spec_rows: list[tuple[int, str, list[int]]] = field(default_factory=list)
+    forks: dict[str, int] = field(default_factory=dict)  # seq_id -> samples, where more than one
+    patch_dst: list[int] = field(default_factory=list)  # input rows read from the step in flight
+    patch_src: list[int] = field(default_factory=list)  # ... at these rows of its samples
+
+
+def batch_order(
+    sched: SchedulerOutput, drafts: dict[str, list[int]], seqs: dict, by_length: bool
+) -> tuple[list[str], int]:
+    """(order, bulk): decodes first (``by_length``, the torch backend's want: longest context first,
+    it groups them by length); a sequence that speculates this step runs as a short prefill chunk.
+    The first ``bulk`` are the scheduler's fast-path decodes, in its order."""
+    n = sched.num_scheduled_tokens
+    if by_length or drafts:
+        return sorted(n, key=lambda s: (n[s] != 1 or bool(drafts.get(s)), -len(seqs[s].token_ids))), 0
+    fast = sched.decode_ids
+    if len(fast) == len(n):
+        return fast, len(fast)
+    known = set(fast)
+    rest = [s for s in n if s not in known]
+    return fast + [s for s in rest if n[s] == 1] + [s for s in rest if n[s] != 1], len(fast)
+
+
+def flatten_step(
+    sched: SchedulerOutput,
+    order: list[str],
+    bulk: int,
+    drafts: dict[str, list[int]],
+    seqs: dict,
+    row_of: dict[str, int],
+    inflight_rows: dict[str, int] | None,
+) -> StepBatch:
+    """The step's spans in ``order`` (its first ``bulk`` the fast-path decodes); ``inflight_rows``:
+    the step in flight's sample row of each sequence it samples (overlapped scheduling)."""
+    computed = sched.computed_before()
+    out = StepBatch()
+    forks = out.forks
+    for d in (*sched.new_seqs, *sched.running_seqs):
+        if d.num_samples > 1:
+            forks[d.seq_id] = d.num_samples
+    num_scheduled = sched.num_scheduled_tokens
+    flat, sample_rows, sample_spans = out.flat, out.sample_rows, out.sample_spans
+    patch_dst, patch_src = out.patch_dst, out.patch_src
+    tokens, positions, token_rows, seq_lens = flat.tokens, flat.positions, flat.token_rows, flat.seq_lens
+    row = bulk
+    if bulk:  # the fast-path decodes, a list operation each: one token, its last, sampled once
+        ids, at = sched.decode_ids, sched.decode_positions
+        toks = [seqs[s].token_ids[p] for s, p in zip(ids, at)]
+        tokens.extend(toks)
+        positions.extend(at)
+        token_rows.extend([row_of[s] for s in ids])
+        seq_lens.extend([p + 1 for p in at])
+        sample_rows.extend(zip(range(bulk), ids, repeat(1)))
+        sample_spans.extend(range(bulk))
+        if PLACEHOLDER in toks:  # sampled by the step in flight: read on the device
+            if toks.count(PLACEHOLDER) == bulk:
+                patch_dst.extend(range(bulk))
+                patch_src.extend([inflight_rows[s] for s in ids])
+            else:
+                for i, tok in enumerate(toks):
+                    if tok == PLACEHOLDER:
+                        patch_dst.append(i)
+                        patch_src.append(inflight_rows[ids[i]])
+    # Other decodes (one token each, its last: it samples), in one lean loop.
+    for seq_id in order[bulk:]:
+        if num_scheduled[seq_id] != 1 or (drafts and seq_id in drafts):
+            break
+        token_ids = seqs[seq_id].token_ids
+        start = computed[seq_id]
+        if start + 1 != len(token_ids):
+            break  # a one-token prefill chunk: the general loop below
+        tok = token_ids[start]
+        r = row_of[seq_id]
+        tokens.append(tok)
+        positions.append(start)
+        token_rows.append(r)
+        seq_lens.append(start + 1)
+        sample_rows.append((row, seq_id, forks.get(seq_id, 1) if forks else 1))
+        sample_spans.append(row)
+        if tok == PLACEHOLDER:  # sampled by the step in flight: read it on the device
+            patch_dst.append(row)
+            patch_src.append(inflight_rows[seq_id])
+        row += 1
+    if row:
+        flat.span_rows.extend(token_rows)
+        flat.query_start_loc.extend(range(1, row + 1))
+        flat.num_decodes = row
+    for seq_id in order[row:]:
+        token_ids = seqs[seq_id].token_ids
+        start = computed[seq_id]
+        k = num_scheduled[seq_id]
+        draft = drafts.get(seq_id) if drafts else None
+        if draft:
+            toks = [token_ids[start], *draft]
+            out.spec_rows.append((row, seq_id, draft))
+        else:
+            toks = token_ids[start : start + k]
+            n = len(toks)  # k, unless slots were scheduled for drafts that were not proposed
+            if start + n == len(token_ids):
+                sample_rows.append((row + n - 1, seq_id, forks.get(seq_id, 1) if forks else 1))
+                sample_spans.append(len(flat.seq_lens))
+            if n and toks[-1] == PLACEHOLDER:  # sampled by the step in flight: read it on the device
+                assert n == 1 and inflight_rows is not None, "only a decode reads a placeholder"
+                patch_dst.append(row)
+                patch_src.append(inflight_rows[seq_id])
+        flat.add(toks, start, row_of[seq_id])
+        row += len(toks)
+    return out
