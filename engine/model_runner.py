@@ -109,8 +109,8 @@ class ModelRunner:
             return launch
         # Drafts first: the verifying forward below takes each speculating sequence's drafts as input.
         drafts = self.speculator.propose(self, sched) if sched.num_spec_tokens else {}
-        order, bulk = batch_order(sched, drafts, self.seqs, self.backend.name == "torch")
-        input_ids, positions, meta, sample_rows, spec_rows, plan = self._prepare(sched, order, bulk, drafts)
+        order, at = batch_order(sched, drafts, self.seqs, self.backend.name == "torch")
+        input_ids, positions, meta, sample_rows, spec_rows, plan = self._prepare(sched, order, at, drafts)
         masks = self._grammar_masks(sample_rows) if self._grammar_seqs else None  # filled during the forward
         self.num_forwards += 1
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
@@ -292,11 +292,11 @@ class ModelRunner:
                 state.block_ids.extend(run.new_block_ids)
                 tables.append(run.seq_id, run.new_block_ids)
 
-    def _prepare(self, sched: SchedulerOutput, order: list[str], bulk: int, drafts: dict[str, list[int]]):
+    def _prepare(self, sched: SchedulerOutput, order: list[str], at: list[int], drafts: dict[str, list[int]]):
         """The step's inputs on the device (``engine.step_batch`` builds its flat batch)."""
         inflight = self._inflight
         step = flatten_step(
-            sched, order, bulk, drafts, self.seqs, self.tables.row_of, inflight[1] if inflight else None
+            sched, order, at, drafts, self.seqs, self.tables.row_of, inflight[1] if inflight else None
         )
         flat, sample_rows = step.flat, step.sample_rows
         plan = plan_sampling(

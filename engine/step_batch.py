@@ -29,31 +29,39 @@ class StepBatch:
 
 def batch_order(
     sched: SchedulerOutput, drafts: dict[str, list[int]], seqs: dict, by_length: bool
-) -> tuple[list[str], int]:
-    """(order, bulk): decodes first (``by_length``, the torch backend's want: longest context first,
-    it groups them by length); a sequence that speculates this step runs as a short prefill chunk.
-    The first ``bulk`` are the scheduler's fast-path decodes, in its order."""
+) -> tuple[list[str], list[int]]:
+    """(order, positions): decodes first, the scheduler's fast-path decodes leading (``positions``
+    are theirs, in order); ``by_length`` (the torch backend, which groups decodes by length) sorts
+    each kind of decode longest context first. A sequence that speculates this step runs as a short
+    prefill chunk."""
     n = sched.num_scheduled_tokens
-    if by_length or drafts:
-        return sorted(n, key=lambda s: (n[s] != 1 or bool(drafts.get(s)), -len(seqs[s].token_ids))), 0
-    fast = sched.decode_ids
+    if drafts:
+        return sorted(n, key=lambda s: (n[s] != 1 or bool(drafts.get(s)), -len(seqs[s].token_ids))), []
+    fast, at = sched.decode_ids, sched.decode_positions
+    if by_length and len(fast) > 1:
+        by_pos = sorted(range(len(fast)), key=at.__getitem__, reverse=True)
+        fast, at = [fast[i] for i in by_pos], [at[i] for i in by_pos]
     if len(fast) == len(n):
-        return fast, len(fast)
+        return fast, at
     known = set(fast)
     rest = [s for s in n if s not in known]
-    return fast + [s for s in rest if n[s] == 1] + [s for s in rest if n[s] != 1], len(fast)
+    decodes = [s for s in rest if n[s] == 1]
+    if by_length:
+        decodes.sort(key=lambda s: -len(seqs[s].token_ids))
+    return fast + decodes + [s for s in rest if n[s] != 1], at
 
 
 def flatten_step(
     sched: SchedulerOutput,
     order: list[str],
-    bulk: int,
+    at: list[int],
     drafts: dict[str, list[int]],
     seqs: dict,
     row_of: dict[str, int],
     inflight_rows: dict[str, int] | None,
 ) -> StepBatch:
-    """The step's spans in ``order`` (its first ``bulk`` the fast-path decodes); ``inflight_rows``:
+    """The step's spans in ``order`` (its first ``len(at)`` the fast-path decodes, at positions
+    ``at``); ``inflight_rows``:
     the step in flight's sample row of each sequence it samples (overlapped scheduling)."""
     computed = sched.computed_before()
     out = StepBatch()
@@ -65,9 +73,9 @@ def flatten_step(
     flat, sample_rows, sample_spans = out.flat, out.sample_rows, out.sample_spans
     patch_dst, patch_src = out.patch_dst, out.patch_src
     tokens, positions, token_rows, seq_lens = flat.tokens, flat.positions, flat.token_rows, flat.seq_lens
-    row = bulk
+    row = bulk = len(at)
     if bulk:  # the fast-path decodes, a list operation each: one token, its last, sampled once
-        ids, at = sched.decode_ids, sched.decode_positions
+        ids = order[:bulk]
         toks = [seqs[s].token_ids[p] for s, p in zip(ids, at)]
         tokens.extend(toks)
         positions.extend(at)
