@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import SamplingBatch, exponential_race, filtered_probs, uniform_scalar
+from engine.sampler import SamplingBatch, exponential_race, filtered_probs, row_argmax, uniform_scalar
 
 
 @dataclass(slots=True)
@@ -31,7 +31,7 @@ def rejection_sample(logits: torch.Tensor, batch: SamplingBatch, draft_ids: torc
     """``logits`` [R, V] of the rows that verify (each sequence's rows in order: one per draft, then
     its bonus row); ``draft_ids`` [R] the draft each row checks, -1 on bonus rows."""
     logits = logits.float()
-    greedy = logits.argmax(dim=-1)
+    greedy = row_argmax(logits)
     has_draft = draft_ids >= 0
     d = draft_ids.clamp(min=0)
     if batch.all_greedy:

@@ -194,19 +194,17 @@ class Scheduler(TransferQueue, StepResults):
                 if not req.pending_forks and seq_id in sent:
                     # Fast path: the token goes into the sequence's own last block (the block it
                     # fills is cached by ``try_append_slot``).
-                    table = tables[seq_id]
-                    idx = pos // bs
+                    table, idx, ok = tables[seq_id], pos // bs, False
                     if idx < len(table):
-                        if ref_cnt[table[idx]] == 1 and (pos % bs != bs - 1 or try_append(req)):
+                        ok = ref_cnt[table[idx]] == 1 and (pos % bs != bs - 1 or try_append(req))
+                        if ok:
                             fast_ids.append(seq_id)
                             fast_pos.append(pos)
-                            req.num_computed_tokens = pos + 1
-                            scheduled[seq_id] = 1
-                            left -= 1
-                            continue
                     elif idx == len(table) and (block := append_block(req)) is not None:
                         # Its token opens a block: one fresh block, a delta of one id.
                         out.running_seqs.append(RunningSequenceData(seq_id, [block], None, pos))
+                        ok = True
+                    if ok:
                         req.num_computed_tokens = pos + 1
                         scheduled[seq_id] = 1
                         left -= 1
@@ -272,6 +270,8 @@ class Scheduler(TransferQueue, StepResults):
                 self._emit(req, num_new, out, scheduled, budget)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]) -> None:
+        if not self.waiting or budget[0] <= 0:  # a steady decode batch: no pass over it below
+            return
         # Parallel samples fork after their prompt: reserve their sequence slots at admission.
         reserved = len(self.running) + sum(r.pending_forks for r in self.running)
         skipped: list[Request] = []  # waiting for an adapter slot: later requests go first meanwhile

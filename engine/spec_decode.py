@@ -31,7 +31,7 @@ import torch
 from engine.batch import build_batch
 from engine.kv_cache import KVLayout
 from engine.rejection_sampler import accepted_prefix, rejection_sample
-from engine.sampler import SamplingBatch, sample_seed
+from engine.sampler import SamplingBatch, row_argmax, sample_seed
 from engine.spec_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class ModelProposer:
         )
         hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=self.num_layers)
         last = [q - 1 for q in meta.query_start_loc[1:]]
-        tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        tokens = row_argmax(self.model.compute_logits(hidden[last])).tolist()
         return dict(zip(order, tokens))
 
     def accepted(self, seq_id: str, num_accepted: int) -> None:

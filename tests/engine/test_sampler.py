@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sampler, SamplerOutput, SamplingBatch, sample_seed, uniform_noise
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch, row_argmax, sample_seed, uniform_noise
 
 sampler = Sampler()
 
@@ -50,6 +50,21 @@ def sample(logits: torch.Tensor, **kwargs) -> SamplerOutput:
 
 def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.bincount(tokens, minlength=vocab).double() / tokens.numel()
+
+
+def test_row_argmax_is_torchs_argmax_on_ties_infinities_and_nans() -> None:
+    """The CPU's numpy argmax picks what torch's would: the first of tied maxima, a NaN as the
+    maximum, a row of -inf at 0; strided views too, and other dtypes through torch itself."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (64, 33), generator=g).float()  # many ties
+    x[3] = float("-inf")
+    x[5, 7] = float("inf")
+    x[6, 2] = x[6, 9] = float("nan")
+    x[7, 4] = float("nan")
+    x[7, 5] = float("inf")
+    for t in (x, x[:, 1:30], x.t().contiguous().t(), x.double(), x.to(torch.bfloat16)):
+        got = row_argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1)), t.dtype
 
 
 def test_temperature_zero_is_argmax() -> None:
