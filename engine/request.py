@@ -181,14 +181,6 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 
-    # Overlapped scheduling ------------------------------------------------------------------------
-
-    def expect_token(self) -> None:
-        """A step in flight samples this sequence's next token: count it (the next step decodes it,
-        reading its value on the device) as a PLACEHOLDER until its value is in."""
-        self.token_ids.append(PLACEHOLDER)
-        self.num_placeholders += 1
-
     def record_prompt_logprobs(self, start: int, entries: list[dict[int, float]]) -> None:
         if self.prompt_logprobs is not None:
             self.prompt_logprobs[start : start + len(entries)] = entries

@@ -28,9 +28,11 @@ class StepResults:
     max_model_len: int
 
     def expect_tokens(self, seq_ids: list[str]) -> None:
-        """Overlapped scheduling: the step just launched samples a token for each of ``seq_ids``."""
+        """Overlapped scheduling: the step just launched samples a token for each of ``seq_ids``;
+        each counts it (the next step decodes it, reading its value on the device) as a PLACEHOLDER
+        until its value is in."""
         requests = self.requests
-        for seq_id in seq_ids:  # NOTE: every sequence, every overlapped step: ``expect_token`` inline
+        for seq_id in seq_ids:  # NOTE: every sequence, every overlapped step
             req = requests[seq_id]
             req.token_ids.append(PLACEHOLDER)
             req.num_placeholders += 1
