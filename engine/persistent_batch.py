@@ -279,7 +279,7 @@ def upload_step(
     if patches:
         put(patches[0])
         put(patches[1])
-    sections = list(torch.split(uploader.upload(packed), sizes))
+    sections = list(uploader.upload(packed).split_with_sizes(sizes))
     sections.reverse()
     take = sections.pop
     input_ids, positions, tok_rows_d, rows_d, seq_lens_d, qsl_d = (take() for _ in range(6))

@@ -64,7 +64,7 @@ def flatten_step(
     ``at``); ``inflight_rows``:
     the step in flight's sample row of each sequence it samples (overlapped scheduling)."""
     computed = sched.computed_before()
-    out = StepBatch()
+    out = StepBatch(FlatBatch(), [], [], [], {}, [], [])  # (positional: no default factories to run)
     forks = out.forks
     for d in (*sched.new_seqs, *sched.running_seqs):
         if d.num_samples > 1:
