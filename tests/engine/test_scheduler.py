@@ -281,3 +281,45 @@ def test_random_workload_finishes_with_correct_kv_and_frees_every_block(seed: in
     d.run()
     assert {k: len(v) for k, v in d.outputs.items()} == expected
     d.assert_drained()
+
+
+def test_a_decode_in_its_own_block_travels_as_list_entries_and_a_new_block_as_its_one_id() -> None:
+    """The fast path's contract, which the runner builds its batch from: a decode whose token fits a
+    block it alone owns is an entry of ``decode_ids`` / ``decode_positions`` only; a decode whose
+    token opens a block carries that one new block id; the batch's KV stays right (the checking
+    runner reads it back every step)."""
+    d = Driver(block_size=4)
+    d.add("a", 5, max_tokens=20)
+    d.step()  # the prompt, and its first token: position 5 decodes next
+    for pos in range(5, 12):
+        before = list(d.kv.tables["a"])
+        out = d.step()
+        after = d.kv.tables["a"]
+        if pos % 4:
+            assert (out.decode_ids, out.decode_positions, out.running_seqs) == (["a"], [pos], [])
+            assert after == before
+        else:
+            assert (out.decode_ids, out.decode_positions) == ([], [])
+            assert [
+                (r.seq_id, r.new_block_ids, r.block_ids, r.num_computed_tokens) for r in out.running_seqs
+            ] == [("a", [after[-1]], None, pos)]
+            assert after[:-1] == before and len(after) == len(before) + 1
+        assert out.num_scheduled_tokens == {"a": 1}
+    d.run()
+    d.assert_drained()
+
+
+def test_samples_sharing_their_last_block_leave_the_fast_path_until_they_own_one() -> None:
+    """Parallel samples fork with the prompt's partly filled last block shared: their next decodes
+    copy it (a whole new table), not the fast path; after that each owns its block and decodes fast."""
+    d = Driver(block_size=4)
+    d.add("p", 5, max_tokens=6, n=2)
+    d.step()  # the prompt; the sample forks
+    out = d.step()
+    moved = {r.seq_id for r in out.running_seqs if r.block_ids is not None}
+    assert moved and not moved & set(out.decode_ids)  # the copy-on-write took the general path
+    out = d.step()
+    assert sorted(out.decode_ids) == ["p", "p#1"] and out.running_seqs == []
+    d.run()
+    assert len(d.outputs[("p", 0)]) == len(d.outputs[("p", 1)]) == 6
+    d.assert_drained()
