@@ -8,7 +8,7 @@ step in flight (overlapped scheduling: a PLACEHOLDER) is read on the device: a p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import repeat
 
 from engine.persistent_batch import FlatBatch
@@ -18,13 +18,13 @@ from engine.scheduler_output import SchedulerOutput
 
 @dataclass(slots=True)
 class StepBatch:
-    flat: FlatBatch = field(default_factory=FlatBatch)
-    sample_rows: list[tuple[int, str, int]] = field(default_factory=list)  # (row, seq, samples)
-    sample_spans: list[int] = field(default_factory=list)  # each sampled row's span
-    spec_rows: list[tuple[int, str, list[int]]] = field(default_factory=list)
-    forks: dict[str, int] = field(default_factory=dict)  # seq_id -> samples, where more than one
-    patch_dst: list[int] = field(default_factory=list)  # input rows read from the step in flight
-    patch_src: list[int] = field(default_factory=list)  # ... at these rows of its samples
+    flat: FlatBatch
+    sample_rows: list[tuple[int, str, int]]  # (row, seq, samples)
+    sample_spans: list[int]  # each sampled row's span
+    spec_rows: list[tuple[int, str, list[int]]]
+    forks: dict[str, int]  # seq_id -> samples, where more than one
+    patch_dst: list[int]  # input rows read from the step in flight
+    patch_src: list[int]  # ... at these rows of its samples
 
 
 def batch_order(
@@ -61,14 +61,17 @@ def flatten_step(
     inflight_rows: dict[str, int] | None,
 ) -> StepBatch:
     """The step's spans in ``order`` (its first ``len(at)`` the fast-path decodes, at positions
-    ``at``); ``inflight_rows``:
-    the step in flight's sample row of each sequence it samples (overlapped scheduling)."""
-    computed = sched.computed_before()
-    out = StepBatch(FlatBatch(), [], [], [], {}, [], [])  # (positional: no default factories to run)
+    ``at``; ``at`` is empty when drafts reorder the batch); ``inflight_rows``: the step in flight's
+    sample row of each sequence it samples (overlapped scheduling)."""
+    out = StepBatch(FlatBatch(), [], [], [], {}, [], [])
     forks = out.forks
+    computed: dict[str, int] = {}  # where the spans after the fast-path decodes start
     for d in (*sched.new_seqs, *sched.running_seqs):
+        computed[d.seq_id] = d.num_computed_tokens
         if d.num_samples > 1:
             forks[d.seq_id] = d.num_samples
+    if not at:  # the fast-path decodes are among the spans below
+        computed.update(zip(sched.decode_ids, sched.decode_positions))
     num_scheduled = sched.num_scheduled_tokens
     flat, sample_rows, sample_spans = out.flat, out.sample_rows, out.sample_spans
     patch_dst, patch_src = out.patch_dst, out.patch_src
