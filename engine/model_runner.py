@@ -25,7 +25,7 @@ from engine.sampler import Sampler, SamplerOutput, SamplingBatch, sample_seed
 from engine.sampling_params import SamplingParams
 from engine.sampling_plan import SamplingPlan, plan_sampling
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
-from engine.step_batch import batch_order, flatten_step
+from engine.step_batch import RepeatCache, batch_order, flatten_step, sampled_hidden
 from engine.structured_output import GrammarState, StructuredOutputs
 
 
@@ -77,6 +77,7 @@ class ModelRunner:
         # Overlapped scheduling: the last launched step's sampled ids on the device, and each
         # sampled sequence's row in them (the next launch reads its placeholders' values there).
         self._inflight: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._repeat = RepeatCache()  # a steady decode batch's columns (engine.step_batch)
         self._sync_seqs: set[str] = set()  # sequences whose steps need host tokens (see needs_host_tokens)
         self._special: set[str] = set()  # with logprobs or processed logits
         self._random: set[str] = set()  # sampled at random (not greedy)
@@ -110,7 +111,9 @@ class ModelRunner:
         # Drafts first: the verifying forward below takes each speculating sequence's drafts as input.
         drafts = self.speculator.propose(self, sched) if sched.num_spec_tokens else {}
         order, at = batch_order(sched, drafts, self.seqs, self.backend.name == "torch")
-        input_ids, positions, meta, sample_rows, spec_rows, plan = self._prepare(sched, order, at, drafts)
+        input_ids, positions, meta, sample_rows, spec_rows, plan, launch.repeat = self._prepare(
+            sched, order, at, drafts
+        )
         masks = self._grammar_masks(sample_rows) if self._grammar_seqs else None  # filled during the forward
         self.num_forwards += 1
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
@@ -123,8 +126,9 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, self.seqs, sched, order, meta.query_start_loc)
         launch.sample_rows, launch.plan, launch.prompt_logprobs = sample_rows, plan, prompt_lp
         if sample_rows:
-            rows = [r for r, _, _ in sample_rows]
-            launch.result = self._sample(self.model.compute_logits(hidden[rows]), sample_rows, masks, plan)
+            launch.result = self._sample(
+                self.model.compute_logits(sampled_hidden(hidden, sample_rows)), sample_rows, masks, plan
+            )
         overlap = overlap and not spec_rows and bool(sample_rows)
         if not overlap:
             self._inflight = None
@@ -138,13 +142,17 @@ class ModelRunner:
             launch.host_tokens.copy_(tokens, non_blocking=True)
             launch.ready = torch.cuda.Event()
             launch.ready.record()
-        assert {n for _, _, n in sample_rows} == {1}, "a forking sequence never overlaps"
-        ids = [s for _, s, _ in sample_rows]
-        lists = [self.seqs[s].token_ids for s in ids]
+        if launch.repeat:  # the steady decode batch's columns, kept
+            ids, lists, index = self._repeat.ids, self._repeat.lists, self._repeat.index
+        else:
+            assert {n for _, _, n in sample_rows} == {1}, "a forking sequence never overlaps"
+            ids = [s for _, s, _ in sample_rows]
+            lists = [self.seqs[s].token_ids for s in ids]
+            index = dict(zip(ids, range(len(ids))))
         launch.slots = dict(zip(ids, map(len, lists)))
         for token_ids in lists:
             token_ids.append(PLACEHOLDER)
-        self._inflight = (tokens, dict(zip(ids, range(len(ids)))))
+        self._inflight = (tokens, index)
         return launch
 
     def collect(self, launch: StepLaunch) -> RunnerOutput:
@@ -164,9 +172,15 @@ class ModelRunner:
         slots = launch.slots
         if launch.plan.expand is None and not self._grammar_seqs:  # one plain sample per sequence
             # NOTE: every sequence, every step: C-level loops where they do.
+            seqs = self.seqs
+            if not slots and launch.repeat:  # the steady decode batch: its next inputs are these
+                ids, self._repeat.sampled = self._repeat.ids, token_list
+                out.sampled.update(zip(ids, [[t] for t in token_list]))
+                for token_ids, tok in zip(self._repeat.lists, token_list):
+                    token_ids.append(tok)
+                return out
             ids = [s for _, s, _ in launch.sample_rows]
             out.sampled.update(zip(ids, [[t] for t in token_list]))
-            seqs = self.seqs
             if not slots:
                 for token_ids, tok in zip([seqs[s].token_ids for s in ids], token_list):
                     token_ids.append(tok)
@@ -233,6 +247,8 @@ class ModelRunner:
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         tables = self.tables
+        if sched.finished_seq_ids or sched.new_seqs:  # rows and token lists change
+            self._repeat = RepeatCache()
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
             if self._lora_of:
@@ -296,8 +312,9 @@ class ModelRunner:
         """The step's inputs on the device (``engine.step_batch`` builds its flat batch)."""
         inflight = self._inflight
         step = flatten_step(
-            sched, order, at, drafts, self.seqs, self.tables.row_of, inflight[1] if inflight else None
-        )
+            sched, order, at, drafts, self.seqs, self.tables.row_of, inflight[1] if inflight else None,
+            self._repeat,
+        )  # fmt: skip
         flat, sample_rows = step.flat, step.sample_rows
         plan = plan_sampling(
             self.seqs, self._special, self._random, self.tables.row_of, self.eos_token_ids,
@@ -312,7 +329,7 @@ class ModelRunner:
             lora_rows = self._lora_rows
             token_slots = [lora_rows.get(r, -1) for r in flat.token_rows]
             inputs.meta.lora = LoraBatch.build(self.lora, token_slots, self.device)
-        return inputs.input_ids, inputs.positions, inputs.meta, sample_rows, step.spec_rows, plan
+        return inputs.input_ids, inputs.positions, inputs.meta, sample_rows, step.spec_rows, plan, step.repeat
 
     def unpin_lora(self, seq_id: str) -> None:
         """Release the adapter slot sequence ``seq_id`` pins (a no-op once released)."""
@@ -372,6 +389,7 @@ class StepLaunch:
     ready: torch.cuda.Event | None = None  # recorded after that copy
     slots: dict[str, int] = field(default_factory=dict)  # overlapped: seq_id -> its placeholder's index
     done: RunnerOutput | None = None  # set when the step did not overlap
+    repeat: bool = False  # it samples the runner's repeat cache's ids alone, in order
 
     @property
     def sampled_ids(self) -> list[str]:
