@@ -111,7 +111,8 @@ class BlockPool:
             return
         self.block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
-        self._record(BlockStored([block_hash]))
+        if self.recording:  # NOTE: every decode that fills a block: no event built for nobody
+            self._events.append(BlockStored([block_hash]))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""

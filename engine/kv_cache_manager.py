@@ -248,18 +248,11 @@ class KVCacheManager:
             self.cpu_free.extend(self._cpu_released)
             self._cpu_released.clear()
 
-    def try_append_slot(self, req: Request) -> bool:
-        """Fast path for a decode: its next token fits in its own, unshared last block.
-
-        Returns False when the slow path (``can_allocate`` + ``allocate``) is needed.
-        """
-        table = self.tables[req.request_id]
-        pos = req.num_computed_tokens
-        idx, offset = divmod(pos, self.block_size)
-        if idx >= len(table) or self.pool.ref_cnt[table[idx]] != 1:
-            return False
-        if offset == self.block_size - 1 and self.enable_caching:
-            self._cache_full_blocks(req, table, pos + 1)
+    def fill_block(self, req: Request, table: list[int]) -> bool:
+        """The scheduler's fast path, its checks done: ``req``'s next token fills the last slot of
+        its own block ``table[pos // block_size]``, which is cached once full. Always True."""
+        if self.enable_caching:
+            self._cache_full_blocks(req, table, req.num_computed_tokens + 1)
         return True
 
     def append_block(self, req: Request) -> int | None:

@@ -299,6 +299,10 @@ class ModelRunner:
                     self._grammar_errors[new.seq_id] = (
                         "structured output: the output so far does not follow the grammar"
                     )
+        seqs = self.seqs
+        for seq_id, block in sched.decode_new_blocks.items():
+            seqs[seq_id].block_ids.append(block)
+            tables.append(seq_id, [block])
         for run in sched.running_seqs:
             state = self.seqs[run.seq_id]
             if run.block_ids is not None:

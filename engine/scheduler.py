@@ -171,7 +171,7 @@ class Scheduler(TransferQueue, StepResults):
         running, sent, max_len = RequestStatus.RUNNING, self._sent_to_runner, self.max_model_len
         spec, kv = self.num_spec_tokens, self.kv
         tables, ref_cnt, bs = kv.tables, kv.pool.ref_cnt, kv.block_size
-        try_append, append_block = kv.try_append_slot, kv.append_block
+        fill_block, append_block = kv.fill_block, kv.append_block
         fast_ids, fast_pos = out.decode_ids, out.decode_positions
         left = budget[0]
         for req in candidates:
@@ -193,18 +193,16 @@ class Scheduler(TransferQueue, StepResults):
                         continue
                 if not req.pending_forks and seq_id in sent:
                     # Fast path: the token goes into the sequence's own last block (the block it
-                    # fills is cached by ``try_append_slot``).
+                    # fills is cached by ``fill_block``), or opens a fresh one.
                     table, idx, ok = tables[seq_id], pos // bs, False
                     if idx < len(table):
-                        ok = ref_cnt[table[idx]] == 1 and (pos % bs != bs - 1 or try_append(req))
-                        if ok:
-                            fast_ids.append(seq_id)
-                            fast_pos.append(pos)
+                        ok = ref_cnt[table[idx]] == 1 and (pos % bs != bs - 1 or fill_block(req, table))
                     elif idx == len(table) and (block := append_block(req)) is not None:
-                        # Its token opens a block: one fresh block, a delta of one id.
-                        out.running_seqs.append(RunningSequenceData(seq_id, [block], None, pos))
+                        out.decode_new_blocks[seq_id] = block
                         ok = True
                     if ok:
+                        fast_ids.append(seq_id)
+                        fast_pos.append(pos)
                         req.num_computed_tokens = pos + 1
                         scheduled[seq_id] = 1
                         left -= 1

@@ -54,10 +54,12 @@ class SchedulerOutput:
     # runner proposes); 1 to k + 1 come back in ``RunnerOutput.sampled``.
     num_spec_tokens: dict[str, int] = field(default_factory=dict)
     # Running decodes on the fast path, in scheduling order: one token each, at these positions, into
-    # a block the sequence owns already (no block change, one sample). Kept out of ``running_seqs``:
-    # a plain decode costs two list entries, not an object.
+    # a block the sequence owns already or (``decode_new_blocks``) one fresh block its token opens;
+    # one sample. Kept out of ``running_seqs``: a plain decode costs two list entries, not an object,
+    # and a steady batch stays one list as its sequences cross block boundaries together.
     decode_ids: list[str] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
+    decode_new_blocks: dict[str, int] = field(default_factory=dict)  # seq_id -> the block appended
 
     def computed_before(self) -> dict[str, int]:
         """seq_id -> tokens computed before this step, for every sequence scheduled in it."""

@@ -57,6 +57,8 @@ class KVCheckingRunner:
             self.tokens[new.seq_id] = list(new.token_ids)
             self.tables[new.seq_id] = list(new.block_ids)
             self.keys[new.seq_id] = []
+        for seq_id, block in sched.decode_new_blocks.items():
+            self.tables[seq_id].append(block)
         for run in sched.running_seqs:
             if run.block_ids is not None:
                 self.tables[run.seq_id] = list(run.block_ids)

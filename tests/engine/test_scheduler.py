@@ -286,8 +286,8 @@ def test_random_workload_finishes_with_correct_kv_and_frees_every_block(seed: in
 def test_a_decode_in_its_own_block_travels_as_list_entries_and_a_new_block_as_its_one_id() -> None:
     """The fast path's contract, which the runner builds its batch from: a decode whose token fits a
     block it alone owns is an entry of ``decode_ids`` / ``decode_positions`` only; a decode whose
-    token opens a block carries that one new block id; the batch's KV stays right (the checking
-    runner reads it back every step)."""
+    token opens a block is one too, with that one new block id in ``decode_new_blocks``; the
+    batch's KV stays right (the checking runner reads it back every step)."""
     d = Driver(block_size=4)
     d.add("a", 5, max_tokens=20)
     d.step()  # the prompt, and its first token: position 5 decodes next
@@ -295,14 +295,11 @@ def test_a_decode_in_its_own_block_travels_as_list_entries_and_a_new_block_as_it
         before = list(d.kv.tables["a"])
         out = d.step()
         after = d.kv.tables["a"]
+        assert (out.decode_ids, out.decode_positions, out.running_seqs) == (["a"], [pos], [])
         if pos % 4:
-            assert (out.decode_ids, out.decode_positions, out.running_seqs) == (["a"], [pos], [])
-            assert after == before
+            assert out.decode_new_blocks == {} and after == before
         else:
-            assert (out.decode_ids, out.decode_positions) == ([], [])
-            assert [
-                (r.seq_id, r.new_block_ids, r.block_ids, r.num_computed_tokens) for r in out.running_seqs
-            ] == [("a", [after[-1]], None, pos)]
+            assert out.decode_new_blocks == {"a": after[-1]}
             assert after[:-1] == before and len(after) == len(before) + 1
         assert out.num_scheduled_tokens == {"a": 1}
     d.run()
