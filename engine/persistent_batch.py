@@ -248,50 +248,45 @@ def upload_step(
     parameters from the rows'. ``patches`` = (rows, indices, ids): input row ``rows[j]`` is
     ``ids[indices[j]]``, a token the previous step sampled on the device (overlapped
     scheduling), read there without a sync."""
-    tokens, pos, tok_rows, span_rows = flat.tokens, flat.positions, flat.token_rows, flat.span_rows
     seq_lens, qsl, num_decodes = flat.seq_lens, flat.query_start_loc, flat.num_decodes
-    packed = array.array("q")
-    sizes: list[int] = []  # the packed sections, in order
-
-    def put(part, n: int | None = None) -> None:
-        if isinstance(part, array.array) and part.typecode == "d":
-            packed.frombytes(part.tobytes())  # float64 bits in int64 slots
-        else:
-            packed.extend(part)
-        sizes.append(len(part) if n is None else n)
-
-    for part in (tokens, pos, tok_rows, span_rows, seq_lens, qsl):
-        put(part)
+    # The sections a step has, in order (NOTE: every step; a decode step's optional ones are empty
+    # and neither packed nor sliced): float64 bits travel in int64 slots.
+    parts: list = [flat.tokens, flat.positions, flat.token_rows, flat.span_rows, seq_lens, qsl]
     writes = tables.take_pending()
-    for part in writes or ((), (), ()):
-        put(part)
+    if writes:
+        parts.extend(writes)
     params = tables.take_pending_params()
-    for part in params or ((), array.array("d"), ()):
-        put(part)
+    if params:
+        parts.extend((params[0], _bits(params[1]), params[2]))
     if isinstance(sampling, SamplingScalars):
-        for part in (sampling.temperature, sampling.top_p, sampling.min_p):
-            put(array.array("d", part))
-        for part in (sampling.top_k, sampling.seeds, sampling.positions):
-            put(part)
+        parts.extend(
+            _bits(array.array("d", f)) for f in (sampling.temperature, sampling.top_p, sampling.min_p)
+        )
+        parts.extend((sampling.top_k, sampling.seeds, sampling.positions))
     elif isinstance(sampling, SampleGather):
-        put(sampling.rows)
-        put(sampling.spans)
+        parts.extend((sampling.rows, sampling.spans))
     if patches:
-        put(patches[0])
-        put(patches[1])
-    sections = list(uploader.upload(packed).split_with_sizes(sizes))
+        parts.extend((patches[0], patches[1]))
+    packed = array.array("q")
+    ends: list[int] = []
+    for part in parts:
+        packed.extend(part)
+        ends.append(len(packed))
+    device = uploader.upload(packed)
+    sections = [device[start:end] for start, end in zip([0, *ends], ends)]
     sections.reverse()
     take = sections.pop
     input_ids, positions, tok_rows_d, rows_d, seq_lens_d, qsl_d = (take() for _ in range(6))
-    w_rows, w_cols, w_ids = take(), take(), take()
     table = tables.table
-    if len(w_rows):
+    if writes:
+        w_rows, w_cols, w_ids = take(), take(), take()
         table[w_rows, w_cols] = w_ids
-    p_rows, p_floats, p_ints = take(), take(), take()
-    if len(p_rows):
+    if params:
+        p_rows, p_floats, p_ints = take(), take(), take()
         tables.params_f[p_rows] = p_floats.view(torch.float64).view(-1, 3).float()
         tables.params_i[p_rows] = p_ints.view(-1, 2)
-    width = -(-max(seq_lens) // block_size)
+    max_len = max(seq_lens)
+    width = -(-max_len // block_size)
     meta = AttentionMetadata(
         num_decodes=num_decodes,
         slot_blocks=table[tok_rows_d, positions // block_size],
@@ -302,6 +297,7 @@ def upload_step(
         block_tables=table[:, :width].index_select(0, rows_d),  # 3x advanced indexing's speed on CPU
         block_size=block_size,
         query_start_loc_tensor=qsl_d,
+        max_seq_len=max_len,
     )
     backend.prepare(meta)
     out_sampling = None
@@ -322,3 +318,10 @@ def upload_step(
         dst, src = take(), take()
         input_ids[dst] = patches[2][src]
     return StepInputs(input_ids, positions, meta, out_sampling)
+
+
+def _bits(floats: array.array) -> array.array:
+    """float64 values as the int64 slots that carry their bits."""
+    out = array.array("q")
+    out.frombytes(floats.tobytes())
+    return out

@@ -30,6 +30,7 @@ class AttentionMetadata:
     block_size: int
     # query_start_loc on the device, when the step's upload carried it (else backends build it).
     query_start_loc_tensor: torch.Tensor | None = None
+    max_seq_len: int = 0  # max(seq_lens_list) where the builder knew it (0: not known)
     # Decode-only helpers, built once per step and shared by every layer: decodes (sorted by context
     # length, longest first) split into groups of similar length, each with its key mask.
     decode_groups: list[DecodeGroup] | None = None

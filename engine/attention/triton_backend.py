@@ -27,7 +27,8 @@ class _StepPlan:
     meta: AttentionMetadata  # the step this plan was built for
     max_decode_len: int
     max_prefill_query_len: int
-    prefill_query_start: torch.Tensor  # [num_prefills + 1] int64, relative to the first prefill token
+    # [num_prefills + 1] int64, relative to the first prefill token (None: decodes alone)
+    prefill_query_start: torch.Tensor | None
 
 
 class TritonAttentionBackend:
@@ -46,10 +47,16 @@ class TritonAttentionBackend:
         first = qsl[nd]
         self._plan = _StepPlan(
             meta=meta,
-            max_decode_len=max(meta.seq_lens_list[:nd], default=0),
+            max_decode_len=(
+                meta.max_seq_len
+                if meta.max_seq_len and nd == len(meta.seq_lens_list)
+                else max(meta.seq_lens_list[:nd], default=0)
+            ),
             max_prefill_query_len=max((qsl[i + 1] - qsl[i] for i in range(nd, len(qsl) - 1)), default=0),
             prefill_query_start=(
-                meta.query_start_loc_tensor[nd:] - first
+                None
+                if nd == len(qsl) - 1  # decodes alone: no prefill kernel reads it
+                else meta.query_start_loc_tensor[nd:] - first
                 if meta.query_start_loc_tensor is not None
                 else torch.tensor(
                     [s - first for s in qsl[nd:]], dtype=torch.int64, device=meta.seq_lens.device
