@@ -9,7 +9,10 @@ inside it ``scheduler.schedule``, the runner (``launch`` + ``collect``) and ``sc
 ``step()`` is "other").
 
     python -m bench.host_overhead [--batches 1,32,256] [--contexts 128,1024,4096,8192]
-        [--baseline-ref HEAD] [--json PATH] [--profile 20]
+        [--baseline-ref HEAD] [--json PATH] [--profile 20] [--overlap] [--engine-process]
+
+``--engine-process`` times each step as the engine process runs it (``worker/engine_process.py``):
+the step, then its outputs encoded for the pipe to the worker (the encode counts as "other").
 
 ``--baseline-ref REV`` measures the same grid on another revision too (``git archive`` into a
 temporary directory) and prints new / old. Each side runs this file in a subprocess with that
@@ -163,11 +166,44 @@ def _profile(core, steps: int, top: int) -> list[dict]:
     ]
 
 
+def _channel_step(core):
+    """A step as the engine process runs it: the step, then its outputs encoded for the channel to
+    its worker, the plain ones as the columns the engine kept where the tree keeps them so. Returns
+    the tokens it produced."""
+    from proto import pdserve_pb2 as pb
+    from worker.engine_channel import outputs_from_proto, outputs_to_proto
+
+    try:
+        from engine.scheduler_output import PlainTokens
+    except ImportError:  # a revision whose step returns objects only
+        PlainTokens = None
+
+    def step() -> pb.EngineEvents:
+        events = pb.EngineEvents()
+        if PlainTokens is None:
+            outputs_to_proto(core.step(), events)
+        else:
+            plain = PlainTokens()
+            outputs_to_proto(core.step(plain), events, plain)
+        events.SerializeToString()
+        return events
+
+    return step, lambda events: sum(len(o.new_token_ids) for o in outputs_from_proto(events))
+
+
 def measure(
-    checkpoint: Path, swap: bool, batch: int, context: int, steps: int, profile: int = 0, **engine_args
+    checkpoint: Path,
+    swap: bool,
+    batch: int,
+    context: int,
+    steps: int,
+    profile: int = 0,
+    engine_process: bool = False,
+    **engine_args,
 ) -> dict:
     """One shape: prefill, warm up, then ``steps`` timed decode steps (and ``profile`` more under
-    cProfile)."""
+    cProfile); ``engine_process``: each step with its outputs encoded as the engine process sends
+    them (``_channel_step``)."""
     max_tokens = WARMUP_STEPS + steps + profile + 4
     max_len = context + max_tokens
     # Every sequence's whole length, over the 1% the scheduler keeps free when it admits.
@@ -186,12 +222,17 @@ def measure(
     sched.update = _timed(sched.update, parts["update"])
     step_s: list[float] = []
     clock = time.perf_counter
+    step, produced = (
+        _channel_step(core)
+        if engine_process
+        else (core.step, lambda outs: sum(len(o.new_token_ids) for o in outs))
+    )
     gc.collect()
     for _ in range(steps):
         t0 = clock()
-        outs = core.step()
+        outs = step()
         step_s.append(clock() - t0)
-        if sum(len(o.new_token_ids) for o in outs) != batch:
+        if produced(outs) != batch:
             raise RuntimeError(f"a step produced tokens for fewer than {batch} sequences")
     for name in ("schedule", "update"):
         delattr(sched, name)
@@ -243,11 +284,17 @@ def run_grid(args) -> dict:
         swap = mode != "zero-cost checkpoint"
         for batch, context in _progress(shapes):
             steps = steps_for(batch, args.steps, args.token_budget)
-            rows.append(measure(checkpoint, swap, batch, context, steps, args.profile, **engine_args))
+            rows.append(
+                measure(
+                    checkpoint, swap, batch, context, steps, args.profile, args.engine_process, **engine_args
+                )
+            )
     return {
         "engine": str(Path(engine.__file__).resolve().parents[1]),
         "mode": mode,
         "torch_threads": torch.get_num_threads(),
+        "async_scheduling": args.overlap,
+        "engine_process": args.engine_process,
         "rows": rows,
     }
 
@@ -272,7 +319,12 @@ def _worker_argv(args, out: Path) -> list[str]:
     argv += ["--batches", ",".join(map(str, args.batches)), "--contexts", ",".join(map(str, args.contexts))]
     for name in ("threads", "steps", "token_budget", "profile", "attention_backend"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    return argv + (["--force-swap"] if args.force_swap else [])
+    flags = [
+        f"--{name.replace('_', '-')}"
+        for name in ("force_swap", "overlap", "engine_process")
+        if getattr(args, name)
+    ]
+    return argv + flags
 
 
 def run_in_subprocess(args, tree: Path, out: Path) -> dict:
@@ -309,74 +361,6 @@ def run_against(args) -> dict:
     return {"current": current, "baseline": baseline}
 
 
-# Report ------------------------------------------------------------------------------------------
-
-_COLUMNS = ("mean_ms", "p50_ms", "schedule_ms", "execute_ms", "update_ms", "other_ms")
-
-
-def ratios(current: list[dict], baseline: list[dict]) -> list[dict]:
-    old = {(r["batch"], r["context"]): r for r in baseline}
-    out = []
-    for r in current:
-        b = old.get((r["batch"], r["context"]))
-        if b is not None:
-            ratio = {k: r[k] / b[k] if b[k] > 0 else float("nan") for k in _COLUMNS}
-            out.append({"batch": r["batch"], "context": r["context"], **ratio})
-    return out
-
-
-def flatness(rows: list[dict], key: str = "mean_ms") -> dict[int, float]:
-    """Per batch: the step's time at the longest context over its time at the shortest."""
-    out = {}
-    for batch in sorted({r["batch"] for r in rows}):
-        mine = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["context"])
-        if len(mine) > 1:
-            out[batch] = mine[-1][key] / mine[0][key]
-    return out
-
-
-def format_report(result: dict, target_ms: float) -> str:
-    cur = result["current"]
-    base = result.get("baseline")
-    lines = [f"engine step host time per decode step, zero-cost model on CPU ({cur['mode']})"]
-    head = f"{'batch':>5} {'ctx':>5} {'steps':>5} {'mean':>8} {'p50':>8} {'sched':>7} {'exec':>7} {'update':>7} {'other':>7}"
-    if base:
-        head += f" {'old mean':>9} {'old p50':>8} {'new/old':>7} {'p50 n/o':>7}"
-    lines += [head + "   (ms)", "-" * len(head)]
-    old = {(r["batch"], r["context"]): r for r in base["rows"]} if base else {}
-    for r in cur["rows"]:
-        line = (
-            f"{r['batch']:>5} {r['context']:>5} {r['steps']:>5} {r['mean_ms']:>8.3f} {r['p50_ms']:>8.3f} "
-            f"{r['schedule_ms']:>7.3f} {r['execute_ms']:>7.3f} {r['update_ms']:>7.3f} {r['other_ms']:>7.3f}"
-        )
-        b = old.get((r["batch"], r["context"]))
-        if b is not None:
-            line += (
-                f" {b['mean_ms']:>9.3f} {b['p50_ms']:>8.3f} {r['mean_ms'] / b['mean_ms']:>7.2f}"
-                f" {r['p50_ms'] / b['p50_ms']:>7.2f}"
-            )
-        lines.append(line)
-    for name, side in (("current", cur), ("baseline", base)):
-        contexts = sorted({r["context"] for r in side["rows"]}) if side else []
-        for key in ("mean_ms", "p50_ms") if len(contexts) > 1 else ():
-            flat = ", ".join(f"batch {b}: {v:.2f}x" for b, v in flatness(side["rows"], key).items())
-            lines.append(f"{name}: {contexts[-1]} / {contexts[0]} context ({key[:-3]}): {flat}")
-    goal = next((r for r in cur["rows"] if (r["batch"], r["context"]) == (256, 4096)), None)
-    if goal is not None:
-        verdict = "meets" if goal["mean_ms"] <= target_ms else "misses"
-        lines.append(
-            f"target: batch 256 x 4k <= {target_ms} ms per step: {goal['mean_ms']:.3f} ms ({verdict})"
-        )
-    if base:
-        lines.append(f"baseline: {base['ref']} ({base['commit'][:12]}, {base['mode']})")
-    for r in cur["rows"]:
-        for f in r.get("profile_top", ())[:10]:
-            if f is r["profile_top"][0]:
-                lines.append(f"cProfile, batch {r['batch']} x {r['context']} (own ms per step):")
-            lines.append(f"  {f['own_ms_per_step']:8.4f}  {f['calls_per_step']:8.1f} calls  {f['function']}")
-    return "\n".join(lines)
-
-
 def _ints(text: str) -> list[int]:
     values = [int(x) for x in text.split(",") if x]
     if not values or min(values) < 1:
@@ -403,7 +387,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--overlap",
         action="store_true",
-        help="this tree's engine with async_scheduling on (overlapped steps)",
+        help="the engine with async_scheduling on (overlapped steps; a baseline's too)",
     )
     parser.add_argument(
         "--attention-backend",
@@ -411,6 +395,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["triton", "torch"],
         help="whose per-step metadata the engine builds (triton: a GPU engine's; torch: a CPU engine's, whose "
         "decode masks grow with context)",
+    )
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="each step as the engine process runs it: its outputs encoded for the channel to its worker",
     )
     parser.add_argument("--target-ms", type=float, default=0.3, help="the goal at batch 256 x 4k")
     parser.add_argument("--baseline-ref", default=None, help="also measure this git revision; print new/old")
@@ -430,6 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:  # one side of a comparison: rows to --json, progress to stderr
         args.json.write_text(json.dumps(run_grid(args)))
         return {}
+    from bench.host_overhead_report import format_report, ratios  # not in a baseline's tree
+
     result = run_against(args) if args.baseline_ref else {"current": run_grid(args)}
     if args.baseline_ref:
         result["ratios"] = ratios(result["current"]["rows"], result["baseline"]["rows"])

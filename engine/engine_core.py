@@ -34,7 +34,7 @@ from engine.models.loader import eos_token_ids
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.scheduler_output import SequenceOutput
+from engine.scheduler_output import PlainTokens, SequenceOutput
 from engine.spec_decode import attach_cache, build_speculator, draft_block_bytes
 from engine.stats import EngineStats, disk_tier_stats, host_tier_stats, spec_stats
 from engine.structured_output import StructuredOutputs
@@ -287,11 +287,13 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
 
     # The loop ---------------------------------------------------------------------------------
 
-    def step(self) -> list[SequenceOutput]:
+    def step(self, plain: PlainTokens | None = None) -> list[SequenceOutput]:
         """Schedule, launch and finish one step. Overlapped (``async_scheduling``), this step is
         scheduled and launched while the previous one still runs on the device, and the outputs
         returned are the previous step's: each sequence's tokens arrive one step later, and a
-        sequence that stops computes one token more, which is dropped."""
+        sequence that stops computes one token more, which is dropped. With ``plain``, the plain
+        outputs (a lean request's token that did not end it) are added to it as columns instead of
+        returned: a sequence has one output per step either way."""
         self._admit_staged()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -299,7 +301,7 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         overlap = self.overlap and not self._needs_host_tokens(sched)
         outs: list[SequenceOutput] = []
         if not overlap and self._inflight is not None:
-            outs = self._finish_inflight()  # this step reads tokens on the host: they must be in
+            outs = self._finish_inflight(plain)  # this step reads tokens on the host: they must be in
         try:
             launch = self.runner.launch(sched, overlap=overlap)
         except Exception as exc:  # a bad batch fails its requests, never the engine
@@ -307,11 +309,11 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         if launch.slots:
             self.scheduler.expect_tokens(launch.sampled_ids)
         if self._inflight is not None:
-            outs = self._finish_inflight()
+            outs = self._finish_inflight(plain)
         if launch.slots:
             self._inflight = (sched, launch, t0)
         else:
-            outs.extend(self._finish(sched, self.runner.collect(launch), t0))
+            outs.extend(self._finish(sched, self.runner.collect(launch), t0, plain))
             if self.kv.host_blocks is not None:  # only a host tier's cost model reads it
                 self._observe_prefill(sched, time.perf_counter() - t_launch)
         return outs
@@ -336,10 +338,10 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
             return True
         return self._serves_prefill_only
 
-    def _finish_inflight(self) -> list[SequenceOutput]:
+    def _finish_inflight(self, plain: PlainTokens | None = None) -> list[SequenceOutput]:
         sched, launch, t0 = self._inflight
         self._inflight = None
-        return self._finish(sched, self.runner.collect(launch), t0)
+        return self._finish(sched, self.runner.collect(launch), t0, plain)
 
     def _fail_step(self, sched, exc: Exception) -> list[SequenceOutput]:
         logger.error(
@@ -357,10 +359,11 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
             outs.extend(self._finish_group(g, RequestStatus.FINISHED_ERROR, f"engine error: {exc}"))
         return outs
 
-    def _finish(self, sched, result, t0: float) -> list[SequenceOutput]:
+    def _finish(self, sched, result, t0: float, plain: PlainTokens | None = None) -> list[SequenceOutput]:
         for seq_id in result.errors:  # its sample is not kept, nor handed off (prefill role)
             result.sampled.pop(seq_id, None)
-        outs = self.scheduler.update(sched, result)
+        before = len(plain.tokens) if plain is not None else 0
+        outs = self.scheduler.update(sched, result, plain)
         for seq_id, error in result.errors.items():
             req = self.scheduler.requests.get(seq_id)
             if req is not None:
@@ -368,6 +371,8 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         if self.scheduler.batching is not None:  # the fair policy sizes later steps from this one's time
             self.scheduler.batching.observe(sched.total_num_scheduled_tokens, time.perf_counter() - t0)
         self._generation_tokens += sum(map(len, map(_new_token_ids, outs)))
+        if plain is not None:
+            self._generation_tokens += len(plain.tokens) - before
         return outs
 
     def pending_prompt_tokens(self) -> int:

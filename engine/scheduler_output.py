@@ -121,3 +121,23 @@ class SequenceOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class PlainTokens:
+    """A step's plain outputs as columns: each one new token of a lean request (no logprobs, forks,
+    hand-off) that did not end it, kept as the request and the token. A caller that takes them so
+    (the engine process, which sends them as columns) skips an object per sequence per step;
+    ``outputs()`` builds the ``SequenceOutput`` objects the engine would have returned."""
+
+    requests: list = field(default_factory=list)  # engine.request.Request
+    tokens: list[int] = field(default_factory=list)
+
+    def outputs(self) -> list[SequenceOutput]:
+        return [
+            SequenceOutput(
+                r.group_id, r.sample_index, [t], None, None, None, r.prompt_len,
+                r.num_cached_tokens if r.num_cached_tokens > 0 else 0,
+            )
+            for r, t in zip(self.requests, self.tokens)
+        ]  # fmt: skip

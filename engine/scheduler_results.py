@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.request import PLACEHOLDER, Request, RequestStatus
-from engine.scheduler_output import RunnerOutput, SchedulerOutput, SequenceOutput
+from engine.scheduler_output import PlainTokens, RunnerOutput, SchedulerOutput, SequenceOutput
 
 if TYPE_CHECKING:
     from engine.kv_cache_manager import KVCacheManager
@@ -52,8 +52,14 @@ class StepResults:
             req.num_placeholders = 0
         return self._output(req, [token], logprobs, status)
 
-    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SequenceOutput]:
+    def update(
+        self, sched: SchedulerOutput, result: RunnerOutput, plain: PlainTokens | None = None
+    ) -> list[SequenceOutput]:
+        """The step's outputs; with ``plain``, a lean request's token that did not end it goes
+        there as a column entry instead (the engine process sends those as columns)."""
         outputs: list[SequenceOutput] = []
+        if plain is not None:
+            plain_reqs, plain_tokens = plain.requests.append, plain.tokens.append
         requests = self.requests
         running = RequestStatus.RUNNING
         all_logprobs = result.logprobs
@@ -86,6 +92,10 @@ class StepResults:
                         emit(self._output(req, tokens, None, req.check_stop(max_len)))
                         continue
                 else:
+                    continue
+                if plain is not None:
+                    plain_reqs(req)
+                    plain_tokens(tok)
                     continue
                 cached = req.num_cached_tokens  # -1 until first scheduled; a call to max() costs 30 us a step
                 emit(SequenceOutput(

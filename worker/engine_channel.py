@@ -18,7 +18,7 @@ from google.protobuf.message import Message
 
 from engine.config import EngineConfig
 from engine.limits import RequestLimits
-from engine.scheduler_output import SequenceOutput
+from engine.scheduler_output import PlainTokens, SequenceOutput
 from kv_transfer import KVCompat, RemoteKVInfo
 from kv_transfer.compat import dtype_name
 from proto import pdserve_pb2 as pb
@@ -103,8 +103,11 @@ def config_from_json(text: str) -> EngineConfig:
     return EngineConfig(**json.loads(text))
 
 
-def outputs_to_proto(outputs: list[SequenceOutput], events: pb.EngineEvents) -> None:
-    """A step's outputs into ``events``: the plain ones (new tokens only) as columns, the rest whole."""
+def outputs_to_proto(
+    outputs: list[SequenceOutput], events: pb.EngineEvents, columns: PlainTokens | None = None
+) -> None:
+    """A step's outputs into ``events``: the plain ones (new tokens only) as columns, the rest
+    whole; ``columns``: plain outputs the engine kept as columns already (``EngineCore.step``)."""
     plain: list[SequenceOutput] = []
     for out in outputs:
         if (
@@ -126,6 +129,14 @@ def outputs_to_proto(outputs: list[SequenceOutput], events: pb.EngineEvents) -> 
         t.token_ids.extend([tok for o in plain for tok in o.new_token_ids])
         t.num_prompt_tokens.extend([o.num_prompt_tokens for o in plain])
         t.num_cached_tokens.extend([o.num_cached_tokens for o in plain])
+    if columns is not None and columns.tokens:  # NOTE: every sequence, every step: a column at a time
+        t, reqs = events.tokens, columns.requests
+        t.request_ids.extend([r.group_id for r in reqs])
+        t.sample_index.extend([r.sample_index for r in reqs])
+        t.num_tokens.extend([1] * len(reqs))
+        t.token_ids.extend(columns.tokens)
+        t.num_prompt_tokens.extend([r.prompt_len for r in reqs])
+        t.num_cached_tokens.extend([c if (c := r.num_cached_tokens) > 0 else 0 for r in reqs])
 
 
 def outputs_from_proto(events: pb.EngineEvents) -> list[SequenceOutput]:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 
 from engine.engine_core import EngineCore
-from engine.scheduler_output import SequenceOutput
+from engine.scheduler_output import PlainTokens, SequenceOutput
 from kv_transfer import KVCompat
 from proto import pdserve_pb2 as pb
 from proto.convert import params_from_proto
@@ -133,11 +133,12 @@ class EngineHost:
             self._land_compiled(replies)
             self.role.tick()
             step_started = time.monotonic()
+            plain = PlainTokens()  # the step's plain outputs, kept as columns (sent as such)
             if core.has_work():
                 self.step_started = self.beat = step_started
                 self._tick_clock()
                 try:
-                    outputs.extend(core.step())
+                    outputs.extend(core.step(plain))
                 except Exception as exc:
                     logger.exception("engine step failed")
                     self._fail(f"engine step failed: {type(exc).__name__}: {exc}")
@@ -147,7 +148,7 @@ class EngineHost:
             self.published = []
             events = pb.EngineEvents(replies=replies, step_started=self.step_started)
             kinds = self.role.finish(events, outputs)
-            outputs_to_proto(outputs, events)
+            outputs_to_proto(outputs, events, plain)
             for out in events.outputs if kinds else ():
                 out.error_type = kinds.get(out.request_id, "")
             if self.watching:
@@ -155,6 +156,7 @@ class EngineHost:
             if (
                 replies
                 or outputs
+                or plain.tokens
                 or events.kv_events
                 or events.HasField("load")
                 or events.landed

@@ -36,3 +36,16 @@ def test_a_swapped_model_on_a_tiny_checkpoint_measures_too(tmp_path):
     result = json.loads(out.read_text())
     assert result["current"]["mode"].startswith("tiny checkpoint")
     assert result["current"]["rows"][0]["mean_ms"] > 0
+
+
+def test_steps_as_the_engine_process_runs_them_overlapped(tmp_path):
+    """``--engine-process``: each step's outputs encoded for the channel (every token accounted
+    for, or the bench fails); ``--overlap`` reaches both sides of a comparison."""
+    out = tmp_path / "host.json"
+    args = ["--batches", "3", "--contexts", "32", "--steps", "4", "--overlap", "--engine-process"]
+    host_overhead.main([*args, "--json", str(out)])
+    current = json.loads(out.read_text())["current"]
+    assert current["async_scheduling"] is True and current["engine_process"] is True
+    assert current["rows"][0]["mean_ms"] > 0
+    argv = host_overhead._worker_argv(host_overhead.parse_args(args), out)
+    assert "--overlap" in argv and "--engine-process" in argv

@@ -23,7 +23,7 @@ from decode_worker.service import serve
 from decode_worker.split import SplitDecodeWorker, build_decode_worker
 from decode_worker.worker import DecodeWorkerConfig, Progress, WorkerUnavailableError
 from engine import LLM, EngineConfig, EngineCore, SamplingParams
-from engine.scheduler_output import SequenceOutput
+from engine.scheduler_output import PlainTokens, SequenceOutput
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.convert import params_to_proto
@@ -181,8 +181,8 @@ def test_a_failing_step_is_reported_and_ends_the_engine_loop(tiny_llama, monkeyp
     core = EngineCore(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=BLOCKS))
     real_step = core.step
 
-    def broken_step():
-        real_step()
+    def broken_step(plain=None):
+        real_step(plain)
         raise RuntimeError("injected scheduler fault")
 
     monkeypatch.setattr(core, "step", broken_step)
@@ -325,3 +325,28 @@ def test_a_steps_outputs_cross_the_channel_unchanged():
     assert list(back.tokens.request_ids) == ["a", "b"]  # the plain ones, as columns
     got = outputs_from_proto(back)
     assert sorted(got, key=lambda o: o.request_id) == outs
+
+
+def test_plain_tokens_the_engine_kept_as_columns_cross_as_the_objects_would(tiny_llama):
+    """``EngineCore.step(plain)``'s columns, sent beside the step's whole outputs, come back as the
+    outputs ``step()`` returns for the same requests."""
+    received, returned = [], []
+    for columns in (True, False):
+        core = EngineCore(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=BLOCKS))
+        for i, (prompt, params) in enumerate(CASES):
+            core.add_request(f"r{i}", prompt, params)
+        while core.has_unfinished():
+            if columns:
+                plain = PlainTokens()
+                events = pb.EngineEvents()
+                outputs_to_proto(core.step(plain), events, plain)
+                (back,) = FrameBuffer(pb.EngineEvents).feed(frame(events))
+                received.append(sorted(outputs_from_proto(back), key=_key))
+            else:
+                returned.append(sorted(core.step(), key=_key))
+    assert received == returned
+    assert sum(len(o.new_token_ids) for step in received for o in step) > 40
+
+
+def _key(out: SequenceOutput) -> tuple[str, int]:
+    return out.request_id, out.sample_index
