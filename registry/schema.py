@@ -237,11 +237,34 @@ class WorkerRegistration:
 
     def publish(self, kind: str, hashes: list[bytes]) -> None:
         """One batch of stored/removed block hashes, snapshot and stream updated atomically."""
-        if not hashes and kind != CLEARED:
-            return
+        self.publish_many([(kind, hashes)])
+
+    def publish_many(self, batches: list[tuple[str, list[bytes]]]) -> int:
+        """Batches of block events in order, in one transaction (one round trip, where a batch each
+        cost one): adjacent batches of one kind become one stream entry, each entry its own
+        sequence number. Returns the entries written."""
+        merged: list[tuple[str, list[bytes]]] = []
+        for kind, hashes in batches:
+            if not hashes and kind != CLEARED:
+                continue
+            if merged and merged[-1][0] == kind and kind != CLEARED:
+                merged[-1][1].extend(hashes)
+            else:
+                merged.append((kind, list(hashes)))
+        if not merged:
+            return 0
+        pipe = self.client.pipeline(transaction=True)
+        for kind, hashes in merged:
+            self._add_event(pipe, kind, hashes)
+        pipe.hset(
+            snapshot_meta_key(self.record.worker_id), mapping={"epoch": self.record.epoch, "seq": self.seq}
+        )
+        pipe.execute()
+        return len(merged)
+
+    def _add_event(self, pipe, kind: str, hashes: list[bytes]) -> None:
         wid = self.record.worker_id
         self.seq += 1
-        pipe = self.client.pipeline(transaction=True)
         if kind == STORED:
             pipe.sadd(snapshot_key(wid), *hashes)
         elif kind == REMOVED:
@@ -256,9 +279,7 @@ class WorkerRegistration:
             pipe.srem(disk_snapshot_key(wid), *hashes)
         else:
             pipe.delete(snapshot_key(wid), host_snapshot_key(wid), disk_snapshot_key(wid))
-        pipe.hset(snapshot_meta_key(wid), mapping={"epoch": self.record.epoch, "seq": self.seq})
         pipe.xadd(EVENTS_STREAM, self._entry(kind, hashes), maxlen=STREAM_MAXLEN, approximate=True)
-        pipe.execute()
 
     def deregister(self) -> None:
         """Leave on purpose: the record goes, and a ``left`` marker tells readers not to wait out the
