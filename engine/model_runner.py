@@ -174,8 +174,8 @@ class ModelRunner:
             # NOTE: every sequence, every step: C-level loops where they do.
             seqs = self.seqs
             if not slots and launch.repeat:  # the steady decode batch: its next inputs are these
-                ids, self._repeat.sampled = self._repeat.ids, token_list
-                out.sampled.update(zip(ids, [[t] for t in token_list]))
+                out.repeat_ids, out.repeat_tokens = self._repeat.ids, token_list
+                self._repeat.sampled = token_list
                 for token_ids, tok in zip(self._repeat.lists, token_list):
                     token_ids.append(tok)
                 return out

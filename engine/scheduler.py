@@ -73,6 +73,8 @@ class Scheduler(TransferQueue, StepResults):
         self.parked: list[str] = []  # of those, pulled but waiting for an adapter slot (TransferQueue)
         self._finished_ids: set[str] = set()
         self._sent_to_runner: set[str] = set()
+        self._repeat_ids: list[str] | None = None  # StepResults._requests_of's cache
+        self._repeat_requests: list[Request] = []
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_prompt_tokens = 0

@@ -96,6 +96,11 @@ class RunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # seq_id -> (first prompt position, logprobs of the tokens after it): prompt_logprobs, per chunk.
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # A steady decode batch's samples as columns (the runner's repeat cache; not in ``sampled``):
+    # one token for each of these sequences, no logprobs, no drafts, no overlap. The ids list is the
+    # runner's, the same object for as long as the batch repeats.
+    repeat_ids: list[str] | None = None
+    repeat_tokens: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -26,6 +26,8 @@ class StepResults:
     running: list[Request]
     kv: KVCacheManager
     max_model_len: int
+    _repeat_ids: list[str] | None
+    _repeat_requests: list[Request]
 
     def expect_tokens(self, seq_ids: list[str]) -> None:
         """Overlapped scheduling: the step just launched samples a token for each of ``seq_ids``;
@@ -69,6 +71,27 @@ class StepResults:
         spec = sched.num_spec_tokens
         max_len = self.max_model_len
         get, emit = requests.get, outputs.append
+        if result.repeat_ids:  # NOTE: a steady decode batch, every step: its samples as columns
+            for req, tok in zip(self._requests_of(result.repeat_ids), result.repeat_tokens):
+                if req.status is not running:
+                    continue
+                if not req.lean:  # forked samples: the general path (no placeholder, draft or fork here)
+                    emit(self._append(req, [tok], None))
+                    continue
+                ids = req.token_ids
+                ids.append(tok)
+                n = len(ids)
+                if tok in req.stop_token_set or n >= req.stop_len or n >= max_len:
+                    emit(self._output(req, [tok], None, req.check_stop(max_len)))
+                elif plain is not None:
+                    plain_reqs(req)
+                    plain_tokens(tok)
+                else:
+                    cached = req.num_cached_tokens
+                    emit(SequenceOutput(
+                        req.group_id, req.sample_index, [tok], None, None, None, req.prompt_len,
+                        cached if cached > 0 else 0,
+                    ))  # fmt: skip
         for seq_id, tokens in result.sampled.items():
             req = get(seq_id)
             if req is None:
@@ -119,6 +142,14 @@ class StepResults:
                 req.pending_forks = 0
             outputs.append(self._append(req, tokens[:1], logprobs[:1] if logprobs else None))
         return outputs
+
+    def _requests_of(self, ids: list[str]) -> list[Request]:
+        """The requests of a repeating batch's ids, looked up once per batch (``ids`` is the
+        runner's list, the same object while the batch repeats; a finished request keeps its
+        object, whose status says so)."""
+        if ids is not self._repeat_ids:
+            self._repeat_ids, self._repeat_requests = ids, [self.requests[s] for s in ids]
+        return self._repeat_requests
 
     def _append(
         self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None

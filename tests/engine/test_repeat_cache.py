@@ -55,7 +55,9 @@ def _run(model, fast: bool, overlap: bool) -> dict[str, list[int]]:
     pending = []
 
     def record(launch) -> None:
-        for seq_id, toks in runner.collect(launch).sampled.items():
+        done = runner.collect(launch)
+        sampled = dict(zip(done.repeat_ids or (), ([t] for t in done.repeat_tokens or ())))
+        for seq_id, toks in {**done.sampled, **sampled}.items():
             got[seq_id].append(toks[0])
             if launch.slots:  # overlapped: the token stood in as a placeholder meanwhile
                 known[seq_id][known[seq_id].index(-1)] = toks[0]
