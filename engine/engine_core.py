@@ -305,7 +305,10 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         try:
             launch = self.runner.launch(sched, overlap=overlap)
         except Exception as exc:  # a bad batch fails its requests, never the engine
-            return outs + self._fail_step(sched, exc)
+            failed = self._fail_step(sched, exc)
+            if plain is not None:
+                plain.marks.extend([len(plain.tokens)] * len(failed))
+            return outs + failed
         if launch.slots:
             self.scheduler.expect_tokens(launch.sampled_ids)
         if self._inflight is not None:
@@ -373,6 +376,7 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         self._generation_tokens += sum(map(len, map(_new_token_ids, outs)))
         if plain is not None:
             self._generation_tokens += len(plain.tokens) - before
+            plain.marks.extend([len(plain.tokens)] * len(outs))  # after this update's plain tokens
         return outs
 
     def pending_prompt_tokens(self) -> int:

@@ -74,7 +74,7 @@ class Scheduler(TransferQueue, StepResults):
         self._finished_ids: set[str] = set()
         self._sent_to_runner: set[str] = set()
         self._repeat_ids: list[str] | None = None  # StepResults._requests_of's cache
-        self._repeat_requests: list[Request] = []
+        self._repeat_requests: list[Request | None] = []
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_prompt_tokens = 0

@@ -137,6 +137,9 @@ class PlainTokens:
 
     requests: list = field(default_factory=list)  # engine.request.Request
     tokens: list[int] = field(default_factory=list)
+    # For each output object the step returned, in order: how many of these entries precede it
+    # (one step() can finish two steps: a sequence's plain token, then its finish).
+    marks: list[int] = field(default_factory=list)
 
     def outputs(self) -> list[SequenceOutput]:
         return [
@@ -146,3 +149,13 @@ class PlainTokens:
             )
             for r, t in zip(self.requests, self.tokens)
         ]  # fmt: skip
+
+    def merged(self, outs: list[SequenceOutput]) -> list[SequenceOutput]:
+        """``outs`` (what the step returned) and these entries as objects, in the order the step
+        produced them (``marks``)."""
+        plain, merged, at = self.outputs(), [], 0
+        for out, mark in zip(outs, self.marks):
+            merged.extend(plain[at:mark])
+            at = max(at, mark)
+            merged.append(out)
+        return merged + plain[at:]

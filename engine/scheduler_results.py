@@ -27,7 +27,7 @@ class StepResults:
     kv: KVCacheManager
     max_model_len: int
     _repeat_ids: list[str] | None
-    _repeat_requests: list[Request]
+    _repeat_requests: list[Request | None]
 
     def expect_tokens(self, seq_ids: list[str]) -> None:
         """Overlapped scheduling: the step just launched samples a token for each of ``seq_ids``;
@@ -73,7 +73,7 @@ class StepResults:
         get, emit = requests.get, outputs.append
         if result.repeat_ids:  # NOTE: a steady decode batch, every step: its samples as columns
             for req, tok in zip(self._requests_of(result.repeat_ids), result.repeat_tokens):
-                if req.status is not running:
+                if req is None or req.status is not running:
                     continue
                 if not req.lean:  # forked samples: the general path (no placeholder, draft or fork here)
                     emit(self._append(req, [tok], None))
@@ -143,12 +143,14 @@ class StepResults:
             outputs.append(self._append(req, tokens[:1], logprobs[:1] if logprobs else None))
         return outputs
 
-    def _requests_of(self, ids: list[str]) -> list[Request]:
+    def _requests_of(self, ids: list[str]) -> list[Request | None]:
         """The requests of a repeating batch's ids, looked up once per batch (``ids`` is the
-        runner's list, the same object while the batch repeats; a finished request keeps its
-        object, whose status says so)."""
+        runner's list, the same object while the batch repeats). A request that ended after its
+        step was scheduled (overlapped: the step before sampled its stop) is None; the runner drops
+        it with the next step, which makes a new list. One that ends later keeps its object, whose
+        status says so."""
         if ids is not self._repeat_ids:
-            self._repeat_ids, self._repeat_requests = ids, [self.requests[s] for s in ids]
+            self._repeat_ids, self._repeat_requests = ids, [self.requests.get(s) for s in ids]
         return self._repeat_requests
 
     def _append(

@@ -1008,7 +1008,7 @@ class EngineTokens(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineEvents(_message.Message):
-    __slots__ = ("replies", "outputs", "tokens", "step_started", "failure", "kv_events", "load", "landed", "leases", "exposed", "fetched")
+    __slots__ = ("replies", "outputs", "tokens", "step_started", "failure", "kv_events", "load", "landed", "leases", "exposed", "fetched", "output_positions")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -1020,6 +1020,7 @@ class EngineEvents(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     EXPOSED_FIELD_NUMBER: _ClassVar[int]
     FETCHED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[EngineReply]
     outputs: _containers.RepeatedCompositeFieldContainer[EngineOutput]
     tokens: EngineTokens
@@ -1031,7 +1032,8 @@ class EngineEvents(_message.Message):
     leases: _containers.RepeatedCompositeFieldContainer[EngineLease]
     exposed: _containers.RepeatedCompositeFieldContainer[EngineExposed]
     fetched: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., tokens: _Optional[_Union[EngineTokens, _Mapping]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., landed: _Optional[_Iterable[_Union[KVLanded, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[EngineLease, _Mapping]]] = ..., exposed: _Optional[_Iterable[_Union[EngineExposed, _Mapping]]] = ..., fetched: _Optional[_Iterable[str]] = ...) -> None: ...
+    output_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., tokens: _Optional[_Union[EngineTokens, _Mapping]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., landed: _Optional[_Iterable[_Union[KVLanded, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[EngineLease, _Mapping]]] = ..., exposed: _Optional[_Iterable[_Union[EngineExposed, _Mapping]]] = ..., fetched: _Optional[_Iterable[str]] = ..., output_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVLanded(_message.Message):
     __slots__ = ("request_id", "seconds")

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import struct
+from itertools import repeat
 from typing import TypeVar
 
 from google.protobuf.message import Message
@@ -104,12 +105,25 @@ def config_from_json(text: str) -> EngineConfig:
 
 
 def outputs_to_proto(
-    outputs: list[SequenceOutput], events: pb.EngineEvents, columns: PlainTokens | None = None
+    outputs: list[SequenceOutput],
+    events: pb.EngineEvents,
+    columns: PlainTokens | None = None,
+    positions: list[int] | None = None,
 ) -> None:
-    """A step's outputs into ``events``: the plain ones (new tokens only) as columns, the rest
-    whole; ``columns``: plain outputs the engine kept as columns already (``EngineCore.step``)."""
-    plain: list[SequenceOutput] = []
-    for out in outputs:
+    """Outputs into ``events``: the plain ones (new tokens only) as columns, the rest whole;
+    ``columns``: plain outputs the engine kept as columns already (``EngineCore.step``), and
+    ``positions``, for each of ``outputs``, how many of those precede it (None: none do). The
+    message keeps that order (``output_positions``): one message can carry two steps' outputs,
+    a sequence's plain token and then its finish."""
+    t = events.tokens
+    reqs, toks = (columns.requests, columns.tokens) if columns is not None else ([], [])
+    at = 0  # the engine's entries sent so far
+    run: list[SequenceOutput] = []  # plain objects not yet sent (sent a column at a time)
+    for out, pos in zip(outputs, positions or repeat(0)):
+        if pos > at:
+            _put_objects(t, run)
+            _put_columns(t, reqs[at:pos], toks[at:pos])
+            at = pos
         if (
             out.finish_reason is None
             and out.new_logprobs is None
@@ -118,42 +132,58 @@ def outputs_to_proto(
             and out.seed is None
             and out.held_block_ids is None
         ):
-            plain.append(out)
+            run.append(out)
         else:
+            _put_objects(t, run)
             events.outputs.append(output_to_proto(out))
+            events.output_positions.append(len(t.request_ids))
+    _put_objects(t, run)
+    _put_columns(t, reqs[at:], toks[at:])
+
+
+def _put_objects(t: pb.EngineTokens, plain: list[SequenceOutput]) -> None:
     if plain:
-        t = events.tokens
         t.request_ids.extend([o.request_id for o in plain])
         t.sample_index.extend([o.sample_index for o in plain])
         t.num_tokens.extend([len(o.new_token_ids) for o in plain])
         t.token_ids.extend([tok for o in plain for tok in o.new_token_ids])
         t.num_prompt_tokens.extend([o.num_prompt_tokens for o in plain])
         t.num_cached_tokens.extend([o.num_cached_tokens for o in plain])
-    if columns is not None and columns.tokens:  # NOTE: every sequence, every step: a column at a time
-        t, reqs = events.tokens, columns.requests
+        plain.clear()
+
+
+def _put_columns(t: pb.EngineTokens, reqs: list, tokens: list[int]) -> None:
+    if tokens:  # NOTE: every sequence, every step: a column at a time
         t.request_ids.extend([r.group_id for r in reqs])
         t.sample_index.extend([r.sample_index for r in reqs])
         t.num_tokens.extend([1] * len(reqs))
-        t.token_ids.extend(columns.tokens)
+        t.token_ids.extend(tokens)
         t.num_prompt_tokens.extend([r.prompt_len for r in reqs])
         t.num_cached_tokens.extend([c if (c := r.num_cached_tokens) > 0 else 0 for r in reqs])
 
 
 def outputs_from_proto(events: pb.EngineEvents) -> list[SequenceOutput]:
-    """``outputs_to_proto`` undone: the whole outputs first, then the plain ones (a step has one
-    output per sequence, so no sequence's two outputs change order)."""
-    outs = [output_from_proto(o) for o in events.outputs]
+    """``outputs_to_proto`` undone, in its order (``output_positions``)."""
+    whole = [output_from_proto(o) for o in events.outputs]
     t = events.tokens
+    plain = []
     if t.request_ids:
         tokens, pos = t.token_ids, 0
         for rid, sample, n, prompt, cached in zip(
             t.request_ids, t.sample_index, t.num_tokens, t.num_prompt_tokens, t.num_cached_tokens
         ):
-            outs.append(
+            plain.append(
                 SequenceOutput(rid, sample, list(tokens[pos : pos + n]), None, None, None, prompt, cached)
             )
             pos += n
-    return outs
+    if not events.output_positions:
+        return whole + plain
+    outs, at = [], 0
+    for out, before in zip(whole, events.output_positions):
+        outs.extend(plain[at:before])
+        at = max(at, before)
+        outs.append(out)
+    return outs + plain[at:]
 
 
 def output_to_proto(out: SequenceOutput) -> pb.EngineOutput:

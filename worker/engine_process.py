@@ -148,7 +148,9 @@ class EngineHost:
             self.published = []
             events = pb.EngineEvents(replies=replies, step_started=self.step_started)
             kinds = self.role.finish(events, outputs)
-            outputs_to_proto(outputs, events, plain)
+            # What came before the step (replies' outputs, aborts) precedes its plain tokens.
+            positions = [0] * (len(outputs) - len(plain.marks)) + plain.marks
+            outputs_to_proto(outputs, events, plain, positions)
             for out in events.outputs if kinds else ():
                 out.error_type = kinds.get(out.request_id, "")
             if self.watching:

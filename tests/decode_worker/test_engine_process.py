@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -346,6 +347,30 @@ def test_plain_tokens_the_engine_kept_as_columns_cross_as_the_objects_would(tiny
                 returned.append(sorted(core.step(), key=_key))
     assert received == returned
     assert sum(len(o.new_token_ids) for step in received for o in step) > 40
+
+
+def test_a_plain_token_and_its_finish_in_one_message_keep_their_order():
+    """One message can carry two steps' outputs (an overlapped step's, then the next's): a
+    sequence's plain token, sent as a column, must still reach the worker before its finish."""
+    r = SimpleNamespace(group_id="r", sample_index=0, prompt_len=4, num_cached_tokens=2)
+    s = SimpleNamespace(group_id="s", sample_index=1, prompt_len=3, num_cached_tokens=-1)
+    plain = PlainTokens([r, s], [5, 6])
+    outputs = [
+        SequenceOutput("q", 0, [], finish_reason="abort"),  # before the step
+        SequenceOutput("r", 0, [7], finish_reason="stop", stop_reason=7, num_prompt_tokens=4),
+        SequenceOutput("t", 0, [8], num_prompt_tokens=1),  # a plain one the engine returned whole
+    ]
+    events = pb.EngineEvents()
+    outputs_to_proto(outputs, events, plain, [0, 1, 2])
+    (back,) = FrameBuffer(pb.EngineEvents).feed(frame(events))
+    got = [(o.request_id, o.sample_index, o.new_token_ids, o.finish_reason) for o in outputs_from_proto(back)]
+    assert got == [
+        ("q", 0, [], "abort"),
+        ("r", 0, [5], None),
+        ("r", 0, [7], "stop"),
+        ("s", 1, [6], None),
+        ("t", 0, [8], None),
+    ]
 
 
 def _key(out: SequenceOutput) -> tuple[str, int]:

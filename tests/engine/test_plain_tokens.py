@@ -32,9 +32,7 @@ def _steps(model, overlap: bool, columns: bool) -> tuple[list[list], int]:
     while core.has_unfinished():
         if columns:
             plain = PlainTokens()
-            whole = core.step(plain)
-            assert all(len(r.token_ids) > 0 for r in plain.requests)
-            outs = whole + plain.outputs()
+            outs = plain.merged(core.step(plain))
         else:
             outs = core.step()
         steps.append(sorted(outs, key=lambda o: (o.request_id, o.sample_index)))
@@ -64,3 +62,54 @@ def test_only_plain_tokens_become_columns(tiny_llama):
         assert {r.group_id for r in plain.requests}.isdisjoint({"r2", "r3"})
         seen_plain.update(r.group_id for r in plain.requests)
     assert seen_plain == {"r0", "r1", "r4"}
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_a_stop_in_the_step_in_flight_then_a_step_that_needs_host_tokens(tiny_model_factory, columns):
+    """Overlapped steps; the step in flight samples r's stop token while the next step, already
+    scheduled with r among its decodes, cannot overlap (a penalised prompt arrives, too long to
+    sample this step): r ends before that step's samples come back, and the runner still samples
+    it there. Its request is gone from the scheduler by then; the step goes on without it (it once
+    raised KeyError, failing every request)."""
+    model = tiny_model_factory("llama", weight_scale=4.0, randomize_all=True)
+
+    def core() -> EngineCore:
+        return EngineCore(
+            EngineConfig(
+                model=str(model),
+                block_size=4,
+                num_blocks=64,
+                max_num_batched_tokens=16,
+                async_scheduling="on",
+            )
+        )
+
+    alone = core()
+    alone.add_request("r", [7, 11, 19, 23], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens = []
+    while alone.has_unfinished():
+        tokens += [t for o in alone.step() for t in o.new_token_ids]
+    k = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])
+    for add_at in range(1, 12):
+        engine = core()
+        free = engine.kv.num_free_blocks
+        engine.add_request(
+            "a", [5, 9, 13, 17, 21], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        )
+        engine.add_request(
+            "r", [7, 11, 19, 23], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tokens[k]])
+        )
+        got: dict[str, list[int]] = {}
+        for i in range(80):
+            if i == add_at:
+                engine.add_request(
+                    "x", list(range(30, 70)), SamplingParams(max_tokens=3, repetition_penalty=1.2)
+                )
+            if not engine.has_unfinished():
+                break
+            plain = PlainTokens() if columns else None
+            outs = plain.merged(engine.step(plain)) if plain is not None else engine.step()
+            for o in outs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert not engine.has_unfinished() and engine.kv.num_free_blocks == free
+        assert got["r"] == tokens[: k + 1], f"add_at={add_at}"
