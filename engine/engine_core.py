@@ -293,7 +293,9 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         returned are the previous step's: each sequence's tokens arrive one step later, and a
         sequence that stops computes one token more, which is dropped. With ``plain``, the plain
         outputs (a lean request's token that did not end it) are added to it as columns instead of
-        returned: a sequence has one output per step either way."""
+        returned, and ``plain.marks`` says where each returned output falls among them: a step that
+        follows an overlapped one finishes both, so a sequence can have a plain token and then its
+        finish in one call."""
         self._admit_staged()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
