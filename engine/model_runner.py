@@ -20,6 +20,7 @@ from engine.lora.batch import LoraBatch
 from engine.models.llama import LlamaForCausalLM
 from engine.persistent_batch import BlockTables, StepUploader, upload_step
 from engine.prompt_logprobs import prompt_logprobs
+from engine.repeat_inputs import RepeatInputs
 from engine.request import PLACEHOLDER
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, sample_seed
 from engine.sampling_params import SamplingParams
@@ -78,6 +79,7 @@ class ModelRunner:
         # sampled sequence's row in them (the next launch reads its placeholders' values there).
         self._inflight: tuple[torch.Tensor, dict[str, int]] | None = None
         self._repeat = RepeatCache()  # a steady decode batch's columns (engine.step_batch)
+        self._steady: RepeatInputs | None = None  # ... and its inputs on the device (engine.repeat_inputs)
         self._sync_seqs: set[str] = set()  # sequences whose steps need host tokens (see needs_host_tokens)
         self._special: set[str] = set()  # with logprobs or processed logits
         self._random: set[str] = set()  # sampled at random (not greedy)
@@ -129,6 +131,8 @@ class ModelRunner:
             launch.result = self._sample(
                 self.model.compute_logits(sampled_hidden(hidden, sample_rows)), sample_rows, masks, plan
             )
+            if self._steady is not None:  # this step's samples are the next steady step's inputs
+                self._steady.tokens = launch.result.token_ids
         overlap = overlap and not spec_rows and bool(sample_rows)
         if not overlap:
             self._inflight = None
@@ -248,7 +252,7 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         tables = self.tables
         if sched.finished_seq_ids or sched.new_seqs:  # rows and token lists change
-            self._repeat = RepeatCache()
+            self._repeat, self._steady = RepeatCache(), None
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
             if self._lora_of:
@@ -313,7 +317,27 @@ class ModelRunner:
                 tables.append(run.seq_id, run.new_block_ids)
 
     def _prepare(self, sched: SchedulerOutput, order: list[str], at: list[int], drafts: dict[str, list[int]]):
-        """The step's inputs on the device (``engine.step_batch`` builds its flat batch)."""
+        """The step's inputs on the device: a steady decode batch's advanced there
+        (``engine.repeat_inputs``), others built as a flat batch (``engine.step_batch``)."""
+        steady, self._steady = self._steady, None  # valid for the step right after the one it served
+        steady_ok = (
+            len(order) == len(at) and not drafts and not self._lora_rows and not self._grammar_seqs
+            and not self._prompt_lp_seqs
+        )  # fmt: skip
+        if steady is not None and steady_ok and order == self._repeat.ids:
+            advanced = steady.advance(at, self.tables, self.uploader, self.layout.block_size, self.backend)
+            if advanced is not None:
+                self._steady, self._repeat.sampled = steady, None
+                inputs, plan = advanced
+                return (
+                    inputs.input_ids,
+                    inputs.positions,
+                    inputs.meta,
+                    self._repeat.sample_rows,
+                    [],
+                    plan,
+                    True,
+                )
         inflight = self._inflight
         step = flatten_step(
             sched, order, at, drafts, self.seqs, self.tables.row_of, inflight[1] if inflight else None,
@@ -329,6 +353,8 @@ class ModelRunner:
             flat, self.tables, self.uploader, self.layout.block_size, self.backend, plan.scalars, patches
         )
         plan.tensors = inputs.sampling
+        if steady_ok and step.repeat and plan.expand is None:
+            self._steady = RepeatInputs.capture(inputs, self._repeat.rows, at, self.tables, plan)
         if self._lora_rows:
             lora_rows = self._lora_rows
             token_slots = [lora_rows.get(r, -1) for r in flat.token_rows]

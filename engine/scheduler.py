@@ -30,13 +30,15 @@ from engine.scheduler_output import (
     RunningSequenceData,
     SchedulerOutput,
 )
+from engine.scheduler_preemption import _WAITING_ORDER, Preemption, _priority_key, _remaining_prefill
 from engine.scheduler_results import StepResults
 from engine.scheduler_transfer import TransferQueue
+from engine.steady_decodes import SteadyDecodes
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(TransferQueue, StepResults):
+class Scheduler(TransferQueue, StepResults, Preemption):
     def __init__(
         self,
         kv: KVCacheManager,
@@ -75,6 +77,8 @@ class Scheduler(TransferQueue, StepResults):
         self._sent_to_runner: set[str] = set()
         self._repeat_ids: list[str] | None = None  # StepResults._requests_of's cache
         self._repeat_requests: list[Request | None] = []
+        self._repeat_checks: tuple[list[int], frozenset[int]] | None = None  # ... and its bulk stop checks
+        self._steady: SteadyDecodes | None = None  # the running requests, scheduled in bulk
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_prompt_tokens = 0
@@ -140,8 +144,17 @@ class Scheduler(TransferQueue, StepResults):
             self._preempt_for_priority(out)
         decodes: list[Request] = []
         prefills: list[Request] = []
-        for r in self.running:
-            (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+        steady, self._steady = self._steady, None
+        if (  # a steady decode batch (engine.steady_decodes): the same running requests, in bulk
+            steady is not None and steady.step + 1 < steady.horizon and not scheduled
+            and (self.policy != "prefill_first" or not (self.waiting or self.swapped))
+            and len(steady.ids) <= budget[0] and self.running == steady.running and steady.advance(self.kv, out)
+        ):  # fmt: skip
+            self._steady = steady
+            budget[0] -= len(steady.ids)
+        else:
+            for r in self.running:
+                (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
         if self.policy == "priority":
             decodes.sort(key=_priority_key)
             prefills.sort(key=_priority_key)
@@ -150,8 +163,10 @@ class Scheduler(TransferQueue, StepResults):
             self._schedule_waiting(out, budget, scheduled)
             self._schedule_swapped(out, budget, scheduled)
             self._schedule_running(decodes, out, budget, scheduled)
+            self._capture_steady(decodes, prefills, out)
         elif self.batching is not None:
             self._schedule_running(decodes, out, budget, scheduled)
+            self._capture_steady(decodes, prefills, out)
             held = max(0, budget[0] - self.batching.prefill_budget(len(scheduled)))
             budget[0] -= held
             self._schedule_swapped(out, budget, scheduled)
@@ -160,6 +175,7 @@ class Scheduler(TransferQueue, StepResults):
             budget[0] += held
         else:
             self._schedule_running(decodes, out, budget, scheduled)
+            self._capture_steady(decodes, prefills, out)
             self._schedule_running(prefills, out, budget, scheduled)
             self._schedule_swapped(out, budget, scheduled)
             self._schedule_waiting(out, budget, scheduled)
@@ -213,6 +229,16 @@ class Scheduler(TransferQueue, StepResults):
             self._schedule_one(req, min(num_new, left), out, scheduled, budget)
             left = budget[0]
         budget[0] = left
+
+    def _capture_steady(self, decodes: list[Request], prefills: list[Request], out: SchedulerOutput) -> None:
+        """Keep a steady decode batch when every running request was just scheduled, in order, as a
+        fast-path decode (``engine.steady_decodes``; not under ``priority``, which reorders, nor
+        while speculating)."""
+        all_fast = decodes and not prefills and len(out.decode_ids) == len(self.running) == len(decodes)
+        if all_fast and not self.num_spec_tokens and self.policy != "priority":
+            self._steady = SteadyDecodes.capture(
+                self.running, out.decode_ids, out.decode_positions, self.kv.block_size, self.max_model_len
+            )
 
     def _schedule_one(
         self, req: Request, num_new: int, out: SchedulerOutput, scheduled: dict[str, int], budget: list[int]
@@ -370,60 +396,6 @@ class Scheduler(TransferQueue, StepResults):
         req.num_computed_tokens += num_new
         budget[0] -= num_new
 
-    # Preemption -------------------------------------------------------------------------------
-
-    def _pick_victim(self, exclude: set[str]) -> Request | None:
-        pool = [r for r in self.running if r.request_id not in exclude]
-        if not pool:
-            return None
-        if self.policy == "priority":
-            return max(pool, key=_priority_key)
-        return pool[-1]
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.running.remove(req)
-        self.num_preemptions += 1
-        req.num_preemptions += 1
-        self._sent_to_runner.discard(req.request_id)
-        out.finished_seq_ids.add(req.request_id)  # the runner drops its state either way
-        if self.kv.num_cpu_blocks and self.kv.can_swap_out(req):
-            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
-            self.num_swap_outs += 1
-            req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
-            logger.debug("swapped out %s", req.request_id)
-            return
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
-        if self.policy == "priority":
-            self._sort_waiting()
-        logger.debug("preempted %s for recompute", req.request_id)
-
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """Before anything is scheduled: make room for the most urgent waiting request by preempting
-        running sequences of lower priority (higher value), lowest first."""
-        if not self.waiting:
-            return
-        req = self.waiting[0]
-        while self.running:
-            hit = self.kv.find_prefix_hit(req)
-            req.num_computed_tokens = hit.num_tokens
-            num_new = min(req.num_tokens - hit.num_tokens, self.max_num_batched_tokens)
-            fits = self.kv.can_allocate(req, num_new, hit, self.margin_blocks)
-            req.num_computed_tokens = 0
-            seats = len(self.running) + 1 + req.pending_forks <= self.max_num_seqs
-            if fits and seats:
-                return
-            victim = self._pick_victim(set())
-            if victim is None or _priority_key(victim) <= _priority_key(req):
-                return
-            self._preempt(victim, out)
-
-    def _sort_waiting(self) -> None:
-        self.waiting = deque(sorted(self.waiting, key=_WAITING_ORDER[self.policy]))
-
     def _release(self, req: Request, hold: bool = False) -> list[int]:
         held = self.kv.hold(req) if hold else []
         if not hold:
@@ -436,14 +408,3 @@ class Scheduler(TransferQueue, StepResults):
             if not ids:
                 del self.groups[req.group_id]
         return held
-
-
-def _priority_key(req: Request) -> tuple[int, float]:
-    return (req.priority, req.arrival_time)
-
-
-def _remaining_prefill(req: Request) -> int:
-    return req.num_tokens - req.num_computed_tokens
-
-
-_WAITING_ORDER = {"priority": _priority_key, "fair": _remaining_prefill}

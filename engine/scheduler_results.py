@@ -9,6 +9,7 @@ it, and, if the request stopped there, drops the token of the step after (it is 
 
 from __future__ import annotations
 
+from operator import ge
 from typing import TYPE_CHECKING
 
 from engine.request import PLACEHOLDER, Request, RequestStatus
@@ -28,6 +29,7 @@ class StepResults:
     max_model_len: int
     _repeat_ids: list[str] | None
     _repeat_requests: list[Request | None]
+    _repeat_checks: tuple[list[int], frozenset[int]] | None
 
     def expect_tokens(self, seq_ids: list[str]) -> None:
         """Overlapped scheduling: the step just launched samples a token for each of ``seq_ids``;
@@ -71,7 +73,9 @@ class StepResults:
         spec = sched.num_spec_tokens
         max_len = self.max_model_len
         get, emit = requests.get, outputs.append
-        if result.repeat_ids:  # NOTE: a steady decode batch, every step: its samples as columns
+        if result.repeat_ids and self._update_steady(result.repeat_ids, result.repeat_tokens, outputs, plain):
+            pass  # a steady decode batch that nothing ends this step: appended in bulk
+        elif result.repeat_ids:  # NOTE: a steady decode batch, every step: its samples as columns
             for req, tok in zip(self._requests_of(result.repeat_ids), result.repeat_tokens):
                 if req is None or req.status is not running:
                     continue
@@ -143,6 +147,39 @@ class StepResults:
             outputs.append(self._append(req, tokens[:1], logprobs[:1] if logprobs else None))
         return outputs
 
+    def _update_steady(
+        self, ids: list[str], tokens: list[int], outputs: list[SequenceOutput], plain: PlainTokens | None
+    ) -> bool:
+        """A steady decode batch's samples, appended in one loop, when its requests are the running
+        list (so all run), all lean, and no token stops one and no length reaches a limit (checked on
+        the columns: a stop token of any of them, a length one short of its own limit); else False,
+        and nothing changed (the per-request loop takes the step)."""
+        reqs = self._requests_of(ids)
+        if self.running != reqs:
+            return False
+        if self._repeat_checks is None:  # once per batch: each one's length limit less one, all stops
+            stops: set[int] = set()
+            for r in reqs:
+                stops.update(r.stop_token_set)
+            limits = [min(r.stop_len, self.max_model_len) - 1 if r.lean else -1 for r in reqs]
+            self._repeat_checks = (limits, frozenset(stops))
+        limits, stops = self._repeat_checks
+        lists = [r.token_ids for r in reqs]
+        if not stops.isdisjoint(tokens) or any(map(ge, map(len, lists), limits)):
+            return False
+        for token_ids, tok in zip(lists, tokens):  # NOTE: every sequence, every steady step
+            token_ids.append(tok)
+        if plain is not None:
+            plain.requests.extend(reqs)
+            plain.tokens.extend(tokens)
+        else:
+            outputs.extend([
+                SequenceOutput(r.group_id, r.sample_index, [t], None, None, None, r.prompt_len,
+                               r.num_cached_tokens if r.num_cached_tokens > 0 else 0)
+                for r, t in zip(reqs, tokens)
+            ])  # fmt: skip
+        return True
+
     def _requests_of(self, ids: list[str]) -> list[Request | None]:
         """The requests of a repeating batch's ids, looked up once per batch (``ids`` is the
         runner's list, the same object while the batch repeats). A request that ended after its
@@ -151,6 +188,7 @@ class StepResults:
         status says so."""
         if ids is not self._repeat_ids:
             self._repeat_ids, self._repeat_requests = ids, [self.requests.get(s) for s in ids]
+            self._repeat_checks = None
         return self._repeat_requests
 
     def _append(

@@ -1,0 +1,84 @@
+"""A steady decode batch, scheduled and updated in bulk rather than one sequence at a time.
+
+When every running request was a fast-path decode last step (``Scheduler._schedule_running``: one
+token into its own block) and the running list has not changed since, this step schedules each of
+them one position further, and only the requests at a block boundary need a look: the one whose
+token fills its block (cached once full) and the one whose token opens the next. Positions advance
+by one per step, so those are found by residue (``due``), not by visiting all. Everything the
+per-request fast path checks is then either fixed for the batch (not speculating, no forks owed,
+known to the runner) or guarded: the running list equal to the captured one (the same requests,
+all still running, in order), the token budget, and ``horizon`` (no request reaches a length
+where an overlapped step would hold it back). Any other case takes the per-request path, which
+captures a new batch when it again finds every running request on the fast path.
+
+``update`` has the same shape on its side (``StepResults._update_steady``): a steady batch's
+samples are appended in one loop; only a batch with a stop token, or one reaching a length limit,
+takes the per-request checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.scheduler_output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class SteadyDecodes:
+    running: list[Request]  # the scheduler's running list when captured (a copy)
+    ids: list[str]
+    positions: list[int]  # the last step's
+    due: list[list[int]]  # by the capture positions' residue mod the block size: request indices
+    horizon: int  # steps after the capture before a request may reach a length limit
+    step: int = 0  # steps after the capture
+
+    @classmethod
+    def capture(
+        cls, running: list[Request], ids: list[str], positions: list[int], block_size: int, max_len: int
+    ) -> SteadyDecodes:
+        """From a step that scheduled every request of ``running``, in order, as a fast-path decode
+        (``ids``, at ``positions``)."""
+        due: list[list[int]] = [[] for _ in range(block_size)]
+        for i, p in enumerate(positions):
+            due[p % block_size].append(i)
+        horizon = min(min(r.stop_len, max_len) - len(r.token_ids) for r in running)
+        return cls(list(running), list(ids), list(positions), due, horizon)
+
+    def advance(self, kv: KVCacheManager, out: SchedulerOutput) -> bool:
+        """Schedule every request one token further into ``out`` (its ``decode_ids``,
+        ``decode_positions``, ``num_scheduled_tokens`` and ``decode_new_blocks``); False when one at
+        a block boundary cannot stay on the fast path (no free block, a shared block): the caller
+        schedules the step per request, and any block opened here stays opened and in ``out``."""
+        t = self.step + 1
+        bs = kv.block_size
+        reqs = self.running
+        positions = [p + 1 for p in self.positions]
+        tables, ref_cnt = kv.tables, kv.pool.ref_cnt
+        for i in self.due[(bs - 1 - t) % bs]:  # the token fills its block: cache it once full
+            req, pos = reqs[i], positions[i]
+            table = tables[req.request_id]
+            idx = pos // bs
+            if idx >= len(table) or ref_cnt[table[idx]] != 1:
+                return False
+            kv.fill_block(req, table)
+        new_blocks = out.decode_new_blocks
+        for i in self.due[-t % bs]:  # the token opens a block
+            req, pos = reqs[i], positions[i]
+            table = tables[req.request_id]
+            idx = pos // bs
+            if idx == len(table):
+                block = kv.append_block(req)
+                if block is None:
+                    return False
+                new_blocks[req.request_id] = block
+            elif idx > len(table) or ref_cnt[table[idx]] != 1:
+                return False
+        for req, pos in zip(reqs, positions):  # NOTE: every sequence, every steady step
+            req.num_computed_tokens = pos + 1
+        out.decode_ids = list(self.ids)
+        out.decode_positions = positions
+        out.num_scheduled_tokens.update(dict.fromkeys(self.ids, 1))
+        self.positions, self.step = positions, t
+        return True
