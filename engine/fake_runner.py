@@ -31,9 +31,12 @@ class FakeRunner:
     def __init__(self, token_fn: TokenFn = constant_token) -> None:
         self.token_fn = token_fn
         self.num_tokens: dict[str, int] = {}
+        self._repeat: list[str] | None = None  # the last step's fast-path decodes (ModelRunner's RepeatCache)
 
     def __call__(self, sched: SchedulerOutput) -> RunnerOutput:
         num_tokens = self.num_tokens
+        if sched.finished_seq_ids or sched.new_seqs:
+            self._repeat = None
         for seq_id in sched.finished_seq_ids:
             num_tokens.pop(seq_id, None)
         for new in sched.new_seqs:
@@ -53,4 +56,19 @@ class FakeRunner:
             if end == known:
                 out.sampled[seq_id] = [self.token_fn(seq_id, known)] * num_samples
                 num_tokens[seq_id] = known + 1
+        return self._as_repeat(sched, out)
+
+    def _as_repeat(self, sched: SchedulerOutput, out: RunnerOutput) -> RunnerOutput:
+        """As ``ModelRunner.collect`` reports a steady decode batch: a step of the last step's
+        fast-path decodes alone, each sampled once, as columns (``repeat_ids`` is one list object
+        while the batch repeats)."""
+        ids = sched.decode_ids
+        steady = len(ids) == len(sched.num_scheduled_tokens) == len(out.sampled) and all(
+            len(out.sampled.get(s, ())) == 1 for s in ids
+        )
+        if not steady or ids != self._repeat:
+            self._repeat = list(ids) if steady else None
+            return out
+        out.repeat_ids, out.repeat_tokens = self._repeat, [out.sampled[s][0] for s in ids]
+        out.sampled = {}
         return out

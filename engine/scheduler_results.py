@@ -9,7 +9,7 @@ it, and, if the request stopped there, drops the token of the step after (it is 
 
 from __future__ import annotations
 
-from operator import ge
+from operator import attrgetter, ge
 from typing import TYPE_CHECKING
 
 from engine.request import PLACEHOLDER, Request, RequestStatus
@@ -17,6 +17,9 @@ from engine.scheduler_output import PlainTokens, RunnerOutput, SchedulerOutput, 
 
 if TYPE_CHECKING:
     from engine.kv_cache_manager import KVCacheManager
+
+
+_status = attrgetter("status")
 
 
 class StepResults:
@@ -150,13 +153,13 @@ class StepResults:
     def _update_steady(
         self, ids: list[str], tokens: list[int], outputs: list[SequenceOutput], plain: PlainTokens | None
     ) -> bool:
-        """A steady decode batch's samples, appended in one loop, when its requests are the running
-        list (so all run), all lean, and no token stops one and no length reaches a limit (checked on
-        the columns: a stop token of any of them, a length one short of its own limit); else False,
-        and nothing changed (the per-request loop takes the step)."""
+        """A steady decode batch's samples, appended in one loop, when its requests all run, all are
+        lean, and no token stops one and no length reaches a limit (checked on the columns: a stop
+        token of any of them, a length one short of its own limit); else False, and nothing changed
+        (the per-request loop takes the step)."""
         reqs = self._requests_of(ids)
-        if self.running != reqs:
-            return False
+        if self.running != reqs and (None in reqs or set(map(_status, reqs)) != {RequestStatus.RUNNING}):
+            return False  # (the running list in another order: the torch backend's, longest first)
         if self._repeat_checks is None:  # once per batch: each one's length limit less one, all stops
             stops: set[int] = set()
             for r in reqs:

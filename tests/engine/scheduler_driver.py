@@ -83,6 +83,8 @@ class KVCheckingRunner:
         out = self.fake(sched)
         for seq_id, toks in out.sampled.items():
             self.tokens[seq_id].append(toks[0])
+        for seq_id, tok in zip(out.repeat_ids or (), out.repeat_tokens or ()):
+            self.tokens[seq_id].append(tok)
         return out
 
     def _key(self, seq_id: str, pos: int) -> int:
