@@ -304,9 +304,10 @@ class ModelRunner:
                         "structured output: the output so far does not follow the grammar"
                     )
         seqs = self.seqs
-        for seq_id, block in sched.decode_new_blocks.items():
-            seqs[seq_id].block_ids.append(block)
-            tables.append(seq_id, [block])
+        if sched.decode_new_blocks:
+            for seq_id, block in sched.decode_new_blocks.items():
+                seqs[seq_id].block_ids.append(block)
+            tables.append_each(sched.decode_new_blocks)
         for run in sched.running_seqs:
             state = self.seqs[run.seq_id]
             if run.block_ids is not None:

@@ -63,6 +63,21 @@ class BlockTables:
             row = self.row_of[seq_id]
             self._write(row, self._len[row], block_ids)
 
+    def append_each(self, blocks: dict[str, int]) -> None:
+        """One block id appended to each sequence's row: ``blocks[seq_id]`` (a step's decodes that
+        open a block)."""
+        rows = [self.row_of[s] for s in blocks]
+        lens = self._len
+        cols = [lens[r] for r in rows]
+        if max(cols) >= self.width:
+            raise ValueError(f"a sequence of {max(cols) + 1} blocks exceeds the table's {self.width}")
+        for r in rows:
+            lens[r] += 1
+        pending_rows, pending_cols, pending_ids = self.pending
+        pending_rows.extend(rows)
+        pending_cols.extend(cols)
+        pending_ids.extend(blocks.values())
+
     def replace(self, seq_id: str, block_ids: list[int]) -> None:
         self._write(self.row_of[seq_id], 0, block_ids)
 

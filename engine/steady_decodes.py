@@ -56,25 +56,26 @@ class SteadyDecodes:
         reqs = self.running
         positions = [p + 1 for p in self.positions]
         tables, ref_cnt = kv.tables, kv.pool.ref_cnt
-        for i in self.due[(bs - 1 - t) % bs]:  # the token fills its block: cache it once full
-            req, pos = reqs[i], positions[i]
+        filling = [reqs[i] for i in self.due[(bs - 1 - t) % bs]]  # their token fills their block
+        for req in filling:
             table = tables[req.request_id]
-            idx = pos // bs
+            idx = req.num_computed_tokens // bs
             if idx >= len(table) or ref_cnt[table[idx]] != 1:
                 return False
-            kv.fill_block(req, table)
-        new_blocks = out.decode_new_blocks
-        for i in self.due[-t % bs]:  # the token opens a block
-            req, pos = reqs[i], positions[i]
+        opening = []  # ... opens one
+        for req in (reqs[i] for i in self.due[-t % bs]):
             table = tables[req.request_id]
-            idx = pos // bs
+            idx = req.num_computed_tokens // bs
             if idx == len(table):
-                block = kv.append_block(req)
-                if block is None:
-                    return False
-                new_blocks[req.request_id] = block
+                opening.append(req)
             elif idx > len(table) or ref_cnt[table[idx]] != 1:
                 return False
+        if opening:
+            blocks = kv.open_blocks(opening)
+            if blocks is None:
+                return False
+            out.decode_new_blocks.update(zip([r.request_id for r in opening], blocks))
+        kv.fill_blocks(filling)  # cached once full
         for req, pos in zip(reqs, positions):  # NOTE: every sequence, every steady step
             req.num_computed_tokens = pos + 1
         out.decode_ids = list(self.ids)
