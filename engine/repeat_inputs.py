@@ -29,6 +29,7 @@ from engine.sampling_plan import SamplingPlan
 @dataclass(slots=True)
 class RepeatInputs:
     rows: torch.Tensor  # [B] each sequence's table row
+    order: torch.Tensor  # [B] 0 .. B - 1
     batch_index: torch.Tensor  # [table rows] each row's index in the batch; B (a spare row) if none
     tables: torch.Tensor  # [B + 1, max blocks] the batch's block tables (row B takes other writes)
     positions: torch.Tensor  # [B] the last step's
@@ -59,7 +60,7 @@ class RepeatInputs:
         if plan.flags is not None:
             params = (tables.params_f.index_select(0, rows_d), tables.params_i.index_select(0, rows_d))
         return cls(
-            rows_d, batch_index, batch_tables, inputs.positions, meta.seq_lens,
+            rows_d, torch.arange(n, device=device), batch_index, batch_tables, inputs.positions, meta.seq_lens,
             meta.query_start_loc, meta.query_start_loc_tensor, meta.max_seq_len, sum(at),
             plan.flags, params,
         )  # fmt: skip
@@ -95,7 +96,7 @@ class RepeatInputs:
         width = -(-self.max_len // block_size)
         meta = AttentionMetadata(
             num_decodes=n,
-            slot_blocks=self.tables[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1),
+            slot_blocks=self.tables[self.order, positions // block_size],
             slot_offsets=positions % block_size,
             seq_lens=seq_lens,
             seq_lens_list=[p + 1 for p in at],

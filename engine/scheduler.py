@@ -77,7 +77,7 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         self._sent_to_runner: set[str] = set()
         self._repeat_ids: list[str] | None = None  # StepResults._requests_of's cache
         self._repeat_requests: list[Request | None] = []
-        self._repeat_checks: tuple[list[int], frozenset[int]] | None = None  # ... and its bulk stop checks
+        self._repeat_checks: tuple[list[int], frozenset[int], int] | None = None  # ... its bulk checks
         self._steady: SteadyDecodes | None = None  # the running requests, scheduled in bulk
         self.num_preemptions = 0
         self.num_swap_outs = 0

@@ -9,7 +9,7 @@ it, and, if the request stopped there, drops the token of the step after (it is 
 
 from __future__ import annotations
 
-from operator import attrgetter, ge
+from operator import attrgetter, ge, sub
 from typing import TYPE_CHECKING
 
 from engine.request import PLACEHOLDER, Request, RequestStatus
@@ -32,7 +32,7 @@ class StepResults:
     max_model_len: int
     _repeat_ids: list[str] | None
     _repeat_requests: list[Request | None]
-    _repeat_checks: tuple[list[int], frozenset[int]] | None
+    _repeat_checks: tuple[list[int], frozenset[int], int] | None  # _update_steady's, per batch
 
     def expect_tokens(self, seq_ids: list[str]) -> None:
         """Overlapped scheduling: the step just launched samples a token for each of ``seq_ids``;
@@ -160,15 +160,21 @@ class StepResults:
         reqs = self._requests_of(ids)
         if self.running != reqs and (None in reqs or set(map(_status, reqs)) != {RequestStatus.RUNNING}):
             return False  # (the running list in another order: the torch backend's, longest first)
-        if self._repeat_checks is None:  # once per batch: each one's length limit less one, all stops
+        checks = self._repeat_checks
+        if checks is None:  # once per batch: each one's length limit less one, all stops, the margin
             stops: set[int] = set()
             for r in reqs:
                 stops.update(r.stop_token_set)
             limits = [min(r.stop_len, self.max_model_len) - 1 if r.lean else -1 for r in reqs]
-            self._repeat_checks = (limits, frozenset(stops))
-        limits, stops = self._repeat_checks
+            margin = min(map(sub, limits, map(len, (r.token_ids for r in reqs))))
+            checks = self._repeat_checks = (limits, frozenset(stops), margin + len(reqs[0].token_ids))
+        limits, stops, horizon = checks
+        if not stops.isdisjoint(tokens):
+            return False
         lists = [r.token_ids for r in reqs]
-        if not stops.isdisjoint(tokens) or any(map(ge, map(len, lists), limits)):
+        # Each list grows by one token a step at most, the first (running) by exactly one: until it
+        # reaches ``horizon``, no list is at its limit.
+        if len(lists[0]) >= horizon and any(map(ge, map(len, lists), limits)):
             return False
         for token_ids, tok in zip(lists, tokens):  # NOTE: every sequence, every steady step
             token_ids.append(tok)

@@ -24,6 +24,8 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.scheduler_output import SchedulerOutput
 
+_next = (1).__add__
+
 
 @dataclass(slots=True)
 class SteadyDecodes:
@@ -54,7 +56,7 @@ class SteadyDecodes:
         t = self.step + 1
         bs = kv.block_size
         reqs = self.running
-        positions = [p + 1 for p in self.positions]
+        positions = list(map(_next, self.positions))
         tables, ref_cnt = kv.tables, kv.pool.ref_cnt
         filling = [reqs[i] for i in self.due[(bs - 1 - t) % bs]]  # their token fills their block
         for req in filling:
