@@ -177,6 +177,12 @@ def _channel_step(core):
         from engine.scheduler_output import PlainTokens
     except ImportError:  # a revision whose step returns objects only
         PlainTokens = None
+    try:  # the channel's two ends, where it sends a steady batch's members once
+        from worker.engine_channel import SteadyBatchReceiver, SteadyBatchSender
+
+        ends = ((SteadyBatchSender(),), (SteadyBatchReceiver(),))
+    except ImportError:
+        ends = ((), ())
 
     def step() -> pb.EngineEvents:
         events = pb.EngineEvents()
@@ -184,11 +190,11 @@ def _channel_step(core):
             outputs_to_proto(core.step(), events)
         else:
             plain = PlainTokens()
-            outputs_to_proto(core.step(plain), events, plain)
+            outputs_to_proto(core.step(plain), events, plain, None, *ends[0])
         events.SerializeToString()
         return events
 
-    return step, lambda events: sum(len(o.new_token_ids) for o in outputs_from_proto(events))
+    return step, lambda events: sum(len(o.new_token_ids) for o in outputs_from_proto(events, *ends[1]))
 
 
 def measure(

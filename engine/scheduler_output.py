@@ -140,6 +140,10 @@ class PlainTokens:
     # For each output object the step returned, in order: how many of these entries precede it
     # (one step() can finish two steps: a sequence's plain token, then its finish).
     marks: list[int] = field(default_factory=list)
+    # The steady decode batch whose requests these entries are, all and only (set by the update
+    # that adds them in bulk; the same list object while the batch repeats): the engine process
+    # sends its members once, then only its tokens (worker.engine_channel.SteadyBatchSender).
+    batch: list | None = None
 
     def outputs(self) -> list[SequenceOutput]:
         return [

@@ -179,6 +179,7 @@ class StepResults:
         for token_ids, tok in zip(lists, tokens):  # NOTE: every sequence, every steady step
             token_ids.append(tok)
         if plain is not None:
+            plain.batch = reqs if not plain.requests else None
             plain.requests.extend(reqs)
             plain.tokens.extend(tokens)
         else:

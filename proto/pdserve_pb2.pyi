@@ -992,20 +992,38 @@ class EngineOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_logprobs: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., seed: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ..., error_type: _Optional[str] = ..., held: _Optional[bool] = ..., held_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineTokens(_message.Message):
-    __slots__ = ("request_ids", "sample_index", "num_tokens", "token_ids", "num_prompt_tokens", "num_cached_tokens")
+    __slots__ = ("request_ids", "sample_index", "num_tokens", "token_ids", "num_prompt_tokens", "num_cached_tokens", "batch", "batch_members", "batch_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     sample_index: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    batch: int
+    batch_members: SteadyBatch
+    batch_tokens: bytes
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., batch: _Optional[int] = ..., batch_members: _Optional[_Union[SteadyBatch, _Mapping]] = ..., batch_tokens: _Optional[bytes] = ...) -> None: ...
+
+class SteadyBatch(_message.Message):
+    __slots__ = ("request_ids", "sample_index", "num_prompt_tokens", "num_cached_tokens")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    sample_index: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineEvents(_message.Message):
     __slots__ = ("replies", "outputs", "tokens", "step_started", "failure", "kv_events", "load", "landed", "leases", "exposed", "fetched", "output_positions")

@@ -8,6 +8,7 @@ The rest converts the engine's values (outputs, stats, options, limits) to and f
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
 import os
@@ -104,17 +105,72 @@ def config_from_json(text: str) -> EngineConfig:
     return EngineConfig(**json.loads(text))
 
 
+class SteadyBatchSender:
+    """The engine process's end of a channel: a steady decode batch's members (``PlainTokens.batch``)
+    cross once, under a new id, and each later step of it sends the id and its tokens (4 bytes
+    each) instead of six columns per request."""
+
+    def __init__(self) -> None:
+        self._batch: list | None = None  # the requests' list object: the same while the batch repeats
+        self._id = 0
+
+    def put(self, t: pb.EngineTokens, batch: list, tokens: list[int]) -> None:
+        if batch is not self._batch:
+            self._batch, self._id = batch, self._id + 1
+            m = t.batch_members
+            m.request_ids.extend([r.group_id for r in batch])
+            m.sample_index.extend([r.sample_index for r in batch])
+            m.num_prompt_tokens.extend([r.prompt_len for r in batch])
+            m.num_cached_tokens.extend([c if (c := r.num_cached_tokens) > 0 else 0 for r in batch])
+        t.batch = self._id
+        t.batch_tokens = array.array("i", tokens).tobytes()
+
+
+class SteadyBatchReceiver:
+    """The worker's end: the latest steady batch's members, for the steps that name it."""
+
+    def __init__(self) -> None:
+        self._id = 0
+        self._members: tuple = ((), (), (), ())
+
+    def outputs(self, t: pb.EngineTokens) -> list[SequenceOutput]:
+        if t.HasField("batch_members"):
+            m = t.batch_members
+            self._id = t.batch
+            self._members = (
+                list(m.request_ids),
+                list(m.sample_index),
+                list(m.num_prompt_tokens),
+                list(m.num_cached_tokens),
+            )
+        elif t.batch != self._id:
+            raise ValueError(
+                f"engine channel: steady batch {t.batch} named before its members (latest {self._id})"
+            )
+        tokens = array.array("i")
+        tokens.frombytes(t.batch_tokens)
+        if len(tokens) != len(self._members[0]):
+            raise ValueError(f"engine channel: {len(tokens)} tokens for a batch of {len(self._members[0])}")
+        ids, samples, prompts, cached = self._members
+        return [
+            SequenceOutput(rid, sample, [tok], None, None, None, prompt, hit)
+            for rid, sample, prompt, hit, tok in zip(ids, samples, prompts, cached, tokens)
+        ]
+
+
 def outputs_to_proto(
     outputs: list[SequenceOutput],
     events: pb.EngineEvents,
     columns: PlainTokens | None = None,
     positions: list[int] | None = None,
+    batches: SteadyBatchSender | None = None,
 ) -> None:
     """Outputs into ``events``: the plain ones (new tokens only) as columns, the rest whole;
     ``columns``: plain outputs the engine kept as columns already (``EngineCore.step``), and
     ``positions``, for each of ``outputs``, how many of those precede it (None: none do). The
     message keeps that order (``output_positions``): one message can carry two steps' outputs,
-    a sequence's plain token and then its finish."""
+    a sequence's plain token and then its finish. With ``batches`` (the channel's sender), columns
+    that are a steady batch, after every output, go as that batch (``SteadyBatchSender``)."""
     t = events.tokens
     reqs, toks = (columns.requests, columns.tokens) if columns is not None else ([], [])
     at = 0  # the engine's entries sent so far
@@ -138,6 +194,10 @@ def outputs_to_proto(
             events.outputs.append(output_to_proto(out))
             events.output_positions.append(len(t.request_ids))
     _put_objects(t, run)
+    batch = columns.batch if batches is not None and at == 0 and columns is not None else None
+    if batch is not None and len(batch) == len(reqs):  # these entries are the batch's, all and only
+        batches.put(t, batch, toks)
+        return
     _put_columns(t, reqs[at:], toks[at:])
 
 
@@ -162,8 +222,11 @@ def _put_columns(t: pb.EngineTokens, reqs: list, tokens: list[int]) -> None:
         t.num_cached_tokens.extend([c if (c := r.num_cached_tokens) > 0 else 0 for r in reqs])
 
 
-def outputs_from_proto(events: pb.EngineEvents) -> list[SequenceOutput]:
-    """``outputs_to_proto`` undone, in its order (``output_positions``)."""
+def outputs_from_proto(
+    events: pb.EngineEvents, batches: SteadyBatchReceiver | None = None
+) -> list[SequenceOutput]:
+    """``outputs_to_proto`` undone, in its order (``output_positions``); ``batches``: the
+    channel's receiver, for a message that carries a steady batch."""
     whole = [output_from_proto(o) for o in events.outputs]
     t = events.tokens
     plain = []
@@ -176,6 +239,10 @@ def outputs_from_proto(events: pb.EngineEvents) -> list[SequenceOutput]:
                 SequenceOutput(rid, sample, list(tokens[pos : pos + n]), None, None, None, prompt, cached)
             )
             pos += n
+    if t.batch:
+        if batches is None:
+            raise ValueError("engine channel: a steady batch on a channel without its receiver")
+        plain.extend(batches.outputs(t))
     if not events.output_positions:
         return whole + plain
     outs, at = [], 0

@@ -41,6 +41,7 @@ from worker.engine_channel import (
     PIPE_BYTES,
     EngineFacts,
     FrameBuffer,
+    SteadyBatchReceiver,
     config_to_json,
     facts_from_proto,
     outputs_from_proto,
@@ -85,6 +86,7 @@ class EngineProcess:
         self._output_hooks: list[Callable[[SequenceOutput], None]] = []
         self._failure_hooks: list[Callable[[EngineLoopFailed], None]] = []
         self._events = FrameBuffer(pb.EngineEvents)
+        self._batches = SteadyBatchReceiver()  # the engine's latest steady batch (engine_channel)
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.failure: EngineLoopFailed | None = None
@@ -337,9 +339,9 @@ class EngineProcess:
                 self.error_kinds[out.request_id] = out.error_type
         for role_hook in self._role_hooks:
             role_hook(events)
-        if events.outputs or events.tokens.request_ids:
+        if events.outputs or events.tokens.request_ids or events.tokens.batch:
             self.step_started = events.step_started
-            self.publish(outputs_from_proto(events))
+            self.publish(outputs_from_proto(events, self._batches))
         if events.kv_events or events.HasField("load"):
             for kv_hook in self._kv_hooks:
                 kv_hook(events)

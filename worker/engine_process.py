@@ -42,6 +42,7 @@ from proto.convert import params_from_proto
 from worker.adapters import change_adapter
 from worker.engine_channel import (
     FrameBuffer,
+    SteadyBatchSender,
     config_from_json,
     outputs_to_proto,
     read_frame,
@@ -108,6 +109,7 @@ class EngineHost:
         self.clock = clock
         self.idle_tick_s = idle_tick_s
         self.frames = FrameBuffer(pb.EngineCommands)
+        self.batches = SteadyBatchSender()  # a steady batch's members cross the channel once
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compiling: list[tuple[concurrent.futures.Future, pb.EngineCommand]] = []
         self.watching = False  # send the cache's events and the load (the worker publishes them)
@@ -150,7 +152,7 @@ class EngineHost:
             kinds = self.role.finish(events, outputs)
             # What came before the step (replies' outputs, aborts) precedes its plain tokens.
             positions = [0] * (len(outputs) - len(plain.marks)) + plain.marks
-            outputs_to_proto(outputs, events, plain, positions)
+            outputs_to_proto(outputs, events, plain, positions, self.batches)
             for out in events.outputs if kinds else ():
                 out.error_type = kinds.get(out.request_id, "")
             if self.watching:
