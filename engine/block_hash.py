@@ -21,6 +21,8 @@ BlockHash = bytes
 _DIGEST_SIZE = 16
 _PACK_CHUNK_BLOCKS = 32
 _VERSION = b"pdserve-kv-v1"
+# One block's packing (``_pack``'s bytes): a compiled struct, half an array's cost for 16 tokens.
+_BLOCK_PACKERS: dict[int, struct.Struct] = {}
 
 
 def root_hash(salt: str = "") -> BlockHash:
@@ -38,7 +40,9 @@ def hash_next_block(parent: BlockHash | None, token_ids: Sequence[int], salt: st
     """The hash of the block of ``token_ids`` after the one hashed ``parent`` (None: the first):
     ``hash_blocks`` of one block, without its chunking (a decode fills one block at a time)."""
     prev = parent if parent is not None else root_hash(salt)
-    return hashlib.blake2b(prev + _pack(token_ids), digest_size=_DIGEST_SIZE).digest()
+    n = len(token_ids)
+    packer = _BLOCK_PACKERS.get(n) or _BLOCK_PACKERS.setdefault(n, struct.Struct(f"<{n}q"))
+    return hashlib.blake2b(prev + packer.pack(*token_ids), digest_size=_DIGEST_SIZE).digest()
 
 
 def hash_blocks(

@@ -86,10 +86,12 @@ class BlockPool:
         if n > len(self._free):
             raise RuntimeError(f"cannot allocate {n} blocks, only {len(self._free)} free")
         out = []
-        for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            self._evict(b)
-            self.ref_cnt[b] = 1
+        pop, hashes, ref_cnt = self._free.popitem, self.block_hash, self.ref_cnt
+        for _ in range(n):  # NOTE: every block a batch opens (256 at once when a steady batch does)
+            b, _ = pop(last=False)
+            if hashes[b] is not None:  # still cached from its last use: evicted now
+                self._evict(b)
+            ref_cnt[b] = 1
             out.append(b)
         return out
 
