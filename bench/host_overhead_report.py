@@ -67,3 +67,78 @@ def format_report(result: dict, target_ms: float) -> str:
                 lines.append(f"cProfile, batch {r['batch']} x {r['context']} (own ms per step):")
             lines.append(f"  {f['own_ms_per_step']:8.4f}  {f['calls_per_step']:8.1f} calls  {f['function']}")
     return "\n".join(lines)
+
+
+def plot(
+    runs: list[dict], path, target_ms: float, labels: tuple[str, str] = ("baseline", "this tree")
+) -> None:
+    """Step time against context, a panel per batch: each side's mean (solid) and p50 (dashed),
+    the minimum over ``runs`` (results with ``current`` and ``baseline`` rows), and the target at
+    the largest batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def best(side: str) -> dict[tuple[int, int], dict]:
+        out: dict[tuple[int, int], dict] = {}
+        for run in runs:
+            for r in run.get(side, {}).get("rows", []):
+                key = (r["batch"], r["context"])
+                old = out.get(key)
+                out[key] = r if old is None else {k: min(old[k], r[k]) for k in ("mean_ms", "p50_ms")}
+        return out
+
+    sides = [(label, best(side)) for side, label in zip(("baseline", "current"), labels)]
+    batches = sorted({b for _, rows in sides for b, _ in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.6), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for (label, rows), color in zip(sides, ("tab:gray", "tab:blue")):
+            ctx = sorted(c for b, c in rows if b == batch)
+            if ctx:
+                ax.plot(
+                    ctx, [rows[(batch, c)]["mean_ms"] for c in ctx], "o-", color=color, label=f"{label}, mean"
+                )
+                ax.plot(
+                    ctx, [rows[(batch, c)]["p50_ms"] for c in ctx], "s--", color=color, label=f"{label}, p50"
+                )
+        if batch == batches[-1]:
+            ax.axhline(target_ms, color="tab:red", linestyle=":", label=f"target {target_ms} ms")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("host ms per decode step")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("Engine step host time, zero-cost model on CPU (min over runs)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bench.host_overhead_report --plot OUT.png RESULT.json ...``: a picture of stored
+    results (files of ``bench.host_overhead --json``, or of several runs under ``runs``)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+")
+    parser.add_argument("--plot", required=True)
+    parser.add_argument("--target-ms", type=float, default=0.3)
+    parser.add_argument(
+        "--labels", default="baseline,this tree", help="the two sides' names, comma-separated"
+    )
+    args = parser.parse_args(argv)
+    runs = []
+    for name in args.results:
+        data = json.loads(Path(name).read_text())
+        runs.extend(data.get("runs", [data]))
+    baseline, current = args.labels.split(",", 1)
+    plot(runs, args.plot, args.target_ms, (baseline, current))
+
+
+if __name__ == "__main__":
+    main()

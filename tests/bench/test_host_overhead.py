@@ -49,3 +49,22 @@ def test_steps_as_the_engine_process_runs_them_overlapped(tmp_path):
     assert current["rows"][0]["mean_ms"] > 0
     argv = host_overhead._worker_argv(host_overhead.parse_args(args), out)
     assert "--overlap" in argv and "--engine-process" in argv
+
+
+def test_stored_runs_plot_per_batch(tmp_path):
+    """``python -m bench.host_overhead_report --plot``: a PNG of the stored runs' minima."""
+    from bench import host_overhead_report
+
+    def rows(scale):
+        return [
+            {"batch": b, "context": c, "mean_ms": scale * b * (1 + i), "p50_ms": scale * b}
+            for b in (1, 256)
+            for i, c in enumerate((128, 4096))
+        ]
+
+    runs = [{"current": {"rows": rows(0.001 * k)}, "baseline": {"rows": rows(0.004)}} for k in (1, 2)]
+    stored = tmp_path / "runs.json"
+    stored.write_text(json.dumps({"command": "test", "runs": runs}))
+    out = tmp_path / "plot.png"
+    host_overhead_report.main([str(stored), "--plot", str(out), "--labels", "old,new"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
