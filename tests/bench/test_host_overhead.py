@@ -74,7 +74,9 @@ def test_a_churning_batch_is_timed_with_and_without_the_steady_paths(capsys):
     """``bench.host_overhead_churn``: both sides run (each in a process of its own) and compare."""
     from bench import host_overhead_churn
 
-    host_overhead_churn.main(["--batch", "4", "--context", "32", "--steps", "24", "--every", "2", "--runs", "1"])
+    host_overhead_churn.main(
+        ["--batch", "4", "--context", "32", "--steps", "24", "--every", "2", "--runs", "1"]
+    )
     out = capsys.readouterr().out
     assert "steady paths on : mean" in out and "steady paths off: mean" in out
     assert "one ends every 2 steps" in out and "x)" in out
