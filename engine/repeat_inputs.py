@@ -28,7 +28,6 @@ from engine.sampling_plan import SamplingPlan
 
 @dataclass(slots=True)
 class RepeatInputs:
-    rows: torch.Tensor  # [B] each sequence's table row
     order: torch.Tensor  # [B] 0 .. B - 1
     batch_index: torch.Tensor  # [table rows] each row's index in the batch; B (a spare row) if none
     tables: torch.Tensor  # [B + 1, max blocks] the batch's block tables (row B takes other writes)
@@ -60,7 +59,7 @@ class RepeatInputs:
         if plan.flags is not None:
             params = (tables.params_f.index_select(0, rows_d), tables.params_i.index_select(0, rows_d))
         return cls(
-            rows_d, torch.arange(n, device=device), batch_index, batch_tables, inputs.positions, meta.seq_lens,
+            torch.arange(n, device=device), batch_index, batch_tables, inputs.positions, meta.seq_lens,
             meta.query_start_loc, meta.query_start_loc_tensor, meta.max_seq_len, sum(at),
             plan.flags, params,
         )  # fmt: skip

@@ -50,9 +50,9 @@ class SteadyDecodes:
 
     def advance(self, kv: KVCacheManager, out: SchedulerOutput) -> bool:
         """Schedule every request one token further into ``out`` (its ``decode_ids``,
-        ``decode_positions``, ``num_scheduled_tokens`` and ``decode_new_blocks``); False when one at
-        a block boundary cannot stay on the fast path (no free block, a shared block): the caller
-        schedules the step per request, and any block opened here stays opened and in ``out``."""
+        ``decode_positions``, ``num_scheduled_tokens`` and ``decode_new_blocks``); False, with
+        nothing changed, when one at a block boundary cannot stay on the fast path (too few free
+        blocks, a shared block): the caller schedules the step per request."""
         t = self.step + 1
         bs = kv.block_size
         reqs = self.running
