@@ -16,8 +16,11 @@ import json
 import statistics
 from pathlib import Path
 
-SERVED = ("minimal", "stack", "disagg")
-PROCESS_ORDER = ("minimal_server", "prefill_worker", "decode_worker", "router", "ingress")
+SERVED = ("minimal", "stack", "split", "disagg", "disagg_split")
+PROCESS_ORDER = (
+    "minimal_server", "prefill_worker", "prefill_engine_process", "decode_worker", "engine_process", "router",
+    "ingress",
+)  # fmt: skip
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -77,7 +80,8 @@ def print_report(before: dict, after: dict, ratios: dict) -> None:
                 continue
             r = ratios[w][layout]
             procs = "  ".join(
-                f"{p.split('_')[0]} {b['cpu_ms_per_token'][p]:.3f}->{a['cpu_ms_per_token'][p]:.3f}"
+                f"{p.replace('_worker', '').replace('engine_process', 'core')} "
+                f"{b['cpu_ms_per_token'][p]:.3f}->{a['cpu_ms_per_token'][p]:.3f}"
                 for p in PROCESS_ORDER
                 if p in a["cpu_ms_per_token"] and p in b["cpu_ms_per_token"]
             )
@@ -98,7 +102,9 @@ def plot(before: dict, after: dict, path: Path) -> None:
 
     workloads = list(after)
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
-    colors = dict(zip(PROCESS_ORDER, ("#888888", "#4c72b0", "#dd8452", "#55a868", "#c44e52")))
+    colors = dict(
+        zip(PROCESS_ORDER, ("#888888", "#4c72b0", "#8172b3", "#dd8452", "#937860", "#55a868", "#c44e52"))
+    )
     for ax, w in zip(axes[0], workloads):
         labels, x = [], 0
         for layout in SERVED:
