@@ -30,7 +30,7 @@ from engine.scheduler_output import (
     RunningSequenceData,
     SchedulerOutput,
 )
-from engine.scheduler_preemption import _WAITING_ORDER, Preemption, _priority_key, _remaining_prefill
+from engine.scheduler_preemption import WAITING_ORDER, Preemption, priority_key, remaining_prefill
 from engine.scheduler_results import StepResults
 from engine.scheduler_transfer import TransferQueue
 from engine.steady_decodes import SteadyDecodes
@@ -89,7 +89,7 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         self.requests[req.request_id] = req
         self.groups.setdefault(req.group_id, []).append(req.request_id)
         self.waiting.append(req)
-        if self.policy in _WAITING_ORDER:
+        if self.policy in WAITING_ORDER:
             self._sort_waiting()
 
     def finish(self, seq_id: str, status: RequestStatus) -> Request | None:
@@ -156,8 +156,8 @@ class Scheduler(TransferQueue, StepResults, Preemption):
             for r in self.running:
                 (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
         if self.policy == "priority":
-            decodes.sort(key=_priority_key)
-            prefills.sort(key=_priority_key)
+            decodes.sort(key=priority_key)
+            prefills.sort(key=priority_key)
         if self.policy == "prefill_first":
             self._schedule_running(prefills, out, budget, scheduled)
             self._schedule_waiting(out, budget, scheduled)
@@ -171,7 +171,7 @@ class Scheduler(TransferQueue, StepResults, Preemption):
             budget[0] -= held
             self._schedule_swapped(out, budget, scheduled)
             self._schedule_waiting(out, budget, scheduled)
-            self._schedule_running(sorted(prefills, key=_remaining_prefill), out, budget, scheduled)
+            self._schedule_running(sorted(prefills, key=remaining_prefill), out, budget, scheduled)
             budget[0] += held
         else:
             self._schedule_running(decodes, out, budget, scheduled)

@@ -34,7 +34,7 @@ class Preemption:
         if not pool:
             return None
         if self.policy == "priority":
-            return max(pool, key=_priority_key)
+            return max(pool, key=priority_key)
         return pool[-1]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -74,20 +74,22 @@ class Preemption:
             if fits and seats:
                 return
             victim = self._pick_victim(set())
-            if victim is None or _priority_key(victim) <= _priority_key(req):
+            if victim is None or priority_key(victim) <= priority_key(req):
                 return
             self._preempt(victim, out)
 
     def _sort_waiting(self) -> None:
-        self.waiting = deque(sorted(self.waiting, key=_WAITING_ORDER[self.policy]))
+        self.waiting = deque(sorted(self.waiting, key=WAITING_ORDER[self.policy]))
 
 
-def _priority_key(req: Request) -> tuple[int, float]:
+def priority_key(req: Request) -> tuple[int, float]:
+    """The ``priority`` policy's order: lower value first, then earlier arrival."""
     return (req.priority, req.arrival_time)
 
 
-def _remaining_prefill(req: Request) -> int:
+def remaining_prefill(req: Request) -> int:
+    """The ``fair`` policy's order of prompts: the shortest remaining prefill first."""
     return req.num_tokens - req.num_computed_tokens
 
 
-_WAITING_ORDER = {"priority": _priority_key, "fair": _remaining_prefill}
+WAITING_ORDER = {"priority": priority_key, "fair": remaining_prefill}  # policies that sort the queue
