@@ -83,9 +83,11 @@ def make_checkpoint(workdir: Path, max_len: int, swap: bool) -> tuple[Path, str]
     return path, "tiny checkpoint, zero-cost model swapped in"
 
 
-def build_engine(checkpoint: Path, swap: bool, batch: int, max_len: int, num_blocks: int, **engine_args):
-    """``engine_args``: more engine options (this bench passes the attention backend, whose per-step
-    metadata a GPU engine builds, and async_scheduling where asked)."""
+def build_engine(
+    checkpoint: Path, swap: bool, batch: int, max_len: int, blocks: int, policy="prefill_first", **kw
+):
+    """``kw``: more engine options (the attention backend, whose per-step metadata a GPU engine
+    builds; async_scheduling where asked); ``policy``: fifo where requests arrive while others decode."""
     from engine import EngineConfig, EngineCore
 
     core = EngineCore(
@@ -94,12 +96,12 @@ def build_engine(checkpoint: Path, swap: bool, batch: int, max_len: int, num_blo
             device="cpu",
             dtype="float32",
             block_size=BLOCK_SIZE,
-            num_blocks=num_blocks,
+            num_blocks=blocks,
             max_model_len=max_len,
             max_num_seqs=batch,
             max_num_batched_tokens=max(2048, min(batch * max_len, 16384)),
-            scheduling_policy="prefill_first",
-            **engine_args,
+            scheduling_policy=policy,
+            **kw,
         )
     )
     if swap:
@@ -166,7 +168,7 @@ def _profile(core, steps: int, top: int) -> list[dict]:
     ]
 
 
-def _channel_step(core):
+def channel_step(core):
     """A step as the engine process runs it: the step, then its outputs encoded for the channel to
     its worker, the plain ones as the columns the engine kept where the tree keeps them so. Returns
     the tokens it produced."""
@@ -209,7 +211,7 @@ def measure(
 ) -> dict:
     """One shape: prefill, warm up, then ``steps`` timed decode steps (and ``profile`` more under
     cProfile); ``engine_process``: each step with its outputs encoded as the engine process sends
-    them (``_channel_step``)."""
+    them (``channel_step``)."""
     max_tokens = WARMUP_STEPS + steps + profile + 4
     max_len = context + max_tokens
     # Every sequence's whole length, over the 1% the scheduler keeps free when it admits.
@@ -229,7 +231,7 @@ def measure(
     step_s: list[float] = []
     clock = time.perf_counter
     step, produced = (
-        _channel_step(core)
+        channel_step(core)
         if engine_process
         else (core.step, lambda outs: sum(len(o.new_token_ids) for o in outs))
     )

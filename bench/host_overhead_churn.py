@@ -43,8 +43,7 @@ def _one(args: argparse.Namespace, steady: bool) -> tuple[float, float]:
     max_len = max(args.context, args.prompt) + longest + 16
     checkpoint, _ = H.make_checkpoint(Path(tempfile.mkdtemp()), max_len, False)
     blocks = math.ceil(args.batch * -(-max_len // H.BLOCK_SIZE) / 0.99) + 8
-    core = H.build_engine(checkpoint, False, args.batch, max_len, blocks, attention_backend="triton")
-    core.scheduler.policy = "fifo"
+    core = H.build_engine(checkpoint, False, args.batch, max_len, blocks, "fifo", attention_backend="triton")
     vocab = H.VOCAB - 3
 
     def add(i: int, length: int, max_tokens: int) -> None:
@@ -57,7 +56,7 @@ def _one(args: argparse.Namespace, steady: bool) -> tuple[float, float]:
         add(i, args.context, 10 + (i + 1) * args.every)
     while any(r.num_computed_tokens < r.prompt_len for r in core.scheduler.requests.values()):
         core.step()
-    step, _ = H._channel_step(core)
+    step, _ = H.channel_step(core)
     added = args.batch
     times = []
     for _ in range(args.steps):

@@ -13,10 +13,11 @@ never overwrites what step N's copy still reads). The device then applies the ta
 derives the slot mapping and the span's block tables itself.
 
 Host work per step is therefore O(tokens + new blocks), not O(batch x context): a 256 x 4k decode
-step no longer writes 66k block ids. A steady decode batch skips even this: its inputs are advanced
-on the device from the step before (``engine.repeat_inputs``). On a CPU engine the "device" table is the host table; its
+step no longer writes 66k block ids. On a CPU engine the "device" table is the host table; its
 writes wait for the step's upload too, and land in one indexed assignment (one per sequence cost
-~5 us each, and a step where 256 sequences cross a block boundary paid it 256 times).
+~5 us each, and a step where 256 sequences cross a block boundary paid it 256 times). A steady
+decode batch skips even the upload: its inputs are advanced on the device from the step before
+(``engine.repeat_inputs``).
 """
 
 from __future__ import annotations

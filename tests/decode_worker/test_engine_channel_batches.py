@@ -52,6 +52,7 @@ def test_a_steady_batch_crosses_as_its_id_and_tokens_and_reads_back_as_the_steps
     received, sent = [], []
     sender, receiver = SteadyBatchSender(), SteadyBatchReceiver()
     core = EngineCore(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=128))
+    free = core.kv.num_free_blocks
     for t in range(len(returned)):
         _requests(core, t)
         plain = PlainTokens()
@@ -61,6 +62,7 @@ def test_a_steady_batch_crosses_as_its_id_and_tokens_and_reads_back_as_the_steps
         sent.append((back.tokens.batch, back.tokens.HasField("batch_members"), len(back.tokens.request_ids)))
         received.append(sorted(outputs_from_proto(back, receiver), key=_key))
     assert not core.has_unfinished()
+    assert core.kv.num_free_blocks == free
     assert received == returned
     as_batch = [s for s in sent if s[0]]
     assert len(as_batch) >= 15 and all(n == 0 for _, _, n in as_batch)  # no per-request columns
