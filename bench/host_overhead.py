@@ -149,11 +149,11 @@ def _prefill(core, batch: int, context: int, max_tokens: int) -> None:
         raise RuntimeError(f"{produced} of {batch} sequences are decoding after the prefill")
 
 
-def _profile(core, steps: int, top: int) -> list[dict]:
+def _profile(step, steps: int, top: int) -> list[dict]:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
-        core.step()
+        step()
     prof.disable()
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive, tottime, cumtime, callers)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
@@ -235,18 +235,21 @@ def measure(
         if engine_process
         else (core.step, lambda outs: sum(len(o.new_token_ids) for o in outs))
     )
+    first, by_slot = sched.running[0], {}  # every sequence's position moves with the first's
     gc.collect()
     for _ in range(steps):
+        slot = first.num_computed_tokens % BLOCK_SIZE
         t0 = clock()
         outs = step()
         step_s.append(clock() - t0)
+        by_slot.setdefault(slot, []).append(step_s[-1] * 1e3)
         if produced(outs) != batch:
             raise RuntimeError(f"a step produced tokens for fewer than {batch} sequences")
     for name in ("schedule", "update"):
         delattr(sched, name)
     for name in runner_calls:
         delattr(runner, name)
-    top = _profile(core, profile, 15) if profile else []
+    top = _profile(step, profile, 15) if profile else []  # as timed: the engine process's step too
     ms = sorted(s * 1e3 for s in step_s)
     mean = {k: sum(v) / steps * 1e3 for k, v in parts.items()}  # per step (the runner: two calls)
     row = {
@@ -260,6 +263,8 @@ def measure(
         "execute_ms": mean["execute"],
         "update_ms": mean["update"],
         "other_ms": statistics.fmean(ms) - sum(mean.values()),
+        # By the block slot the step's token takes (the last fills every block, the first opens one)
+        "by_slot_p50_ms": {k: statistics.median(v) for k, v in sorted(by_slot.items())},
     }
     if top:
         row["profile_top"] = top

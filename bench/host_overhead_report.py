@@ -3,6 +3,8 @@ flatness per batch."""
 
 from __future__ import annotations
 
+import statistics
+
 _COLUMNS = ("mean_ms", "p50_ms", "schedule_ms", "execute_ms", "update_ms", "other_ms")
 
 
@@ -59,6 +61,14 @@ def format_report(result: dict, target_ms: float) -> str:
         lines.append(
             f"target: batch 256 x 4k <= {target_ms} ms per step: {goal['mean_ms']:.3f} ms ({verdict})"
         )
+        slots = {int(k): v for k, v in goal.get("by_slot_p50_ms", {}).items()}  # JSON keys are str
+        n = len(slots)  # the block size, where the run timed a step at every slot
+        if n > 2 and set(slots) == set(range(n)):  # the steps where the batch crosses a boundary
+            between = statistics.median(v for k, v in slots.items() if 0 < k < n - 1)
+            lines.append(
+                f"  p50 by block slot: filling the block {slots[n - 1]:.3f} ms, opening one "
+                f"{slots[0]:.3f}, the others {between:.3f}"
+            )
     if base:
         lines.append(f"baseline: {base['ref']} ({base['commit'][:12]}, {base['mode']})")
     for r in cur["rows"]:

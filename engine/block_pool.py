@@ -116,6 +116,19 @@ class BlockPool:
         if self.recording:  # NOTE: every decode that fills a block: no event built for nobody
             self._events.append(BlockStored([block_hash]))
 
+    def cache_many(self, block_ids: list[int], block_hashes: list[BlockHash]) -> None:
+        """``cache`` of each pair, one event for those registered (a steady batch's filled blocks)."""
+        if not self.enable_caching:
+            return
+        owner, cached, stored = self.block_hash, self._cached, []
+        for b, h in zip(block_ids, block_hashes):  # NOTE: every block a steady batch fills
+            if owner[b] is None and h not in cached:
+                owner[b] = h
+                cached[h] = b
+                stored.append(h)
+        if self.recording and stored:
+            self._events.append(BlockStored(stored))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
         if len(self._free) != self.num_blocks:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from engine.block_hash import BlockHash, hash_next_block
+from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool
+from engine.kv_decode_blocks import DecodeBlocks
 from engine.kv_disk_tier import DiskBlocks, DiskTier
 from engine.kv_host_tier import HostBlocks, HostTier
 from engine.request import Request
@@ -36,7 +37,7 @@ class PrefixHit:
     disk_slots: list[int] = field(default_factory=list)  # the disk tier's blocks that follow those
 
 
-class KVCacheManager:
+class KVCacheManager(DecodeBlocks):
     def __init__(
         self,
         num_blocks: int,
@@ -247,60 +248,6 @@ class KVCacheManager:
         if self._cpu_released:
             self.cpu_free.extend(self._cpu_released)
             self._cpu_released.clear()
-
-    def fill_block(self, req: Request, table: list[int]) -> bool:
-        """The scheduler's fast path, its checks done: ``req``'s next token fills the last slot of
-        its own block ``table[pos // block_size]``, which is cached once full. Always True."""
-        if self.enable_caching:
-            self._cache_full_blocks(req, table, req.num_computed_tokens + 1)
-        return True
-
-    def append_block(self, req: Request) -> int | None:
-        """Fast path for a decode whose token opens a block: a fresh block appended to its table,
-        as ``can_allocate`` + ``allocate`` would (None when none is free: the slow path preempts)."""
-        if not self.pool.num_free:
-            return None
-        table = self.tables[req.request_id]
-        (block,) = self.pool.allocate(1)
-        table.append(block)
-        if self.enable_caching:
-            self._cache_full_blocks(req, table, req.num_computed_tokens + 1)
-        return block
-
-    def fill_blocks(self, reqs: list[Request]) -> None:
-        """``fill_block`` for each of a steady batch's decodes that fills its block
-        (``engine.steady_decodes``): where the hash chain reaches the block before, one hash and
-        the cache entry inline; otherwise as ``fill_block`` does."""
-        if not self.enable_caching:
-            return
-        bs, tables, counts, cache = self.block_size, self.tables, self._num_cached_blocks, self.pool.cache
-        for req in reqs:  # NOTE: every sequence, once per block it fills
-            seq_id, hashes, n = req.request_id, req.block_hashes, req.num_computed_tokens + 1
-            done = len(hashes)
-            if (
-                done
-                and done == n // bs - 1 == counts.get(seq_id)
-                and n <= len(req.token_ids) - req.num_placeholders
-            ):
-                hashes.append(hash_next_block(hashes[-1], req.token_ids[n - bs : n]))
-                cache(tables[seq_id][done], hashes[-1])
-                counts[seq_id] = done + 1
-            else:
-                self._cache_full_blocks(req, tables[seq_id], n)
-
-    def open_blocks(self, reqs: list[Request]) -> list[int] | None:
-        """``append_block`` for each of a steady batch's decodes that opens a block, all or none:
-        None (nothing allocated) when fewer blocks are free."""
-        if len(reqs) > self.pool.num_free:
-            return None
-        blocks = self.pool.allocate(len(reqs))
-        bs, tables, counts = self.block_size, self.tables, self._num_cached_blocks
-        for req, block in zip(reqs, blocks):
-            table = tables[req.request_id]
-            table.append(block)
-            if self.enable_caching and counts.get(req.request_id, 0) < (req.num_computed_tokens + 1) // bs:
-                self._cache_full_blocks(req, table, req.num_computed_tokens + 1)  # the one before lagged
-        return blocks
 
     # Swap -----------------------------------------------------------------------------------
 

@@ -146,9 +146,9 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         prefills: list[Request] = []
         steady, self._steady = self._steady, None
         if (  # a steady decode batch (engine.steady_decodes): the same running requests, in bulk
-            steady is not None and steady.step + 1 < steady.horizon and not scheduled
+            steady is not None and not scheduled and self.running == steady.running
             and (self.policy != "prefill_first" or not (self.waiting or self.swapped))
-            and len(steady.ids) <= budget[0] and self.running == steady.running and steady.advance(self.kv, out)
+            and len(steady.ids) <= budget[0] and steady.step + 1 < steady.horizon and steady.advance(self.kv, out)
         ):  # fmt: skip
             self._steady = steady
             budget[0] -= len(steady.ids)
@@ -237,7 +237,7 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         all_fast = decodes and not prefills and len(out.decode_ids) == len(self.running) == len(decodes)
         if all_fast and not self.num_spec_tokens and self.policy != "priority":
             self._steady = SteadyDecodes.capture(
-                self.running, out.decode_ids, out.decode_positions, self.kv.block_size, self.max_model_len
+                self.running, out.decode_ids, out.decode_positions, self.max_model_len
             )
 
     def _schedule_one(

@@ -32,21 +32,31 @@ class SteadyDecodes:
     running: list[Request]  # the scheduler's running list when captured (a copy)
     ids: list[str]
     positions: list[int]  # the last step's
-    due: list[list[int]]  # by the capture positions' residue mod the block size: request indices
-    horizon: int  # steps after the capture before a request may reach a length limit
+    max_len: int
+    length: int  # the first request's token count at the capture (every list grows in step with it)
     step: int = 0  # steps after the capture
+    # By the capture positions' residue mod the block size: request indices. Built by the first
+    # ``advance`` (a batch that changes before its next step, as under churn, never pays for it).
+    due: list[list[int]] | None = None
+    _horizon: int | None = None
 
     @classmethod
     def capture(
-        cls, running: list[Request], ids: list[str], positions: list[int], block_size: int, max_len: int
+        cls, running: list[Request], ids: list[str], positions: list[int], max_len: int
     ) -> SteadyDecodes:
         """From a step that scheduled every request of ``running``, in order, as a fast-path decode
         (``ids``, at ``positions``)."""
-        due: list[list[int]] = [[] for _ in range(block_size)]
-        for i, p in enumerate(positions):
-            due[p % block_size].append(i)
-        horizon = min(min(r.stop_len, max_len) - len(r.token_ids) for r in running)
-        return cls(list(running), list(ids), list(positions), due, horizon)
+        return cls(list(running), list(ids), list(positions), max_len, len(running[0].token_ids))
+
+    @property
+    def horizon(self) -> int:
+        """Steps after the capture before a request may reach a length limit (found once, counted
+        from the capture: the lists have grown since by as much as the first one has)."""
+        if self._horizon is None:
+            reqs = self.running
+            grown = len(reqs[0].token_ids) - self.length
+            self._horizon = min(min(r.stop_len, self.max_len) - len(r.token_ids) for r in reqs) + grown
+        return self._horizon
 
     def advance(self, kv: KVCacheManager, out: SchedulerOutput) -> bool:
         """Schedule every request one token further into ``out`` (its ``decode_ids``,
@@ -56,6 +66,10 @@ class SteadyDecodes:
         t = self.step + 1
         bs = kv.block_size
         reqs = self.running
+        if self.due is None:  # the first steady step: its positions are the capture's
+            self.due = [[] for _ in range(bs)]
+            for i, p in enumerate(self.positions):
+                self.due[p % bs].append(i)
         positions = list(map(_next, self.positions))
         tables, ref_cnt = kv.tables, kv.pool.ref_cnt
         filling = [reqs[i] for i in self.due[(bs - 1 - t) % bs]]  # their token fills their block

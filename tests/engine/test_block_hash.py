@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_hash import hash_block, hash_blocks, hash_next_block, root_hash
+from engine.block_hash import hash_block, hash_blocks, hash_next_block, hash_next_blocks, root_hash
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -119,3 +119,16 @@ def test_block_hash_source_imports_nothing_heavy() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_many_next_blocks_at_once_equal_each_one() -> None:
+    """A steady batch hashes the blocks its sequences fill in one call (``hash_next_blocks``): each
+    equals ``hash_next_block`` of its own parent and tokens; a token count that is not one block
+    per parent is refused."""
+    parents = [hash_next_block(None, [i, i + 1, i + 2, i + 3], "m") for i in range(5)]
+    blocks = [[(11 * i + j) % 997 for j in range(BS)] for i in range(5)]
+    flat = [t for block in blocks for t in block]
+    assert hash_next_blocks(parents, flat, BS) == [hash_next_block(p, b) for p, b in zip(parents, blocks)]
+    assert hash_next_blocks([], [], BS) == []
+    with pytest.raises(ValueError, match="5 blocks of 4 tokens"):
+        hash_next_blocks(parents, flat[:-1], BS)

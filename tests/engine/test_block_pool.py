@@ -128,6 +128,24 @@ def test_caching_disabled_stores_nothing() -> None:
     assert pool.drain_events() == []
 
 
+def test_caching_many_at_once_is_caching_each_in_one_event() -> None:
+    """A steady batch's filled blocks (``cache_many``): the same entries as ``cache`` of each pair
+    (first writer wins, a block keeps its first hash), stored in one event."""
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
+    pool.cache(d, H[3])
+    pool.drain_events()
+    pool.cache_many([a, b, c, d], [H[0], H[0], H[1], H[2]])
+    assert [pool.lookup(h) for h in H[:4]] == [a, c, None, d]
+    assert pool.block_hash[b] is None
+    assert pool.drain_events() == [BlockStored([H[0], H[1]])]
+    pool.cache_many([b], [H[1]])  # nothing new: no event
+    assert pool.drain_events() == []
+    off = BlockPool(1, enable_caching=False)
+    off.cache_many(off.allocate(1), [H[0]])
+    assert off.lookup(H[0]) is None and off.drain_events() == []
+
+
 def test_events_record_stores_and_removals_in_order_and_drain_empties_them() -> None:
     pool = BlockPool(2)
     a, b = pool.allocate(2)
