@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from operator import attrgetter
 
 from engine.batching_policy import FairBatching
 from engine.kv_cache_manager import KVCacheManager
@@ -34,6 +35,8 @@ from engine.scheduler_preemption import WAITING_ORDER, Preemption, priority_key,
 from engine.scheduler_results import StepResults
 from engine.scheduler_transfer import TransferQueue
 from engine.steady_decodes import SteadyDecodes
+
+_pending_forks = attrgetter("pending_forks")
 
 logger = logging.getLogger(__name__)
 
@@ -145,16 +148,22 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         decodes: list[Request] = []
         prefills: list[Request] = []
         steady, self._steady = self._steady, None
-        if (  # a steady decode batch (engine.steady_decodes): the same running requests, in bulk
-            steady is not None and not scheduled and self.running == steady.running
-            and (self.policy != "prefill_first" or not (self.waiting or self.swapped))
-            and len(steady.ids) <= budget[0] and steady.step + 1 < steady.horizon and steady.advance(self.kv, out)
-        ):  # fmt: skip
-            self._steady = steady
-            budget[0] -= len(steady.ids)
-        else:
-            for r in self.running:
-                (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+        rest = self.running  # scheduled per request: all, or those after a steady batch's members
+        if steady is not None and not scheduled:  # a steady decode batch (engine.steady_decodes)
+            first = self.policy == "prefill_first"  # its prefills go first: no more than the batch
+            tail = (
+                steady.follow(self.running, not first)
+                if not (first and (self.waiting or self.swapped))
+                else None
+            )
+            if (
+                tail is not None and len(steady.ids) <= budget[0] and steady.within_horizon()
+                and steady.advance(self.kv, out)
+            ):  # fmt: skip
+                self._steady, rest = steady, tail
+                budget[0] -= len(steady.ids)
+        for r in rest:
+            (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
         if self.policy == "priority":
             decodes.sort(key=priority_key)
             prefills.sort(key=priority_key)
@@ -234,6 +243,10 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         """Keep a steady decode batch when every running request was just scheduled, in order, as a
         fast-path decode (``engine.steady_decodes``; not under ``priority``, which reorders, nor
         while speculating)."""
+        if self._steady is not None:  # in bulk this step: the requests after it may join
+            steady = self._steady
+            steady.join(self.running[len(steady.ids) :], out)
+            return
         all_fast = decodes and not prefills and len(out.decode_ids) == len(self.running) == len(decodes)
         if all_fast and not self.num_spec_tokens and self.policy != "priority":
             self._steady = SteadyDecodes.capture(
@@ -299,7 +312,8 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         if not self.waiting or budget[0] <= 0:  # a steady decode batch: no pass over it below
             return
         # Parallel samples fork after their prompt: reserve their sequence slots at admission.
-        reserved = len(self.running) + sum(r.pending_forks for r in self.running)
+        # NOTE: every step a request arrives: a C-level pass over the running list.
+        reserved = len(self.running) + sum(map(_pending_forks, self.running))
         skipped: list[Request] = []  # waiting for an adapter slot: later requests go first meanwhile
         try:
             self._admit_waiting(out, budget, scheduled, reserved, skipped)

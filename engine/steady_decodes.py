@@ -1,15 +1,22 @@
 """A steady decode batch, scheduled and updated in bulk rather than one sequence at a time.
 
 When every running request was a fast-path decode last step (``Scheduler._schedule_running``: one
-token into its own block) and the running list has not changed since, this step schedules each of
-them one position further, and only the requests at a block boundary need a look: the one whose
-token fills its block (cached once full) and the one whose token opens the next. Positions advance
-by one per step, so those are found by residue (``due``), not by visiting all. Everything the
-per-request fast path checks is then either fixed for the batch (not speculating, no forks owed,
-known to the runner) or guarded: the running list equal to the captured one (the same requests,
-all still running, in order), the token budget, and ``horizon`` (no request reaches a length
-where an overlapped step would hold it back). Any other case takes the per-request path, which
-captures a new batch when it again finds every running request on the fast path.
+token into its own block), the batch is kept, and each later step schedules its members one
+position further; only the members at a block boundary need a look: the one whose token fills its
+block (cached once full) and the one whose token opens the next. Positions advance by one per
+step, so those are found by residue (``due``), not by visiting all. Everything the per-request
+fast path checks is then either fixed for the batch (not speculating, no forks owed, known to the
+runner) or guarded: the members still running, in order, at the head of the running list, the
+token budget, and ``horizon`` (no member reaches a length where an overlapped step would hold it
+back).
+
+The batch persists as requests come and go (``follow``, ``join``): a member that ended or was
+preempted leaves it, and the requests after the members in the running list (arrivals, mid-prefill
+or past it) are scheduled per request behind the batch; those that went the fast path, from the
+first on, join it. Under ``prefill_first``, whose order puts running prefills before decodes, the
+batch is followed only while nothing runs after it. Any other case (a member at a block boundary
+off the fast path, a running list reordered) takes the per-request path for the step, which
+captures a new batch when it finds every running request on the fast path.
 
 ``update`` has the same shape on its side (``StepResults._update_steady``): a steady batch's
 samples are appended in one loop; only a batch with a stop token, or one reaching a length limit,
@@ -19,25 +26,28 @@ takes the per-request checks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler_output import SchedulerOutput
 
 _next = (1).__add__
+_status = attrgetter("status")
 
 
 @dataclass(slots=True)
 class SteadyDecodes:
-    running: list[Request]  # the scheduler's running list when captured (a copy)
+    running: list[Request]  # the members, in the running list's order (the batch's own list)
     ids: list[str]
     positions: list[int]  # the last step's
     max_len: int
-    length: int  # the first request's token count at the capture (every list grows in step with it)
+    anchor: tuple[Request, int]  # a member and its token count at the capture (for ``horizon``)
     step: int = 0  # steps after the capture
-    # By the capture positions' residue mod the block size: request indices. Built by the first
-    # ``advance`` (a batch that changes before its next step, as under churn, never pays for it).
-    due: list[list[int]] | None = None
+    # Members by their position at the capture modulo the block size (a member that joined later:
+    # its position less the steps since). Built by the first ``advance`` (a batch that changes
+    # before its next step never pays for it).
+    due: list[list[Request]] | None = None
     _horizon: int | None = None
 
     @classmethod
@@ -46,20 +56,79 @@ class SteadyDecodes:
     ) -> SteadyDecodes:
         """From a step that scheduled every request of ``running``, in order, as a fast-path decode
         (``ids``, at ``positions``)."""
-        return cls(list(running), list(ids), list(positions), max_len, len(running[0].token_ids))
+        return cls(
+            list(running), list(ids), list(positions), max_len, (running[0], len(running[0].token_ids))
+        )
 
     @property
     def horizon(self) -> int:
-        """Steps after the capture before a request may reach a length limit (found once, counted
-        from the capture: the lists have grown since by as much as the first one has)."""
+        """Steps after the capture before a member may reach a length limit (found once, counted
+        from the capture: every list has grown since by as much as the anchor's; an anchor that
+        has ended since grew less, which only makes this smaller)."""
         if self._horizon is None:
-            reqs = self.running
-            grown = len(reqs[0].token_ids) - self.length
-            self._horizon = min(min(r.stop_len, self.max_len) - len(r.token_ids) for r in reqs) + grown
+            anchor, length = self.anchor
+            grown = len(anchor.token_ids) - length
+            self._horizon = (
+                min(min(r.stop_len, self.max_len) - len(r.token_ids) for r in self.running) + grown
+            )
         return self._horizon
 
+    def within_horizon(self) -> bool:
+        """Whether no member can be at a length where the per-request path holds it back: one whose
+        token in flight (an overlapped step's) is its last. With no step in flight (its members'
+        tokens all known), a member at its limit has ended and left the batch."""
+        return not self.running[0].num_placeholders or self.step + 1 < self.horizon
+
+    def follow(self, running: list[Request], tail_ok: bool) -> list[Request] | None:
+        """Drop the members that no longer run; then the requests of ``running`` after the members
+        (none unless ``tail_ok``), or None when the members are not its head, in order (the caller
+        schedules the step per request)."""
+        members = self.running
+        n = len(members)
+        if len(running) == n and running == members:  # NOTE: every steady step: one list compare
+            return []
+        if running[:n] != members:
+            states = list(map(_status, members))
+            if states.count(RequestStatus.RUNNING) != n:
+                self._drop([i for i, s in enumerate(states) if s != RequestStatus.RUNNING])
+                n = len(members)
+            if not n or running[:n] != members:
+                return None
+        tail = running[n:]
+        return tail if tail_ok or not tail else None
+
+    def _drop(self, gone: list[int]) -> None:
+        """Members at indices ``gone`` (ascending) leave the batch."""
+        bs = len(self.due) if self.due is not None else 0
+        for i in reversed(gone):
+            req = self.running.pop(i)
+            del self.ids[i]
+            pos = self.positions.pop(i)
+            if bs:
+                self.due[(pos - self.step) % bs].remove(req)
+
+    def join(self, tail: list[Request], out: SchedulerOutput) -> None:
+        """After a bulk step: the requests of ``tail`` (those after the members in the running
+        list) that this step scheduled as fast-path decodes, right behind the members in
+        ``out.decode_ids``, become members, up to the first that did not."""
+        ids, positions, due = out.decode_ids, out.decode_positions, self.due
+        k, t, bs = len(self.ids), self.step, len(due)
+        horizon = self._horizon  # None: not needed yet (found when it is, the joiners counted)
+        for req in tail:
+            if k >= len(ids) or ids[k] != req.request_id:
+                break
+            pos = positions[k]
+            self.running.append(req)
+            self.ids.append(req.request_id)
+            self.positions.append(pos)
+            due[(pos - t) % bs].append(req)
+            if horizon is not None:  # counted as at a capture now: its own limit, ``t`` steps on
+                horizon = min(horizon, t + min(req.stop_len, self.max_len) - len(req.token_ids))
+            k += 1
+        self._horizon = horizon
+
     def advance(self, kv: KVCacheManager, out: SchedulerOutput) -> bool:
-        """Schedule every request one token further into ``out`` (its ``decode_ids``,
+        """Schedule every member one token further into ``out`` (its ``decode_ids``,
         ``decode_positions``, ``num_scheduled_tokens`` and ``decode_new_blocks``); False, with
         nothing changed, when one at a block boundary cannot stay on the fast path (too few free
         blocks, a shared block): the caller schedules the step per request."""
@@ -68,18 +137,18 @@ class SteadyDecodes:
         reqs = self.running
         if self.due is None:  # the first steady step: its positions are the capture's
             self.due = [[] for _ in range(bs)]
-            for i, p in enumerate(self.positions):
-                self.due[p % bs].append(i)
+            for req, p in zip(reqs, self.positions):
+                self.due[p % bs].append(req)
         positions = list(map(_next, self.positions))
         tables, ref_cnt = kv.tables, kv.pool.ref_cnt
-        filling = [reqs[i] for i in self.due[(bs - 1 - t) % bs]]  # their token fills their block
+        filling = self.due[(bs - 1 - t) % bs]  # their token fills their block
         for req in filling:
             table = tables[req.request_id]
             idx = req.num_computed_tokens // bs
             if idx >= len(table) or ref_cnt[table[idx]] != 1:
                 return False
         opening = []  # ... opens one
-        for req in (reqs[i] for i in self.due[-t % bs]):
+        for req in self.due[-t % bs]:
             table = tables[req.request_id]
             idx = req.num_computed_tokens // bs
             if idx == len(table):
@@ -94,8 +163,8 @@ class SteadyDecodes:
         kv.fill_blocks(filling)  # cached once full
         for req, pos in zip(reqs, positions):  # NOTE: every sequence, every steady step
             req.num_computed_tokens = pos + 1
-        out.decode_ids = list(self.ids)
-        out.decode_positions = positions
+        out.decode_ids = list(self.ids)  # copies: the step's requests after the batch extend them
+        out.decode_positions = list(positions)
         out.num_scheduled_tokens.update(dict.fromkeys(self.ids, 1))
         self.positions, self.step = positions, t
         return True

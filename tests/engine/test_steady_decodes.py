@@ -12,7 +12,7 @@ import pytest
 
 from engine import EngineConfig, EngineCore, SamplingParams
 from engine.repeat_inputs import RepeatInputs
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.scheduler_output import PlainTokens
 from engine.scheduler_results import StepResults
@@ -24,7 +24,7 @@ class BulkCounts:
     """How often each bulk path ran (and the scheduler's gave way at a block boundary)."""
 
     def __init__(self, monkeypatch, enabled: bool) -> None:
-        self.scheduled = self.refused = self.advanced = self.appended = 0
+        self.scheduled = self.refused = self.advanced = self.appended = self.dropped = self.joined = 0
         if not enabled:
             monkeypatch.setattr(Scheduler, "_capture_steady", lambda self, *a: None)
             monkeypatch.setattr(RepeatInputs, "capture", classmethod(lambda cls, *a: None))
@@ -35,6 +35,16 @@ class BulkCounts:
             RepeatInputs.advance,
             StepResults._update_steady,
         )
+        drop, join = SteadyDecodes._drop, SteadyDecodes.join
+
+        def counted_drop(steady, gone):
+            self.dropped += len(gone)
+            drop(steady, gone)
+
+        def counted_join(steady, tail, out):
+            before = len(steady.ids)
+            join(steady, tail, out)
+            self.joined += len(steady.ids) - before
 
         def counted_advance(steady, kv, out):
             ok = advance(steady, kv, out)
@@ -55,6 +65,8 @@ class BulkCounts:
         monkeypatch.setattr(SteadyDecodes, "advance", counted_advance)
         monkeypatch.setattr(RepeatInputs, "advance", counted_device_advance)
         monkeypatch.setattr(StepResults, "_update_steady", counted_update)
+        monkeypatch.setattr(SteadyDecodes, "_drop", counted_drop)
+        monkeypatch.setattr(SteadyDecodes, "join", counted_join)
 
 
 # The scheduler, on the KV-checking driver ----------------------------------------------------------
@@ -100,6 +112,88 @@ def test_steady_scheduling_decides_every_step_as_the_per_request_path(monkeypatc
     assert counts.scheduled >= 20 and counts.appended >= 20
     if num_blocks == 14:
         assert ref.sched.num_preemptions > 0 and counts.refused > 0
+
+
+def _churn(policy: str, num_blocks: int, seed: int, longest_prompt: int = 12) -> tuple[list[tuple], Driver]:
+    """Requests arriving while others decode and ending at scattered steps (a batch that changes
+    every few steps, as under serving load); every step's decisions and the pool's cache. Prompts
+    longer than the 40-token budget are prefilled in chunks, competing with the decodes for it."""
+    rng = random.Random(seed)
+    d = Driver(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=40, max_num_seqs=10, policy=policy)
+    steps: list[tuple] = []
+    for t in range(500):
+        if t < 150 and rng.random() < 0.3:
+            d.add(f"r{d._num_added}", rng.randrange(2, longest_prompt), max_tokens=rng.randrange(3, 30))
+        if t >= 150 and not d.sched.has_unfinished():
+            break
+        out = d.step()
+        steps.append((
+            list(out.decode_ids), list(out.decode_positions), dict(out.num_scheduled_tokens),
+            dict(out.decode_new_blocks), [s.seq_id for s in out.new_seqs], sorted(out.finished_seq_ids),
+            list(d.kv.pool.block_hash), d.sched.num_preemptions,
+        ))  # fmt: skip
+    d.assert_drained()
+    return steps, d
+
+
+@pytest.mark.parametrize("policy", ["fifo", "fair", "prefill_first"])
+@pytest.mark.parametrize(("num_blocks", "longest_prompt"), [(96, 12), (24, 12), (128, 90)])
+def test_a_steady_batch_kept_as_requests_come_and_go_decides_as_the_per_request_path(
+    monkeypatch, policy, num_blocks, longest_prompt
+):
+    """Members that end leave the batch, requests past their prefill join it (``follow``,
+    ``join``): every step decides as the per-request path does, with the pool running short (24
+    blocks: preemptions) or not, and with chunked prefills running behind the batch (prompts up to
+    90 tokens); under fifo and fair the batch is kept across arrivals."""
+    with monkeypatch.context() as m:
+        BulkCounts(m, enabled=False)
+        ref_steps, ref = _churn(policy, num_blocks, num_blocks + 1, longest_prompt)
+    counts = BulkCounts(monkeypatch, enabled=True)
+    steps, got = _churn(policy, num_blocks, num_blocks + 1, longest_prompt)
+    for i, (want, have) in enumerate(zip(ref_steps, steps)):
+        assert have == want, f"step {i} differs"
+    assert len(steps) == len(ref_steps)
+    assert got.outputs == ref.outputs and got.finish_reasons == ref.finish_reasons
+    assert counts.scheduled >= 25 and counts.dropped >= 3
+    if policy != "prefill_first":  # (there the batch is kept only while nothing runs after it)
+        assert counts.joined >= 20
+    if num_blocks == 24:
+        assert ref.sched.num_preemptions > 0
+
+
+def test_following_the_running_list_drops_ended_members_and_refuses_a_changed_order():
+    """``follow``: the members that no longer run leave (their rows, positions and residue lists),
+    the requests after the members come back as the tail (unless the policy allows none), and a
+    running list whose head is not the members, in order, is refused."""
+    reqs = [
+        Request(f"m{i}", [1, 2, 3], SamplingParams(max_tokens=9), seed=0, eos_token_ids=frozenset())
+        for i in range(5)
+    ]
+    for r in reqs:
+        r.status = RequestStatus.RUNNING
+    a, b, c, x, y = reqs
+
+    def batch() -> SteadyDecodes:
+        steady = SteadyDecodes.capture([a, b, c], ["m0", "m1", "m2"], [4, 5, 6], 100)
+        steady.due = [[a], [b], [c], []]  # as the first advance builds them (block size 4)
+        return steady
+
+    steady = batch()
+    assert steady.follow([a, b, c], tail_ok=False) == []
+    assert steady.follow([a, b, c, x, y], tail_ok=True) == [x, y]
+    assert steady.follow([a, b, c, x], tail_ok=False) is None  # prefill_first: nothing behind it
+    assert steady.follow([a, c, b], tail_ok=True) is None  # reordered
+    b.status = RequestStatus.FINISHED_STOPPED
+    assert steady.follow([a, c, x], tail_ok=True) == [x]
+    assert (steady.running, steady.ids, steady.positions) == ([a, c], ["m0", "m2"], [4, 6])
+    assert steady.due == [[a], [], [c], []]
+    b.status = RequestStatus.RUNNING  # ... and back at the end of the list (preempted, resumed)
+    steady = batch()
+    assert steady.follow([a, c, b], tail_ok=True) is None
+    for r in (a, c):
+        r.status = RequestStatus.FINISHED_LENGTH
+    b.status = RequestStatus.WAITING
+    assert steady.follow([x], tail_ok=True) is None  # no member left
 
 
 def test_blocks_filled_by_steady_decodes_are_cached_for_the_next_request(monkeypatch):
@@ -188,3 +282,50 @@ def test_steady_engine_steps_equal_the_per_request_steps(monkeypatch, tiny_llama
     assert counts.scheduled >= 20 and counts.advanced >= 20
     if not overlap:  # overlapped steps' tokens go through the placeholders' path
         assert counts.appended >= 20
+
+
+def _engine_churn(model, overlap: bool) -> list[list]:
+    """Arrivals every few steps, short and long outputs: the batch followed through its changes,
+    members reaching their length limits soon after they join."""
+    core = EngineCore(
+        EngineConfig(
+            model=str(model), block_size=4, num_blocks=160, async_scheduling="on" if overlap else "off"
+        )
+    )
+    free = core.kv.num_free_blocks
+    steps = []
+    schedule = core.scheduler.schedule
+
+    def recorded():  # what each step scheduled, as well as what it produced
+        out = schedule()
+        steps.append(dict(out.num_scheduled_tokens))
+        return out
+
+    core.scheduler.schedule = recorded
+    for t in range(400):
+        if t < 90 and t % 3 == 0:
+            n = t // 3
+            params = SamplingParams(temperature=0, max_tokens=(3, 25, 6, 40, 2)[n % 5], ignore_eos=True)
+            core.add_request(f"c{t}", PROMPTS[n % len(PROMPTS)], params if n % 7 else _params(n))
+        if t >= 90 and not core.has_unfinished():
+            break
+        steps.append(sorted((o.request_id, o.new_token_ids, o.finish_reason) for o in core.step()))
+    assert not core.has_unfinished()
+    assert core.kv.num_free_blocks == free
+    return steps
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_steps_of_a_changing_batch_equal_the_per_request_steps(monkeypatch, tiny_llama, overlap):
+    """The engine with the batch followed as requests come and go, overlapped or not: the same
+    tokens scheduled, tokens out and finishes, step by step, as the per-request paths (with
+    overlap, a member that joins close to its length limit must bring the batch's ``horizon``
+    down, or the bulk step schedules it a token the per-request path holds back)."""
+    with monkeypatch.context() as m:
+        BulkCounts(m, enabled=False)
+        want = _engine_churn(tiny_llama, overlap)
+    counts = BulkCounts(monkeypatch, enabled=True)
+    assert _engine_churn(tiny_llama, overlap) == want
+    assert counts.scheduled >= 20 and counts.joined >= 10
+    if not overlap:  # (overlapped, a member nearing its length limit sends the step per request)
+        assert counts.dropped >= 10
