@@ -8,12 +8,13 @@ with staggered lengths, one ending every ``--every`` steps, each replaced at onc
 under serving load. Each run times ``--steps`` steps as the engine process runs them (step plus
 channel encode), alternately with the steady paths on and switched off, and prints both.
 
-    python -m bench.host_overhead_churn [--every 4] [--runs 3] [--batch 256] [--context 1024]
+    python -m bench.host_overhead_churn [--every 4] [--runs 3] [--batch 256] [--context 1024] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import subprocess
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=64, help="the arriving requests' prompt length")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--runs", type=int, default=3, help="alternated runs of each side")
+    parser.add_argument("--json", type=Path, help="also write the runs and the ratio here")
     parser.add_argument("--side", choices=["on", "off"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if min(args.every, args.batch, args.context, args.prompt, args.steps, args.runs) < 1:
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         print(*_one(args, args.side == "on"))
         return
     got: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
-    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--side")]
+    keep = ("--batch", "--context", "--prompt", "--steps", "--every")  # what each side needs
+    passed = [f"{flag}={getattr(args, flag[2:])}" for flag in keep]
     for run in range(args.runs):
         for side in ("on", "off"):
             out = subprocess.run(
@@ -104,6 +107,11 @@ def main(argv: list[str] | None = None) -> None:
         f"batch {args.batch} x {args.context}, one ends every {args.every} steps: min mean {on:.3f} ms with the "
         f"steady paths, {off:.3f} without ({on / off:.2f}x)"
     )
+    if args.json:
+        shape = {k: getattr(args, k) for k in ("batch", "context", "prompt", "steps", "every", "runs")}
+        runs = {side: [{"mean_ms": m, "p50_ms": p} for m, p in got[side]] for side in got}
+        result = {**shape, "runs": runs, "min_mean_ms": {"on": on, "off": off}, "on_over_off": on / off}
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -70,13 +70,36 @@ def test_stored_runs_plot_per_batch(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
-def test_a_churning_batch_is_timed_with_and_without_the_steady_paths(capsys):
-    """``bench.host_overhead_churn``: both sides run (each in a process of its own) and compare."""
+def test_a_churning_batch_is_timed_with_and_without_the_steady_paths(capsys, tmp_path):
+    """``bench.host_overhead_churn``: both sides run (each in a process of its own, with this
+    call's shape) and compare; ``--json`` keeps the runs."""
     from bench import host_overhead_churn
 
+    out_json = tmp_path / "churn.json"
     host_overhead_churn.main(
-        ["--batch", "4", "--context", "32", "--steps", "24", "--every", "2", "--runs", "1"]
+        [
+            "--batch",
+            "4",
+            "--context",
+            "32",
+            "--steps",
+            "24",
+            "--every",
+            "2",
+            "--runs",
+            "1",
+            "--json",
+            str(out_json),
+        ]
     )
     out = capsys.readouterr().out
     assert "steady paths on : mean" in out and "steady paths off: mean" in out
-    assert "one ends every 2 steps" in out and "x)" in out
+    assert "batch 4 x 32, one ends every 2 steps" in out and "x)" in out
+    result = json.loads(out_json.read_text())
+    assert (result["batch"], result["every"], len(result["runs"]["on"]), len(result["runs"]["off"])) == (
+        4,
+        2,
+        1,
+        1,
+    )
+    assert result["on_over_off"] == result["min_mean_ms"]["on"] / result["min_mean_ms"]["off"]
