@@ -359,6 +359,14 @@ class _ClusterCollector:
             yield CounterMetricFamily(
                 "pdserve_router_requests_routed", "Requests the router has routed", value=c.requests_routed
             )
+            failed = CounterMetricFamily(
+                "pdserve_router_failed_requests",
+                "Requests the router could not serve, by the gRPC status they ended with",
+                labels=["code"],
+            )
+            for code, n in sorted(c.failed_by_code.items()):
+                failed.add_metric([code], n)
+            yield failed
             yield CounterMetricFamily(
                 "pdserve_router_local_prefills",
                 "Requests prefilled on their decode worker (uncached prompt part under the threshold)",

@@ -43,14 +43,14 @@ async def caller_stream(
         asyncio.current_task().uncancel()  # Router.Abort cancelled it: end the stream normally
         yield pb.GenerateResponse(finished=pb.Finished(finish_reason="abort"))
     except NoWorkersError as exc:
-        router.stats.failed += 1
         code = grpc.StatusCode.NOT_FOUND if isinstance(exc, AdapterNotServed) else grpc.StatusCode.UNAVAILABLE
+        router.stats.fail(code)
         raise RouteFailed(code, str(exc)) from None
     except MigrationRefused as exc:  # its decode worker was lost and it cannot move (a 503)
-        router.stats.failed += 1
+        router.stats.fail(exc.code)
         raise RouteFailed(exc.code, str(exc)) from None
     except grpc.aio.AioRpcError as exc:  # a worker's refusal or failure, passed on as is
-        router.stats.failed += 1
+        router.stats.fail(exc.code())
         raise RouteFailed(exc.code(), exc.details() or str(exc.code())) from None
 
 
@@ -132,6 +132,7 @@ class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):
             prefill_retries=s.prefill_retries,
             aggregated_fallbacks=s.aggregated_fallbacks,
             failed_requests=s.failed,
+            failed_by_code=s.failed_by_code,
             active_requests=r.active,
             decode_retries=s.decode_retries,
             local_prefills=s.local_prefills,

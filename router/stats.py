@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -14,6 +14,7 @@ class RouterStats:
     kv_streamed: int = 0  # requests whose early Decode (KV streaming) took the complete handle
     aggregated_fallbacks: int = 0
     failed: int = 0
+    failed_by_code: dict[str, int] = field(default_factory=dict)  # the gRPC status each ended with
     predicted_hit_tokens: int = 0
     delivered_hit_tokens: int = 0
     prompt_tokens: int = 0
@@ -21,3 +22,8 @@ class RouterStats:
     stalls: int = 0  # decode streams given up on as stalled
     migrations_refused: int = 0  # lost streams that could not be resumed (limit, no worker, n > 1)
     peer_reads: int = 0  # prefills sent with a peer to read the prompt's prefix from
+
+    def fail(self, code) -> None:
+        """A request the router could not serve, ending with gRPC status ``code``."""
+        self.failed += 1
+        self.failed_by_code[code.name] = self.failed_by_code.get(code.name, 0) + 1

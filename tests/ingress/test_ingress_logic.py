@@ -335,8 +335,9 @@ def test_metrics_render_worker_and_transfer_series():
         ),
     ]
     cluster = pb.ClusterState(
-        requests_routed=5, migrations=2, stalls=1, migrations_refused=1, kv_streamed=4, peer_reads=6
-    )
+        requests_routed=5, migrations=2, stalls=1, migrations_refused=1, kv_streamed=4, peer_reads=6,
+        failed_requests=3, failed_by_code={"UNAVAILABLE": 2, "INVALID_ARGUMENT": 1},
+    )  # fmt: skip
     text = m.render(cluster, workers, ("ing-1", 1, 0)).decode()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -367,6 +368,8 @@ def test_metrics_render_worker_and_transfer_series():
     assert samples[("pdserve_router_migrations_total", ())] == 2
     assert samples[("pdserve_router_stalls_total", ())] == 1
     assert samples[("pdserve_router_migrations_refused_total", ())] == 1
+    assert samples[("pdserve_router_failed_requests_total", (("code", "UNAVAILABLE"),))] == 2
+    assert samples[("pdserve_router_failed_requests_total", (("code", "INVALID_ARGUMENT"),))] == 1
 
 
 def test_config_validation():

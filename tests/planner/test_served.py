@@ -219,7 +219,7 @@ def test_measuring_a_real_server_samples_ttft_alone_and_itl_per_batch(server, ti
         ("itl", 32, None, 1),
         ("itl", 32, None, 3),
     ]
-    assert all(s["seconds"] > 0 for s in over.samples)
+    assert all(s["seconds"] > 0 for s in over.samples if s["kind"] != "cpu")  # (those: >= 0, above)
     assert min(over.ttft_s, over.step_s, over.step_per_seq_s, over.per_token_s, over.prefill_scale) >= 0
     assert len(lines) == 10 and lines[0].startswith("TTFT of a 32-token prompt alone, 0 cached")
     with pytest.raises(ServedError, match=r"names no model\.vocab_size"):

@@ -73,7 +73,7 @@ def test_no_workers_fails_as_unavailable(redis_server):
                     pass
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "worker" in err.value.details()
-            assert router.stats.failed == 1
+            assert router.stats.failed == 1 and router.stats.failed_by_code == {"UNAVAILABLE": 1}
         finally:
             await router.close()
             empty.stop()
