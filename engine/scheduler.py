@@ -82,6 +82,7 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         self._repeat_requests: list[Request | None] = []
         self._repeat_checks: tuple[list[int], frozenset[int], int] | None = None  # ... its bulk checks
         self._steady: SteadyDecodes | None = None  # the running requests, scheduled in bulk
+        self._swapped_in: set[str] = set()  # request ids swapped in by this step (``schedule``)
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_prompt_tokens = 0
@@ -139,6 +140,7 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         self.kv.begin_step()
         out = SchedulerOutput(finished_seq_ids=self._finished_ids)
         self._finished_ids = set()
+        self._swapped_in: set[str] = set()  # this step's swap-ins: no victim before their copy lands
         budget = [self.max_num_batched_tokens]
         scheduled = out.num_scheduled_tokens  # seq_id -> tokens; membership = scheduled this step
         if self.parked:
@@ -259,7 +261,9 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         """A running sequence off the fast path (it needs a block, shares its last one, forks, or
         returns to the runner): allocate, preempting later sequences while no block is free."""
         while not self.kv.can_allocate(req, num_new, None, 0):
-            victim = self._pick_victim(scheduled.keys() | {req.request_id})
+            # Not one swapped in this step either: swapped out again, its copy would read the blocks
+            # before the swap-in wrote them (the runner applies swap-outs first).
+            victim = self._pick_victim(scheduled.keys() | self._swapped_in | {req.request_id})
             self._preempt(victim or req, out)
             if victim is None:
                 return
@@ -301,6 +305,7 @@ class Scheduler(TransferQueue, StepResults, Preemption):
                 return
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.kv.swap_in(req))
+            self._swapped_in.add(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._sent_to_runner.discard(req.request_id)
