@@ -8,7 +8,7 @@ with staggered lengths, one ending every ``--every`` steps, each replaced at onc
 under serving load. Each run times ``--steps`` steps as the engine process runs them (step plus
 channel encode), alternately with the steady paths on and switched off, and prints both.
 
-    python -m bench.host_overhead_churn [--every 4] [--runs 3] [--batch 256] [--context 1024] [--json PATH]
+    python -m bench.host_overhead_churn [--every 4] [--runs 3] [--batch 256] [--context 1024] [--overlap] [--json PATH]
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ def _one(args: argparse.Namespace, steady: bool) -> tuple[float, float]:
     max_len = max(args.context, args.prompt) + longest + 16
     checkpoint, _ = H.make_checkpoint(Path(tempfile.mkdtemp()), max_len, False)
     blocks = math.ceil(args.batch * -(-max_len // H.BLOCK_SIZE) / 0.99) + 8
-    core = H.build_engine(checkpoint, False, args.batch, max_len, blocks, "fifo", attention_backend="triton")
+    overlap = {"async_scheduling": "on"} if args.overlap else {}
+    core = H.build_engine(
+        checkpoint, False, args.batch, max_len, blocks, "fifo", attention_backend="triton", **overlap
+    )
     vocab = H.VOCAB - 3
 
     def add(i: int, length: int, max_tokens: int) -> None:
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--prompt", type=int, default=64, help="the arriving requests' prompt length")
+    parser.add_argument("--overlap", action="store_true", help="the engine with async_scheduling on")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--runs", type=int, default=3, help="alternated runs of each side")
     parser.add_argument("--json", type=Path, help="also write the runs and the ratio here")
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     got: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
     keep = ("--batch", "--context", "--prompt", "--steps", "--every")  # what each side needs
-    passed = [f"{flag}={getattr(args, flag[2:])}" for flag in keep]
+    passed = [f"{flag}={getattr(args, flag[2:])}" for flag in keep] + ["--overlap"] * args.overlap
     for run in range(args.runs):
         for side in ("on", "off"):
             out = subprocess.run(
@@ -108,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
         f"steady paths, {off:.3f} without ({on / off:.2f}x)"
     )
     if args.json:
-        shape = {k: getattr(args, k) for k in ("batch", "context", "prompt", "steps", "every", "runs")}
+        shape = {
+            k: getattr(args, k) for k in ("batch", "context", "prompt", "steps", "every", "runs", "overlap")
+        }
         runs = {side: [{"mean_ms": m, "p50_ms": p} for m, p in got[side]] for side in got}
         result = {**shape, "runs": runs, "min_mean_ms": {"on": on, "off": off}, "on_over_off": on / off}
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -82,6 +82,7 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         self._repeat_requests: list[Request | None] = []
         self._repeat_checks: tuple[list[int], frozenset[int], int] | None = None  # ... its bulk checks
         self._steady: SteadyDecodes | None = None  # the running requests, scheduled in bulk
+        self._tail: list[Request] = []  # ... and those after it this step, scheduled per request
         self._swapped_in: set[str] = set()  # request ids swapped in by this step (``schedule``)
         self.num_preemptions = 0
         self.num_swap_outs = 0
@@ -158,11 +159,14 @@ class Scheduler(TransferQueue, StepResults, Preemption):
                 if not (first and (self.waiting or self.swapped))
                 else None
             )
+            held = steady.held() if tail is not None else None
+            if held:  # (overlapped) their token in flight is their last: not scheduled, as per request
+                steady.release(held)
             if (
-                tail is not None and len(steady.ids) <= budget[0] and steady.within_horizon()
+                held is not None and steady.running and len(steady.ids) <= budget[0]
                 and steady.advance(self.kv, out)
             ):  # fmt: skip
-                self._steady, rest = steady, tail
+                self._steady, self._tail, rest = steady, tail, tail
                 budget[0] -= len(steady.ids)
         for r in rest:
             (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
@@ -246,8 +250,7 @@ class Scheduler(TransferQueue, StepResults, Preemption):
         fast-path decode (``engine.steady_decodes``; not under ``priority``, which reorders, nor
         while speculating)."""
         if self._steady is not None:  # in bulk this step: the requests after it may join
-            steady = self._steady
-            steady.join(self.running[len(steady.ids) :], out)
+            self._steady.join(self._tail, out)
             return
         all_fast = decodes and not prefills and len(out.decode_ids) == len(self.running) == len(decodes)
         if all_fast and not self.num_spec_tokens and self.policy != "priority":

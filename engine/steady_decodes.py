@@ -6,9 +6,9 @@ position further; only the members at a block boundary need a look: the one whos
 block (cached once full) and the one whose token opens the next. Positions advance by one per
 step, so those are found by residue (``due``), not by visiting all. Everything the per-request
 fast path checks is then either fixed for the batch (not speculating, no forks owed, known to the
-runner) or guarded: the members still running, in order, at the head of the running list, the
-token budget, and ``horizon`` (no member reaches a length where an overlapped step would hold it
-back).
+runner) or guarded: the members still running, in order, at the head of the running list, and
+the token budget. With a step in flight (overlapped), a member whose token in flight is its last
+is held back, as the per-request path holds it: it leaves the batch (``held``, ``release``).
 
 The batch persists as requests come and go (``follow``, ``join``): a member that ended or was
 preempted leaves it, and the requests after the members in the running list (arrivals, mid-prefill
@@ -42,13 +42,15 @@ class SteadyDecodes:
     ids: list[str]
     positions: list[int]  # the last step's
     max_len: int
-    anchor: tuple[Request, int]  # a member and its token count at the capture (for ``horizon``)
     step: int = 0  # steps after the capture
     # Members by their position at the capture modulo the block size (a member that joined later:
     # its position less the steps since). Built by the first ``advance`` (a batch that changes
     # before its next step never pays for it).
     due: list[list[Request]] | None = None
-    _horizon: int | None = None
+    # Members by the bulk step whose token in flight is their last (``held``), and each one's step;
+    # found when a step is first in flight.
+    _ends: dict[int, list[Request]] | None = None
+    _end_of: dict[str, int] | None = None
 
     @classmethod
     def capture(
@@ -56,28 +58,36 @@ class SteadyDecodes:
     ) -> SteadyDecodes:
         """From a step that scheduled every request of ``running``, in order, as a fast-path decode
         (``ids``, at ``positions``)."""
-        return cls(
-            list(running), list(ids), list(positions), max_len, (running[0], len(running[0].token_ids))
-        )
+        return cls(list(running), list(ids), list(positions), max_len)
 
-    @property
-    def horizon(self) -> int:
-        """Steps after the capture before a member may reach a length limit (found once, counted
-        from the capture: every list has grown since by as much as the anchor's; an anchor that
-        has ended since grew less, which only makes this smaller)."""
-        if self._horizon is None:
-            anchor, length = self.anchor
-            grown = len(anchor.token_ids) - length
-            self._horizon = (
-                min(min(r.stop_len, self.max_len) - len(r.token_ids) for r in self.running) + grown
-            )
-        return self._horizon
+    def held(self) -> list[Request] | None:
+        """The members the per-request path would hold back this step: with a step in flight
+        (overlapped), those whose token in flight is their last (they end with its update). None
+        when one of them should have ended already (the step goes per request). With no step in
+        flight, a member at its limit has ended and left: none."""
+        if not self.running[0].num_placeholders:
+            return []
+        t = self.step + 1
+        if self._ends is None:
+            # At bulk step t each member has t more tokens (or tokens in flight) than at the capture
+            # (or its join, counted as a capture then): it is held at the step its count reaches its
+            # limit.
+            self._ends, self._end_of = {}, {}
+            for r in self.running:
+                self._end(r, t + min(r.stop_len, self.max_len) - len(r.token_ids))
+        ends = self._ends
+        if ends and min(ends) < t:
+            return None
+        return ends.get(t, [])
 
-    def within_horizon(self) -> bool:
-        """Whether no member can be at a length where the per-request path holds it back: one whose
-        token in flight (an overlapped step's) is its last. With no step in flight (its members'
-        tokens all known), a member at its limit has ended and left the batch."""
-        return not self.running[0].num_placeholders or self.step + 1 < self.horizon
+    def _end(self, req: Request, step: int) -> None:
+        self._ends.setdefault(step, []).append(req)
+        self._end_of[req.request_id] = step
+
+    def release(self, held: list[Request]) -> None:
+        """The members ``held`` leave the batch (they end with the step in flight)."""
+        index = self.running.index
+        self._drop(sorted(index(r) for r in held))
 
     def follow(self, running: list[Request], tail_ok: bool) -> list[Request] | None:
         """Drop the members that no longer run; then the requests of ``running`` after the members
@@ -106,6 +116,12 @@ class SteadyDecodes:
             pos = self.positions.pop(i)
             if bs:
                 self.due[(pos - self.step) % bs].remove(req)
+            if self._ends is not None:
+                step = self._end_of.pop(req.request_id)
+                ending = self._ends[step]
+                ending.remove(req)
+                if not ending:
+                    del self._ends[step]
 
     def join(self, tail: list[Request], out: SchedulerOutput) -> None:
         """After a bulk step: the requests of ``tail`` (those after the members in the running
@@ -113,7 +129,6 @@ class SteadyDecodes:
         ``out.decode_ids``, become members, up to the first that did not."""
         ids, positions, due = out.decode_ids, out.decode_positions, self.due
         k, t, bs = len(self.ids), self.step, len(due)
-        horizon = self._horizon  # None: not needed yet (found when it is, the joiners counted)
         for req in tail:
             if k >= len(ids) or ids[k] != req.request_id:
                 break
@@ -122,10 +137,9 @@ class SteadyDecodes:
             self.ids.append(req.request_id)
             self.positions.append(pos)
             due[(pos - t) % bs].append(req)
-            if horizon is not None:  # counted as at a capture now: its own limit, ``t`` steps on
-                horizon = min(horizon, t + min(req.stop_len, self.max_len) - len(req.token_ids))
+            if self._ends is not None:  # counted as at a capture now: its own limit, ``t`` steps on
+                self._end(req, t + min(req.stop_len, self.max_len) - len(req.token_ids))
             k += 1
-        self._horizon = horizon
 
     def advance(self, kv: KVCacheManager, out: SchedulerOutput) -> bool:
         """Schedule every member one token further into ``out`` (its ``decode_ids``,
