@@ -72,6 +72,15 @@ class BulkCounts:
 # The scheduler, on the KV-checking driver ----------------------------------------------------------
 
 
+def _decisions(d: Driver, out) -> tuple:
+    """Everything a scheduler step decided, and the pool's cache after it."""
+    return (
+        list(out.decode_ids), list(out.decode_positions), dict(out.num_scheduled_tokens),
+        dict(out.decode_new_blocks), [s.seq_id for s in out.new_seqs], sorted(out.finished_seq_ids),
+        list(d.kv.pool.block_hash), d.sched.num_preemptions,
+    )  # fmt: skip
+
+
 def _drive(policy: str, num_blocks: int, seed: int) -> tuple[list[tuple], Driver]:
     """A staggered workload (prompts of every residue mod the block size, lengths that end at
     different steps, arrivals while others decode); every step's decisions and the pool's cache."""
@@ -86,11 +95,7 @@ def _drive(policy: str, num_blocks: int, seed: int) -> tuple[list[tuple], Driver
         if t > max(arrivals) and not d.sched.has_unfinished():
             break
         out = d.step()
-        steps.append((
-            list(out.decode_ids), list(out.decode_positions), dict(out.num_scheduled_tokens),
-            dict(out.decode_new_blocks), [s.seq_id for s in out.new_seqs], sorted(out.finished_seq_ids),
-            list(d.kv.pool.block_hash), d.sched.num_preemptions,
-        ))  # fmt: skip
+        steps.append(_decisions(d, out))
     d.assert_drained()
     return steps, d
 
@@ -127,11 +132,7 @@ def _churn(policy: str, num_blocks: int, seed: int, longest_prompt: int = 12) ->
         if t >= 150 and not d.sched.has_unfinished():
             break
         out = d.step()
-        steps.append((
-            list(out.decode_ids), list(out.decode_positions), dict(out.num_scheduled_tokens),
-            dict(out.decode_new_blocks), [s.seq_id for s in out.new_seqs], sorted(out.finished_seq_ids),
-            list(d.kv.pool.block_hash), d.sched.num_preemptions,
-        ))  # fmt: skip
+        steps.append(_decisions(d, out))
     d.assert_drained()
     return steps, d
 
