@@ -10,6 +10,7 @@ cached hashes is recorded as an event for the global prefix index.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,6 +82,16 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 del self._free[b]
             self.ref_cnt[b] += 1
+
+    def evictions(self, n: int) -> dict[BlockHash, int]:
+        """The cached hashes ``allocate(n)`` now would evict, each with the index of its block among
+        the ``n`` allocated."""
+        hashes, cached, out = self.block_hash, self._cached, {}
+        for i, b in enumerate(islice(self._free, n)):
+            h = hashes[b]
+            if h is not None and cached.get(h) == b:
+                out[h] = i
+        return out
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import attrgetter
 
+from engine.block_hash import BlockHash
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import SchedulerOutput
@@ -141,6 +142,24 @@ class SteadyDecodes:
                 self._end(req, t + min(req.stop_len, self.max_len) - len(req.token_ids))
             k += 1
 
+    def _evicted_after(
+        self,
+        filling: list[Request],
+        hashed: dict[int, BlockHash],
+        evicted: dict[BlockHash, int],
+        opening: list[Request],
+    ) -> set[int]:
+        """The members of ``filling`` (by ``id``) whose filled block's hash a free block holds until
+        an opening after them in the batch evicts it (``evicted``: the hash, the index in
+        ``opening`` of the member whose new block evicts it): the per-request path, taking them in
+        batch order, found the hash cached and did not register their block."""
+        skip: set[int] = set()
+        for req in filling:
+            i = evicted.get(hashed.get(id(req)))  # type: ignore[arg-type]
+            if i is not None and self.running.index(opening[i]) > self.running.index(req):
+                skip.add(id(req))
+        return skip
+
     def advance(self, kv: KVCacheManager, out: SchedulerOutput) -> bool:
         """Schedule every member one token further into ``out`` (its ``decode_ids``,
         ``decode_positions``, ``num_scheduled_tokens`` and ``decode_new_blocks``); False, with
@@ -169,12 +188,27 @@ class SteadyDecodes:
                 opening.append(req)
             elif idx > len(table) or ref_cnt[table[idx]] != 1:
                 return False
+        if len(opening) > kv.pool.num_free:
+            return False
+        hashed, loose = kv.plan_fills(filling)
+        skip: set[int] = set()
         if opening:
-            blocks = kv.open_blocks(opening)
-            if blocks is None:
-                return False
+            evicted = kv.pool.evictions(len(opening))
+            if (evicted and loose) or ((hashed or loose) and kv.lagging(opening)):
+                # Which of equal contents the prefix cache keeps depends on the order in which a
+                # fill and an eviction (or a late cache) come: each member as the per-request path
+                # takes it, in batch order.
+                marked, ends = set(map(id, opening)), set(map(id, filling))
+                ends |= marked
+                blocks = kv.boundary_in_order([r for r in reqs if id(r) in ends], marked)
+                filling = []
+            else:
+                if evicted and hashed:
+                    skip = self._evicted_after(filling, hashed, evicted, opening)
+                blocks = kv.open_blocks(opening)
             out.decode_new_blocks.update(zip([r.request_id for r in opening], blocks))
-        kv.fill_blocks(filling)  # cached once full
+        if filling:
+            kv.fill_blocks(filling, hashed, skip)  # cached once full
         for req, pos in zip(reqs, positions):  # NOTE: every sequence, every steady step
             req.num_computed_tokens = pos + 1
         out.decode_ids = list(self.ids)  # copies: the step's requests after the batch extend them
