@@ -4,9 +4,23 @@ batch's sequences at a block boundary together (``engine.steady_decodes``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.block_hash import BlockHash, hash_next_blocks
 from engine.block_pool import BlockPool
 from engine.request import Request
+
+
+@dataclass(slots=True)
+class FillPlan:
+    """What a steady batch's filling decodes cache (``DecodeBlocks.plan_fills``): those whose hash
+    chain reaches the block before (indices ``at`` into the decodes), each block's id and hash; and
+    whether one of the others caches a block now (``loose``: its last token known, not in flight)."""
+
+    at: list[int]
+    blocks: list[int]
+    hashes: list[BlockHash]
+    loose: bool
 
 
 class DecodeBlocks:
@@ -41,56 +55,68 @@ class DecodeBlocks:
             self._cache_full_blocks(req, table, req.num_computed_tokens + 1)
         return block
 
-    def plan_fills(self, reqs: list[Request]) -> tuple[dict[int, BlockHash], bool]:
-        """For a steady batch's decodes ``reqs`` that fill their blocks: the hash of each block whose
-        hash chain reaches the block before (by ``id`` of its request; computed together, nothing
-        changed), and whether one of the others caches a block now (``fill_block``'s way: its last
-        token is known, not in flight)."""
-        if not self.enable_caching:
-            return {}, False
-        bs, counts = self.block_size, self._num_cached_blocks
-        chained: list[int] = []
-        parents: list[BlockHash] = []
-        tokens: list[int] = []
-        loose = False
-        for req in reqs:  # NOTE: every sequence, once per block it fills
-            hashes, n = req.block_hashes, req.num_computed_tokens + 1
-            known = n <= len(req.token_ids) - req.num_placeholders
-            done = len(hashes)
-            if known and done and done == n // bs - 1 == counts.get(req.request_id):
-                chained.append(id(req))
-                parents.append(hashes[-1])
-                tokens += req.token_ids[n - bs : n]
-            else:
-                loose = loose or known
-        if not chained:
-            return {}, loose
-        return dict(zip(chained, hash_next_blocks(parents, tokens, bs))), loose
+    def plan_fills(self, reqs: list[Request]) -> FillPlan | None:
+        """For a steady batch's decodes ``reqs`` whose tokens fill their blocks: None when one of
+        them cannot stay on the fast path (its block missing or shared); else what filling them
+        caches, computed and nothing changed (``FillPlan``)."""
+        bs, tables, ref_cnt = self.block_size, self.tables, self.pool.ref_cnt
+        caching, counted = self.enable_caching, self._num_cached_blocks.get
+        plan = FillPlan([], [], [], False)
+        at, blocks, parents, tokens = plan.at, plan.blocks, [], []
+        for i, req in enumerate(reqs):  # NOTE: every sequence, once per block it fills
+            table = tables[req.request_id]
+            idx = req.num_computed_tokens // bs
+            if idx >= len(table) or ref_cnt[table[idx]] != 1:
+                return None
+            if not caching:
+                continue
+            n, toks = (idx + 1) * bs, req.token_ids
+            if n <= len(toks) - req.num_placeholders:  # its last token known (not in flight)
+                hashes = req.block_hashes
+                done = len(hashes)
+                if done and done == idx == counted(req.request_id):  # the chain reaches the block before
+                    at.append(i)
+                    blocks.append(table[idx])
+                    parents.append(hashes[-1])
+                    tokens += toks[n - bs : n]
+                else:
+                    plan.loose = True
+        if at:
+            plan.hashes = hash_next_blocks(parents, tokens, bs)
+        return plan
 
-    def fill_blocks(self, reqs: list[Request], hashed: dict[int, BlockHash], skip: set[int]) -> None:
-        """``fill_block`` for each of ``reqs`` in order, those in ``hashed`` (``plan_fills``) cached
-        together: each filled block registered under its hash, except for the requests in ``skip``
-        (by ``id``: when it filled, by the per-request path, a free block held that hash; an opening
-        in the same step, after it in the batch, evicted it since)."""
+    def fill_blocks(self, reqs: list[Request], plan: FillPlan, skip: set[int]) -> None:
+        """``fill_block`` for each of ``reqs`` in order, as ``plan_fills`` planned them: the blocks it
+        hashed registered in one pass, except those at the indices in ``skip`` (when each filled, by
+        the per-request path, a free block held its hash, which an opening after it in the batch
+        evicted in the same step); the others as ``fill_block`` caches them."""
         if not self.enable_caching:
             return
-        tables, counts = self.tables, self._num_cached_blocks
+        at, counts = plan.at, self._num_cached_blocks
+        if len(at) == len(reqs) and not skip:  # every one chained (a steady batch's common case)
+            for req, h in zip(reqs, plan.hashes):
+                hashes = req.block_hashes
+                hashes.append(h)
+                counts[req.request_id] = len(hashes)
+            self.pool.cache_many(plan.blocks, plan.hashes)
+            return
+        planned = dict(zip(at, zip(plan.blocks, plan.hashes)))
         blocks: list[int] = []
         filled: list[BlockHash] = []
-        for req in reqs:  # NOTE: every sequence, once per block it fills
-            h = hashed.get(id(req))
-            if h is None:
+        for i, req in enumerate(reqs):
+            got = planned.get(i)
+            if got is None:
                 if filled:  # those before it first: the first of equal contents is the one cached
                     self.pool.cache_many(blocks, filled)
                     blocks, filled = [], []
-                self._cache_full_blocks(req, tables[req.request_id], req.num_computed_tokens + 1)
+                self._cache_full_blocks(req, self.tables[req.request_id], req.num_computed_tokens + 1)
                 continue
-            seq_id, hashes = req.request_id, req.block_hashes
-            if id(req) not in skip:
-                blocks.append(tables[seq_id][len(hashes)])
-                filled.append(h)
-            hashes.append(h)
-            counts[seq_id] = len(hashes)
+            hashes = req.block_hashes
+            hashes.append(got[1])
+            counts[req.request_id] = len(hashes)
+            if i not in skip:
+                blocks.append(got[0])
+                filled.append(got[1])
         if filled:
             self.pool.cache_many(blocks, filled)
 

@@ -30,6 +30,7 @@ from operator import attrgetter
 
 from engine.block_hash import BlockHash
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_decode_blocks import FillPlan
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import SchedulerOutput
 
@@ -143,21 +144,17 @@ class SteadyDecodes:
             k += 1
 
     def _evicted_after(
-        self,
-        filling: list[Request],
-        hashed: dict[int, BlockHash],
-        evicted: dict[BlockHash, int],
-        opening: list[Request],
+        self, filling: list[Request], plan: FillPlan, evicted: dict[BlockHash, int], opening: list[Request]
     ) -> set[int]:
-        """The members of ``filling`` (by ``id``) whose filled block's hash a free block holds until
-        an opening after them in the batch evicts it (``evicted``: the hash, the index in
+        """The indices into ``filling`` of the members whose filled block's hash a free block holds
+        until an opening after them in the batch evicts it (``evicted``: the hash, the index in
         ``opening`` of the member whose new block evicts it): the per-request path, taking them in
         batch order, found the hash cached and did not register their block."""
         skip: set[int] = set()
-        for req in filling:
-            i = evicted.get(hashed.get(id(req)))  # type: ignore[arg-type]
-            if i is not None and self.running.index(opening[i]) > self.running.index(req):
-                skip.add(id(req))
+        for i, h in zip(plan.at, plan.hashes):
+            k = evicted.get(h)
+            if k is not None and self.running.index(opening[k]) > self.running.index(filling[i]):
+                skip.add(i)
         return skip
 
     def advance(self, kv: KVCacheManager, out: SchedulerOutput) -> bool:
@@ -175,11 +172,6 @@ class SteadyDecodes:
         positions = list(map(_next, self.positions))
         tables, ref_cnt = kv.tables, kv.pool.ref_cnt
         filling = self.due[(bs - 1 - t) % bs]  # their token fills their block
-        for req in filling:
-            table = tables[req.request_id]
-            idx = req.num_computed_tokens // bs
-            if idx >= len(table) or ref_cnt[table[idx]] != 1:
-                return False
         opening = []  # ... opens one
         for req in self.due[-t % bs]:
             table = tables[req.request_id]
@@ -190,11 +182,13 @@ class SteadyDecodes:
                 return False
         if len(opening) > kv.pool.num_free:
             return False
-        hashed, loose = kv.plan_fills(filling)
+        plan = kv.plan_fills(filling)  # (checks each has its block to itself)
+        if plan is None:
+            return False
         skip: set[int] = set()
         if opening:
             evicted = kv.pool.evictions(len(opening))
-            if (evicted and loose) or ((hashed or loose) and kv.lagging(opening)):
+            if (evicted and plan.loose) or ((plan.at or plan.loose) and kv.lagging(opening)):
                 # Which of equal contents the prefix cache keeps depends on the order in which a
                 # fill and an eviction (or a late cache) come: each member as the per-request path
                 # takes it, in batch order.
@@ -203,12 +197,12 @@ class SteadyDecodes:
                 blocks = kv.boundary_in_order([r for r in reqs if id(r) in ends], marked)
                 filling = []
             else:
-                if evicted and hashed:
-                    skip = self._evicted_after(filling, hashed, evicted, opening)
+                if evicted and plan.at:
+                    skip = self._evicted_after(filling, plan, evicted, opening)
                 blocks = kv.open_blocks(opening)
             out.decode_new_blocks.update(zip([r.request_id for r in opening], blocks))
         if filling:
-            kv.fill_blocks(filling, hashed, skip)  # cached once full
+            kv.fill_blocks(filling, plan, skip)  # cached once full
         for req, pos in zip(reqs, positions):  # NOTE: every sequence, every steady step
             req.num_computed_tokens = pos + 1
         out.decode_ids = list(self.ids)  # copies: the step's requests after the batch extend them
