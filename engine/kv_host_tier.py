@@ -203,9 +203,13 @@ class HostBlocks:
 
     def calibrate(self, rounds: int = 3) -> None:
         """Time copying a few blocks back, waiting for them (at start, while every device block is
-        free: what they held does not matter). The best of ``rounds`` is the load cost per block."""
+        free). The best of ``rounds`` is the load cost per block. The blocks are copied out first, so
+        the loads put back what they held: the host rows start uninitialized, and garbage in a device
+        block (NaN, say) reaches attention through a sequence's unwritten, masked slots (0 × NaN)."""
         n = min(8, len(self.rows), len(self.device_rows))
         pairs = [(i, i) for i in range(n)]
+        self.offload(pairs)
+        self.settle()
         best = float("inf")
         for _ in range(rounds):
             t0 = time.perf_counter()

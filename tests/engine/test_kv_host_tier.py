@@ -217,3 +217,21 @@ def test_hits_per_tier_reach_status_and_metrics(tiny_llama):
         stats.prefix_cache_hits - stats.prefix_cache_hits_host
     )
     assert samples[("pdserve_kv_host_blocks_used", None)] == stats.host_cache_used
+
+
+def test_timing_the_tier_at_start_leaves_the_device_blocks_as_they_were(monkeypatch):
+    """``calibrate`` times loads into free device blocks at start. The host rows start uninitialized
+    (whatever the allocator hands back: NaN here), and a device block holding it would reach
+    attention through a sequence's unwritten, masked slots (0 × NaN): the blocks keep their content."""
+    rows = torch.zeros(12, 2, 4, 3)
+    init = HostBlocks.__init__
+
+    def garbage(self, device_rows, num_slots):
+        init(self, device_rows, num_slots)
+        self.rows.fill_(float("nan"))
+
+    monkeypatch.setattr(HostBlocks, "__init__", garbage)
+    blocks = HostBlocks(rows, 10)
+    blocks.calibrate()
+    assert blocks.load_s_per_block is not None
+    assert torch.equal(rows, torch.zeros(12, 2, 4, 3))
