@@ -90,14 +90,20 @@ class LLM:
         try:
             while self.core.has_unfinished():
                 for out in self.core.step():
-                    stop = self._apply(
-                        results[out.request_id], out, detoks.get((out.request_id, out.sample_index))
-                    )
+                    result = results[out.request_id]
+                    if result.outputs[out.sample_index].finish_reason is not None:
+                        # Ended by a stop string in an earlier output of this call: overlapped, a step
+                        # can return a sequence's token in flight and the next one together.
+                        continue
+                    stop = self._apply(result, out, detoks.get((out.request_id, out.sample_index)))
                     generated += len(out.new_token_ids)
                     if stop is not None:
                         stopped = self.core.stop_sequence(out.request_id, out.sample_index, stop)
-                        if stopped is not None:
-                            self._apply(results[out.request_id], stopped, None)
+                        # (None: the scheduler ended it already, in an output of this call still to come)
+                        ended = SequenceOutput(
+                            out.request_id, out.sample_index, [], finish_reason="stop", stop_reason=stop
+                        )
+                        self._apply(result, stopped or ended, None)
                 finished = sum(r.finished for r in results.values())
                 if finished != done:
                     bar.update(finished - done)

@@ -117,6 +117,45 @@ def test_tokens_arrive_one_step_behind_and_a_stop_costs_one_dropped_token(tiny_l
     assert on == [[]] + [[t] for t in tokens]  # the first step's token comes with the second step
 
 
+def test_a_stop_string_in_the_first_of_two_outputs_of_one_call_ends_the_output_there(tiny_llama, monkeypatch):
+    """Overlapped, a step that must run synchronously (here a request with a penalty, admitted when
+    a short one frees its seat) returns a running sequence's token in flight and its next one in
+    one ``step`` call. When the first completes a stop string, ``LLM.generate`` ends the output
+    there, as without overlap: the second is not appended (it was, text and token)."""
+    a, c, b = [11, 22, 33, 44, 55], [66, 77, 88], [99, 111, 122, 133]
+    kw = dict(block_size=4, num_blocks=64, max_num_seqs=2)
+
+    def params(stop: list[str]) -> list[SamplingParams]:
+        return [
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop),
+            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, presence_penalty=0.5),
+        ]
+
+    calls: list[int] = []  # per step call, how many of the first request's tokens it returned
+    step = EngineCore.step
+
+    def counted(self, plain=None):
+        outs = step(self, plain)
+        calls.append(sum(len(o.new_token_ids) for o in outs if o.request_id == "offline-0"))
+        return outs
+
+    with monkeypatch.context() as m:
+        m.setattr(EngineCore, "step", counted)
+        llm = LLM(str(tiny_llama), async_scheduling="on", **kw)
+        full = llm.generate([a, c, b], params([]), use_tqdm=False)[0].outputs[0].token_ids
+    first_of_two = next(sum(calls[:i]) for i, n in enumerate(calls) if n >= 2)
+    word = llm.tokenizer.decode([full[first_of_two]])
+    assert word.strip() and word not in llm.tokenizer.decode(full[:first_of_two])
+    got = {
+        mode: LLM(str(tiny_llama), async_scheduling=mode, **kw).generate([a, c, b], params([word]), use_tqdm=False)
+        for mode in ("off", "on")
+    }
+    off, on = (got[mode][0].outputs[0] for mode in ("off", "on"))
+    assert (on.token_ids, on.text, on.finish_reason) == (off.token_ids, off.text, off.finish_reason)
+    assert off.finish_reason == "stop" and len(off.token_ids) == first_of_two + 1
+
+
 def test_an_abort_with_a_token_in_flight_frees_everything(tiny_llama):
     prompts = _prompts(11, [6, 10, 14])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
