@@ -268,11 +268,12 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         for seq_id in self.scheduler.sequences_of(request_id):
             req = self.scheduler.finish(seq_id, status)
             if req is not None:
-                outs.append(
-                    SequenceOutput(
-                        req.group_id, req.sample_index, [], finish_reason=status.finish_reason, error=error
+                # Before its first token a request with n > 1 has not forked: its other samples end
+                # with it (they never ran).
+                for index in (req.sample_index, *range(1, req.pending_forks + 1)):
+                    outs.append(
+                        SequenceOutput(req.group_id, index, [], finish_reason=status.finish_reason, error=error)
                     )
-                )
         return outs
 
     def has_unfinished(self) -> bool:

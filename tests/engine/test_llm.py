@@ -117,6 +117,18 @@ def test_request_larger_than_pool_fails_instead_of_hanging(tiny_llama):
         llm.generate([[1] * 30], SamplingParams(max_tokens=5), use_tqdm=False)
 
 
+@pytest.mark.parametrize("end", ["abort", "error"])
+def test_ending_a_request_before_its_samples_fork_ends_every_sample(tiny_llama, end):
+    """n = 3, ended mid-prefill (before the first token, where the samples fork): a finish for each
+    of the three samples (a caller waiting on sample 2 learns it ended), every block free."""
+    core = EngineCore(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=64, max_num_batched_tokens=16))
+    core.add_request("r", list(range(3, 60)), SamplingParams(temperature=0, n=3, max_tokens=5))
+    core.step()  # the first chunk of the prompt
+    outs = core.abort_request("r") if end == "abort" else core.fail_request("r", "boom")
+    assert sorted((o.sample_index, o.finish_reason) for o in outs) == [(i, end) for i in range(3)]
+    assert not core.has_unfinished() and core.stats().num_free_blocks == 64
+
+
 def test_abort_and_interrupted_generate_free_every_block(tiny_llama):
     core = EngineCore(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=64))
     core.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
