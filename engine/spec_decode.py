@@ -284,7 +284,7 @@ def attach_cache(
     or, for early exit, the target's."""
     if spec.proposer is not None:
         return
-    device = target_cache.device
+    device = getattr(target_cache, "raw", target_cache).device  # a quantized cache's region
     if draft is None:
         spec.proposer = ModelProposer(
             target, target_cache, layout.block_size, device, backend, num_layers=spec.config.num_layers

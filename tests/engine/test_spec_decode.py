@@ -292,3 +292,19 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_where_it_would_hav
     assert len(got.logprobs) == len(got.token_ids)
     assert llm.stats().spec_accepted_tokens > 0
     _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("method", ["early_exit", "draft_is_target"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_model_proposer_runs_over_a_quantized_kv_cache(target, draft, method, kv_dtype):
+    """Speculation with a model's proposals over an int8 or fp8 KV cache (the engine failed at start:
+    the proposer read the device of a cache that is a region, not a tensor). Tokens equal to the
+    non-speculating engine's are not asserted: a quantized block's scale depends on how its writes
+    were grouped (``engine.kv_quant``), and a verify step writes several tokens at once."""
+    prompts = _prompts(3, [11, 26])
+    llm = _llm(target, _configs(target, draft)[method], kv_cache_dtype=kv_dtype)
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [MAX_NEW, MAX_NEW]
+    stats = llm.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_accepted_per_position[0] > 0
+    _assert_all_free(llm)
