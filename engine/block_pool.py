@@ -10,9 +10,9 @@ cached hashes is recorded as an event for the global prefix index.
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import islice
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 
 from engine.block_hash import BlockHash
 

@@ -272,7 +272,9 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
                 # with it (they never ran).
                 for index in (req.sample_index, *range(1, req.pending_forks + 1)):
                     outs.append(
-                        SequenceOutput(req.group_id, index, [], finish_reason=status.finish_reason, error=error)
+                        SequenceOutput(
+                            req.group_id, index, [], finish_reason=status.finish_reason, error=error
+                        )
                     )
         return outs
 

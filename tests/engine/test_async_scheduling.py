@@ -148,7 +148,9 @@ def test_a_stop_string_in_the_first_of_two_outputs_of_one_call_ends_the_output_t
     word = llm.tokenizer.decode([full[first_of_two]])
     assert word.strip() and word not in llm.tokenizer.decode(full[:first_of_two])
     got = {
-        mode: LLM(str(tiny_llama), async_scheduling=mode, **kw).generate([a, c, b], params([word]), use_tqdm=False)
+        mode: LLM(str(tiny_llama), async_scheduling=mode, **kw).generate(
+            [a, c, b], params([word]), use_tqdm=False
+        )
         for mode in ("off", "on")
     }
     off, on = (got[mode][0].outputs[0] for mode in ("off", "on"))

@@ -121,7 +121,9 @@ def test_request_larger_than_pool_fails_instead_of_hanging(tiny_llama):
 def test_ending_a_request_before_its_samples_fork_ends_every_sample(tiny_llama, end):
     """n = 3, ended mid-prefill (before the first token, where the samples fork): a finish for each
     of the three samples (a caller waiting on sample 2 learns it ended), every block free."""
-    core = EngineCore(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=64, max_num_batched_tokens=16))
+    core = EngineCore(
+        EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    )
     core.add_request("r", list(range(3, 60)), SamplingParams(temperature=0, n=3, max_tokens=5))
     core.step()  # the first chunk of the prompt
     outs = core.abort_request("r") if end == "abort" else core.fail_request("r", "boom")

@@ -59,7 +59,9 @@ def _repeats(policy: str, num_blocks: int, seed: int) -> list[tuple]:
 # under fair. Found by this driver over 900 seeds a variant.
 @pytest.mark.parametrize("policy", ["fifo", "fair", "prefill_first"])
 @pytest.mark.parametrize(("num_blocks", "seed"), [(40, 1), (96, 74), (40, 88), (96, 89), (24, 126)])
-def test_repeated_content_leaves_the_prefix_cache_of_the_per_request_path(monkeypatch, policy, num_blocks, seed):
+def test_repeated_content_leaves_the_prefix_cache_of_the_per_request_path(
+    monkeypatch, policy, num_blocks, seed
+):
     with monkeypatch.context() as m:
         BulkCounts(m, enabled=False)
         want = _repeats(policy, num_blocks, seed)
@@ -79,7 +81,9 @@ def _engine_repeats(model, overlap: bool, num_blocks: int = 36, every: int = 2) 
     opens one: its last token was in flight), on three prompts sent again and again, greedy, in a
     pool small enough to cycle; what each step scheduled and the pool's hashes after it."""
     core = EngineCore(
-        EngineConfig(model=str(model), block_size=4, num_blocks=num_blocks, async_scheduling="on" if overlap else "off")
+        EngineConfig(
+            model=str(model), block_size=4, num_blocks=num_blocks, async_scheduling="on" if overlap else "off"
+        )
     )
     free = core.kv.num_free_blocks
     steps: list[tuple] = []
