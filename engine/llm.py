@@ -149,13 +149,16 @@ class LLM:
         if out.new_logprobs and comp.logprobs is not None:
             comp.logprobs.extend(out.new_logprobs[: len(new)])
         result.num_cached_tokens = out.num_cached_tokens
-        if out.finish_reason is not None:
-            if detok is not None and stop is None:
+        if out.finish_reason is None:
+            return stop
+        if stop is None:
+            if detok is not None:
                 detok.flush()  # bytes of a character the output ended inside
                 comp.text = detok.text
-            comp.finish_reason = out.finish_reason
-            comp.stop_reason = out.stop_reason
-        return None if comp.finish_reason is not None else stop
+            comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+        else:  # its last token completed a stop string: the output ended there, as the ingress says
+            comp.finish_reason, comp.stop_reason = "stop", stop
+        return None
 
 
 def _load_tokenizer(name: str):

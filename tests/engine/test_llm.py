@@ -117,6 +117,22 @@ def test_request_larger_than_pool_fails_instead_of_hanging(tiny_llama):
         llm.generate([[1] * 30], SamplingParams(max_tokens=5), use_tqdm=False)
 
 
+def test_a_stop_string_completed_by_the_last_token_allowed_ends_with_stop(tiny_llama):
+    """The token that reaches ``max_tokens`` also completes a stop string: the output ends at the
+    string with finish reason ``stop`` (as the served path reports it), not ``length``."""
+    llm = LLM(str(tiny_llama), block_size=4, num_blocks=64)
+    prompt = [5, 9, 11, 40, 77]
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    k = next(i for i in range(3, 12) if llm.tokenizer.decode([full.token_ids[i]]).strip()
+             and llm.tokenizer.decode([full.token_ids[i]]) not in llm.tokenizer.decode(full.token_ids[:i]))  # fmt: skip
+    word = llm.tokenizer.decode([full.token_ids[k]])
+    params = SamplingParams(temperature=0, max_tokens=k + 1, stop=[word])
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", word)
+    assert out.token_ids == full.token_ids[: k + 1] and word not in out.text
+    assert _all_free(llm)
+
+
 @pytest.mark.parametrize("end", ["abort", "error"])
 def test_ending_a_request_before_its_samples_fork_ends_every_sample(tiny_llama, end):
     """n = 3, ended mid-prefill (before the first token, where the samples fork): a finish for each
