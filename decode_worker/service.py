@@ -21,7 +21,7 @@ from engine.engine_loop import EngineLoopFailed
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedDecode
-from proto.convert import params_from_proto, stop_reason_text, tokens_message
+from proto.convert import params_from_proto, stop_reason_fields, tokens_message
 from worker.adapters import adapter_rpc
 from worker.peer_reads import lend_rpc
 from worker.runtime import RequestFailed
@@ -91,7 +91,7 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
                         finished=pb.Finished(
                             sample_index=out.sample_index,
                             finish_reason=out.finish_reason,
-                            stop_reason=stop_reason_text(out.stop_reason),
+                            **stop_reason_fields(out.stop_reason),
                             usage=pb.Usage(
                                 prompt_tokens=len(prompt),
                                 completion_tokens=completion,

@@ -21,7 +21,7 @@ from ingress.openai_protocol import APIError
 from ingress.request_timing import IngressStamps
 from ingress.request_validation import GenerationRequest
 from ingress.token_text import TokenLogprob, TokenTexts
-from proto.convert import logprobs_from_proto
+from proto.convert import logprobs_from_proto, stop_reason_of
 from router.client import RouterClient
 
 _GRPC_STATUS = {
@@ -48,7 +48,7 @@ class ChoiceDelta:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     prompt_logprobs: list | None = None  # with the request's first tokens, when asked
 
 
@@ -60,7 +60,7 @@ class _Sample:
     decoded: int = 0  # characters the tokens so far added to the text (before a stop-string cut)
     split: bool = False  # the last token ended inside a UTF-8 sequence
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)
@@ -208,7 +208,7 @@ class Generation:
             return []
         s.detok.flush()  # bytes of a character the output ended inside
         s.finish_reason = fin.finish_reason
-        s.stop_reason = fin.stop_reason or None
+        s.stop_reason = stop_reason_of(fin)
         return [self._delta(fin.sample_index, s, [])]
 
     def _delta(self, index: int, s: _Sample, logprobs: list[TokenLogprob]) -> ChoiceDelta:

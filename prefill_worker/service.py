@@ -11,7 +11,7 @@ from prefill_worker.worker import PrefillWorker
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedPrefill
-from proto.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto, stop_reason_text
+from proto.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto, stop_reason_fields
 from worker.adapters import adapter_rpc
 from worker.peer_reads import lend_rpc
 from worker.runtime import RequestFailed
@@ -61,7 +61,7 @@ class PrefillService(MultiplexedPrefill, pb_grpc.PrefillWorkerServicer):
             resp.finished.CopyFrom(
                 pb.Finished(
                     finish_reason=result.finish_reason,
-                    stop_reason=stop_reason_text(result.stop_reason),
+                    **stop_reason_fields(result.stop_reason),
                     usage=pb.Usage(
                         prompt_tokens=result.num_tokens,
                         completion_tokens=1,

@@ -113,3 +113,18 @@ def tokens_message(
 
 def stop_reason_text(reason: str | int | None) -> str:
     return "" if reason is None else str(reason)
+
+
+def stop_reason_fields(reason: str | int | None) -> dict:
+    """``Finished``'s stop fields for an engine's stop reason: a stop string, or a stop token's id
+    (as text for older readers, and as the number)."""
+    if isinstance(reason, int):
+        return {"stop_reason": str(reason), "stop_token_id": reason}
+    return {"stop_reason": stop_reason_text(reason)}
+
+
+def stop_reason_of(finished) -> str | int | None:
+    """The stop reason a ``Finished`` carries, as the engine gave it (a stop token's id an int)."""
+    if finished.HasField("stop_token_id"):
+        return finished.stop_token_id
+    return finished.stop_reason or None

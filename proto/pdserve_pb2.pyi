@@ -262,18 +262,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("sample_index", "finish_reason", "stop_reason", "usage", "timing")
+    __slots__ = ("sample_index", "finish_reason", "stop_reason", "usage", "timing", "stop_token_id")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     finish_reason: str
     stop_reason: str
     usage: Usage
     timing: HopTiming
-    def __init__(self, sample_index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ...) -> None: ...
+    stop_token_id: int
+    def __init__(self, sample_index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class HopTiming(_message.Message):
     __slots__ = ("route_ms", "router_ms", "prefill_call_ms", "decode_call_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "decode_queue_ms", "decode_first_step_ms")

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import grpc
 
 from proto import pdserve_pb2 as pb
+from proto.convert import stop_reason_fields
 from proto.quiet_timer import QuietTimer
 
 logger = logging.getLogger(__name__)
@@ -150,13 +151,14 @@ class Resumption:
         if self.n > 1:
             return None
         if len(self.tokens) >= p.max_tokens:
-            reason, stop = "length", ""
+            reason, stop = "length", None
         elif self.tokens and self.tokens[-1] in p.stop_token_ids:
-            reason, stop = "stop", str(self.tokens[-1])
+            reason, stop = "stop", self.tokens[-1]
         else:
             return None
         usage = pb.Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.tokens))
-        return pb.GenerateResponse(finished=pb.Finished(finish_reason=reason, stop_reason=stop, usage=usage))
+        finished = pb.Finished(finish_reason=reason, usage=usage, **stop_reason_fields(stop))
+        return pb.GenerateResponse(finished=finished)
 
     def resume(
         self, lost: DecodeLost, options: MigrationOptions, others: int, deadline: float | None

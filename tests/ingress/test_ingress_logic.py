@@ -25,6 +25,7 @@ from ingress.options import IngressOptions
 from ingress.request_validation import parse_body, validate_chat, validate_completion
 from ingress.utility_routes import TokenizeRequest
 from proto import pdserve_pb2 as pb
+from proto.convert import stop_reason_fields
 from router.migration import MigrationOptions
 
 
@@ -281,6 +282,24 @@ def test_stop_string_is_held_back_while_streaming_and_ends_the_stream(info):
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
     assert router.closed_early  # the rest of the stream was cancelled (the worker aborts it)
     assert gen.usage.completion_tokens == 4  # generation ended at the token completing the stop string
+
+
+@pytest.mark.parametrize("reason", [563, "\n\n", None])
+def test_a_stop_tokens_id_reaches_the_client_as_a_number(info, reason):
+    """``stop_reason`` as the engine gave it (vLLM's API): a stop token's id an int, a stop string a
+    string, across the wire (``Finished`` carries the id as a number too)."""
+    finished = pb.Finished(finish_reason="stop", usage=pb.Usage(), **stop_reason_fields(reason))
+    router = ScriptedRouter([_tokens([5]), pb.GenerateResponse(finished=finished)])
+    gen = Generation(
+        "r1", _completion(info, prompt="a", max_tokens=4), info.tokenizer, IngressMetrics("tiny")
+    )
+
+    async def run():
+        return [d for deltas in [x async for x in gen.events(router, 5)] for d in deltas]
+
+    last = asyncio.run(run())[-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", reason)
+    assert type(last.stop_reason) is type(reason)
 
 
 def test_worker_error_becomes_an_api_error(info):
