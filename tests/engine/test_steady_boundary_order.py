@@ -76,15 +76,23 @@ def test_repeated_content_leaves_the_prefix_cache_of_the_per_request_path(
 PROMPTS = [[3, 17, 29, 41, 5, 8, 13], [9, 4, 4, 61, 2], [77, 12, 30, 30, 6, 1, 19, 44, 3]]
 
 
-def _engine_repeats(model, overlap: bool, num_blocks: int = 36, every: int = 2) -> list[tuple]:
+def _engine_repeats(
+    model, overlap: bool, num_blocks: int = 36, every: int = 2, host_gib: float = 0.0
+) -> list[tuple]:
     """The engine, overlapped or not (overlapped, a filled block is cached only when the next step
     opens one: its last token was in flight), on three prompts sent again and again, greedy, in a
-    pool small enough to cycle; what each step scheduled and the pool's hashes after it."""
+    pool small enough to cycle; what each step scheduled, the pool's hashes after it and, with a
+    host tier (``host_gib``: the evicted blocks copied out, hits loaded back), the tier's."""
     core = EngineCore(
         EngineConfig(
-            model=str(model), block_size=4, num_blocks=num_blocks, async_scheduling="on" if overlap else "off"
+            model=str(model),
+            block_size=4,
+            num_blocks=num_blocks,
+            async_scheduling="on" if overlap else "off",
+            kv_host_cache_gib=host_gib,
         )
     )
+    tier = core.kv.host_tier
     free = core.kv.num_free_blocks
     steps: list[tuple] = []
     schedule = core.scheduler.schedule
@@ -103,20 +111,28 @@ def _engine_repeats(model, overlap: bool, num_blocks: int = 36, every: int = 2) 
         if t >= 200 and not core.has_unfinished():
             break
         outs = core.step()
-        steps.append((sorted((o.request_id, o.new_token_ids) for o in outs), list(core.kv.pool.block_hash)))
+        hosted = tier.hashes() if tier is not None else []
+        steps.append(
+            (sorted((o.request_id, o.new_token_ids) for o in outs), list(core.kv.pool.block_hash), hosted)
+        )
     assert not core.has_unfinished()
     assert core.kv.num_free_blocks == free
     return steps
 
 
+@pytest.mark.parametrize("host_gib", [0.0, 0.0005], ids=["pool", "host-tier"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_engine_with_repeated_prompts_caches_as_the_per_request_path(monkeypatch, tiny_llama, overlap):
+def test_engine_with_repeated_prompts_caches_as_the_per_request_path(
+    monkeypatch, tiny_llama, overlap, host_gib
+):
     with monkeypatch.context() as m:
         BulkCounts(m, enabled=False)
-        want = _engine_repeats(tiny_llama, overlap)
+        want = _engine_repeats(tiny_llama, overlap, host_gib=host_gib)
     counts = BulkCounts(monkeypatch, enabled=True)
-    have = _engine_repeats(tiny_llama, overlap)
+    have = _engine_repeats(tiny_llama, overlap, host_gib=host_gib)
     for i, (w, h) in enumerate(zip(want, have)):
         assert h == w, f"step {i} differs"
     assert len(have) == len(want)
     assert counts.scheduled >= 50
+    if host_gib:  # the tier took evicted blocks and gave hits back
+        assert max(len(step[2]) for step in have if len(step) == 3) > 4
