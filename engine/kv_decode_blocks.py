@@ -4,6 +4,7 @@ batch's sequences at a block boundary together (``engine.steady_decodes``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash, hash_next_blocks
@@ -17,9 +18,9 @@ class FillPlan:
     chain reaches the block before (indices ``at`` into the decodes), each block's id and hash; and
     whether one of the others caches a block now (``loose``: its last token known, not in flight)."""
 
-    at: list[int]
-    blocks: list[int]
-    hashes: list[BlockHash]
+    at: Sequence[int]
+    blocks: Sequence[int]
+    hashes: Sequence[BlockHash]
     loose: bool
 
 
@@ -61,8 +62,11 @@ class DecodeBlocks:
         caches, computed and nothing changed (``FillPlan``)."""
         bs, tables, ref_cnt = self.block_size, self.tables, self.pool.ref_cnt
         caching, counted = self.enable_caching, self._num_cached_blocks.get
-        plan = FillPlan([], [], [], False)
-        at, blocks, parents, tokens = plan.at, plan.blocks, [], []
+        at: list[int] = []
+        blocks: list[int] = []
+        parents: list[BlockHash] = []
+        tokens: list[int] = []
+        loose = False
         for i, req in enumerate(reqs):  # NOTE: every sequence, once per block it fills
             table = tables[req.request_id]
             idx = req.num_computed_tokens // bs
@@ -80,10 +84,8 @@ class DecodeBlocks:
                     parents.append(hashes[-1])
                     tokens += toks[n - bs : n]
                 else:
-                    plan.loose = True
-        if at:
-            plan.hashes = hash_next_blocks(parents, tokens, bs)
-        return plan
+                    loose = True
+        return FillPlan(at, blocks, hash_next_blocks(parents, tokens, bs) if at else [], loose)
 
     def fill_blocks(self, reqs: list[Request], plan: FillPlan, skip: set[int]) -> None:
         """``fill_block`` for each of ``reqs`` in order, as ``plan_fills`` planned them: the blocks it

@@ -35,6 +35,7 @@ from engine.request import Request, RequestStatus
 from engine.scheduler_output import SchedulerOutput
 
 _next = (1).__add__
+_NO_FILLS = FillPlan((), (), (), False)  # a step where no member fills its block (most steps)
 _status = attrgetter("status")
 
 
@@ -182,7 +183,7 @@ class SteadyDecodes:
                 return False
         if len(opening) > kv.pool.num_free:
             return False
-        plan = kv.plan_fills(filling)  # (checks each has its block to itself)
+        plan = kv.plan_fills(filling) if filling else _NO_FILLS  # (checks each has its block to itself)
         if plan is None:
             return False
         skip: set[int] = set()

@@ -291,6 +291,28 @@ def test_completions_batch_echo_best_of_and_sampling_controls_equal_the_engine_a
     assert "".join(lp["tokens"]) == body["choices"][0]["text"]
     assert all(body["choices"][0]["text"][o:].startswith(t) for t, o in zip(lp["tokens"], lp["text_offset"]))
 
+    # A stop token ends a choice with its id as stop_reason, a number (vLLM's API), as the engine
+    # alone ends it: through prefill and decode processes (n = 1) and aggregated (n = 2).
+    greedy = llm.generate(
+        prompts[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+    tokens = greedy[0].outputs[0].token_ids
+    stop_id = next(t for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    ref = llm.generate(
+        prompts[1], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_id]), use_tqdm=False
+    )[0].outputs[0]
+    assert (ref.finish_reason, ref.stop_reason) == ("stop", stop_id)
+    for n in (1, 2):
+        code, body = _post(
+            base,
+            "/v1/completions",
+            {**req, "prompt": prompts[1], "n": n, "temperature": 0, "stop_token_ids": [stop_id]},
+        )
+        assert code == 200, body
+        for c in body["choices"]:
+            assert (c["finish_reason"], c["stop_reason"]) == ("stop", stop_id)
+            assert c["text"] == continuation(tiny_llama, prompts[1], ref.token_ids)
+
     # The utility endpoints answer from the ingress's tokenizer.
     code, body = _post(
         base, "/tokenize", {"model": model, "prompt": prompt_text, "add_special_tokens": False}
