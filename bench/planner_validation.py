@@ -42,6 +42,7 @@ from loadgen.serving_client import send
 from loadgen.serving_datasets import ServingRequest
 from planner import host_cpu
 from planner.costs import ModelProfile, ServedOverhead
+from planner.interference import calibrated
 from planner.profile import Grid, profile_engine
 from planner.served import Client, fit_overhead, measure_served
 from planner.simulator import Deployment, SimRequest, Simulator, summarize
@@ -224,8 +225,11 @@ def predict(row: dict, layout: Layout, engine_only, served, cores: int, requests
     for key, profile, shared in (("engine_only", engine_only, None), ("served", served, cores)):
         dep = Deployment(layout.prefill, layout.decode, host_cores=shared)
         fresh = [SimRequest(r.arrival, r.prompt, r.output_len) for r in requests]
-        sim = summarize(Simulator(profile, dep).run(fresh)).as_dict()
+        simulator = calibrated(profile, dep)
+        sim = summarize(simulator.run(fresh)).as_dict()
         row[key] = {"predicted": sim, "error": errors(row["measured"], sim)}
+        if simulator.interference:
+            row[key]["interference"] = simulator.interference
 
 
 def replay_stored(result: dict) -> dict:

@@ -14,6 +14,11 @@ here on the deployment itself, one load level at a time so nothing queues:
   the median gap between streamed chunks minus the profile's decode step at that batch and context,
   fitted as ``step_s + step_per_seq_s * batch`` (non-negative least squares).
 
+- **Beside other work** (``busy_streams``, a deployment on this machine): the TTFT phase's prompts
+  once more, one after another, while a few long requests decode (``busy`` samples, each with when
+  it was sent). ``planner.interference`` replays that scenario to calibrate how much a prompt slows
+  beside other work on shared cores before they are full.
+
 - **The host's CPU** (``host_usage``, a deployment on this machine: ``planner.host_cpu``): the front
   end's CPU seconds over the TTFT phase (2 tokens per request) and the ITL phase (dozens), solved for
   CPU per request and per streamed token; and the engine processes' CPU seconds over the time the
@@ -82,8 +87,10 @@ class Client:
             raise ServedError(f"GET /v1/models answered HTTP {resp.status}: {body[:200]!r}")
         return [m["id"] for m in json.loads(body)["data"]]
 
-    def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
-        """(send time, chunk arrival times), perf_counter seconds."""
+    def stream(
+        self, prompt: list[int], max_tokens: int, first: threading.Event | None = None
+    ) -> tuple[float, list[float]]:
+        """(send time, chunk arrival times), perf_counter seconds; ``first`` is set at the first chunk."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         body |= {"ignore_eos": True, "stream": True}
         conn = self._conn()
@@ -103,6 +110,8 @@ class Client:
                     raise ServedError(f"the stream failed: {event['error']}")
                 if any(c.get("text") for c in event.get("choices", [])):
                     times.append(time.perf_counter())
+                    if first is not None:
+                        first.set()
         finally:
             conn.close()
         if not times:
@@ -122,10 +131,12 @@ def measure_served(
     repeats: int = 3,
     progress: Progress = print,
     host_usage: Callable[[], dict] | None = None,
+    busy_streams: int = 4,
 ) -> ServedOverhead:
     """``host_usage``: ``planner.host_cpu.usage`` where the deployment runs on this machine. Read
     around the TTFT and ITL phases, it adds the front end's CPU per request and per streamed token,
-    and the cores a busy engine process keeps busy: what the simulator takes from shared cores."""
+    and the cores a busy engine process keeps busy: what the simulator takes from shared cores.
+    ``busy_streams`` (0: none): the TTFT probes again while that many long requests decode."""
     rng = random.Random(0)
     vocab = profile.model.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 10:
@@ -172,7 +183,73 @@ def measure_served(
         samples.append({"kind": "itl", "batch": b, "prompt": n, "seconds": itl, "engine_s": engine})
         progress(f"ITL at a batch of {b}: {itl * 1e3:.2f} ms (engine step {engine * 1e3:.2f})")
     phase.end("itl", samples, progress)
+    if busy_streams > 0:
+        samples += _busy_ttfts(client, prompt, profile, prompt_lengths, busy_streams, repeats, progress)
     return fit_overhead(samples)
+
+
+def _busy_ttfts(
+    client: Client,
+    prompt: Callable[[int], list[int]],
+    profile: ModelProfile,
+    lengths: tuple[int, ...],
+    streams: int,
+    repeats: int,
+    progress: Progress,
+) -> list[dict]:
+    """The TTFT phase's prompts (each fresh, then cached) sent one after another while ``streams``
+    long requests decode: a ``busy`` sample per probe, with when it was sent after the long ones (the
+    simulator replays the same scenario to calibrate ``planner.interference``)."""
+    bs, first = profile.model["block_size"], lengths[0]
+    cached = {n: (n - 1) // bs * bs for n in lengths}
+    alone = sum(profile.prefill_s(n) + profile.prefill_s(n - cached[n], cached[n]) for n in lengths) * repeats
+    step = profile.decode_step_s(streams + 1, first)
+    room = int(profile.model.get("max_model_len") or 4096) - first - 1
+    tokens = max(1, min(room, int(4 * (alone + 4 * len(lengths) * repeats * step) / step) + 64))
+    background = [threading.Event() for _ in range(streams)]
+    start = time.perf_counter()
+    long_ones = _Threads([(client.stream, (prompt(first), tokens, e)) for e in background])
+    for e in background:
+        if not e.wait(300) or long_ones.errors:
+            long_ones.join()
+            raise ServedError(f"the {streams} long requests did not start streaming: {long_ones.errors[:1]}")
+    out: list[dict] = []
+    for n in lengths:
+        for _ in range(repeats):
+            p = prompt(n)
+            for hit in (0, cached[n]):  # sent again: its whole blocks cached
+                t0, times = client.stream(p, 2)
+                out.append(
+                    {"kind": "busy", "prompt": n, "cached": hit, "sent": t0 - start, "seconds": times[0] - t0}
+                    | {"streams": streams, "stream_prompt": first, "stream_tokens": tokens}
+                )
+        for hit in (0, cached[n]):
+            ttft = statistics.median(s["seconds"] for s in out if s["prompt"] == n and s["cached"] == hit)
+            progress(
+                f"TTFT of a {n}-token prompt, {hit} cached, beside {streams} decoding: {ttft * 1e3:.1f} ms"
+            )
+    long_ones.join()
+    return out
+
+
+class _Threads:
+    """Calls on threads of their own, started at once; ``errors``: what they raised."""
+
+    def __init__(self, calls: list[tuple[Callable, tuple]]) -> None:
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._run, args=c, daemon=True) for c in calls]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, fn: Callable, args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # re-raised by the caller, on its thread
+            self.errors.append(exc)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
 
 
 class _CPUPhase:
@@ -302,20 +379,9 @@ def _batch_gaps(client: Client, prompts: list[list[int]], output_tokens: int) ->
     """The gaps between chunks of ``len(prompts)`` requests sent together, after their first tokens
     (all prompts prefilled, the batch decoding)."""
     results: list[list[float]] = []
-    errors: list[BaseException] = []
-
-    def one(p: list[int]) -> None:
-        try:
-            results.append(client.stream(p, output_tokens)[1])
-        except BaseException as exc:  # re-raised below, on the caller's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    calls = _Threads([(lambda p: results.append(client.stream(p, output_tokens)[1]), (p,)) for p in prompts])
+    calls.join()
+    if calls.errors:
+        raise calls.errors[0]
     start = max(times[0] for times in results)  # every request has its first token: decoding together
     return [b - a for times in results for a, b in itertools.pairwise(times) if a >= start]

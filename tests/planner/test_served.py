@@ -183,9 +183,14 @@ def server(tiny_llama):
 
 
 def _profile_of(tiny_llama) -> ModelProfile:
-    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    config = json.loads((tiny_llama / "config.json").read_text())
     p = synthetic_profile()
-    return replace(p, model={**p.model, "vocab_size": vocab})
+    model = {
+        **p.model,
+        "vocab_size": config["vocab_size"],
+        "max_model_len": config["max_position_embeddings"],
+    }
+    return replace(p, model=model)
 
 
 def test_measuring_a_real_server_samples_ttft_alone_and_itl_per_batch(server, tiny_llama):
@@ -197,6 +202,7 @@ def test_measuring_a_real_server_samples_ttft_alone_and_itl_per_batch(server, ti
         repeats=1,
         progress=lines.append,
         host_usage=host_cpu.usage,
+        busy_streams=2,
     )
     cpu = [s for s in over.samples if s["kind"] == "cpu"]
     # The server's CPU over each phase: 6 lone requests of 2 tokens, then 1 + 3 of 24 (a chunk each).
@@ -218,10 +224,24 @@ def test_measuring_a_real_server_samples_ttft_alone_and_itl_per_batch(server, ti
         ("ttft", 256, 240, None),
         ("itl", 32, None, 1),
         ("itl", 32, None, 3),
+        # The same prompts again (fresh, then cached) while 2 long requests decode.
+        ("busy", 32, 0, None),
+        ("busy", 32, 16, None),
+        ("busy", 128, 0, None),
+        ("busy", 128, 112, None),
+        ("busy", 256, 0, None),
+        ("busy", 256, 240, None),
     ]
     assert all(s["seconds"] > 0 for s in over.samples if s["kind"] != "cpu")  # (those: >= 0, above)
     assert min(over.ttft_s, over.step_s, over.step_per_seq_s, over.per_token_s, over.prefill_scale) >= 0
-    assert len(lines) == 10 and lines[0].startswith("TTFT of a 32-token prompt alone, 0 cached")
+    busy = [s for s in over.samples if s["kind"] == "busy"]
+    sent = [s["sent"] for s in busy]
+    assert sent == sorted(sent) and sent[0] > 0  # one after another, after the long ones were sent
+    assert {(s["streams"], s["stream_prompt"]) for s in busy} == {(2, 32)}
+    # The long ones outlast the probes: at least 64 tokens, within the model's length.
+    assert 64 <= busy[0]["stream_tokens"] <= _profile_of(tiny_llama).model["max_model_len"] - 33
+    assert len(lines) == 16 and lines[0].startswith("TTFT of a 32-token prompt alone, 0 cached")
+    assert lines[-1].startswith("TTFT of a 256-token prompt, 240 cached, beside 2 decoding")
     with pytest.raises(ServedError, match=r"names no model\.vocab_size"):
         measure_served(Client(server), synthetic_profile())  # nothing to draw prompt tokens below
 
@@ -233,7 +253,9 @@ def test_the_command_stores_the_served_path_in_the_profile(server, tiny_llama, t
     assert "--served needs --served-mode" in capsys.readouterr().err
     assert pdserve(["profile", "--out", str(path), "--served", server, "--served-mode", "aggregated"]) == 0
     served = ModelProfile.load(path).served
-    assert set(served) == {"aggregated"} and len(served["aggregated"].samples) == 14  # + 2 CPU phases
+    assert (
+        set(served) == {"aggregated"} and len(served["aggregated"].samples) == 32
+    )  # + 2 CPU phases, 18 probes beside long requests
     assert served["aggregated"].cpu_per_token_s > 0  # a server on this machine: its CPU measured
     nobody = f"http://127.0.0.1:{free_port()}"
     assert pdserve(["profile", "--out", str(path), "--served", nobody, "--served-mode", "aggregated"]) == 1
