@@ -41,8 +41,8 @@ from ingress.request_timing import DEBUG_HEADER
 from loadgen.serving_client import send
 from loadgen.serving_datasets import ServingRequest
 from planner import host_cpu
+from planner.busy_probes import median_error, probe_errors
 from planner.costs import ModelProfile, ServedOverhead
-from planner.interference import calibrated
 from planner.profile import Grid, profile_engine
 from planner.served import Client, fit_overhead, measure_served
 from planner.simulator import Deployment, SimRequest, Simulator, summarize
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict:
         rate = share * args.load * saturated_throughput(agg, t, vocab)
         traffic[name] = replace(t, rate=rate)
         print(f"{name}: {t.requests} requests at {rate:.2f}/s", flush=True)
-    rows, overheads = [], {}
+    rows, overheads, probes = [], {}, {}
     for layout in LAYOUTS:
         engine_only = profiles[max(1, cores // layout.workers)]
         flags = ["--model", model, "--num-blocks", str(NUM_BLOCKS), "--worker-cpus", "0.5", *layout.flags()]
@@ -188,6 +188,8 @@ def run(args: argparse.Namespace) -> dict:
             )
             overheads[layout.name] = over.to_json() | {"load_generator_cpu_per_token_s": client_cpu}
             served = replace(engine_only, served={_mode(layout): with_load_generator(over, client_cpu)})
+            probes[layout.name] = busy_check(served, layout, cores)
+            print(_busy_line(layout.name, probes[layout.name]), flush=True)
             for name, t in traffic.items():
                 requests = t.generate(vocab)
                 before, t0, c0 = host_cpu.usage(), time.perf_counter(), time.process_time()
@@ -216,6 +218,7 @@ def run(args: argparse.Namespace) -> dict:
         "served_overheads": overheads,
         "traffic": {k: asdict(v) for k, v in traffic.items()},
         "rows": rows,
+        "busy_probes": probes,
     }
 
 
@@ -225,11 +228,25 @@ def predict(row: dict, layout: Layout, engine_only, served, cores: int, requests
     for key, profile, shared in (("engine_only", engine_only, None), ("served", served, cores)):
         dep = Deployment(layout.prefill, layout.decode, host_cores=shared)
         fresh = [SimRequest(r.arrival, r.prompt, r.output_len) for r in requests]
-        simulator = calibrated(profile, dep)
-        sim = summarize(simulator.run(fresh)).as_dict()
+        sim = summarize(Simulator(profile, dep).run(fresh)).as_dict()
         row[key] = {"predicted": sim, "error": errors(row["measured"], sim)}
-        if simulator.interference:
-            row[key]["interference"] = simulator.interference
+
+
+def busy_check(served: ModelProfile, layout: Layout, cores: int) -> dict | None:
+    """The simulator against the layout's busy probes (``planner.busy_probes``): its TTFT error per
+    probe (prompts sent while 4 long requests decode), and their median; None: none measured."""
+    errs = probe_errors(served, Deployment(layout.prefill, layout.decode, host_cores=cores))
+    return None if errs is None else {"median_error": median_error(errs), "errors": errs}
+
+
+def _busy_line(name: str, check: dict | None) -> str:
+    if check is None:
+        return f"  busy probes ({name}): not measured"
+    worst = max(check["errors"], key=abs)
+    return (
+        f"  busy probes ({name}): the simulator's TTFT {check['median_error']:+.0%} (median), "
+        f"worst {worst:+.0%}, over {len(check['errors'])} prompts beside 4 decoding"
+    )
 
 
 def replay_stored(result: dict) -> dict:
@@ -251,6 +268,7 @@ def replay_stored(result: dict) -> dict:
         served = replace(engine_only, served={_mode(layout): with_load_generator(over, client_cpu)})
         requests = traffic[row["mix"]].generate(vocab)
         predict(row, layout, engine_only, served, result["cores"], requests)
+        result.setdefault("busy_probes", {})[layout.name] = busy_check(served, layout, result["cores"])
     return result
 
 
@@ -355,6 +373,8 @@ def main() -> None:
         errs = [abs(e) for r in result["rows"] for e in r[key]["error"].values()]
         within = sum(e <= 0.15 for e in errs)
         print(f"{within}/{len(errs)} within 15%, worst {max(errs):.0%}")
+    for name, check in result.get("busy_probes", {}).items():
+        print(_busy_line(name, check))
     print(f"wrote {out}")
     plot(result, out.with_suffix(".png"))
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.costs import ModelProfile
-from planner.interference import calibrated
-from planner.simulator import Deployment, Summary, summarize
+from planner.simulator import Deployment, Simulator, Summary, summarize
 from planner.traffic import Traffic
 
 THRESHOLDS = (0, 64, 256, 1024)  # local-prefill thresholds tried (0: every prompt goes to a prefill worker)
@@ -64,7 +63,7 @@ def check_feasible(profile: ModelProfile, traffic: Traffic) -> None:
 def evaluate(
     profile: ModelProfile, traffic: Traffic, deployment: Deployment, keep_up: float = 0.95
 ) -> Candidate:
-    requests = calibrated(profile, deployment).run(traffic.generate())
+    requests = Simulator(profile, deployment).run(traffic.generate())
     slo = traffic.slo
     summary = summarize(requests, slo.ttft_p90_s, slo.itl_p50_s)
     meets = (

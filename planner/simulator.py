@@ -22,9 +22,7 @@ What it models, as the real system does it:
 - **Shared cores** (``host_cores``, a CPU deployment on one host): a step is stretched by the cores
   the busy workers' processes keep busy (``engine_cores`` as ``pdserve profile --served`` measured
   it, else their torch threads) plus the front end's CPU load (its CPU per request and per streamed
-  token over the last second) over the cores, when they exceed them. A step's prompt work is also
-  stretched before the cores are full, in proportion to the other work beside it
-  (``interference``, calibrated by ``planner.interference`` on probes measured under load).
+  token over the last second) over the cores, when they exceed them.
 
 Not modelled: preemption, speculative decoding, KV tiers, a front end that saturates. Times are
 seconds from the first arrival.
@@ -158,11 +156,8 @@ class _Worker:
 
 
 class Simulator:
-    def __init__(self, profile: ModelProfile, deployment: Deployment, interference: float = 0.0) -> None:
-        """``interference``: on shared cores, a prompt's computation runs ``1 + interference * load``
-        times slower beside ``load`` cores of other work, before the cores are full
-        (``planner.interference`` calibrates it)."""
-        self.profile, self.dep, self.interference = profile, deployment, interference
+    def __init__(self, profile: ModelProfile, deployment: Deployment) -> None:
+        self.profile, self.dep = profile, deployment
         eng = profile.engine
         self.block_size = profile.model["block_size"]
         self.num_blocks = deployment.num_blocks or eng["num_blocks"]
@@ -255,30 +250,25 @@ class Simulator:
             w.busy = False
             return
         p = self.profile.prefill
-        cost = prompts = 0.0
+        cost = 0.0
         if chunks:
             work = sum(p.coef[1] * n + p.coef[2] * n * (s.ctx + n / 2) for s, n in chunks)
-            prompts = (p.coef[0] + work) * (1.0 + self.over.prefill_scale)
+            cost += (p.coef[0] + work) * (1.0 + self.over.prefill_scale)
         if w.running:
             ctx = statistics.fmean(s.ctx + s.generated for s in w.running)
             cost += self.profile.decode_step_s(len(w.running), ctx) - (p.coef[0] if chunks else 0.0)
             cost += self.over.step_s + self.over.step_per_seq_s * len(w.running)
         w.busy = True
-        full, beside = self._sharing(w)
-        cost = cost * full + prompts * max(full, beside)
-        self._at(self.now + max(cost, 1e-9), self._step_done, w, chunks, list(w.running))
+        self._at(self.now + max(cost * self._sharing(w), 1e-9), self._step_done, w, chunks, list(w.running))
 
-    def _sharing(self, w: _Worker) -> tuple[float, float]:
+    def _sharing(self, w: _Worker) -> float:
         """How much slower a step starting now runs on cores the busy workers and the front end share
-        (1: not shared): once they are full, and, for its prompts, beside the others' work before
-        that (``interference``; the decode steps' share of it was measured with the served path)."""
+        (1: not shared)."""
         if self.dep.host_cores is None:
-            return 1.0, 1.0
+            return 1.0
         busy = sum(other.busy for other in self._by_id.values())  # the one starting this step included
         cores = self.over.engine_cores or self.threads  # what a busy worker's process keeps busy
-        front = self._front_load(w)
-        full = max(1.0, (busy * cores + front) / self.dep.host_cores)
-        return full, 1.0 + self.interference * ((busy - 1) * cores + front)
+        return max(1.0, (busy * cores + self._front_load(w)) / self.dep.host_cores)
 
     def _front_work(self, cpu_s: float, source: _Worker) -> None:
         """The front end (ingress, router, the workers' gRPC sides) spent ``cpu_s`` now on a request
