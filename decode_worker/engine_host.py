@@ -126,8 +126,10 @@ def decode_role(host: EngineHost, compat: KVCompat, argv: list[str]) -> EngineRo
     else:
         from kv_transfer.nixl_backend import NixlBackend
 
-        # No NIXL progress thread: the loop polls every iteration (a progress thread spins a core).
+        # No NIXL progress thread (it spins a core): the loop polls every iteration, and our own
+        # thread while reads are in flight (a step would hold up their bytes).
         transfer = NixlBackend(args.agent_name, host.core.runner.kv_blocks, compat, progress_thread=False)
+        transfer.keep_progressing()
     tiers = engine_tiers(
         host.core, transfer, args.agent_name, compat, args.lend_lease_seconds, args.peer_read_timeout
     )

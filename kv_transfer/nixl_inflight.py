@@ -44,6 +44,9 @@ class InflightReads:
         self._requests: dict[int, _Request] = {}
         self.dead_peers: set[str] = set()  # peers NIXL reported disconnected
 
+    def __len__(self) -> int:
+        return len(self._requests)
+
     def post(self, handle: TransferHandle, xfer: Any) -> None:
         """Post a created request; from here on it is tracked until it ends."""
         request = self._requests[handle.transfer_id] = _Request(handle, xfer)

@@ -21,6 +21,7 @@ names the request (``fetched``), which the worker then adds.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from kv_transfer import InProcessFabric, KVCompat, KVTransferBackend
 from prefill_worker.held import HeldPrompts
@@ -37,6 +38,7 @@ class PrefillEngineRole(EngineRole):
         self.core = host.core
         self.transfer = transfer
         self.held = HeldPrompts(host.core, lease_s, self._announce)
+        self.on_lease: Callable[[], None] = lambda: None  # prompts newly held for readers
         self.peers = EngineTierPeers(tiers)
         self._leased: list[pb.EngineLease] = []
         self._exposed: list[pb.EngineExposed] = []
@@ -82,6 +84,8 @@ class PrefillEngineRole(EngineRole):
             if expiry is not None:
                 self._leased.append(pb.EngineLease(request_id=out.request_id, expiry_unix=expiry))
         self.held.expose()
+        if self._leased:
+            self.on_lease()
         events.leases.extend(self._leased)
         events.exposed.extend(self._exposed)
         self.peers.finish(events)
@@ -107,12 +111,17 @@ def prefill_role(host: EngineHost, compat: KVCompat, argv: list[str]) -> EngineR
     else:
         from kv_transfer.nixl_backend import NixlBackend
 
-        # No NIXL progress thread: the loop polls every iteration (a progress thread spins a core).
+        # No NIXL progress thread (it spins a core): the loop polls every iteration, and our own
+        # thread while prompts are held for readers (a step would stall their reads).
         transfer = NixlBackend(args.agent_name, host.core.runner.kv_blocks, compat, progress_thread=False)
     tiers = engine_tiers(
         host.core, transfer, args.agent_name, compat, args.lease_seconds, args.peer_read_timeout
     )
-    return PrefillEngineRole(host, transfer, args.lease_seconds, tiers)
+    role = PrefillEngineRole(host, transfer, args.lease_seconds, tiers)
+    if args.transfer == "nixl":
+        transfer.keep_progressing(lambda: bool(len(role.held.leases)))
+        role.on_lease = transfer.wake
+    return role
 
 
 if __name__ == "__main__":

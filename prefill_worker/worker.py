@@ -97,6 +97,9 @@ class PrefillWorker(PeerReads, WorkerRuntime):
             self.loop.add_tick(self._tick)
             self.loop.add_tick(self.held.expose)
             self.loop.on_failure(lambda _failure: [w.end() for w in self._watches.values()])
+            keep_progressing = getattr(self.transfer, "keep_progressing", None)  # NIXL's; a fabric needs none
+            if keep_progressing is not None:  # readers' bytes move during a step, not after it
+                keep_progressing(lambda: bool(len(self.held.leases)))
 
     def transfer_stats(self) -> TransferStats:
         """Engine thread only: leases that expired before a decode worker read the blocks."""

@@ -58,11 +58,14 @@ TransferFactory = Callable[[EngineCore, str, KVCompat], KVTransferBackend]
 
 
 def nixl_transfer(core: EngineCore, agent_name: str, compat: KVCompat) -> KVTransferBackend:
-    """A NIXL agent registered over the engine's KV tensor. It runs without NIXL's progress thread:
-    the engine loop ticks every few ms and drives progress (a progress thread spins a whole core)."""
+    """A NIXL agent registered over the engine's KV tensor. It runs without NIXL's progress thread
+    (it spins a whole core): the engine loop ticks every few ms and drives progress, and our own
+    thread while its reads are in flight (a prefill worker's also while it holds prompts)."""
     from kv_transfer.nixl_backend import NixlBackend
 
-    return NixlBackend(agent_name, core.runner.kv_blocks, compat, progress_thread=False)
+    backend = NixlBackend(agent_name, core.runner.kv_blocks, compat, progress_thread=False)
+    backend.keep_progressing()
+    return backend
 
 
 class WorkerRuntime(AdapterMixin, ABC):

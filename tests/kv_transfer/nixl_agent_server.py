@@ -138,6 +138,9 @@ def serve(conn: Connection, env: dict[str, str]) -> None:
                     got += backend.get_notifications()
                     time.sleep(0.001)
                 result = got
+            elif cmd == "keep_progressing":  # as if prompts were held for readers from now on
+                backend.keep_progressing(lambda: True)
+                result = None
             elif cmd in ("close", "exit"):
                 if backend is not None:
                     backend.close()

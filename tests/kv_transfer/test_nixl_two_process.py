@@ -181,3 +181,23 @@ def test_close_fences_a_stalled_read(spawn_agents):
         os.kill(owner.pid, signal.SIGCONT)
     assert owner.call("notifications", 1, 1.0) == []  # the owner ran again: nothing was read
     assert not as_floats(reader.call("blocks", [0, 1, 2])).any()
+
+
+def test_a_read_moves_while_the_owners_engine_thread_is_busy(spawn_agents):
+    """Over TCP a READ moves only while the owner calls into NIXL. An engine thread does between
+    steps; during a step (this owner's command loop waiting on its pipe, calling nothing) only the
+    backend's own progress thread can: with it the read lands, and its notification is kept."""
+    tcp, no_thread = {"UCX_TLS": "tcp"}, {"progress_thread": False}
+    owner, reader = spawn_agents(tcp), spawn_agents(tcp)
+    owner_info = owner.call("init", "owner", NUM_BLOCKS, COMPAT, "pattern", no_thread)
+    reader.call("init", "reader", NUM_BLOCKS, COMPAT, "zeros", no_thread)
+    reader.call("add_peer", owner_info)
+    # Without it, a read of the idle owner waits (here until its deadline).
+    stalled = reader.call("read", "owner", [1], [9], b"stalled", 0.5, 10.0)
+    assert stalled["state"] == "failed" and "timed out" in stalled["error"], stalled
+    owner.call("keep_progressing")
+    result = reader.call("read", "owner", [3, 5, 6], [0, 1, 2], b"held", 20.0, 30.0)
+    assert result["state"] == "done", result
+    assert reader.call("blocks", [0, 1, 2]) == expected_blocks([3, 5, 6])
+    # The stalled read settled too once the owner moved; both notifications reached the owner.
+    assert sorted(owner.call("notifications", 2, 10.0)) == [("reader", b"held"), ("reader", b"stalled")]
