@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
     profile = ModelProfile.load(args.profile)
     if args.model:
         profile.check_model(_identity(args.model))
+    for warning in profile.fit_warnings():
+        print(f"warning: {args.profile}: {warning}", file=sys.stderr)
     for name in ("rate_scale", "prompt_scale"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")

@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         terms = ", ".join(f"{t} {c:.3g}" for t, c in zip(curve.terms, curve.coef, strict=True))
         print(f"{name}: {terms}; fit error mean {curve.mean_rel_error:.1%}, max {curve.max_rel_error:.1%}")
+    for warning in profile.fit_warnings():
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"profile written to {args.out}")
     return 0
 

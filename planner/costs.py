@@ -26,6 +26,9 @@ import numpy as np
 VERSION = 1
 
 
+NOISY_FIT = 0.10  # a compute curve's mean relative error beyond which its profile is suspect
+
+
 class ProfileError(ValueError):
     """A profile that cannot be used: malformed, of another version, or of another model."""
 
@@ -203,6 +206,19 @@ class ModelProfile:
         bs = self.model["block_size"]
         nbytes = -(-tokens // bs) * bs * self.model["kv_bytes_per_token"]
         return self.transfer.value(transfer_features(nbytes))
+
+    def fit_warnings(self, limit: float = NOISY_FIT) -> list[str]:
+        """The compute curves whose samples stray from their fit by more than ``limit`` on average:
+        a step's cost is nearly linear in its terms, so such a profile was measured while something
+        else ran (the validation run of 2026-11-28: 2-thread prefill 32% mean, 69% max, 128 fresh
+        tokens timed at 158 ms and 256 at 76; re-measured on a quiet machine, 1.8%)."""
+        return [
+            f"the {name} curve fits its samples only to {curve.mean_rel_error:.0%} on average "
+            f"(worst {curve.max_rel_error:.0%}): measured while something else ran? profile again "
+            "with the machine otherwise idle"
+            for name, curve in (("prefill", self.prefill), ("decode", self.decode))
+            if curve.mean_rel_error > limit
+        ]
 
     # The model it belongs to -----------------------------------------------------------------------
 

@@ -175,3 +175,21 @@ def test_workers_sharing_one_core_cannot_serve_what_workers_with_a_device_each_c
     assert "--shared-cores must be at least 1" in capsys.readouterr().err
     assert pdserve([*args, "--max-workers", "3", "--shared-cores", "1"]) == 2
     assert "no layout of up to 3 workers meets the traffic" in capsys.readouterr().err
+
+
+def test_a_profile_measured_while_something_else_ran_is_flagged(tmp_path, capsys):
+    """A step's cost is nearly linear in its terms: samples far off their fit (the validation run's
+    2-thread prefill, timed while the machine was busy) say the profile is suspect; plan warns."""
+    clean = synthetic_profile()
+    assert clean.fit_warnings() == []
+    samples = [dict(s) for s in clean.prefill_samples]
+    for s, factor in zip(samples, (1.0, 2.1, 0.5, 1.0, 1.9, 0.6), strict=True):  # timed beside other work
+        s["seconds"] *= factor
+    noisy = replace(clean, prefill_samples=samples)
+    [warning] = noisy.fit_warnings()
+    assert warning.startswith("the prefill curve fits its samples only to") and "profile again" in warning
+    noisy.save(tmp_path / "p.json")
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(TRAFFIC))
+    args = ["plan", "--profile", str(tmp_path / "p.json"), "--traffic", str(tmp_path / "t.yaml")]
+    pdserve([*args, "--max-workers", "2"])  # planned or not, the warning comes first
+    assert f"warning: {tmp_path / 'p.json'}: the prefill curve fits" in capsys.readouterr().err
