@@ -22,7 +22,7 @@ What it models, as the real system does it:
 - **Shared cores** (``host_cores``, a CPU deployment on one host): a step is stretched by the cores
   the busy workers' processes keep busy (``engine_cores`` as ``pdserve profile --served`` measured
   it, else their torch threads) plus the front end's CPU load (its CPU per request and per streamed
-  token over the last second) over the cores, when they exceed them.
+  token over the last 50 ms: it comes in bursts) over the cores, when they exceed them.
 
 Not modelled: preemption, speculative decoding, KV tiers, a front end that saturates. Times are
 seconds from the first arrival.
@@ -42,7 +42,11 @@ from registry.prefix_index import PrefixIndex
 from registry.schema import REMOVED, STORED, KVEventRecord, WorkerRecord
 from router.policies import RoutingInput, make_policy
 
-FRONT_WINDOW_S = 1.0  # the front end's CPU load on shared cores: its work over this much past
+# The front end's CPU load on shared cores: its work over this much past. Short, because it comes in
+# bursts: while a served prefill worker's thread waited for a core, everything but the engines kept
+# 0.51 cores busy against 0.15 on average (bench/README.md, runs of 2026-12-06); 50 ms scored one
+# more metric within 15% than 1 s on each of three stored validation runs.
+FRONT_WINDOW_S = 0.05
 
 
 @dataclass
