@@ -223,16 +223,19 @@ class NixlBackend:
         self._wake.set()
 
     def _keep_progressing(self, interval_s: float) -> None:
-        while not self._closed:
-            if not (len(self._inflight) or any(needed() for needed in self._needed)):
-                self._wake.wait(_IDLE_WAKE_S)
-                self._wake.clear()
-                continue
-            with self._lock:
-                if self._closed:
-                    return
-                self._progress()
-            time.sleep(interval_s)
+        try:
+            while not self._closed:
+                if not (len(self._inflight) or any(needed() for needed in self._needed)):
+                    self._wake.wait(_IDLE_WAKE_S)
+                    self._wake.clear()
+                    continue
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._progress()
+                time.sleep(interval_s)
+        except Exception:  # the engine's own calls still progress (between steps), as before
+            logger.exception("NIXL agent %s: its progress thread stopped", self.agent_name)
 
     def _progress(self) -> None:
         """Check the reads in flight and take the notifications (both move UCX). Under the lock."""
