@@ -101,7 +101,6 @@ def _served(args: argparse.Namespace) -> int:
         profile,
         progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
         host_usage=host_cpu.usage if local else None,
-        busy_streams=4 if local else 0,  # probes under load: for the simulator's shared cores only
     )
     replace(profile, served={**profile.served, args.served_mode: over}).save(args.out)
     print(

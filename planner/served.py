@@ -14,10 +14,10 @@ here on the deployment itself, one load level at a time so nothing queues:
   the median gap between streamed chunks minus the profile's decode step at that batch and context,
   fitted as ``step_s + step_per_seq_s * batch`` (non-negative least squares).
 
-- **Beside other work** (``busy_streams``, a deployment on this machine): the TTFT phase's prompts
-  once more, one after another, while a few long requests decode (``busy`` samples, each with when
-  it was sent). ``planner.interference`` replays that scenario to calibrate how much a prompt slows
-  beside other work on shared cores before they are full.
+- **Beside other work** (``busy_streams``, off unless asked: ``bench.planner_validation`` asks): the
+  TTFT phase's prompts once more, one after another, while a few long requests decode (``busy``
+  samples, each with when it was sent). ``planner.busy_probes`` replays that scenario: a check of
+  the simulator's shared-core model.
 
 - **The host's CPU** (``host_usage``, a deployment on this machine: ``planner.host_cpu``): the front
   end's CPU seconds over the TTFT phase (2 tokens per request) and the ITL phase (dozens), solved for
@@ -131,7 +131,7 @@ def measure_served(
     repeats: int = 3,
     progress: Progress = print,
     host_usage: Callable[[], dict] | None = None,
-    busy_streams: int = 4,
+    busy_streams: int = 0,
 ) -> ServedOverhead:
     """``host_usage``: ``planner.host_cpu.usage`` where the deployment runs on this machine. Read
     around the TTFT and ITL phases, it adds the front end's CPU per request and per streamed token,
@@ -199,7 +199,7 @@ def _busy_ttfts(
 ) -> list[dict]:
     """The TTFT phase's prompts (each fresh, then cached) sent one after another while ``streams``
     long requests decode: a ``busy`` sample per probe, with when it was sent after the long ones (the
-    simulator replays the same scenario to calibrate ``planner.interference``)."""
+    simulator replays the same scenario: ``planner.busy_probes``)."""
     bs, first = profile.model["block_size"], lengths[0]
     cached = {n: (n - 1) // bs * bs for n in lengths}
     alone = sum(profile.prefill_s(n) + profile.prefill_s(n - cached[n], cached[n]) for n in lengths) * repeats
@@ -209,10 +209,12 @@ def _busy_ttfts(
     background = [threading.Event() for _ in range(streams)]
     start = time.perf_counter()
     long_ones = _Threads([(client.stream, (prompt(first), tokens, e)) for e in background])
-    for e in background:
-        if not e.wait(300) or long_ones.errors:
+    deadline = time.monotonic() + 300
+    while not all(e.is_set() for e in background):
+        if long_ones.errors or time.monotonic() > deadline:
             long_ones.join()
             raise ServedError(f"the {streams} long requests did not start streaming: {long_ones.errors[:1]}")
+        background[0].wait(0.05)
     out: list[dict] = []
     for n in lengths:
         for _ in range(repeats):
