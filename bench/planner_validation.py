@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -37,6 +38,7 @@ import torch
 
 from bench.offline_throughput import DEFAULT_MODEL_DIR, ensure_model
 from bench.serving_harness import bench_args, serving
+from bench.speed_probe import SpeedProbe
 from ingress.request_timing import DEBUG_HEADER
 from loadgen.serving_client import send
 from loadgen.serving_datasets import ServingRequest
@@ -45,13 +47,20 @@ from planner.busy_probes import median_error, probe_errors
 from planner.costs import ModelProfile, ServedOverhead
 from planner.profile import Grid, profile_engine
 from planner.served import Client, fit_overhead, measure_served
-from planner.simulator import Deployment, SimRequest, Simulator, summarize
+from planner.simulator import Deployment, SimRequest, Simulator, hop_medians, summarize
 from planner.traffic import Lengths, Traffic
 
 RESULTS = Path(__file__).parent / "results"
 NUM_BLOCKS = 1024
 METRICS = ("ttft_p50", "ttft_p90", "itl_p50", "throughput")
-HOPS_SHOWN = ("ttft", "prefill_queue", "prefill_compute", "kv_transfer", "decode_queue")  # printed per mix
+HOPS_SHOWN = (
+    "ttft",
+    "prefill_queue",
+    "prefill_compute",
+    "kv_transfer",
+    "decode_queue",
+    "decode_first_step",
+)  # printed per mix
 CLIENT = bench_args(ignore_eos=True)  # greedy (temperature 0), every output as long as asked
 
 
@@ -91,7 +100,7 @@ def measure_profile(model: str, threads: int, quick: bool) -> ModelProfile:
     grid = Grid(
         prefill_lengths=(32, 128, 256, 384) if not quick else (32, 128, 320),
         cached_shares=(0.0, 0.8),
-        decode_batches=(1, 4, 8, 16, 32) if not quick else (1, 4, 12),
+        decode_batches=(1, 4, 8, 16, 32, 64) if not quick else (1, 4, 12),  # overload runs 64 and more
         decode_contexts=(64, 256) if not quick else (128,),
         transfer_blocks=(1, 4, 16, 32),
         repeats=3 if not quick else 2,
@@ -159,11 +168,15 @@ def run(args: argparse.Namespace) -> dict:
     model = str(ensure_model(Path(args.model)))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     cores = len(os.sched_getaffinity(0))
-    profiles = {}
+    probe = SpeedProbe(model)
+    profiles, speeds = {}, {}  # speeds: the probe's seconds around each measurement
     for layout in LAYOUTS:
         threads = max(1, cores // layout.workers)  # cli.host_share.local_cpu_threads' share
         if threads not in profiles:
-            profiles[threads] = measure_profile(model, threads, args.quick)
+            profiles[threads], speeds[threads] = probe.around(
+                functools.partial(measure_profile, model, threads, args.quick)
+            )
+            print(f"  speed probe around the profile: {speeds[threads] * 1e3:.0f} ms", flush=True)
     agg = profiles[max(1, cores)]
     traffic = {}
     for name, (t, share) in mixes(args.quick).items():
@@ -185,20 +198,27 @@ def run(args: argparse.Namespace) -> dict:
             client_cpu = (time.process_time() - cpu0) / tokens
             print(f"  the load generator's CPU: {client_cpu * 1e3:.3f} ms per streamed token", flush=True)
             print("measuring the served path's overhead (pdserve profile --served) ...", flush=True)
-            over = measure_served(
-                Client(base),
-                engine_only,
-                repeats=2 if args.quick else 3,
-                progress=_indent,
-                host_usage=host_cpu.usage,
-                busy_streams=4,  # the busy probes: a check of the shared-core model
+            over, over_speed = probe.around(
+                functools.partial(
+                    measure_served,
+                    Client(base),
+                    engine_only,
+                    repeats=2 if args.quick else 3,
+                    progress=_indent,
+                    host_usage=host_cpu.usage,
+                    busy_streams=4,  # the busy probes: a check of the shared-core model
+                )
             )
-            overheads[layout.name] = over.to_json() | {"load_generator_cpu_per_token_s": client_cpu}
+            overheads[layout.name] = over.to_json() | {
+                "load_generator_cpu_per_token_s": client_cpu,
+                "speed_s": over_speed,
+            }
             served = replace(engine_only, served={_mode(layout): with_load_generator(over, client_cpu)})
             probes[layout.name] = busy_check(served, layout, cores)
             print(_busy_line(layout.name, probes[layout.name]), flush=True)
             for name, t in traffic.items():
                 requests = t.generate(vocab)
+                before_speed = probe.seconds()
                 before, t0, c0 = host_cpu.usage(), time.perf_counter(), time.process_time()
                 hops: list[dict] = []
                 real = summarize(asyncio.run(replay(base, requests, hops))).as_dict()
@@ -206,6 +226,11 @@ def run(args: argparse.Namespace) -> dict:
                 busy = host_cpu.cores_between(before, host_cpu.usage(), span)
                 busy["load_generator"] = (time.process_time() - c0) / span
                 row = {"layout": layout.name, "mix": name, "rate": t.rate, "measured": real, "cores": busy}
+                row["speed_s"] = {
+                    "profile": speeds[max(1, cores // layout.workers)],
+                    "overhead": over_speed,
+                    "replay": statistics.fmean((before_speed, probe.seconds())),
+                }
                 row["hops_ms_p50"] = {
                     k: statistics.median(h[k] for h in hops if k in h) for k in {k for h in hops for k in h}
                 }
@@ -213,11 +238,14 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append(row)
                 print(_line(row), flush=True)
                 print(_cores_line(busy), flush=True)
-                shown = [k for k in HOPS_SHOWN if k in row["hops_ms_p50"]]
+                sp = row["speed_s"]
                 print(
-                    "  hops p50 (ms): " + ", ".join(f"{k} {row['hops_ms_p50'][k]:.1f}" for k in shown),
+                    f"  speed probe (ms): profile {sp['profile'] * 1e3:.0f}, served overhead "
+                    f"{sp['overhead'] * 1e3:.0f}, this replay {sp['replay'] * 1e3:.0f}; at its speed: "
+                    + _line(row, "corrected").split(None, 2)[2],
                     flush=True,
                 )
+                print(_hops_line(row), flush=True)
     return {
         "model": model,
         "cores": cores,
@@ -232,11 +260,22 @@ def run(args: argparse.Namespace) -> dict:
 def predict(row: dict, layout: Layout, engine_only, served, cores: int, requests: list[SimRequest]) -> None:
     """The simulator's predictions for ``row``'s measured run: from the engine profile alone, and with
     the served path's overhead on cores shared by workers and front end."""
-    for key, profile, shared in (("engine_only", engine_only, None), ("served", served, cores)):
+    runs = [("engine_only", engine_only, None), ("served", served, cores)]
+    if "speed_s" in row:
+        runs.append(("corrected", at_replay_speed(row["speed_s"], served, _mode(layout)), cores))
+    for key, profile, shared in runs:
         dep = Deployment(layout.prefill, layout.decode, host_cores=shared)
         fresh = [SimRequest(r.arrival, r.prompt, r.output_len) for r in requests]
         sim = summarize(Simulator(profile, dep).run(fresh)).as_dict()
-        row[key] = {"predicted": sim, "error": errors(row["measured"], sim)}
+        hops = hop_medians(fresh, layout.prefill > 0)
+        row[key] = {"predicted": sim, "error": errors(row["measured"], sim), "hops_ms_p50": hops}
+
+
+def at_replay_speed(speed: dict, served: ModelProfile, mode: str) -> ModelProfile:
+    """``served`` (engine profile and served overhead) scaled to the machine's speed during the
+    replay: each part by the probe's seconds then over its seconds when that part was measured."""
+    engine = served.slower(speed["replay"] / speed["profile"])
+    return replace(engine, served={mode: served.served[mode].slower(speed["replay"] / speed["overhead"])})
 
 
 def busy_check(served: ModelProfile, layout: Layout, cores: int) -> dict | None:
@@ -302,6 +341,14 @@ def _cores_line(cores: dict) -> str:
     )
 
 
+def _hops_line(row: dict, key: str = "served") -> str:
+    """Measured hop medians, and the simulator's beside each where it tells that hop apart."""
+    real, sim = row["hops_ms_p50"], row[key].get("hops_ms_p50", {})
+    shown = [k for k in HOPS_SHOWN if k in real]
+    parts = [f"{k} {real[k]:.1f}" + (f" (sim {sim[k]:.1f})" if k in sim else "") for k in shown]
+    return "  hops p50 (ms): " + ", ".join(parts)
+
+
 def _indent(line: str) -> None:
     print(f"  {line}", flush=True)
 
@@ -317,7 +364,8 @@ def _line(row: dict, key: str = "served") -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Predicted against measured per metric: hollow markers the engine-only profile, filled ones
-    with the served path's overhead and shared cores; the band is the 15% target."""
+    with the served path's overhead and shared cores, crosses the same at each replay's measured
+    speed; the band is the 15% target."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -342,6 +390,10 @@ def plot(result: dict, path: Path) -> None:
                     edgecolors=colors[row["layout"]],
                     label=label,
                 )
+            if "corrected" in row:  # at the replay's speed: a cross in the layout's colour
+                sim = row["corrected"]["predicted"][m]
+                values.append(sim)
+                ax.scatter(real, sim, marker="x", color=colors[row["layout"]], s=18)
         xs = [min(values) * 0.8, max(values) * 1.2]
         ax.plot(xs, xs, color="black", lw=0.8)
         ax.fill_between(xs, [x * 0.85 for x in xs], [x * 1.15 for x in xs], color="green", alpha=0.12)
@@ -353,7 +405,8 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=6)
     fig.suptitle(
-        "simulator vs real pdserve serve (hollow: engine profile only; filled: + served path, shared cores)"
+        "simulator vs real pdserve serve (hollow: engine profile only; filled: + served path, shared cores;"
+        " x: the same at the replay's speed)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -376,10 +429,18 @@ def main() -> None:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    for key, title in (("engine_only", "the engine profile alone"), ("served", "with the served path")):
+    for key, title in (
+        ("engine_only", "the engine profile alone"),
+        ("served", "with the served path"),
+        ("corrected", "with the served path, at the speed the probe found around each replay"),
+    ):
+        if not all(key in row for row in result["rows"]):
+            continue
         print(f"\n==== measured vs predicted by {title} (ms, req/s; error = predicted / measured - 1) ====")
         for row in result["rows"]:
             print(_line(row, key))
+            if key != "engine_only" and "hops_ms_p50" in row:
+                print(_hops_line(row, key))
         errs = [abs(e) for r in result["rows"] for e in r[key]["error"].values()]
         within = sum(e <= 0.15 for e in errs)
         print(f"{within}/{len(errs)} within 15%, worst {max(errs):.0%}")

@@ -10,9 +10,12 @@ What it models, as the real system does it:
   ``max_num_batched_tokens`` new tokens; a step costs the profile's prefill curve over its chunks.
   The prompt's first token leaves when its last chunk is done (the TTFT), then its KV moves to the
   decode worker (the profile's transfer curve).
-- **Decode workers**: continuous batching up to ``max_num_seqs`` sequences and the KV pool's blocks
-  (a request waits for blocks rather than preempting); a step costs the profile's decode curve at
-  the batch's size and mean context, plus the prefill chunks of prompts prefilled there.
+- **Decode workers**: a prompt prefilled elsewhere has its KV read when the decode engine is between
+  steps, and joins the batch at the first step after it landed (the served hop ``decode_queue``:
+  about a step and a half under load, 35-48 ms where the step is 25). Continuous batching up to
+  ``max_num_seqs`` sequences and the KV pool's blocks (a request waits for blocks rather than
+  preempting); a step costs the profile's decode curve at the batch's size and mean context, plus
+  the prefill chunks of prompts prefilled there.
 - **Prefix caches**: each worker's whole prompt blocks, least recently used evicted first, as
   ``engine.block_pool`` keeps them; hits shorten prefills.
 
@@ -57,6 +60,9 @@ class SimRequest:
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
     cached_tokens: int = 0
+    # When it reached a worker, its last prompt step started, its KV landed on the decode worker and
+    # its first decode step there started: the hops a served request's timing reports (``hops_ms``).
+    marks: dict[str, float] = field(default_factory=dict)
 
     @property
     def done(self) -> float | None:
@@ -132,6 +138,7 @@ class _Worker:
         self.wid, self.role, self.sim = wid, role, sim
         self.cache = _Cache(sim.num_blocks)
         self.waiting: deque[_Seq] = deque()  # to prefill (FIFO)
+        self.pulls: list[_Seq] = []  # decode: prefilled elsewhere, its KV to read from the next step on
         self.joining: deque[_Seq] = deque()  # decode: prefilled elsewhere, KV here, waiting for room
         self.running: list[_Seq] = []  # decode: in the batch
         self.busy = False
@@ -214,6 +221,7 @@ class Simulator:
         hit = target.cache.hit_blocks(hashes) * self.block_size
         req.cached_tokens = hit
         seq = _Seq(req, hashes, todo=len(req.prompt) - hit, ctx=hit, decode=decode)
+        req.marks["routed"] = self.now
         target.waiting.append(seq)
         target.queued += seq.todo
         self._front_work(self.over.request_cpu_s(len(req.prompt)), target)
@@ -248,6 +256,7 @@ class Simulator:
 
     def _step(self, w: _Worker) -> None:
         if w.role == "decode":
+            self._start_pulls(w)
             self._admit(w)
         chunks = self._chunks(w, self.budget - len(w.running))
         if not chunks and not w.running:
@@ -263,6 +272,11 @@ class Simulator:
             cost += self.profile.decode_step_s(len(w.running), ctx) - (p.coef[0] if chunks else 0.0)
             cost += self.over.step_s + self.over.step_per_seq_s * len(w.running)
         w.busy = True
+        for s in w.running:
+            s.req.marks.setdefault("decode_step", self.now)
+        for s, n in chunks:
+            if n == s.todo:
+                s.req.marks["prompt_step"] = self.now
         self._at(self.now + max(cost * self._sharing(w), 1e-9), self._step_done, w, chunks, list(w.running))
 
     def _sharing(self, w: _Worker) -> float:
@@ -336,11 +350,23 @@ class Simulator:
             decode.joining.append(s)
             self._kick(decode)
             return
-        hit = decode.cache.hit_blocks(s.hashes) * self.block_size
-        moved = max(len(s.req.prompt) - hit, 0)
-        self._at(self.now + self.profile.transfer_s(moved), self._arrived_kv, decode, s)
+        decode.pulls.append(s)
+        if not decode.busy:
+            self._start_pulls(decode)
+
+    def _start_pulls(self, decode: _Worker) -> None:
+        """The decode worker reads the KV of prompts prefilled elsewhere: an engine takes the read
+        between its steps (a busy one at the end of its step), and the sequence joins at the first
+        step after its KV landed."""
+        for s in decode.pulls:
+            s.req.marks["pull"] = self.now
+            hit = decode.cache.hit_blocks(s.hashes) * self.block_size
+            moved = max(len(s.req.prompt) - hit, 0)
+            self._at(self.now + self.profile.transfer_s(moved), self._arrived_kv, decode, s)
+        decode.pulls.clear()
 
     def _arrived_kv(self, decode: _Worker, s: _Seq) -> None:
+        s.req.marks["kv_landed"] = self.now
         stored, evicted = decode.cache.store(s.hashes)
         decode.publish(STORED, stored)
         decode.publish(REMOVED, evicted)
@@ -367,6 +393,29 @@ def _pct(values: list[float], q: float) -> float:
         return 0.0
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def hop_medians(requests: list[SimRequest], disaggregated: bool) -> dict[str, float]:
+    """Median ms per hop, named as a served request's timing names them (``x-pdserve-debug: timing``):
+    where the simulator says the time before a first token went."""
+    m = [(r, r.marks) for r in requests if r.first_token is not None and "prompt_step" in r.marks]
+    hops = {"ttft": [r.first_token - r.arrival for r, _ in m]}
+    queue, compute = (
+        ("prefill_queue", "prefill_compute") if disaggregated else ("decode_queue", "decode_first_step")
+    )
+    hops[queue] = [k["prompt_step"] - k["routed"] for _, k in m]
+    hops[compute] = [r.first_token - k["prompt_step"] for r, k in m]
+    if disaggregated:
+        # A decode worker's queue runs from the request's arrival there to its first step, less the
+        # KV read (``worker.request_clock``): the wait for the engine to take the read counts in it.
+        landed = [(r, k) for r, k in m if "kv_landed" in k]
+        hops["kv_transfer"] = [k["kv_landed"] - k["pull"] for _, k in landed]
+        hops["decode_queue"] = [
+            k["decode_step"] - r.first_token - (k["kv_landed"] - k["pull"])
+            for r, k in landed
+            if "decode_step" in k
+        ]
+    return {name: statistics.median(v) * 1e3 for name, v in hops.items() if v}
 
 
 def summarize(

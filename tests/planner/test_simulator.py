@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from synthetic import BS, PREFILL, synthetic_profile
 
-from planner.simulator import Deployment, SimRequest, Simulator, summarize
+from planner.simulator import Deployment, SimRequest, Simulator, hop_medians, summarize
 
 
 def prompt(tenant: int, length: int, salt: int = 0) -> list[int]:
@@ -105,3 +105,38 @@ def test_summary_percentiles_throughput_and_goodput():
 def test_an_impossible_deployment_is_refused():
     with pytest.raises(ValueError, match="decode >= 1"):
         Deployment(1, 0)
+
+
+def test_hop_medians_say_where_a_request_waited_and_computed():
+    """The simulator's hops, named as a served request's timing names them: the second of two
+    prompts sent together waits out the first's step; the KV moves for the profile's transfer time;
+    an idle decode worker starts at once. Aggregated, the same time is the decode worker's own."""
+    p = synthetic_profile(budget=200)  # one prompt a step
+    a, b = Simulator(p, Deployment(1, 1)).run(
+        [SimRequest(0.0, prompt(1, 200), 3), SimRequest(0.0, prompt(2, 200), 3)]
+    )
+    assert a.marks["prompt_step"] == 0.0 and b.marks["prompt_step"] == pytest.approx(a.first_token)
+    hops = hop_medians([a], disaggregated=True)
+    assert hops["prefill_queue"] == 0.0
+    assert hops["prefill_compute"] == pytest.approx(p.prefill_s(200) * 1e3)
+    assert hops["kv_transfer"] == pytest.approx(p.transfer_s(200) * 1e3)
+    assert hops["decode_queue"] == pytest.approx(0.0, abs=1e-9) and hops["ttft"] == hops["prefill_compute"]
+    assert hop_medians([b], disaggregated=True)["prefill_queue"] == pytest.approx(a.first_token * 1e3)
+    [c] = Simulator(p, Deployment(0, 1)).run([SimRequest(1.0, prompt(3, 200), 3)])
+    agg = hop_medians([c], disaggregated=False)
+    assert set(agg) == {"ttft", "decode_queue", "decode_first_step"}
+    assert agg["decode_first_step"] == pytest.approx(p.prefill_s(200) * 1e3) and agg["decode_queue"] == 0.0
+
+
+def test_a_busy_decode_worker_reads_a_prompts_kv_between_its_steps():
+    """A prompt prefilled while the decode worker runs a step has its KV read when that step ends (an
+    engine takes commands between steps) and joins at the first step after the KV landed."""
+    p = synthetic_profile()
+    a, b = Simulator(p, Deployment(1, 1)).run(
+        [SimRequest(0.0, prompt(1, 64), 60), SimRequest(0.05, prompt(2, 300), 3)]
+    )
+    step_ends = a.token_times[1:]  # a's decode steps, back to back
+    current = min(t for t in step_ends if t > b.first_token)  # the step running when b's prefill ended
+    assert current > b.first_token + 1e-6  # b's prefill did end mid-step
+    assert b.marks["kv_landed"] == pytest.approx(current + p.transfer_s(300))
+    assert b.marks["decode_step"] == pytest.approx(min(t for t in step_ends if t >= b.marks["kv_landed"]))
