@@ -241,8 +241,7 @@ def run(args: argparse.Namespace) -> dict:
                 sp = row["speed_s"]
                 print(
                     f"  speed probe (ms): profile {sp['profile'] * 1e3:.0f}, served overhead "
-                    f"{sp['overhead'] * 1e3:.0f}, this replay {sp['replay'] * 1e3:.0f}; at its speed: "
-                    + _line(row, "corrected").split(None, 2)[2],
+                    f"{sp['overhead'] * 1e3:.0f}, this replay {sp['replay'] * 1e3:.0f}",
                     flush=True,
                 )
                 print(_hops_line(row), flush=True)
@@ -260,22 +259,12 @@ def run(args: argparse.Namespace) -> dict:
 def predict(row: dict, layout: Layout, engine_only, served, cores: int, requests: list[SimRequest]) -> None:
     """The simulator's predictions for ``row``'s measured run: from the engine profile alone, and with
     the served path's overhead on cores shared by workers and front end."""
-    runs = [("engine_only", engine_only, None), ("served", served, cores)]
-    if "speed_s" in row:
-        runs.append(("corrected", at_replay_speed(row["speed_s"], served, _mode(layout)), cores))
-    for key, profile, shared in runs:
+    for key, profile, shared in (("engine_only", engine_only, None), ("served", served, cores)):
         dep = Deployment(layout.prefill, layout.decode, host_cores=shared)
         fresh = [SimRequest(r.arrival, r.prompt, r.output_len) for r in requests]
         sim = summarize(Simulator(profile, dep).run(fresh)).as_dict()
         hops = hop_medians(fresh, layout.prefill > 0)
         row[key] = {"predicted": sim, "error": errors(row["measured"], sim), "hops_ms_p50": hops}
-
-
-def at_replay_speed(speed: dict, served: ModelProfile, mode: str) -> ModelProfile:
-    """``served`` (engine profile and served overhead) scaled to the machine's speed during the
-    replay: each part by the probe's seconds then over its seconds when that part was measured."""
-    engine = served.slower(speed["replay"] / speed["profile"])
-    return replace(engine, served={mode: served.served[mode].slower(speed["replay"] / speed["overhead"])})
 
 
 def busy_check(served: ModelProfile, layout: Layout, cores: int) -> dict | None:
@@ -364,8 +353,7 @@ def _line(row: dict, key: str = "served") -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Predicted against measured per metric: hollow markers the engine-only profile, filled ones
-    with the served path's overhead and shared cores, crosses the same at each replay's measured
-    speed; the band is the 15% target."""
+    with the served path's overhead and shared cores; the band is the 15% target."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -390,10 +378,6 @@ def plot(result: dict, path: Path) -> None:
                     edgecolors=colors[row["layout"]],
                     label=label,
                 )
-            if "corrected" in row:  # at the replay's speed: a cross in the layout's colour
-                sim = row["corrected"]["predicted"][m]
-                values.append(sim)
-                ax.scatter(real, sim, marker="x", color=colors[row["layout"]], s=18)
         xs = [min(values) * 0.8, max(values) * 1.2]
         ax.plot(xs, xs, color="black", lw=0.8)
         ax.fill_between(xs, [x * 0.85 for x in xs], [x * 1.15 for x in xs], color="green", alpha=0.12)
@@ -405,8 +389,7 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=6)
     fig.suptitle(
-        "simulator vs real pdserve serve (hollow: engine profile only; filled: + served path, shared cores;"
-        " x: the same at the replay's speed)"
+        "simulator vs real pdserve serve (hollow: engine profile only; filled: + served path, shared cores)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -429,17 +412,11 @@ def main() -> None:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    for key, title in (
-        ("engine_only", "the engine profile alone"),
-        ("served", "with the served path"),
-        ("corrected", "with the served path, at the speed the probe found around each replay"),
-    ):
-        if not all(key in row for row in result["rows"]):
-            continue
+    for key, title in (("engine_only", "the engine profile alone"), ("served", "with the served path")):
         print(f"\n==== measured vs predicted by {title} (ms, req/s; error = predicted / measured - 1) ====")
         for row in result["rows"]:
             print(_line(row, key))
-            if key != "engine_only" and "hops_ms_p50" in row:
+            if key == "served" and "hops_ms_p50" in row:
                 print(_hops_line(row, key))
         errs = [abs(e) for r in result["rows"] for e in r[key]["error"].values()]
         within = sum(e <= 0.15 for e in errs)

@@ -1,22 +1,27 @@
-"""How fast this machine is right now: a fixed piece of engine work, timed (issue 34's validation).
+"""How fast this machine is right now: a fixed piece of engine work, timed.
 
 A shared VM's cores do not run at one speed. On the 2-core machine the planner is validated on, the
-same 128-token prefill (1 torch thread, nothing else running) took 91 ms and 125 ms two minutes
-apart, and 137 ms and 86 ms on two days (bench/README.md, the planner section). A profile measured at
-one speed and a served run at another then differ by that much whatever the simulator does. The
-validation times this probe beside each measurement (the profiles, the served overheads, every
-replay) and also predicts each replay from measurements scaled to the speed its probes found.
+same 128-token prefill (1 torch thread, nothing else running) took 91 to 159 ms over three minutes,
+and 137 ms and 86 ms on two days (bench/README.md, the planner section). A profile measured at one
+speed and a served run at another differ by that much whatever a simulator does, so
+``bench.planner_validation`` records this probe's time around each of its measurements (the
+profiles, the served overheads, every replay), and ``python -m bench.speed_probe`` tells whether
+the machine is steady enough for a benchmark before one is run.
 
 ``SpeedProbe(model).seconds()``: two prefills of 128 fresh tokens and eight decode steps at batch 8,
 on an engine of its own at one torch thread, the faster of two runs (about a second in all). Prompts
 are fresh each time (random ids), so the prefix cache never shortens the work.
+
+    python -m bench.speed_probe [--model DIR] [--every 15] [--count 20]
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -77,3 +82,26 @@ def _at_one_thread(fn):
         return fn()
     finally:
         torch.set_num_threads(threads)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.offline_throughput import DEFAULT_MODEL_DIR, ensure_model
+
+    p = argparse.ArgumentParser(prog="python -m bench.speed_probe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint (created when missing)")
+    p.add_argument("--every", type=float, default=15.0, help="seconds between probes")
+    p.add_argument("--count", type=int, default=20, help="probes to take")
+    args = p.parse_args(argv)
+    probe = SpeedProbe(str(ensure_model(Path(args.model))))
+    times = []
+    for i in range(args.count):
+        if i:
+            time.sleep(args.every)
+        times.append(probe.seconds())
+        print(f"{time.strftime('%H:%M:%S')}  {times[-1] * 1e3:7.1f} ms", flush=True)
+    if len(times) > 1:
+        print(f"slowest / fastest: {max(times) / min(times):.2f}x over {len(times)} probes")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,7 @@ refuses a profile of another model. Loading validates every field and says which
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -140,12 +140,6 @@ class ServedOverhead:
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.FIELDS} | {"samples": list(self.samples)}
 
-    def slower(self, factor: float) -> ServedOverhead:
-        """These terms on a host ``factor`` times slower: every time and CPU term scaled, the ratios
-        (``prefill_scale``, ``engine_cores``) kept."""
-        timed = ("ttft_s", "step_s", "step_per_seq_s", "per_token_s", "cpu_per_request_s", "cpu_per_token_s")
-        return replace(self, **{k: getattr(self, k) * factor for k in timed})
-
     @classmethod
     def from_json(cls, data, where: str) -> ServedOverhead:
         if not isinstance(data, dict):
@@ -212,19 +206,6 @@ class ModelProfile:
         bs = self.model["block_size"]
         nbytes = -(-tokens // bs) * bs * self.model["kv_bytes_per_token"]
         return self.transfer.value(transfer_features(nbytes))
-
-    def slower(self, factor: float) -> ModelProfile:
-        """This profile as measured on a host ``factor`` times slower (a shared VM's cores change
-        speed by that much within minutes: ``bench/speed_probe.py``): prefill and decode samples and
-        the served overheads' time terms scaled; KV transfers kept."""
-        if not factor > 0:
-            raise ValueError(f"a speed factor must be positive, got {factor}")
-        return replace(
-            self,
-            prefill_samples=[s | {"seconds": s["seconds"] * factor} for s in self.prefill_samples],
-            decode_samples=[s | {"seconds": s["seconds"] * factor} for s in self.decode_samples],
-            served={mode: o.slower(factor) for mode, o in self.served.items()},
-        )
 
     def fit_warnings(self, limit: float = NOISY_FIT) -> list[str]:
         """The compute curves whose samples stray from their fit by more than ``limit`` on average:

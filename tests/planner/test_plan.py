@@ -12,7 +12,6 @@ import yaml
 from synthetic import synthetic_profile
 
 from cli.main import main as pdserve
-from planner.costs import ServedOverhead
 from planner.plan import PlanError, evaluate, plan
 from planner.traffic import Traffic, TrafficError, load_traffic, parse_traffic
 
@@ -194,23 +193,3 @@ def test_a_profile_measured_while_something_else_ran_is_flagged(tmp_path, capsys
     args = ["plan", "--profile", str(tmp_path / "p.json"), "--traffic", str(tmp_path / "t.yaml")]
     pdserve([*args, "--max-workers", "2"])  # planned or not, the warning comes first
     assert f"warning: {tmp_path / 'p.json'}: the prefill curve fits" in capsys.readouterr().err
-
-
-def test_a_profile_on_a_slower_host_scales_its_compute_and_its_served_terms():
-    """``slower``: what the validation predicts a replay from when the machine ran at another speed
-    than when it was profiled. Compute and served time terms scale; KV transfers and ratios stay."""
-    p = synthetic_profile()
-    over = ServedOverhead(
-        ttft_s=0.01, step_s=0.002, prefill_scale=0.3, cpu_per_token_s=0.001, engine_cores=1.2
-    )
-    p = replace(p, served={"disaggregated": over})
-    q = p.slower(1.5)
-    assert q.prefill_s(300, 100) == pytest.approx(1.5 * p.prefill_s(300, 100))
-    assert q.decode_step_s(8, 1000) == pytest.approx(1.5 * p.decode_step_s(8, 1000))
-    assert q.transfer_s(300) == p.transfer_s(300)
-    o = q.served["disaggregated"]
-    assert (o.ttft_s, o.step_s, o.cpu_per_token_s) == pytest.approx((0.015, 0.003, 0.0015))
-    assert (o.prefill_scale, o.engine_cores) == (0.3, 1.2)
-    assert p.served["disaggregated"] is over  # the original is left as it was
-    with pytest.raises(ValueError, match="positive"):
-        p.slower(0.0)

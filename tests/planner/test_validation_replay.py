@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 import pytest
 from synthetic import synthetic_profile
 
-from bench.planner_validation import LAYOUTS, METRICS, at_replay_speed, replay_stored
+from bench.planner_validation import LAYOUTS, METRICS, replay_stored
 from planner.served import fit_overhead
 from planner.simulator import Deployment, Simulator, summarize
 from planner.traffic import Lengths, Traffic
@@ -50,41 +50,3 @@ def test_a_stored_run_is_predicted_again_from_its_profiles_traffic_and_samples()
         # With the served path every request starts 10 ms later and prefills 20% slower.
         assert row["served"]["error"]["ttft_p50"] > 0.05
     assert result["served_overheads"]["1P+1D"] == over.to_json() | {"load_generator_cpu_per_token_s": 0.0}
-
-
-def test_a_replay_is_also_predicted_at_the_speed_the_probe_found_around_it():
-    """A row with the speed probe's seconds gets a ``corrected`` prediction: the engine profile scaled
-    by the replay's probe over the profile's, the served overhead by the replay's over its own. At
-    the same speed throughout it is the served prediction itself; on a machine running 1.5x slower
-    through the replay, its TTFT rises with it."""
-    p = synthetic_profile()
-    p = replace(p, model={**p.model, "vocab_size": 500})
-    traffic = Traffic(rate=5.0, requests=12, prompt=Lengths(200, 0.3), output=Lengths(6), seed=4)
-    samples = [
-        {"kind": "ttft", "prompt": n, "seconds": 1.2 * e + 0.01, "engine_s": e}
-        for n, e in ((32, 0.02), (256, 0.06))
-    ]
-    samples += [
-        {"kind": "itl", "batch": b, "prompt": 32, "seconds": 0.01 + 0.001 * b, "engine_s": 0.01}
-        for b in (1, 8)
-    ]
-    measured = summarize(Simulator(p, Deployment(1, 1)).run(traffic.generate(500))).as_dict()
-    row = {"layout": "1P+1D", "mix": "plain", "measured": measured}
-    same = {"profile": 0.4, "overhead": 0.4, "replay": 0.4}
-    slow = {"profile": 0.4, "overhead": 0.5, "replay": 0.6}
-    stored = {
-        "cores": 2,
-        "profiles": {"1": p.to_json(), "2": p.to_json()},
-        "served_overheads": {layout.name: {"samples": samples} for layout in LAYOUTS},
-        "traffic": {"plain": asdict(traffic)},
-        "rows": [{**row, "speed_s": same}, {**row, "speed_s": slow}, dict(row)],
-    }
-    at_same, at_slow, unprobed = replay_stored(stored)["rows"]
-    assert at_same["corrected"] == at_same["served"]
-    assert at_slow["served"] == at_same["served"]
-    assert at_slow["corrected"]["predicted"]["ttft_p50"] > 1.3 * at_same["served"]["predicted"]["ttft_p50"]
-    assert "corrected" not in unprobed  # a run stored before the probe: nothing to correct by
-    served = replace(p, served={"disaggregated": fit_overhead(samples)})
-    scaled = at_replay_speed(slow, served, "disaggregated")
-    assert scaled.prefill_s(200) == pytest.approx(1.5 * p.prefill_s(200))
-    assert scaled.served["disaggregated"].ttft_s == pytest.approx(1.2 * served.served["disaggregated"].ttft_s)
