@@ -226,14 +226,22 @@ class WorkerRegistration:
         for k, v in load.items():
             setattr(self.record, k, v)
         wid = self.record.worker_id
-        key = worker_key(wid)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(key, mapping=self.record.to_fields())
-        pipe.pexpire(key, self.ttl_ms)
-        pipe.sadd(WORKERS_SET, wid)
-        pipe.exists(snapshot_meta_key(wid))
-        *_, added, meta = pipe.execute()
-        return not added and bool(meta)
+        key, meta = worker_key(wid), snapshot_meta_key(wid)
+        # NOTE: checked before writing, under WATCH: a heartbeat that wrote first would list the
+        # worker again with no snapshot (readers would take its cache for empty) until it registers.
+        with self.client.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(meta)
+                if not pipe.exists(meta):
+                    return False
+                pipe.multi()
+                pipe.hset(key, mapping=self.record.to_fields())
+                pipe.pexpire(key, self.ttl_ms)
+                pipe.sadd(WORKERS_SET, wid)
+                *_, added = pipe.execute()
+            except redis.WatchError:  # emptied between the check and the write
+                return False
+        return not added
 
     def publish(self, kind: str, hashes: list[bytes]) -> None:
         """One batch of stored/removed block hashes, snapshot and stream updated atomically."""

@@ -225,6 +225,21 @@ def test_a_registry_that_lost_its_data_gets_the_worker_back(redis_server, views,
     wait_until(lambda: "p0" in view.workers, "the view lists p0 again")
 
 
+def test_a_heartbeat_never_lists_a_worker_the_registry_forgot(redis_server):
+    """After Redis lost a worker, its heartbeat says so and writes nothing: the worker is listed
+    again only by its registration, with its snapshot (readers never see it listed with no cache)."""
+    client = connect(redis_server.url)
+    reg = WorkerRegistration(client, record("p0"))
+    reg.register([H[0], H[1]])
+    assert reg.heartbeat(num_running=1) and "p0" in read_workers(client)
+    client.flushall()
+    assert not reg.heartbeat(num_running=1)
+    assert read_workers(client) == {} and not client.smembers(snapshot_key("p0"))
+    reg.register([H[0], H[1]])
+    assert "p0" in read_workers(client) and client.smembers(snapshot_key("p0")) == {H[0], H[1]}
+    assert reg.heartbeat(num_running=2) and read_workers(client)["p0"].num_running == 2
+
+
 def test_a_worker_falls_silent_when_its_heartbeats_or_its_engines_reports_stop(views, publishers):
     """``silent_for`` (what the router's prefill stall watch reads): small while the worker heartbeats
     and its engine reports its load; rising once the engine stops reporting (a hung engine thread,
