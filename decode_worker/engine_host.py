@@ -22,6 +22,7 @@ prompt's prefix from a peer decode worker's host tier and lend this one's (``wor
 from __future__ import annotations
 
 import argparse
+import time
 
 from decode_worker.kv_pull import FailurePolicy, KVPuller, PendingPull, pulled_kv_from_handle
 from kv_transfer import InProcessFabric, KVCompat, KVTransferBackend
@@ -37,12 +38,15 @@ class DecodeEngineRole(EngineRole):
         self, host: EngineHost, transfer: KVTransferBackend, timeout_s: float, tiers: PeerTiers | None = None
     ) -> None:
         self.transfer = transfer
-        self.landed: list[tuple[str, float]] = []
+        self.landed: list[tuple[str, float, float]] = []  # (request id, READ seconds, landed at)
         self.pulls = KVPuller(host.core, transfer, host.publish, timeout_s, self._on_landed)
         self.peers = EngineTierPeers(tiers)
 
     def _on_landed(self, request_id: str, seconds: float) -> None:
-        self.landed.append((request_id, seconds))
+        # NOTE: stamped here, not where the worker reads the event: the event travels with the
+        # outputs of the step after the landing, and the request's clock would count that step as
+        # queueing (decode_queue) and none of it as its first step.
+        self.landed.append((request_id, seconds, time.monotonic()))
 
     def ready(self, msg: pb.EngineReady) -> None:
         msg.transfer.CopyFrom(transfer_info_to_proto(self.transfer.local_info()))
@@ -86,8 +90,8 @@ class DecodeEngineRole(EngineRole):
         reply.pending_pulls = len(self.pulls)
 
     def finish(self, events: pb.EngineEvents, outputs) -> dict[str, str]:
-        for rid, seconds in self.landed:
-            events.landed.add(request_id=rid, seconds=seconds)
+        for rid, seconds, at in self.landed:
+            events.landed.add(request_id=rid, seconds=seconds, at=at)
         self.landed.clear()
         self.peers.finish(events)
         kinds = {}

@@ -1065,9 +1065,11 @@ class EngineEvents(_message.Message):
     def __init__(self, replies: _Optional[_Iterable[_Union[EngineReply, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., tokens: _Optional[_Union[EngineTokens, _Mapping]] = ..., step_started: _Optional[float] = ..., failure: _Optional[str] = ..., kv_events: _Optional[_Iterable[_Union[KVEventBatch, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., landed: _Optional[_Iterable[_Union[KVLanded, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[EngineLease, _Mapping]]] = ..., exposed: _Optional[_Iterable[_Union[EngineExposed, _Mapping]]] = ..., fetched: _Optional[_Iterable[str]] = ..., output_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVLanded(_message.Message):
-    __slots__ = ("request_id", "seconds")
+    __slots__ = ("request_id", "seconds", "at")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    at: float
+    def __init__(self, request_id: _Optional[str] = ..., seconds: _Optional[float] = ..., at: _Optional[float] = ...) -> None: ...

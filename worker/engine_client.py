@@ -80,7 +80,8 @@ class EngineProcess:
         self._kv_hooks: list[Callable[[pb.EngineEvents], None]] = []
         # A role's part of each message (the prefill role's leases and exposed blocks), before outputs.
         self._role_hooks: list[Callable[[pb.EngineEvents], None]] = []
-        self.on_landed: Callable[[str, float], None] | None = None  # a pull's KV landed (its seconds)
+        # A pull's KV landed: (request id, the READ's seconds, when: the engine process's monotonic clock)
+        self.on_landed: Callable[[str, float, float], None] | None = None
         self.error_kinds: dict[str, str] = {}  # request id -> its failed pull's error kind
         self._streams: dict[str, asyncio.Queue] = {}
         self._output_hooks: list[Callable[[SequenceOutput], None]] = []
@@ -333,7 +334,7 @@ class EngineProcess:
                 fut.set_exception(RuntimeError(f"{reply.error_type}: {reply.error}"))
         if self.on_landed is not None:
             for landed in events.landed:
-                self.on_landed(landed.request_id, landed.seconds)
+                self.on_landed(landed.request_id, landed.seconds, landed.at)
         for out in events.outputs:
             if out.error_type:
                 self.error_kinds[out.request_id] = out.error_type

@@ -58,12 +58,13 @@ class RequestClocks:
         if clock is not None:
             clock.ready = time.monotonic()
 
-    def transferred(self, request_id: str, seconds: float) -> None:
-        """Engine thread: the request's KV landed after a READ of ``seconds``."""
+    def transferred(self, request_id: str, seconds: float, at: float | None = None) -> None:
+        """The request's KV landed after a READ of ``seconds``: now (the engine thread), or ``at``
+        (``time.monotonic()`` where it landed: an engine process's report, read later)."""
         clock = self._clocks.get(request_id)
         if clock is not None:
             clock.kv_transfer_s = seconds
-            clock.ready = time.monotonic()
+            clock.ready = time.monotonic() if at is None else at
 
     def get(self, request_id: str) -> RequestClock | None:
         return self._clocks.get(request_id)

@@ -54,3 +54,22 @@ def test_step_start_is_the_start_of_the_step_that_served_it():
     loop.output(SequenceOutput("r", 0, [1]))
     assert clock.step_started == loop.step_started
     assert clock.kv_transfer_s is None  # never transferred: aggregated
+
+
+def test_a_landing_reported_later_counts_from_when_it_landed():
+    """An engine process reports a landed KV with the outputs of the step that took the request in:
+    the clock keeps the engine's landing time (``at``), so that step is the request's first step and
+    not part of its queue (read at its report, the queue swallowed the step and the first step
+    measured ~0)."""
+    loop = FakeLoop()
+    clocks = RequestClocks(loop)
+    clock = clocks.arrive("r")
+    clock.arrived -= 0.050  # it arrived 50 ms ago
+    landed = clock.arrived + 0.010
+    loop.step_started = landed + 0.001  # the step right after the landing
+    clocks.transferred("r", 0.002, at=landed)  # read now, with that step's outputs
+    assert clock.ready == landed
+    loop.output(SequenceOutput("r", 0, [7]))
+    assert clock.step_started == loop.step_started
+    assert abs(clock.queue_s - 0.009) < 1e-9  # arrival -> the step, less the READ
+    assert clock.first_step_s == clock.first_output - loop.step_started > 0
