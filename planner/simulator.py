@@ -10,10 +10,7 @@ What it models, as the real system does it:
   ``max_num_batched_tokens`` new tokens; a step costs the profile's prefill curve over its chunks.
   The prompt's first token leaves when its last chunk is done (the TTFT), then its KV moves to the
   decode worker (the profile's transfer curve).
-- **Decode workers**: a prompt prefilled elsewhere has its KV read when the decode engine is between
-  steps, and joins the batch at the first step after it landed (the served hop ``decode_queue``:
-  about a step and a half under load, 35-48 ms where the step is 25). Continuous batching up to
-  ``max_num_seqs`` sequences and the KV pool's blocks (a request waits for blocks rather than
+- **Decode workers**: continuous batching up to ``max_num_seqs`` sequences and the KV pool's blocks (a request waits for blocks rather than
   preempting); a step costs the profile's decode curve at the batch's size and mean context, plus
   the prefill chunks of prompts prefilled there.
 - **Prefix caches**: each worker's whole prompt blocks, least recently used evicted first, as
@@ -138,7 +135,6 @@ class _Worker:
         self.wid, self.role, self.sim = wid, role, sim
         self.cache = _Cache(sim.num_blocks)
         self.waiting: deque[_Seq] = deque()  # to prefill (FIFO)
-        self.pulls: list[_Seq] = []  # decode: prefilled elsewhere, its KV to read from the next step on
         self.joining: deque[_Seq] = deque()  # decode: prefilled elsewhere, KV here, waiting for room
         self.running: list[_Seq] = []  # decode: in the batch
         self.busy = False
@@ -256,7 +252,6 @@ class Simulator:
 
     def _step(self, w: _Worker) -> None:
         if w.role == "decode":
-            self._start_pulls(w)
             self._admit(w)
         chunks = self._chunks(w, self.budget - len(w.running))
         if not chunks and not w.running:
@@ -350,20 +345,9 @@ class Simulator:
             decode.joining.append(s)
             self._kick(decode)
             return
-        decode.pulls.append(s)
-        if not decode.busy:
-            self._start_pulls(decode)
-
-    def _start_pulls(self, decode: _Worker) -> None:
-        """The decode worker reads the KV of prompts prefilled elsewhere: an engine takes the read
-        between its steps (a busy one at the end of its step), and the sequence joins at the first
-        step after its KV landed."""
-        for s in decode.pulls:
-            s.req.marks["pull"] = self.now
-            hit = decode.cache.hit_blocks(s.hashes) * self.block_size
-            moved = max(len(s.req.prompt) - hit, 0)
-            self._at(self.now + self.profile.transfer_s(moved), self._arrived_kv, decode, s)
-        decode.pulls.clear()
+        hit = decode.cache.hit_blocks(s.hashes) * self.block_size
+        moved = max(len(s.req.prompt) - hit, 0)
+        self._at(self.now + self.profile.transfer_s(moved), self._arrived_kv, decode, s)
 
     def _arrived_kv(self, decode: _Worker, s: _Seq) -> None:
         s.req.marks["kv_landed"] = self.now
@@ -406,15 +390,10 @@ def hop_medians(requests: list[SimRequest], disaggregated: bool) -> dict[str, fl
     hops[queue] = [k["prompt_step"] - k["routed"] for _, k in m]
     hops[compute] = [r.first_token - k["prompt_step"] for r, k in m]
     if disaggregated:
-        # A decode worker's queue runs from the request's arrival there to its first step, less the
-        # KV read (``worker.request_clock``): the wait for the engine to take the read counts in it.
+        # A decode worker's queue: its first step's start less the KV read (``worker.request_clock``).
         landed = [(r, k) for r, k in m if "kv_landed" in k]
-        hops["kv_transfer"] = [k["kv_landed"] - k["pull"] for _, k in landed]
-        hops["decode_queue"] = [
-            k["decode_step"] - r.first_token - (k["kv_landed"] - k["pull"])
-            for r, k in landed
-            if "decode_step" in k
-        ]
+        hops["kv_transfer"] = [k["kv_landed"] - r.first_token for r, k in landed]
+        hops["decode_queue"] = [k["decode_step"] - k["kv_landed"] for _, k in landed if "decode_step" in k]
     return {name: statistics.median(v) * 1e3 for name, v in hops.items() if v}
 
 

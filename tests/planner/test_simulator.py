@@ -126,17 +126,3 @@ def test_hop_medians_say_where_a_request_waited_and_computed():
     agg = hop_medians([c], disaggregated=False)
     assert set(agg) == {"ttft", "decode_queue", "decode_first_step"}
     assert agg["decode_first_step"] == pytest.approx(p.prefill_s(200) * 1e3) and agg["decode_queue"] == 0.0
-
-
-def test_a_busy_decode_worker_reads_a_prompts_kv_between_its_steps():
-    """A prompt prefilled while the decode worker runs a step has its KV read when that step ends (an
-    engine takes commands between steps) and joins at the first step after the KV landed."""
-    p = synthetic_profile()
-    a, b = Simulator(p, Deployment(1, 1)).run(
-        [SimRequest(0.0, prompt(1, 64), 60), SimRequest(0.05, prompt(2, 300), 3)]
-    )
-    step_ends = a.token_times[1:]  # a's decode steps, back to back
-    current = min(t for t in step_ends if t > b.first_token)  # the step running when b's prefill ended
-    assert current > b.first_token + 1e-6  # b's prefill did end mid-step
-    assert b.marks["kv_landed"] == pytest.approx(current + p.transfer_s(300))
-    assert b.marks["decode_step"] == pytest.approx(min(t for t in step_ends if t >= b.marks["kv_landed"]))
