@@ -10,7 +10,13 @@ For each layout (aggregated 1 worker, 1P+1D, 1P+2D) and each traffic mix (plain,
    and TTFT, the gaps between streamed chunks and the end of every request are taken at the client;
 3. the simulator replays the same requests over the same layout with the profile measured here
    (``planner.profile`` on the engine, at the torch threads each of the layout's workers gets);
-4. per metric (TTFT p50/p90, ITL p50, throughput): ``(predicted - measured) / measured``.
+4. per metric (TTFT p50/p90, ITL p50, throughput): ``(predicted - measured) / measured``; per hop
+   (prefill queue and compute, KV transfer, decode queue), the measured median beside the
+   simulator's (``planner.simulator.hop_medians``).
+
+``bench.speed_probe`` times the same small engine workload around each profile, each served
+overhead and each replay (``speed_s``): this VM's speed moves by 1.4x within minutes, and a profile
+taken at one speed predicts a replay run at another that much off.
 
 The profile covers the engine's steps and KV transfers; everything else on the served path (HTTP,
 tokenization, gRPC hops between ingress, router and workers, streaming) is not in it, and on this
@@ -330,9 +336,9 @@ def _cores_line(cores: dict) -> str:
     )
 
 
-def _hops_line(row: dict, key: str = "served") -> str:
+def _hops_line(row: dict) -> str:
     """Measured hop medians, and the simulator's beside each where it tells that hop apart."""
-    real, sim = row["hops_ms_p50"], row[key].get("hops_ms_p50", {})
+    real, sim = row["hops_ms_p50"], row["served"].get("hops_ms_p50", {})
     shown = [k for k in HOPS_SHOWN if k in real]
     parts = [f"{k} {real[k]:.1f}" + (f" (sim {sim[k]:.1f})" if k in sim else "") for k in shown]
     return "  hops p50 (ms): " + ", ".join(parts)
@@ -417,7 +423,7 @@ def main() -> None:
         for row in result["rows"]:
             print(_line(row, key))
             if key == "served" and "hops_ms_p50" in row:
-                print(_hops_line(row, key))
+                print(_hops_line(row))
         errs = [abs(e) for r in result["rows"] for e in r[key]["error"].values()]
         within = sum(e <= 0.15 for e in errs)
         print(f"{within}/{len(errs)} within 15%, worst {max(errs):.0%}")
