@@ -9,7 +9,11 @@ inside it ``scheduler.schedule``, the runner (``launch`` + ``collect``) and ``sc
 ``step()`` is "other").
 
     python -m bench.host_overhead [--batches 1,32,256] [--contexts 128,1024,4096,8192]
-        [--baseline-ref HEAD] [--json PATH] [--profile 20] [--overlap] [--engine-process]
+        [--baseline-ref HEAD] [--json PATH] [--profile 20] [--overlap] [--engine-process] [--rounds 5]
+
+``--rounds N`` measures the grid N times, the shapes forward then backward, and reports each figure's
+median over the rounds: on this VM one pass each put batch 256's 8k / 128 context step at 0.67x,
+0.89x and 1.53x in three runs minutes apart (the machine's speed, not the engine's).
 
 ``--engine-process`` times each step as the engine process runs it (``worker/engine_process.py``):
 the step, then its outputs encoded for the pipe to the worker (the encode counts as "other").
@@ -271,6 +275,21 @@ def measure(
     return row
 
 
+def median_row(rows: list[dict]) -> dict:
+    """One shape's rounds as one row: each figure the median over the rounds (each slot's too), the
+    rounds' means kept (``round_mean_ms``)."""
+    if len(rows) == 1:
+        return rows[0]
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if key.endswith("_ms") and isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in rows)
+    slots = rows[0]["by_slot_p50_ms"]
+    out["by_slot_p50_ms"] = {k: statistics.median(r["by_slot_p50_ms"][k] for r in rows) for k in slots}
+    out["round_mean_ms"] = [r["mean_ms"] for r in rows]
+    return out
+
+
 def steps_for(batch: int, max_steps: int, token_budget: int) -> int:
     """Fewer steps at large batches (but ten at least): the default grid stays within a few minutes
     on 2 cores."""
@@ -286,7 +305,6 @@ def run_grid(args) -> dict:
     torch.set_num_threads(args.threads)
     shapes = [(b, c) for b in args.batches for c in args.contexts]
     max_len = max(args.contexts) + WARMUP_STEPS + args.steps + args.profile + 4
-    rows = []
     # The model never attends, so the backend's only cost is its per-step metadata: a GPU engine's
     # (triton) unless asked; an older tree has no async_scheduling, so it is passed only when on.
     engine_args = {"attention_backend": args.attention_backend}
@@ -295,13 +313,18 @@ def run_grid(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint, mode = make_checkpoint(Path(tmp), max_len, args.force_swap)
         swap = mode != "zero-cost checkpoint"
-        for batch, context in _progress(shapes):
+        rounds: list[dict] = []
+        # Each round takes the shapes in the other order: a machine whose speed drifts (this VM's
+        # moves 1.4x within minutes) tilts no shape against another in the median.
+        order = [s for r in range(args.rounds) for s in (shapes if r % 2 == 0 else shapes[::-1])]
+        for batch, context in _progress(order):
+            if not rounds or (batch, context) in rounds[-1]:
+                rounds.append({})
             steps = steps_for(batch, args.steps, args.token_budget)
-            rows.append(
-                measure(
-                    checkpoint, swap, batch, context, steps, args.profile, args.engine_process, **engine_args
-                )
+            rounds[-1][batch, context] = measure(
+                checkpoint, swap, batch, context, steps, args.profile, args.engine_process, **engine_args
             )
+        rows = [median_row([r[shape] for r in rounds]) for shape in shapes]
     return {
         "engine": str(Path(engine.__file__).resolve().parents[1]),
         "mode": mode,
@@ -330,7 +353,7 @@ def _progress(shapes: list[tuple[int, int]]):
 def _worker_argv(args, out: Path) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--json", str(out)]
     argv += ["--batches", ",".join(map(str, args.batches)), "--contexts", ",".join(map(str, args.contexts))]
-    for name in ("threads", "steps", "token_budget", "profile", "attention_backend"):
+    for name in ("threads", "steps", "token_budget", "profile", "attention_backend", "rounds"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     flags = [
         f"--{name.replace('_', '-')}"
@@ -398,6 +421,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--profile", type=int, default=0, help="this many more steps under cProfile")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the grid this many times, the shapes in turn forward and backward; report each "
+        "figure's median over the rounds",
+    )
+    parser.add_argument(
         "--overlap",
         action="store_true",
         help="the engine with async_scheduling on (overlapped steps; a baseline's too)",
@@ -422,8 +452,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if min(args.steps, args.token_budget, args.threads) < 1 or args.profile < 0:
-        parser.error("--steps, --token-budget and --threads must be positive, --profile non-negative")
+    if min(args.steps, args.token_budget, args.threads, args.rounds) < 1 or args.profile < 0:
+        parser.error(
+            "--steps, --token-budget, --threads and --rounds must be positive, --profile non-negative"
+        )
     return args
 
 

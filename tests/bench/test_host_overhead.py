@@ -103,3 +103,27 @@ def test_a_churning_batch_is_timed_with_and_without_the_steady_paths(capsys, tmp
         1,
     )
     assert result["on_over_off"] == result["min_mean_ms"]["on"] / result["min_mean_ms"]["off"]
+
+
+def test_rounds_report_each_figure_as_the_median_over_them(tmp_path, monkeypatch):
+    """``--rounds``: every shape measured once per round, the order turned round each time (a
+    drifting machine tilts no shape), each figure the median of the rounds', their means kept."""
+    calls, means = [], iter([1.0, 2.0, 9.0, 8.0, 3.0, 4.0])  # (2,32) gets 1, 8, 3; (2,48) 2, 9, 4
+
+    def fake(checkpoint, swap, batch, context, steps, *args, **kwargs):
+        calls.append(context)
+        m = next(means)
+        parts = dict.fromkeys(("p90_ms", "schedule_ms", "execute_ms", "update_ms", "other_ms"), m / 4)
+        row = {"batch": batch, "context": context, "steps": steps, "mean_ms": m, "p50_ms": m / 2, **parts}
+        return row | {"by_slot_p50_ms": {0: m, 15: 2 * m}}
+
+    monkeypatch.setattr(host_overhead, "measure", fake)
+    out = tmp_path / "host.json"
+    host_overhead.main(["--batches", "2", "--contexts", "32,48", "--rounds", "3", "--json", str(out)])
+    assert calls == [32, 48, 48, 32, 32, 48]
+    a, b = json.loads(out.read_text())["current"]["rows"]
+    assert (a["context"], a["round_mean_ms"], a["mean_ms"], a["p50_ms"]) == (32, [1.0, 8.0, 3.0], 3.0, 1.5)
+    assert (b["context"], b["round_mean_ms"], b["mean_ms"]) == (48, [2.0, 9.0, 4.0], 4.0)
+    assert a["by_slot_p50_ms"] == {"0": 3.0, "15": 6.0}
+    argv = host_overhead._worker_argv(host_overhead.parse_args(["--rounds", "3"]), out)
+    assert argv[argv.index("--rounds") + 1] == "3"
