@@ -34,10 +34,8 @@ import gc
 import importlib.util
 import json
 import math
-import os
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -347,56 +345,6 @@ def _progress(shapes: list[tuple[int, int]]):
             yield batch, context
 
 
-# Two revisions -----------------------------------------------------------------------------------
-
-
-def _worker_argv(args, out: Path) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--json", str(out)]
-    argv += ["--batches", ",".join(map(str, args.batches)), "--contexts", ",".join(map(str, args.contexts))]
-    for name in ("threads", "steps", "token_budget", "profile", "attention_backend", "rounds"):
-        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    flags = [
-        f"--{name.replace('_', '-')}"
-        for name in ("force_swap", "overlap", "engine_process")
-        if getattr(args, name)
-    ]
-    return argv + flags
-
-
-def run_in_subprocess(args, tree: Path, out: Path) -> dict:
-    """The grid on the ``engine`` package of ``tree``, in a fresh process."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run(_worker_argv(args, out), env=env, cwd=tree, check=True)
-    result = json.loads(out.read_text())
-    if Path(result["engine"]) != tree.resolve():
-        raise RuntimeError(f"the worker imported the engine of {result['engine']}, not of {tree}")
-    return result
-
-
-def run_against(args) -> dict:
-    """This tree and ``args.baseline_ref``, each in its own process (the same conditions)."""
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{args.baseline_ref}^{{commit}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    with tempfile.TemporaryDirectory() as tmp:
-        old_tree = Path(tmp) / "baseline"
-        old_tree.mkdir()
-        archive = subprocess.Popen(["git", "-C", str(ROOT), "archive", commit], stdout=subprocess.PIPE)
-        subprocess.run(["tar", "-x", "-C", str(old_tree)], stdin=archive.stdout, check=True)
-        archive.stdout.close()
-        if archive.wait() != 0:
-            raise RuntimeError(f"git archive {commit} failed")
-        print(f"baseline: {args.baseline_ref} ({commit[:12]})", file=sys.stderr, flush=True)
-        baseline = run_in_subprocess(args, old_tree, Path(tmp) / "baseline.json")
-        print("current: the working tree", file=sys.stderr, flush=True)
-        current = run_in_subprocess(args, ROOT, Path(tmp) / "current.json")
-    baseline.update(ref=args.baseline_ref, commit=commit, engine="(archive)")
-    return {"current": current, "baseline": baseline}
-
-
 def _ints(text: str) -> list[int]:
     values = [int(x) for x in text.split(",") if x]
     if not values or min(values) < 1:
@@ -465,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.json.write_text(json.dumps(run_grid(args)))
         return {}
     from bench.host_overhead_report import format_report, ratios  # not in a baseline's tree
+    from bench.host_overhead_revisions import run_against
 
     result = run_against(args) if args.baseline_ref else {"current": run_grid(args)}
     if args.baseline_ref:

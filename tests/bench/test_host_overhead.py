@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench import host_overhead
+from bench import host_overhead, host_overhead_revisions
 
 
 def test_a_tiny_grid_reports_positive_times_per_shape(tmp_path, capsys):
@@ -47,7 +47,7 @@ def test_steps_as_the_engine_process_runs_them_overlapped(tmp_path):
     current = json.loads(out.read_text())["current"]
     assert current["async_scheduling"] is True and current["engine_process"] is True
     assert current["rows"][0]["mean_ms"] > 0
-    argv = host_overhead._worker_argv(host_overhead.parse_args(args), out)
+    argv = host_overhead_revisions.worker_argv(host_overhead.parse_args(args), out)
     assert "--overlap" in argv and "--engine-process" in argv
 
 
@@ -125,5 +125,5 @@ def test_rounds_report_each_figure_as_the_median_over_them(tmp_path, monkeypatch
     assert (a["context"], a["round_mean_ms"], a["mean_ms"], a["p50_ms"]) == (32, [1.0, 8.0, 3.0], 3.0, 1.5)
     assert (b["context"], b["round_mean_ms"], b["mean_ms"]) == (48, [2.0, 9.0, 4.0], 4.0)
     assert a["by_slot_p50_ms"] == {"0": 3.0, "15": 6.0}
-    argv = host_overhead._worker_argv(host_overhead.parse_args(["--rounds", "3"]), out)
+    argv = host_overhead_revisions.worker_argv(host_overhead.parse_args(["--rounds", "3"]), out)
     assert argv[argv.index("--rounds") + 1] == "3"
