@@ -1,7 +1,7 @@
 """How fast this machine is right now: a fixed piece of engine work, timed.
 
 A shared VM's cores do not run at one speed. On the 2-core machine the planner is validated on, the
-same 128-token prefill (1 torch thread, nothing else running) took 91 to 159 ms over three minutes,
+same 128-token prefill (1 torch thread, nothing else running) took 91 to 125 ms over three minutes,
 and 137 ms and 86 ms on two days (bench/README.md, the planner section). A profile measured at one
 speed and a served run at another differ by that much whatever a simulator does, so
 ``bench.planner_validation`` records this probe's time around each of its measurements (the

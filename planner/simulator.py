@@ -10,9 +10,9 @@ What it models, as the real system does it:
   ``max_num_batched_tokens`` new tokens; a step costs the profile's prefill curve over its chunks.
   The prompt's first token leaves when its last chunk is done (the TTFT), then its KV moves to the
   decode worker (the profile's transfer curve).
-- **Decode workers**: continuous batching up to ``max_num_seqs`` sequences and the KV pool's blocks (a request waits for blocks rather than
-  preempting); a step costs the profile's decode curve at the batch's size and mean context, plus
-  the prefill chunks of prompts prefilled there.
+- **Decode workers**: continuous batching up to ``max_num_seqs`` sequences and the KV pool's blocks
+  (a request waits for blocks rather than preempting); a step costs the profile's decode curve at
+  the batch's size and mean context, plus the prefill chunks of prompts prefilled there.
 - **Prefix caches**: each worker's whole prompt blocks, least recently used evicted first, as
   ``engine.block_pool`` keeps them; hits shorten prefills.
 
@@ -58,7 +58,7 @@ class SimRequest:
     token_times: list[float] = field(default_factory=list)
     cached_tokens: int = 0
     # When it reached a worker, its last prompt step started, its KV landed on the decode worker and
-    # its first decode step there started: the hops a served request's timing reports (``hops_ms``).
+    # its first decode step there started: the hops a served request's timing reports (``hop_medians``).
     marks: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -267,8 +267,6 @@ class Simulator:
             cost += self.profile.decode_step_s(len(w.running), ctx) - (p.coef[0] if chunks else 0.0)
             cost += self.over.step_s + self.over.step_per_seq_s * len(w.running)
         w.busy = True
-        for s in w.running:
-            s.req.marks.setdefault("decode_step", self.now)
         for s, n in chunks:
             if n == s.todo:
                 s.req.marks["prompt_step"] = self.now
@@ -307,6 +305,7 @@ class Simulator:
             if w.reserved + need > self.num_blocks and w.running:
                 break
             w.reserved += need
+            s.req.marks["decode_step"] = self.now  # its first decode step starts now (``_step``)
             w.running.append(w.joining.popleft())
 
     def _blocks(self, s: _Seq) -> int:

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from decode_worker.engine_host import DecodeEngineRole
 from decode_worker.service import serve
 from decode_worker.split import SplitDecodeWorker, build_decode_worker
 from decode_worker.worker import DecodeWorkerConfig, Progress, WorkerUnavailableError
@@ -32,6 +33,7 @@ from registry.cluster_view import ClusterView
 from registry.schema import connect, read_workers
 from worker.engine_channel import FrameBuffer, frame, outputs_from_proto, outputs_to_proto, read_frame
 from worker.engine_process import CLOCK, EngineHost
+from worker.request_clock import RequestClocks
 
 BLOCKS = 128
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -375,3 +377,23 @@ def test_a_plain_token_and_its_finish_in_one_message_keep_their_order():
 
 def _key(out: SequenceOutput) -> tuple[str, int]:
     return out.request_id, out.sample_index
+
+
+def test_a_landed_kv_is_reported_with_when_it_landed():
+    """The engine process stamps a pull's landing when it lands (its thread, ``KVPuller``'s callback),
+    and the report carries that time over the pipe: the worker reads it with the next step's outputs,
+    and a clock that took the reading's time counted that step as queueing."""
+    role = DecodeEngineRole(SimpleNamespace(core=None, publish=lambda outs: None), None, 1.0)
+    before = time.monotonic()
+    role.pulls.on_landed("r", 0.002)  # what KVPuller._finish_read calls once the READ settled
+    after = time.monotonic()
+    events = pb.EngineEvents()
+    role.finish(events, [])
+    [landed] = pb.EngineEvents.FromString(events.SerializeToString()).landed  # as the pipe carries it
+    assert (landed.request_id, landed.seconds) == ("r", 0.002) and before <= landed.at <= after
+    loop = SimpleNamespace(add_output_hook=lambda fn: None, step_started=0.0)
+    clocks = RequestClocks(loop)
+    clocks.arrive("r")
+    clocks.transferred(landed.request_id, landed.seconds, landed.at)  # read later: the engine client's call
+    assert clocks.get("r").ready == landed.at
+    assert not role.landed  # reported once
