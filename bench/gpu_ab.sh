@@ -20,4 +20,5 @@ echo "== after, overlapped steps"
 timeout 170 python3 -m bench.gpu_bench "${SHAPES[@]}" --async-scheduling on --profile 256,1024 --json "$DEST/gpu_ab_overlap.json"
 echo "== GPU tests"
 TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:warnings -p no:cacheprovider \
-  tests/engine/test_cuda_graphs.py tests/engine/test_fused_ops.py tests/engine/test_async_scheduling.py -k "gpu or graph or fused"
+  tests/engine/test_cuda_graphs.py tests/engine/test_fused_ops.py tests/engine/test_async_scheduling.py \
+  tests/engine/test_step_syncs.py -k "gpu or graph or fused"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_copy import ints_on, to_device
 from engine.sampling_params import SamplingParams
 
 
@@ -41,7 +42,7 @@ class RowHistory:
     def distinct_prompt_tokens(self, device: torch.device) -> torch.Tensor:
         if self.prompt_tokens is None:
             ids = sorted(set(self.token_ids[: self.output_start]))
-            self.prompt_tokens = torch.tensor(ids, dtype=torch.int64, device=device)
+            self.prompt_tokens = ints_on(ids, device)
         return self.prompt_tokens
 
     @property
@@ -123,10 +124,10 @@ class LogitsAdjustment:
             return None
 
         def ints(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.int64).to(device, non_blocking=True)
+            return ints_on(xs, device)
 
         def floats(xs: list[float]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.float32).to(device, non_blocking=True)
+            return to_device(torch.tensor(xs, dtype=torch.float32), device)
 
         return cls(
             ints(ban_r),

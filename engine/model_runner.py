@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.device_copy import ints_on, to_device
 from engine.kv_cache import KVLayout
 from engine.kv_quant import block_rows
 from engine.logits_processing import LogitsAdjustment
@@ -26,7 +27,7 @@ from engine.sampler import Sampler, SamplerOutput, SamplingBatch, sample_seed
 from engine.sampling_params import SamplingParams
 from engine.sampling_plan import SamplingPlan, plan_sampling
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
-from engine.step_batch import RepeatCache, batch_order, flatten_step, sampled_hidden
+from engine.step_batch import RepeatCache, batch_order, flatten_step, sample_rows_index, sampled_hidden
 from engine.structured_output import GrammarState, StructuredOutputs
 
 
@@ -113,7 +114,7 @@ class ModelRunner:
         # Drafts first: the verifying forward below takes each speculating sequence's drafts as input.
         drafts = self.speculator.propose(self, sched) if sched.num_spec_tokens else {}
         order, at = batch_order(sched, drafts, self.seqs, self.backend.name == "torch")
-        input_ids, positions, meta, sample_rows, spec_rows, plan, launch.repeat = self._prepare(
+        input_ids, positions, meta, sample_rows, spec_rows, plan, launch.repeat, sample_index = self._prepare(
             sched, order, at, drafts
         )
         masks = self._grammar_masks(sample_rows) if self._grammar_seqs else None  # filled during the forward
@@ -129,7 +130,10 @@ class ModelRunner:
         launch.sample_rows, launch.plan, launch.prompt_logprobs = sample_rows, plan, prompt_lp
         if sample_rows:
             launch.result = self._sample(
-                self.model.compute_logits(sampled_hidden(hidden, sample_rows)), sample_rows, masks, plan
+                self.model.compute_logits(sampled_hidden(hidden, sample_rows, sample_index)),
+                sample_rows,
+                masks,
+                plan,
             )
             if self._steady is not None:  # this step's samples are the next steady step's inputs
                 self._steady.tokens = launch.result.token_ids
@@ -338,6 +342,7 @@ class ModelRunner:
                     [],
                     plan,
                     True,
+                    None,
                 )
         inflight = self._inflight
         step = flatten_step(
@@ -351,8 +356,9 @@ class ModelRunner:
         )  # fmt: skip
         patches = (step.patch_dst, step.patch_src, inflight[0]) if step.patch_dst else None
         inputs = upload_step(
-            flat, self.tables, self.uploader, self.layout.block_size, self.backend, plan.scalars, patches
-        )
+            flat, self.tables, self.uploader, self.layout.block_size, self.backend, plan.scalars, patches,
+            sample_rows_index(sample_rows),
+        )  # fmt: skip
         plan.tensors = inputs.sampling
         if steady_ok and step.repeat and plan.expand is None:
             self._steady = RepeatInputs.capture(inputs, self._repeat.rows, at, self.tables, plan)
@@ -360,7 +366,10 @@ class ModelRunner:
             lora_rows = self._lora_rows
             token_slots = [lora_rows.get(r, -1) for r in flat.token_rows]
             inputs.meta.lora = LoraBatch.build(self.lora, token_slots, self.device)
-        return inputs.input_ids, inputs.positions, inputs.meta, sample_rows, step.spec_rows, plan, step.repeat
+        return (
+            inputs.input_ids, inputs.positions, inputs.meta, sample_rows, step.spec_rows, plan, step.repeat,
+            inputs.sample_index,
+        )  # fmt: skip
 
     def unpin_lora(self, seq_id: str) -> None:
         """Release the adapter slot sequence ``seq_id`` pins (a no-op once released)."""
@@ -385,7 +394,7 @@ class ModelRunner:
         self, logits: torch.Tensor, sample_rows: list[tuple[int, str, int]], masks, plan: SamplingPlan
     ) -> SamplerOutput:
         if plan.expand is not None and len(plan.expand) != len(sample_rows):
-            logits = logits[torch.tensor(plan.expand, device=logits.device)]
+            logits = logits.index_select(0, ints_on(plan.expand, logits.device))
         wanted = [k for k in plan.want_logprobs if k is not None] if plan.want_logprobs else []
         dev = logits.device
         batch = SamplingBatch.from_device(
@@ -393,7 +402,7 @@ class ModelRunner:
             plan.tensors,
             max_logprobs=max(wanted) if wanted else None,
             adjust=LogitsAdjustment.build(plan.processed, dev) if plan.processed else None,
-            token_bitmask=masks.result().to(dev) if masks is not None else None,
+            token_bitmask=to_device(masks.result(), dev) if masks is not None else None,
         )
         for state, history in plan.holders:  # a prompt's distinct tokens are gathered once per sequence
             state.prompt_tokens = history.prompt_tokens

@@ -154,6 +154,8 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sampling: dict[str, torch.Tensor] | None  # SamplingScalars' fields as device tensors
+    span_rows: torch.Tensor | None = None  # each span's table row, on the device
+    sample_index: torch.Tensor | None = None  # the flat rows that sample, when they do not lead
 
 
 class StepUploader:
@@ -259,12 +261,15 @@ def upload_step(
     backend: AttentionBackend,
     sampling: SamplingScalars | SampleGather | None,
     patches: tuple[list[int], list[int], torch.Tensor] | None = None,
+    sample_index: array.array | None = None,
 ) -> StepInputs:
     """``flat``, the tables' pending writes and the sampling inputs in one upload; the device
     derives the slot mapping, the spans' block tables and (``SampleGather``) the sampling
     parameters from the rows'. ``patches`` = (rows, indices, ids): input row ``rows[j]`` is
     ``ids[indices[j]]``, a token the previous step sampled on the device (overlapped
-    scheduling), read there without a sync."""
+    scheduling), read there without a sync. ``sample_index``: the flat rows whose hidden states
+    sample, sent along when they are not rows 0 .. n-1 (a step with a prompt in it), so that picking
+    them is a device op rather than a copy that waits for the forward (``engine.device_copy``)."""
     seq_lens, qsl, num_decodes = flat.seq_lens, flat.query_start_loc, flat.num_decodes
     # The sections a step has, in order (NOTE: every step; a decode step's optional ones are empty
     # and neither packed nor sliced): float64 bits travel in int64 slots.
@@ -284,6 +289,8 @@ def upload_step(
         parts.extend((sampling.rows, sampling.spans))
     if patches:
         parts.extend((patches[0], patches[1]))
+    if sample_index is not None:
+        parts.append(sample_index)
     packed = array.array("q")
     ends: list[int] = []
     for part in parts:
@@ -334,7 +341,8 @@ def upload_step(
     if patches:
         dst, src = take(), take()
         input_ids[dst] = patches[2][src]
-    return StepInputs(input_ids, positions, meta, out_sampling)
+    index = take() if sample_index is not None else None
+    return StepInputs(input_ids, positions, meta, out_sampling, rows_d, index)
 
 
 def _bits(floats: array.array) -> array.array:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.device_copy import ints_on
 from engine.persistent_batch import BlockTables, StepInputs, StepUploader
 from engine.sampling_plan import SamplingPlan
 
@@ -46,10 +47,11 @@ class RepeatInputs:
         cls, inputs: StepInputs, rows: array.array, at: list[int], tables: BlockTables, plan: SamplingPlan
     ) -> RepeatInputs:
         """From a steady step's inputs (decodes alone, each sampled once, no expansion): ``rows``
-        are its table rows, ``at`` its positions."""
+        are its table rows, ``at`` its positions; on the device they are the step's span rows, which
+        its upload carried (a copy of its own would wait for the device: ``engine.device_copy``)."""
         device = tables.table.device
-        rows_d = torch.frombuffer(rows, dtype=torch.int64).to(device)
         n = len(rows)
+        rows_d = inputs.span_rows[:n] if inputs.span_rows is not None else ints_on(rows, device)
         batch_index = torch.full((tables.table.shape[0],), n, dtype=torch.int64, device=device)
         batch_index[rows_d] = torch.arange(n, device=device)
         batch_tables = torch.zeros((n + 1, tables.width), dtype=torch.int64, device=device)

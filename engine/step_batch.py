@@ -14,6 +14,7 @@ from itertools import repeat
 
 import torch
 
+from engine.device_copy import ints_on
 from engine.persistent_batch import FlatBatch
 from engine.request import PLACEHOLDER
 from engine.scheduler_output import SchedulerOutput
@@ -174,11 +175,24 @@ def flatten_step(
     return out
 
 
-def sampled_hidden(hidden: torch.Tensor, sample_rows: list[tuple[int, str, int]]) -> torch.Tensor:
+def sampled_hidden(
+    hidden: torch.Tensor, sample_rows: list[tuple[int, str, int]], index: torch.Tensor | None = None
+) -> torch.Tensor:
     """The rows of ``hidden`` that sample: a view when they lead it (every step of decodes alone),
-    else one gather (indexing with a list of 256 rows costs the host 40 us; a view, 1)."""
+    else one gather (indexing with a list of 256 rows costs the host 40 us; a view, 1), by ``index``
+    where the step's upload carried the rows (``sample_rows_index``), else from the host without a
+    sync (``engine.device_copy``)."""
     n = len(sample_rows)
     if sample_rows[-1][0] == n - 1:  # rows strictly increase from 0, so these are rows 0 .. n-1
         return hidden[:n]
-    rows = torch.frombuffer(array.array("q", [r for r, _, _ in sample_rows]), dtype=torch.int64)
-    return hidden.index_select(0, rows.to(hidden.device))
+    if index is None:
+        index = ints_on(sample_rows_index(sample_rows), hidden.device)
+    return hidden.index_select(0, index)
+
+
+def sample_rows_index(sample_rows: list[tuple[int, str, int]]) -> array.array | None:
+    """The flat rows that sample, or None when they are rows 0 .. n-1 (``sampled_hidden`` takes a
+    view then)."""
+    if not sample_rows or sample_rows[-1][0] == len(sample_rows) - 1:
+        return None
+    return array.array("q", [r for r, _, _ in sample_rows])

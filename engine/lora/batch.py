@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_copy import to_device
+
 TILE = 16  # tokens per tile of the Triton kernels: tl.dot's smallest block
 
 
@@ -171,7 +173,7 @@ class LoraBatch:
             many = len(groups) > 1
             padded = PaddedSlots.plan(groups, weights.max_loras, len(token_slots)) if many else None
             return cls(weights, slots, groups=groups, padded=padded, runs=runs)
-        return cls(weights, slots.to(device, non_blocking=True), slot_list=token_slots)
+        return cls(weights, to_device(slots, device), slot_list=token_slots)
 
     def update(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """Add the batch's adapters' update of projection ``proj`` of ``layer`` to ``y`` in place."""
@@ -182,7 +184,7 @@ class LoraBatch:
             if self.tiles is None:
                 device = self.token_slots.device
                 self.tiles = tuple(
-                    torch.tensor(part, dtype=torch.int32).to(device, non_blocking=True)
+                    to_device(torch.tensor(part, dtype=torch.int32), device)
                     for part in make_tiles(self.slot_list)
                 )
             lora_update(y, x, self.tiles, a, parts, TILE)

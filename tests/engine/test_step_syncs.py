@@ -1,0 +1,130 @@
+"""A step never waits for the device while it launches: its host data crosses in the step's one
+packed upload or through ``engine.device_copy`` (pinned, non-blocking). A plain ``tensor.to(cuda)``
+or ``torch.tensor(data, device=cuda)`` inside ``ModelRunner.launch`` synchronizes the stream, so
+the host waits for the step's own forward before it can launch the sampling (and, overlapped, before
+it can prepare the next step). Requests that arrive one by one, as the served path delivers them,
+put a prompt into almost every step: that is where such copies hid (the sampled rows of a step with
+a prompt in it, the rows of a steady batch being captured), nearly one per step.
+
+On CPU there is no stream to wait for, so the CPU test records every host-to-device call made
+inside ``launch``; the GPU test asks PyTorch to raise on any synchronizing call there."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import EngineConfig, EngineCore, SamplingParams
+from engine.model_runner import ModelRunner
+
+
+def _params(i: int) -> SamplingParams:
+    """Greedy, seeded random with top-k/top-p/min-p, penalties and bias, and two samples (a fork)."""
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, seed=i),
+        dict(temperature=0.7, seed=i, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+        dict(temperature=0, logit_bias={7: 2.0}),
+        dict(temperature=0.8, seed=i, n=2),
+    ]
+    return SamplingParams(max_tokens=6 + i % 9, ignore_eos=True, **kinds[i % len(kinds)])
+
+
+def _staggered(core: EngineCore, num_requests: int, seed: int) -> int:
+    """Feed ``core`` one request per step (the next once the last is in), the way requests reach a
+    served engine, until all are done; the steps taken."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(3, 30))] for _ in range(num_requests)]
+    steps = 0
+    while prompts or core.has_unfinished():
+        if prompts:
+            core.add_request(f"r{len(prompts)}", prompts.pop(), _params(len(prompts)))
+        core.step()
+        steps += 1
+    stats = core.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    return steps
+
+
+@pytest.fixture
+def host_to_device_in_launch(monkeypatch):
+    """Where ``launch`` moved host data to a device: ``Tensor.to(device)``, ``torch.tensor`` /
+    ``torch.as_tensor(..., device=)``, each a stream sync on a GPU (one ``non_blocking`` from
+    pageable memory may be too)."""
+    calls: list[str] = []
+    inside = [False]
+    to, tensor, as_tensor, launch = torch.Tensor.to, torch.tensor, torch.as_tensor, ModelRunner.launch
+
+    def note(what: str) -> None:
+        if inside[0]:
+            calls.append(what)
+
+    def recording_to(self, *args, **kw):
+        if "device" in kw or any(isinstance(a, (torch.device, str)) for a in args):
+            note(f"Tensor.to{args}")
+        return to(self, *args, **kw)
+
+    def recording_tensor(*args, **kw):
+        if kw.get("device") is not None:
+            note("torch.tensor")
+        return tensor(*args, **kw)
+
+    def recording_as_tensor(*args, **kw):
+        if kw.get("device") is not None:
+            note("torch.as_tensor")
+        return as_tensor(*args, **kw)
+
+    def recording_launch(self, *args, **kw):
+        inside[0] = True
+        try:
+            return launch(self, *args, **kw)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    monkeypatch.setattr(torch, "tensor", recording_tensor)
+    monkeypatch.setattr(torch, "as_tensor", recording_as_tensor)
+    monkeypatch.setattr(ModelRunner, "launch", recording_launch)
+    return calls
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_a_step_moves_host_data_to_the_device_only_in_its_upload(
+    tiny_llama, host_to_device_in_launch, async_scheduling
+):
+    core = EngineCore(
+        EngineConfig(
+            model=str(tiny_llama), async_scheduling=async_scheduling, block_size=4, num_blocks=128,
+            max_num_batched_tokens=24,
+        )
+    )  # fmt: skip
+    steps = _staggered(core, num_requests=24, seed=5)
+    assert steps > 24 and core.runner.num_forwards >= steps - 1
+    assert host_to_device_in_launch == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (stream syncs)")
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_on_a_gpu_a_step_launches_without_waiting_for_the_device(tiny_llama, monkeypatch, async_scheduling):
+    """PyTorch raises on a synchronizing call (a blocking copy, ``.item()``, ``.tolist()``) while a
+    step launches; collecting its tokens afterwards waits on an event, as it should."""
+    launch = ModelRunner.launch
+
+    def strict_launch(self, *args, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(self, *args, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    core = EngineCore(
+        EngineConfig(
+            model=str(tiny_llama), device="cuda", async_scheduling=async_scheduling, block_size=4,
+            num_blocks=128, max_num_batched_tokens=24,
+        )
+    )  # fmt: skip
+    monkeypatch.setattr(ModelRunner, "launch", strict_launch)
+    assert _staggered(core, num_requests=24, seed=5) > 24
