@@ -28,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.sampling_plan import SamplingPlan, plan_sampling
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.step_batch import RepeatCache, batch_order, flatten_step, sample_rows_index, sampled_hidden
+from engine.step_logprobs import host_copies, logprob_dict, logprob_lists
 from engine.structured_output import GrammarState, StructuredOutputs
 
 
@@ -148,6 +149,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             launch.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             launch.host_tokens.copy_(tokens, non_blocking=True)
+            if launch.result.sampled_logprobs is not None:  # read after the next launch: no sync then
+                launch.host_logprobs = host_copies(launch.result)
             launch.ready = torch.cuda.Event()
             launch.ready.record()
         if launch.repeat:  # the steady decode batch's columns, kept
@@ -199,6 +202,7 @@ class ModelRunner:
                     state.token_ids[slots[seq_id]] = tok
             return out
         row = 0
+        step_logprobs = None  # the step's logprobs as host lists, read once when a row wants them
         for _, seq_id, n in launch.sample_rows:
             toks = token_list[row : row + n]
             out.sampled[seq_id] = toks
@@ -213,9 +217,12 @@ class ModelRunner:
                     out.errors[seq_id] = (
                         "structured output: the grammar allows none of the model's tokens here"
                     )
-            if result.sampled_logprobs is not None and want_logprobs and want_logprobs[row] is not None:
+            if want_logprobs and want_logprobs[row] is not None and result.sampled_logprobs is not None:
+                if step_logprobs is None:
+                    step_logprobs = logprob_lists(launch.host_logprobs or result)
                 out.logprobs[seq_id] = [
-                    self._logprob_dict(result, row + s, want_logprobs[row]) for s in range(n)
+                    logprob_dict(token_list[row + s], step_logprobs, row + s, want_logprobs[row])
+                    for s in range(n)
                 ]
             row += n
         return out
@@ -408,14 +415,6 @@ class ModelRunner:
             state.prompt_tokens = history.prompt_tokens
         return self.sampler(logits, batch)
 
-    @staticmethod
-    def _logprob_dict(result, row: int, k: int) -> dict[int, float]:
-        d = {int(result.token_ids[row]): float(result.sampled_logprobs[row])}
-        if k:
-            for tid, lp in zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()):
-                d.setdefault(tid, lp)
-        return d
-
 
 @dataclass(slots=True)
 class StepLaunch:
@@ -426,6 +425,7 @@ class StepLaunch:
     result: SamplerOutput | None = None
     prompt_logprobs: dict = field(default_factory=dict)
     host_tokens: torch.Tensor | None = None  # pinned; filled by the non-blocking copy
+    host_logprobs: SamplerOutput | None = None  # the same for its logprobs, when it computed them
     ready: torch.cuda.Event | None = None  # recorded after that copy
     slots: dict[str, int] = field(default_factory=dict)  # overlapped: seq_id -> its placeholder's index
     done: RunnerOutput | None = None  # set when the step did not overlap

@@ -21,13 +21,15 @@ from engine.model_runner import ModelRunner
 
 
 def _params(i: int) -> SamplingParams:
-    """Greedy, seeded random with top-k/top-p/min-p, penalties and bias, and two samples (a fork)."""
+    """Greedy, seeded random with top-k/top-p/min-p, penalties and bias, two samples (a fork), and
+    logprobs."""
     kinds = [
         dict(temperature=0),
         dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, seed=i),
         dict(temperature=0.7, seed=i, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
         dict(temperature=0, logit_bias={7: 2.0}),
         dict(temperature=0.8, seed=i, n=2),
+        dict(temperature=0, logprobs=3),
     ]
     return SamplingParams(max_tokens=6 + i % 9, ignore_eos=True, **kinds[i % len(kinds)])
 
@@ -110,8 +112,10 @@ def test_a_step_moves_host_data_to_the_device_only_in_its_upload(
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_on_a_gpu_a_step_launches_without_waiting_for_the_device(tiny_llama, monkeypatch, async_scheduling):
     """PyTorch raises on a synchronizing call (a blocking copy, ``.item()``, ``.tolist()``) while a
-    step launches; collecting its tokens afterwards waits on an event, as it should."""
-    launch = ModelRunner.launch
+    step launches, and while an overlapped step's outputs are collected after the next launch (its
+    ids and logprobs come from pinned copies once its event has passed). A step that does not
+    overlap reads its outputs on the device by design: its collect may sync."""
+    launch, collect = ModelRunner.launch, ModelRunner.collect
 
     def strict_launch(self, *args, **kw):
         torch.cuda.set_sync_debug_mode("error")
@@ -120,6 +124,14 @@ def test_on_a_gpu_a_step_launches_without_waiting_for_the_device(tiny_llama, mon
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
+    def checked_collect(self, step):
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error" if step.ready is not None else "default")
+        try:
+            return collect(self, step)
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+
     core = EngineCore(
         EngineConfig(
             model=str(tiny_llama), device="cuda", async_scheduling=async_scheduling, block_size=4,
@@ -127,4 +139,5 @@ def test_on_a_gpu_a_step_launches_without_waiting_for_the_device(tiny_llama, mon
         )
     )  # fmt: skip
     monkeypatch.setattr(ModelRunner, "launch", strict_launch)
+    monkeypatch.setattr(ModelRunner, "collect", checked_collect)
     assert _staggered(core, num_requests=24, seed=5) > 24
