@@ -4,6 +4,8 @@ Every layout gets the same closed loop (N requests, C in flight, fixed input/out
 ignored, greedy), after a few warm-up requests that are not counted:
 
     engine   the engine alone in this process (``bench.serving_comparisons.engine_closed_loop``)
+    engine_staggered  the same, fed one request per step as a served engine is fed
+             (``engine_staggered_loop``): what the way requests arrive costs the engine itself
     minimal  ``bench.minimal_server`` in a child process: the thinnest HTTP front a Python stack can be
     stack    ``python -m decode_worker --kv-transfer inprocess``, ``python -m router`` and
              ``python -m ingress --mode aggregated``, each its own process
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from bench.serving_comparisons import engine_closed_loop
+from bench.serving_comparisons import engine_closed_loop, engine_staggered_loop
 from bench.serving_harness import bench_args
 from bench.standalone_stack import (
     HOST,
@@ -178,22 +180,29 @@ def step_counts(stats, before, num_requests: int) -> dict:
     return {"steps_per_request": steps / num_requests, "graph_step_share": graphs / steps if steps else 0.0}
 
 
-def engine_layout(a: argparse.Namespace, model: str, vocab: int) -> dict:
+def engine_layout(a: argparse.Namespace, model: str, vocab: int, staggered: bool = False) -> dict:
+    """The engine alone, fed in cohorts (``engine_closed_loop``) or, ``staggered``, one request per
+    step as a served engine is fed (``engine_staggered_loop``): the engine's own cost of how the
+    served path delivers requests, apart from the processes around it."""
+    loop = engine_staggered_loop if staggered else engine_closed_loop
     engine = {"device": a.device, "dtype": a.dtype, "num_blocks": a.num_blocks, "cpu_threads": a.cpu_threads}
     config = EngineConfig(model=model, **engine)
     core, out = EngineCore(config), {}
     for w in a.workloads:
         params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
-        engine_closed_loop(core, prompts(w, a.warmup, vocab, seed=1), params, concurrency=a.concurrency)
+        loop(core, prompts(w, a.warmup, vocab, seed=1), params, concurrency=a.concurrency)
         measured, tokens = prompts(w, a.num_requests, vocab, seed=0), a.num_requests * w.output_len
         t0, before = time.process_time(), core.stats()
-        rps = engine_closed_loop(core, measured, params, concurrency=a.concurrency)
+        rps = loop(core, measured, params, concurrency=a.concurrency)
         cpu_ms = (time.process_time() - t0) * 1e3 / tokens
         out[w.name] = {"requests_per_s": rps, "ttft_p50_ms": None, "streamed_tokens": tokens}
         out[w.name] |= step_counts(core.stats(), before, a.num_requests)
         out[w.name]["ttft_c1_p50_ms"] = engine_ttft(core, prompts(w, a.ttft_requests, vocab, seed=2))
         out[w.name] |= {"complete": True, "cpu_ms_per_token": {"engine": cpu_ms}}
-        print(f"  engine {w.name}: {rps:.1f} req/s, {cpu_ms:.3f} CPU ms/token", flush=True)
+        print(
+            f"  engine{' staggered' * staggered} {w.name}: {rps:.1f} req/s, {cpu_ms:.3f} CPU ms/token",
+            flush=True,
+        )
     del core
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the workers that follow get the memory
@@ -256,6 +265,7 @@ def _prefilled(workers: dict[str, str]) -> int:
 
 LAYOUTS: dict[str, Callable[[argparse.Namespace, str, int], dict]] = {
     "engine": engine_layout,
+    "engine_staggered": functools.partial(engine_layout, staggered=True),
     "minimal": minimal_layout,
     "stack": functools.partial(stack_layout, disaggregated=False),
     "split": functools.partial(stack_layout, disaggregated=False, engine_process=True),

@@ -291,6 +291,32 @@ def engine_closed_loop(core, prompts: list, params, *, concurrency: int) -> floa
     return len(prompts) / (time.perf_counter() - t0)
 
 
+def engine_staggered_loop(core, prompts: list, params, *, concurrency: int) -> float:
+    """Requests/s of the engine alone with its arrivals spread over the steps, as a served engine
+    gets them: the first ``concurrency`` requests join one per step, then each finished request is
+    replaced at once, as in ``engine_closed_loop``. Requests then end and join a few at every step
+    rather than in cohorts: the batch stays full, but almost every step carries a prompt (mixed,
+    and on a GPU eager rather than from a decode graph) and no decode batch stays steady."""
+    pending = iter(enumerate(prompts))
+
+    def add_next() -> None:
+        nxt = next(pending, None)
+        if nxt is not None:
+            core.add_request(f"staggered-{nxt[0]}", nxt[1], params)
+
+    t0 = time.perf_counter()
+    for _ in range(concurrency):  # the ramp: one joins per step
+        add_next()
+        for out in core.step():
+            if out.finished:
+                add_next()
+    while core.has_unfinished():
+        for out in core.step():
+            if out.finished:
+                add_next()
+    return len(prompts) / (time.perf_counter() - t0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.serving_comparisons", description=__doc__)
     p.add_argument("--only", default="interference,local_prefill,prefix,overhead")

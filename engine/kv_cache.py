@@ -49,7 +49,7 @@ class KVLayout:
             n *= d
         if self.kv_dtype is not None:
             return n + self.num_layers * 2 * self.num_kv_heads * SCALE_BYTES
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
     def allocate(self, num_blocks: int, device: str | torch.device):
         """A tensor ``[num_blocks, *block_shape]``, or for a quantized cache a ``QuantizedKVCache``."""

@@ -1,6 +1,7 @@
-"""The served-path benchmark runs every layout from standalone processes (engine alone, minimal
-server, decode worker + router + ingress, the same with the engine in its own process) and reports each one's rate and each process's CPU per
-streamed token, with every request's tokens delivered and every KV block given back."""
+"""The served-path benchmark runs every layout from standalone processes (engine alone, fed in
+cohorts and staggered, minimal server, decode worker + router + ingress, the same with the engine in
+its own process) and reports each one's rate and each process's CPU per streamed token, with every
+request's tokens delivered and every KV block given back."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
 
     result = json.loads(out.read_text())
     layouts = result["workloads"]["8/8"]
-    assert list(layouts) == ["engine", "minimal", "stack", "split"]
+    assert list(layouts) == ["engine", "engine_staggered", "minimal", "stack", "split"]
     for name, run in layouts.items():
         assert run["requests_per_s"] > 0, name
         assert run["complete"], name
@@ -62,6 +63,7 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
     assert set(layouts["minimal"]["cpu_ms_per_token"]) == {"minimal_server"}
     assert layouts["minimal"]["cpu_over_minimal"] == pytest.approx(1.0)
     assert layouts["engine"]["over_engine"] == pytest.approx(1.0)
+    assert set(layouts["engine_staggered"]["cpu_ms_per_token"]) == {"engine"}
     assert result["args"]["num_requests"] == 96
     report = capsys.readouterr().out
     assert "== 8/8 tokens in/out" in report and "KV BLOCKS NOT RETURNED" not in report
