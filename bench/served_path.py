@@ -247,8 +247,8 @@ def stack_layout(
                 (pids["prefill_engine_process"],) = child_pids(pids["prefill_worker"])
         out = {}
         for w in a.workloads:
-            # Disaggregated, the decode worker's engine runs no prompt: its mixed steps mean nothing.
-            stats = None if disaggregated else functools.partial(engine_stats, workers["decode_worker"])
+            # The decode worker's engine (disaggregated, it computes no prompt: every step decodes).
+            stats = functools.partial(engine_stats, workers["decode_worker"])
             prefilled = _prefilled(workers)
             out[w.name] = measure(base, served, w, a, vocab, pids, stats)
             out[w.name]["kv_blocks"] = check_blocks(procs, workers, before)
