@@ -2,7 +2,9 @@
 # One call on a bare GPU host (no Ray, no NIXL, no Redis server; Python 3.12 with torch, triton,
 # transformers, grpcio, aiohttp): the served path against the engine alone (bench.served_path,
 # aggregated, standalone processes, the in-process KV backend; the decode worker's engine on a thread
-# of its process ("stack") and in a process of its own ("split")) on a tiny (~32M) and a ~0.3B
+# of its process ("stack") and in a process of its own ("split"); the engine alone fed in cohorts
+# ("engine") and with its arrivals spread as a served engine gets them ("engine_staggered")) on a
+# tiny (~32M) and a ~0.3B
 # random-weight Llama, 128/128 and 16/16, 32 in flight. Well under 5 minutes on one H100.
 #
 # Here, first:  bash bench/gpu_wheels.sh      (cp312 wheels of what the host lacks, into .whl/)
