@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The next lent GPU's checks, most telling first, in about 9 minutes of one call (issues 30 and 31):
+#   1. the GPU-only tests, with the new one that raises on any stream sync while a step launches
+#      (tests/engine/test_step_syncs.py) and on an overlapped step's collect;
+#   2. the served path's 16/16 gap split between the engine and the stack: the engine alone fed in
+#      cohorts ("engine") and as a served engine is fed ("engine_staggered"), against the served
+#      "split" layout, on the ~0.3B model (bench.served_path, aggregated, in-process KV);
+#   3. what a step with a prompt in it costs the host against a decode step (bench.gpu_bench's
+#      mixed-step table): if engine_staggered keeps ~0.4x of engine, this is where it goes.
+# Whatever runs out of time, the earlier parts' figures are already in $OUT.
+#
+# Here, first:  bash bench/gpu_wheels.sh      (cp312 wheels of what the host lacks, into .whl/)
+# Then the device tool:  run(command="bash bench/gpu_next.sh", carry=[".whl"], timeout_s=570)
+set -uo pipefail
+DEST=${OUT:-$PWD/bench/results}
+mkdir -p "$DEST"
+export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_setup.sh"
+echo "== 1. GPU tests"
+TRITON_INTERPRET=0 timeout 150 "$PY" -m pytest -q -p no:warnings -p no:cacheprovider \
+  tests/engine/test_step_syncs.py tests/engine/test_async_scheduling.py tests/engine/test_cuda_graphs.py \
+  -k "gpu or graph" 2>&1 | tail -15
+echo "== 2. engine fed in cohorts and staggered vs the served split layout, 0.3B"
+timeout 260 "$PY" -m bench.served_path --model "$MODELS/llama-0.3b" --device cuda --dtype bfloat16 \
+  --layouts engine,engine_staggered,split --workloads 16/16,128/128 --num-requests 192 \
+  --concurrency 32 --num-blocks 4096 --output "$DEST/served_path_gpu_next_llama-0.3b.json"
+echo "== 3. mixed steps against decode steps"
+timeout 120 "$PY" -m bench.gpu_bench --device cuda --dtype bfloat16 --batches 1,32 --contexts 1024 \
+  --json "$DEST/gpu_next_bench.json"
