@@ -19,22 +19,27 @@ import torch
 from engine import EngineConfig, EngineCore, SamplingParams
 from engine.model_runner import ModelRunner
 
+# Sampling modes, each request taking the next: greedy, seeded random with top-k/top-p/min-p,
+# penalties, bias, two samples (a fork), logprobs. The last three kinds never make a step wait for
+# its tokens on the host, so a workload of those alone overlaps (async scheduling) almost every step.
+KINDS = [
+    dict(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+    dict(temperature=0, logit_bias={7: 2.0}),
+    dict(temperature=0.8, n=2),
+    dict(temperature=0),
+    dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05),
+    dict(temperature=0, logprobs=3),
+]
+OVERLAPPING = KINDS[3:]
 
-def _params(i: int) -> SamplingParams:
-    """Greedy, seeded random with top-k/top-p/min-p, penalties and bias, two samples (a fork), and
-    logprobs."""
-    kinds = [
-        dict(temperature=0),
-        dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, seed=i),
-        dict(temperature=0.7, seed=i, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
-        dict(temperature=0, logit_bias={7: 2.0}),
-        dict(temperature=0.8, seed=i, n=2),
-        dict(temperature=0, logprobs=3),
-    ]
-    return SamplingParams(max_tokens=6 + i % 9, ignore_eos=True, **kinds[i % len(kinds)])
+
+def _params(i: int, kinds: list[dict]) -> SamplingParams:
+    kind = kinds[i % len(kinds)]
+    seed = i if kind["temperature"] else None
+    return SamplingParams(max_tokens=6 + i % 9, ignore_eos=True, seed=seed, **kind)
 
 
-def _staggered(core: EngineCore, num_requests: int, seed: int) -> int:
+def _staggered(core: EngineCore, num_requests: int, seed: int, kinds: list[dict] = KINDS) -> int:
     """Feed ``core`` one request per step (the next once the last is in), the way requests reach a
     served engine, until all are done; the steps taken."""
     rng = random.Random(seed)
@@ -42,12 +47,28 @@ def _staggered(core: EngineCore, num_requests: int, seed: int) -> int:
     steps = 0
     while prompts or core.has_unfinished():
         if prompts:
-            core.add_request(f"r{len(prompts)}", prompts.pop(), _params(len(prompts)))
+            core.add_request(f"r{seed}-{len(prompts)}", prompts.pop(), _params(len(prompts), kinds))
         core.step()
         steps += 1
     stats = core.stats()
     assert stats.num_free_blocks == stats.num_blocks
     return steps
+
+
+@pytest.fixture
+def overlapped(monkeypatch) -> list[int]:
+    """Collected steps that overlapped the next launch, and how many of those had logprobs."""
+    counts = [0, 0]
+    collect = ModelRunner.collect
+
+    def counting(self, step):
+        if step.done is None and step.slots:  # launched ahead of this collect
+            counts[0] += 1
+            counts[1] += step.result is not None and step.result.sampled_logprobs is not None
+        return collect(self, step)
+
+    monkeypatch.setattr(ModelRunner, "collect", counting)
+    return counts
 
 
 @pytest.fixture
@@ -94,7 +115,7 @@ def host_to_device_in_launch(monkeypatch):
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_a_step_moves_host_data_to_the_device_only_in_its_upload(
-    tiny_llama, host_to_device_in_launch, async_scheduling
+    tiny_llama, host_to_device_in_launch, overlapped, async_scheduling
 ):
     core = EngineCore(
         EngineConfig(
@@ -104,33 +125,45 @@ def test_a_step_moves_host_data_to_the_device_only_in_its_upload(
     )  # fmt: skip
     steps = _staggered(core, num_requests=24, seed=5)
     assert steps > 24 and core.runner.num_forwards >= steps - 1
+    steps = _staggered(core, num_requests=18, seed=6, kinds=OVERLAPPING)
+    if async_scheduling == "on":  # the overlapped path ran, logprobs included
+        assert overlapped[0] > steps // 2 and overlapped[1] > 5
+    else:
+        assert overlapped == [0, 0]
     assert host_to_device_in_launch == []
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (stream syncs)")
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
-def test_on_a_gpu_a_step_launches_without_waiting_for_the_device(tiny_llama, monkeypatch, async_scheduling):
+def test_on_a_gpu_a_step_launches_without_waiting_for_the_device(
+    tiny_llama, monkeypatch, overlapped, async_scheduling
+):
     """PyTorch raises on a synchronizing call (a blocking copy, ``.item()``, ``.tolist()``) while a
     step launches, and while an overlapped step's outputs are collected after the next launch (its
     ids and logprobs come from pinned copies once its event has passed). A step that does not
-    overlap reads its outputs on the device by design: its collect may sync."""
-    launch, collect = ModelRunner.launch, ModelRunner.collect
+    overlap reads its outputs on the device by design: its collect may sync. The engine fails a
+    step's requests rather than raise from ``launch``, so the errors are recorded here."""
+    launch, collect = ModelRunner.launch, ModelRunner.collect  # (collect: the counting one)
+    errors: list[str] = []
 
-    def strict_launch(self, *args, **kw):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(self, *args, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    def strict(fn, mode: str):
+        def run(*args, **kw):
+            before = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(mode)
+            try:
+                return fn(*args, **kw)
+            except RuntimeError as e:
+                errors.append(f"{fn.__name__}: {e}")
+                raise
+            finally:
+                torch.cuda.set_sync_debug_mode(before)
+
+        return run
 
     def checked_collect(self, step):
-        before = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error" if step.ready is not None else "default")
-        try:
-            return collect(self, step)
-        finally:
-            torch.cuda.set_sync_debug_mode(before)
+        mode = "error" if step.ready is not None else "default"
+        return strict(collect, mode)(self, step)
 
     core = EngineCore(
         EngineConfig(
@@ -138,6 +171,10 @@ def test_on_a_gpu_a_step_launches_without_waiting_for_the_device(tiny_llama, mon
             num_blocks=128, max_num_batched_tokens=24,
         )
     )  # fmt: skip
-    monkeypatch.setattr(ModelRunner, "launch", strict_launch)
+    monkeypatch.setattr(ModelRunner, "launch", strict(launch, "error"))
     monkeypatch.setattr(ModelRunner, "collect", checked_collect)
     assert _staggered(core, num_requests=24, seed=5) > 24
+    _staggered(core, num_requests=18, seed=6, kinds=OVERLAPPING)
+    assert errors == []
+    if async_scheduling == "on":
+        assert overlapped[0] > 0 and overlapped[1] > 0
