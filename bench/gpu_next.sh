@@ -11,19 +11,23 @@
 #
 # Here, first:  bash bench/gpu_wheels.sh      (cp312 wheels of what the host lacks, into .whl/)
 # Then the device tool:  run(command="bash bench/gpu_next.sh", carry=[".whl"], timeout_s=570)
+# A smoke run of the script itself on any machine: SMOKE=1 bash bench/gpu_next.sh (CPU, float32, the
+# tiny model, a few requests; the GPU tests skip).
 set -uo pipefail
 DEST=${OUT:-$PWD/bench/results}
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_setup.sh"
+DEVICE=cuda DTYPE=bfloat16 MODEL=llama-0.3b N=192 QUICK=() CONTEXT=1024
+if [ -n "${SMOKE:-}" ]; then DEVICE=cpu DTYPE=float32 MODEL=tiny N=16 QUICK=(--quick) CONTEXT=128; fi
 echo "== 1. GPU tests"
 TRITON_INTERPRET=0 timeout 150 "$PY" -m pytest -q -p no:warnings -p no:cacheprovider \
   tests/engine/test_step_syncs.py tests/engine/test_async_scheduling.py tests/engine/test_cuda_graphs.py \
   -k "gpu or graph" 2>&1 | tail -15
 echo "== 2. engine fed in cohorts and staggered vs the served split layout, 0.3B"
-timeout 260 "$PY" -m bench.served_path --model "$MODELS/llama-0.3b" --device cuda --dtype bfloat16 \
-  --layouts engine,engine_staggered,split --workloads 16/16,128/128 --num-requests 192 \
-  --concurrency 32 --num-blocks 4096 --output "$DEST/served_path_gpu_next_llama-0.3b.json"
+timeout 260 "$PY" -m bench.served_path --model "$MODELS/$MODEL" --device $DEVICE --dtype $DTYPE \
+  --layouts engine,engine_staggered,split --workloads 16/16,128/128 --num-requests $N \
+  --concurrency 32 --num-blocks 4096 --output "$DEST/served_path_gpu_next_$MODEL.json"
 echo "== 3. mixed steps against decode steps"
-timeout 120 "$PY" -m bench.gpu_bench --device cuda --dtype bfloat16 --batches 1,32 --contexts 1024 \
-  --json "$DEST/gpu_next_bench.json"
+timeout 120 "$PY" -m bench.gpu_bench --device $DEVICE --dtype $DTYPE --batches 1,32 --contexts $CONTEXT \
+  "${QUICK[@]}" --json "$DEST/gpu_next_bench.json"
