@@ -29,6 +29,8 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 
+PARAMS = 5  # a row's sampling parameters in ``BlockTables.params``
+
 
 class BlockTables:
     """Block tables of the runner's sequences, a row each, mirrored on the device."""
@@ -43,11 +45,11 @@ class BlockTables:
         # Writes the table has not seen yet (the next ``upload_step`` applies them at once): rows,
         # columns, block ids.
         self.pending = (array.array("q"), array.array("q"), array.array("q"))
-        # Each row's sampling parameters, written once per sequence: temperature, top-p, min-p;
-        # top-k, seed. Pending as the writes are: rows, their 3 floats, their 2 ints.
-        self.params_f = torch.zeros((rows, 3), dtype=torch.float32, device=device)
-        self.params_i = torch.zeros((rows, 2), dtype=torch.int64, device=device)
-        self.pending_params = (array.array("q"), array.array("d"), array.array("q"))
+        # Each row's sampling parameters, written once per sequence, in one int64 table (one write
+        # per step that adds sequences): temperature, top-p and min-p as float64 bits, top-k, seed.
+        # Pending as the writes are: rows, and their 5 values each.
+        self.params = torch.zeros((rows, PARAMS), dtype=torch.int64, device=device)
+        self.pending_params = (array.array("q"), array.array("q"))
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -88,10 +90,10 @@ class BlockTables:
     ) -> None:
         """The row's sampling parameters (``upload_step`` gathers them for the rows that sample)."""
         row = self.row_of[seq_id]
-        rows, floats, ints = self.pending_params
+        rows, values = self.pending_params
         rows.append(row)
-        floats.extend((temperature, top_p, min_p))
-        ints.extend((top_k, seed))
+        values.frombytes(array.array("d", (temperature, top_p, min_p)).tobytes())
+        values.extend((top_k, seed))
 
     def remove(self, seq_id: str) -> None:
         row = self.row_of.pop(seq_id, None)
@@ -113,10 +115,9 @@ class BlockTables:
         bigger = torch.zeros((2 * old, self.width), dtype=torch.int64, device=self.device)
         bigger[:old] = self.table
         self.table = bigger
-        params_f = torch.zeros((2 * old, 3), dtype=torch.float32, device=self.device)
-        params_i = torch.zeros((2 * old, 2), dtype=torch.int64, device=self.device)
-        params_f[:old], params_i[:old] = self.params_f, self.params_i
-        self.params_f, self.params_i = params_f, params_i
+        params = torch.zeros((2 * old, PARAMS), dtype=torch.int64, device=self.device)
+        params[:old] = self.params
+        self.params = params
         self._free = list(range(2 * old - 1, old - 1, -1))
         self._len.extend([0] * old)
 
@@ -128,12 +129,18 @@ class BlockTables:
         self.pending = (array.array("q"), array.array("q"), array.array("q"))
         return out
 
-    def take_pending_params(self) -> tuple[array.array, array.array, array.array] | None:
+    def take_pending_params(self) -> tuple[array.array, array.array] | None:
         if not self.pending_params[0]:
             return None
         out = self.pending_params
-        self.pending_params = (array.array("q"), array.array("d"), array.array("q"))
+        self.pending_params = (array.array("q"), array.array("q"))
         return out
+
+
+def sampling_columns(params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``BlockTables.params`` as (floats [n, 3]: temperature, top-p, min-p, in float32;
+    ints [n, 2]: top-k, seed)."""
+    return params[:, :3].view(torch.float64).float(), params[:, 3:]
 
 
 @dataclass(slots=True)
@@ -279,7 +286,7 @@ def upload_step(
         parts.extend(writes)
     params = tables.take_pending_params()
     if params:
-        parts.extend((params[0], _bits(params[1]), params[2]))
+        parts.extend(params)
     if isinstance(sampling, SamplingScalars):
         parts.extend(
             _bits(array.array("d", f)) for f in (sampling.temperature, sampling.top_p, sampling.min_p)
@@ -292,12 +299,11 @@ def upload_step(
     if sample_index is not None:
         parts.append(sample_index)
     packed = array.array("q")
-    ends: list[int] = []
+    sizes: list[int] = []
     for part in parts:
         packed.extend(part)
-        ends.append(len(packed))
-    device = uploader.upload(packed)
-    sections = [device[start:end] for start, end in zip([0, *ends], ends)]
+        sizes.append(len(part))
+    sections = list(uploader.upload(packed).split(sizes))  # every section's view in one call
     sections.reverse()
     take = sections.pop
     input_ids, positions, tok_rows_d, rows_d, seq_lens_d, qsl_d = (take() for _ in range(6))
@@ -306,14 +312,13 @@ def upload_step(
         w_rows, w_cols, w_ids = take(), take(), take()
         table[w_rows, w_cols] = w_ids
     if params:
-        p_rows, p_floats, p_ints = take(), take(), take()
-        tables.params_f[p_rows] = p_floats.view(torch.float64).view(-1, 3).float()
-        tables.params_i[p_rows] = p_ints.view(-1, 2)
+        p_rows, p_values = take(), take()
+        tables.params[p_rows] = p_values.view(-1, PARAMS)
     max_len = max(seq_lens)
     width = -(-max_len // block_size)
     meta = AttentionMetadata(
         num_decodes=num_decodes,
-        slot_blocks=table[tok_rows_d, positions // block_size],
+        slot_blocks=table[tok_rows_d, positions.div(block_size, rounding_mode="floor")],
         slot_offsets=positions % block_size,
         seq_lens=seq_lens_d,
         seq_lens_list=seq_lens,
@@ -333,7 +338,7 @@ def upload_step(
         )
     elif isinstance(sampling, SampleGather):
         rows_s, spans_s = take(), take()
-        f, i = tables.params_f[rows_s], tables.params_i[rows_s]
+        f, i = sampling_columns(tables.params[rows_s])
         out_sampling = dict(
             temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], top_k=i[:, 0], seeds=i[:, 1],
             positions=seq_lens_d[spans_s],

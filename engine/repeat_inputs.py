@@ -23,7 +23,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.device_copy import ints_on
-from engine.persistent_batch import BlockTables, StepInputs, StepUploader
+from engine.persistent_batch import BlockTables, StepInputs, StepUploader, sampling_columns
 from engine.sampling_plan import SamplingPlan
 
 
@@ -59,7 +59,7 @@ class RepeatInputs:
         meta = inputs.meta
         params = None
         if plan.flags is not None:
-            params = (tables.params_f.index_select(0, rows_d), tables.params_i.index_select(0, rows_d))
+            params = sampling_columns(tables.params.index_select(0, rows_d))
         return cls(
             torch.arange(n, device=device), batch_index, batch_tables, inputs.positions, meta.seq_lens,
             meta.query_start_loc, meta.query_start_loc_tensor, meta.max_seq_len, sum(at),
@@ -97,7 +97,7 @@ class RepeatInputs:
         width = -(-self.max_len // block_size)
         meta = AttentionMetadata(
             num_decodes=n,
-            slot_blocks=self.tables[self.order, positions // block_size],
+            slot_blocks=self.tables[self.order, positions.div(block_size, rounding_mode="floor")],
             slot_offsets=positions % block_size,
             seq_lens=seq_lens,
             seq_lens_list=[p + 1 for p in at],

@@ -24,16 +24,20 @@ class TorchAttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         lens = meta.seq_lens_list[: meta.num_decodes]
         groups: list[DecodeGroup] = []
-        start = 0
+        meta.decode_groups = groups
+        if not lens:
+            return
         bs = meta.block_size
+        # One key mask for every decode, as wide as the longest; each group takes a view of its rows
+        # and width (a step whose lengths vary, as requests come and go, has several groups).
+        keys = torch.arange(-(-max(lens) // bs) * bs, device=meta.seq_lens.device)
+        masks = keys < meta.seq_lens[: len(lens), None]
+        start = 0
         for i in range(1, len(lens) + 1):
             if i == len(lens) or lens[i] < GROUP_RATIO * lens[start]:
                 nb = -(-max(lens[start:i]) // bs)
-                pos = torch.arange(nb * bs, device=meta.seq_lens.device)
-                mask = (pos[None, :] < meta.seq_lens[start:i, None]).view(i - start, 1, 1, -1)
-                groups.append(DecodeGroup(start, i, nb, mask))
+                groups.append(DecodeGroup(start, i, nb, masks[start:i, : nb * bs].view(i - start, 1, 1, -1)))
                 start = i
-        meta.decode_groups = groups
 
     def forward(
         self,

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Host instructions per engine step, this tree against an older one, counted by valgrind's callgrind
+# (deterministic, where wall time on a shared VM is not): the engine alone on the zero-cost model,
+# fed in cohorts and staggered (bench.step_instructions), minus each tree's start-up and warm-up.
+#   mkdir .baseline && git archive REV | tar -x -C .baseline
+#   bash bench/step_instructions_ab.sh .baseline [REQUESTS]     # ~15 min on 2 cores (apt: valgrind)
+set -uo pipefail
+BASE=$(cd "${1:?an older tree}" && pwd); HERE=$(pwd); N=${2:-1500}
+PY=${PY:-$HERE/.venv/bin/python}
+OUT=$(mktemp -d)
+count() {  # tree feed requests -> "instructions steps"
+  local tree=$1 feed=$2 n=$3 log="$OUT/$(basename "$1").$2.$3"
+  (cd "$tree" && PYTHONPATH="$tree" valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+    "$PY" -m bench.step_instructions "$feed" "$n" > "$log" 2>&1)
+  echo "$(grep 'I   refs' "$log" | awk '{gsub(",", "", $NF); print $NF}') $(grep '^steps' "$log" | awk '{print $2}')"
+}
+for feed in zero cohorts staggered; do
+  n=$N; f=$feed; [ $feed = zero ] && n=0 f=cohorts
+  count "$BASE" $f $n > "$OUT/base.$feed" & count "$HERE" $f $n > "$OUT/here.$feed" & wait
+done
+for side in base here; do
+  read z _ < "$OUT/$side.zero"
+  for feed in cohorts staggered; do
+    read i s < "$OUT/$side.$feed"
+    echo "$side $feed $(( (i - z) / s )) instructions per step ($s steps)"
+  done
+done
+rm -rf "$OUT"
