@@ -67,3 +67,15 @@ def test_the_closed_loop_adds_cohorts(feed):
     cohort = feed(engine_closed_loop).joins
     assert cohort[0] == 8 and max(cohort) == 8
     assert _share_of_steps_with_arrivals(cohort) <= 0.3
+
+
+def test_the_instruction_count_workload_runs_both_feeds(capsys):
+    """``bench.step_instructions`` (what ``bench/step_instructions_ab.sh`` counts under valgrind):
+    the zero-cost engine alone, warmed up, then the feed's requests; 0 requests runs no step."""
+    from bench import step_instructions
+
+    assert step_instructions.main(["cohorts", "0"]) == 0
+    cohorts = step_instructions.main(["cohorts", "96"])
+    staggered = step_instructions.main(["staggered", "96"])
+    assert cohorts > 0 and staggered > 0
+    assert capsys.readouterr().out.split() == ["steps", "0", "steps", str(cohorts), "steps", str(staggered)]
