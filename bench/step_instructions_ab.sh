@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Host instructions per engine step, this tree against an older one, counted by valgrind's callgrind
-# (deterministic, where wall time on a shared VM is not): the engine alone on the zero-cost model,
+# (deterministic with a fixed hash seed, where wall time on a shared VM is not; unseeded, runs of the
+# same code moved ~1%): the engine alone on the zero-cost model,
 # fed in cohorts and staggered (bench.step_instructions), minus each tree's start-up and warm-up.
 #   mkdir .baseline && git archive REV | tar -x -C .baseline
 #   bash bench/step_instructions_ab.sh .baseline [REQUESTS]     # ~15 min on 2 cores (apt: valgrind)
@@ -10,7 +11,7 @@ PY=${PY:-$HERE/.venv/bin/python}
 OUT=$(mktemp -d)
 count() {  # tree feed requests -> "instructions steps"
   local tree=$1 feed=$2 n=$3 log="$OUT/$(basename "$1").$2.$3"
-  (cd "$tree" && PYTHONPATH="$tree" valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+  (cd "$tree" && PYTHONHASHSEED=0 PYTHONPATH="$tree" valgrind --tool=callgrind --callgrind-out-file=/dev/null \
     "$PY" -m bench.step_instructions "$feed" "$n" > "$log" 2>&1)
   echo "$(grep 'I   refs' "$log" | awk '{gsub(",", "", $NF); print $NF}') $(grep '^steps' "$log" | awk '{print $2}')"
 }
