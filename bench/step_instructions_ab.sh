@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Host instructions per engine step, this tree against an older one, counted by valgrind's callgrind
-# (deterministic with a fixed hash seed, where wall time on a shared VM is not; unseeded, runs of the
-# same code moved ~1%): the engine alone on the zero-cost model,
+# (two runs of the same code agree within about 1% per step, where wall time on this VM moves 1.4x;
+# the hash seed is fixed, memory addresses and threads still vary): the engine alone on the zero-cost model,
 # fed in cohorts and staggered (bench.step_instructions), minus each tree's start-up and warm-up.
 #   mkdir .baseline && git archive REV | tar -x -C .baseline
 #   bash bench/step_instructions_ab.sh .baseline [REQUESTS]     # ~15 min on 2 cores (apt: valgrind)
