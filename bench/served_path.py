@@ -186,7 +186,7 @@ def engine_layout(a: argparse.Namespace, model: str, vocab: int, staggered: bool
     served path delivers requests, apart from the processes around it."""
     loop = engine_staggered_loop if staggered else engine_closed_loop
     engine = {"device": a.device, "dtype": a.dtype, "num_blocks": a.num_blocks, "cpu_threads": a.cpu_threads}
-    config = EngineConfig(model=model, **engine)
+    config = EngineConfig(model=model, **engine, cuda_graph_mixed=a.cuda_graph_mixed)
     core, out = EngineCore(config), {}
     for w in a.workloads:
         params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
@@ -225,7 +225,11 @@ def stack_layout(
     a: argparse.Namespace, model: str, vocab: int, disaggregated: bool, engine_process: bool = False
 ) -> dict:
     engine = ["--model", model, "--device", a.device, "--dtype", a.dtype, "--num-blocks", str(a.num_blocks)]
-    engine += ["--cpu-threads", str(a.cpu_threads)]
+    engine += [
+        "--cpu-threads",
+        str(a.cpu_threads),
+        "--cuda-graph-mixed" if a.cuda_graph_mixed else "--no-cuda-graph-mixed",
+    ]
     with redis(a.redis_server, a.start_timeout) as (url, redis_pid), Processes(a.start_timeout) as procs:
         workers: dict[str, str] = {}
         split = ["--engine-process"] * engine_process
@@ -321,6 +325,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per engine (the minimal server's)")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads of every engine's process")
+    p.add_argument(
+        "--cuda-graph-mixed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="engines replay mixed prefill + decode steps from CUDA graphs (GPU; the engine's default: on)",
+    )
     p.add_argument("--workloads", type=parse_workloads, help="INPUT/OUTPUT tokens, comma-separated")
     p.add_argument("--num-requests", type=int, help="measured requests per workload (192)")
     p.add_argument("--concurrency", type=int, help="requests in flight (32)")

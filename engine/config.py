@@ -128,6 +128,11 @@ class EngineConfig:
     )
     cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA + Triton backend only)")
     cuda_graph_max_batch: int = option(256, "largest decode batch captured in a CUDA graph")
+    cuda_graph_mixed: bool = option(
+        True,
+        "replay steps that mix prompt chunks with decodes from the decode graphs too (up to "
+        "cuda_graph_max_batch tokens, each prompt token run as a decode row; engine/cuda_graphs.py)",
+    )
     enable_lora: bool = option(
         False, "serve LoRA adapters (loaded at start with lora_modules or at run time)"
     )

@@ -8,7 +8,18 @@ the graph of the smallest bucket >= B with the rows past B padded: their token i
 one token long, and their K/V is written to a pad block that the block pool never hands out (the
 KV tensor's last block), so padding cannot touch a real sequence. The attention grid is sized for
 ``max_model_len``, so one graph serves every context length (the kernels mask past each row's
-length). Only steps whose every sequence decodes one token qualify; prefill chunks run eagerly.
+length).
+
+Mixed steps (``mixed``, on by default) replay the same graphs. A prompt chunk's token at position
+``p`` attends to its sequence's keys ``0 .. p`` (all of them written to the cache by the layer's
+store before any row attends), which is what a decode row with context length ``p + 1`` and its
+sequence's block table computes: so a step of T tokens, decodes and prompt chunks mixed, runs as T
+decode rows, each with its own context length (``positions + 1``) and its sequence's table row,
+gathered on the device. A step qualifies when T fits the largest bucket and its prompt tokens'
+contexts add up to at most ``mixed_budget`` keys (each row reads its own context, where the prefill
+kernel reads it once per tile of queries; past the budget the step runs eagerly). On a GPU an eager
+step launches every kernel of every layer from Python, several times the host time of a replay:
+a served engine, whose requests arrive one by one, runs such steps all the time.
 
 With LoRA adapters (``lora``: the engine's ``LoraSlots``), the graphs also capture the adapters'
 update, from per-token kernels (``engine.lora.kernels.lora_update_per_token``) that read each row's
@@ -27,9 +38,17 @@ import logging
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.device_copy import ints_on
 from engine.lora.batch import GraphLora
 
 logger = logging.getLogger(__name__)
+
+# The most (prompt token, context token) pairs a mixed step's prompt chunks may attend to and still
+# replay a graph: 256 prompt tokens over 2k contexts each. Each pair is a key read per row that a
+# prefill kernel would share across a tile of queries; below this the reads are a fraction of what
+# launching the step eagerly costs the host (an estimate: bench.gpu_bench's mixed-step table
+# measures both).
+MIXED_BUDGET = 256 * 2048
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -50,6 +69,8 @@ class DecodeGraphRunner:
         max_batch: int,
         capture: bool = True,
         lora=None,
+        mixed: bool = True,
+        mixed_budget: int = MIXED_BUDGET,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -60,6 +81,8 @@ class DecodeGraphRunner:
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         self.capture = capture
+        self.mixed = mixed
+        self.mixed_budget = mixed_budget
         dev = kv_cache_with_pad.device
         n, width = self.max_batch, -(-max_model_len // block_size)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -68,6 +91,7 @@ class DecodeGraphRunner:
         self.slot_offsets = torch.zeros(n, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
         self.block_tables = torch.full((n, width), self.pad_block, dtype=torch.int64, device=dev)
+        self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # a mixed step's token indices
         self.lora = lora
         self.lora_slots = torch.full((n,), -1, dtype=torch.int64, device=dev) if lora is not None else None
         self._metas = {b: self._static_meta(b) for b in self.buckets}
@@ -90,26 +114,35 @@ class DecodeGraphRunner:
         )
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        b = len(meta.seq_lens_list)
-        return (
-            meta.num_decodes == b
-            and (meta.lora is None or self.lora is not None)
-            and 0 < b <= self.max_batch
-            and meta.block_tables.shape[1] <= self.block_tables.shape[1]
-        )
+        """Whether the step's tokens fit a graph: a pure-decode batch of at most ``max_batch``, or
+        (``mixed``) a step of at most ``max_batch`` tokens whose prompt chunks stay in the budget."""
+        too_wide = meta.block_tables.shape[1] > self.block_tables.shape[1]
+        if too_wide or (meta.lora is not None and self.lora is None):
+            return False
+        nd, b = meta.num_decodes, len(meta.seq_lens_list)
+        if nd == b:
+            return 0 < b <= self.max_batch
+        qsl, lens = meta.query_start_loc, meta.seq_lens_list
+        if not self.mixed or qsl[-1] > self.max_batch:
+            return False
+        return sum((qsl[i + 1] - qsl[i]) * lens[i] for i in range(nd, b)) <= self.mixed_budget
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states [B, hidden] of a pure-decode batch of B sequences."""
-        b = len(meta.seq_lens_list)
+        """The hidden states [T, hidden] of the step's T tokens, each run as a decode row."""
+        b = meta.query_start_loc[-1]  # rows: one per token
         bucket = next(x for x in self.buckets if x >= b)
         width = meta.block_tables.shape[1]
         self.input_ids[:b].copy_(input_ids)
         self.positions[:b].copy_(positions)
         self.slot_blocks[:b].copy_(meta.slot_blocks)
         self.slot_offsets[:b].copy_(meta.slot_offsets)
-        self.seq_lens[:b].copy_(meta.seq_lens)
-        self.block_tables[:b, :width].copy_(meta.block_tables)
+        if meta.num_decodes == len(meta.seq_lens_list):
+            self.seq_lens[:b].copy_(meta.seq_lens)
+            self.block_tables[:b, :width].copy_(meta.block_tables)
+        else:  # each token sees its sequence's context up to itself
+            torch.add(positions, 1, out=self.seq_lens[:b])
+            self.block_tables[:b, :width].copy_(meta.block_tables.index_select(0, self._token_spans(meta, b)))
         self.block_tables[:b, width:].fill_(self.pad_block)
         if self.lora_slots is not None:
             if meta.lora is None:
@@ -129,6 +162,16 @@ class DecodeGraphRunner:
             self._graphs[bucket].replay()
             return self._outputs[bucket][:b]
         return self._forward(bucket)[:b]
+
+    def _token_spans(self, meta: AttentionMetadata, n: int) -> torch.Tensor:
+        """Each of a mixed step's ``n`` tokens' span (its sequence's row in ``meta.block_tables``),
+        found on the device from the step's span offsets when its upload carried them."""
+        qsl = meta.query_start_loc_tensor
+        if qsl is not None:
+            return torch.searchsorted(qsl[1:], self.rows[:n], right=True)
+        starts = meta.query_start_loc
+        spans = [i for i in range(len(starts) - 1) for _ in range(starts[i + 1] - starts[i])]
+        return ints_on(spans, self.rows.device)
 
     def _forward(self, bucket: int) -> torch.Tensor:
         meta = self._metas[bucket]

@@ -152,8 +152,9 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
                     kv_cache_with_pad,
                     config.block_size,
                     self.max_model_len,
-                    min(config.cuda_graph_max_batch, config.max_num_seqs),
+                    min(config.cuda_graph_max_batch, max(config.max_num_seqs, config.max_num_batched_tokens)),
                     lora=self.lora_slots,
+                    mixed=config.cuda_graph_mixed,
                 )
                 logger.info("decode CUDA graphs captured in %.1fs", time.perf_counter() - t0)
             except RuntimeError as exc:  # e.g. an op that cannot be captured: correct, just slower

@@ -6,6 +6,7 @@ interpreter; on a GPU the test also captures and replays real graphs.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -130,3 +131,134 @@ def test_adapter_decode_steps_run_from_the_graph_token_identical(tiny_llama, lor
     assert generate(core) == expected
     assert (3, True) in used  # adapter decodes of three rows ran in the bucket of four
     assert core.stats().num_free_blocks == 48
+
+
+def _graph_core(model_dir, capture, max_batch, **extra):
+    """An engine whose runner replays the static-buffer path of a DecodeGraphRunner of ``max_batch``,
+    recording each replayed step's (decodes, spans, tokens, prompt key pairs)."""
+    cfg = dict(model=str(model_dir), block_size=8, num_blocks=48, attention_backend="triton", device=DEVICE)
+    core = EngineCore(EngineConfig(**cfg, **extra, cuda_graphs=False))
+    full = core.runner.kv_cache
+    with_pad = full.as_strided((full.shape[0] + 1, *full.shape[1:]), full.stride())
+    graphs = DecodeGraphRunner(
+        core.model, core.runner.backend, with_pad, 8, core.max_model_len, max_batch=max_batch, capture=capture,
+        lora=core.lora_slots,
+    )  # fmt: skip
+    with_pad[48].fill_(float("nan"))  # a real row reading the pad block would turn its output to NaN
+    replayed = []
+    run = graphs.run
+
+    def recording_run(input_ids, positions, meta):
+        qsl, lens, nd = meta.query_start_loc, meta.seq_lens_list, meta.num_decodes
+        keys = sum((qsl[i + 1] - qsl[i]) * lens[i] for i in range(nd, len(lens)))
+        replayed.append((nd, len(lens), qsl[-1], keys))
+        return run(input_ids, positions, meta)
+
+    graphs.run = recording_run
+    core.runner.decode_graphs = graphs
+    return core, graphs, replayed
+
+
+def _staggered(core, arrivals, params) -> dict[str, list[int]]:
+    """Requests added as others decode: ``arrivals[k]`` (id, prompt) join before step ``k``."""
+    out: dict[str, list[int]] = {}
+    k = 0
+    while k < len(arrivals) or core.has_unfinished():
+        for rid, prompt in arrivals[k] if k < len(arrivals) else []:
+            core.add_request(rid, prompt, params)
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        k += 1
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral-swa"])
+@pytest.mark.parametrize("capture", [False, True] if DEVICE == "cuda" else [False])
+def test_mixed_steps_replay_the_graph_token_identical(tiny_model_factory, arch, capture):
+    """Steps mixing new prompts (one over a cached prefix, under a sliding window of 6) with running
+    decodes replay the graph with each prompt token as a decode row: token-identical to the plain
+    path, which test_correctness checks against HF; a step over the graph's rows or the budget runs
+    eagerly; the pad block stays untouched by real rows and every block comes back."""
+    model_dir = (
+        tiny_model_factory("llama") if arch == "llama" else tiny_model_factory("mistral", sliding_window=6)
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    shared = [5, 9, 13, 17, 21, 25, 29, 33]  # one full block: r2 finds it cached
+    arrivals = [
+        [("r0", [*shared, 37, 41, 45]), ("r1", [7, 8, 9])],
+        [],
+        [("r2", [*shared, 50, 51, 52, 53, 54])],  # a 5-token chunk over 8 cached tokens
+        [],
+        [("r3", list(range(60, 80)))],  # 20 tokens + 3 decodes: more rows than the graph has
+        [("r4", list(range(90, 102)))],  # 12 x 12 keys: over the budget below
+        [("r5", [3, 4])],
+    ]
+    plain = EngineCore(EngineConfig(model=str(model_dir), block_size=8, num_blocks=48, cuda_graphs=False))
+    expected = _staggered(plain, arrivals, params)
+
+    core, graphs, replayed = _graph_core(model_dir, capture, max_batch=16)
+    graphs.mixed_budget = 130
+    assert _staggered(core, arrivals, params) == expected
+    mixed = [r for r in replayed if r[0] < r[1]]
+    assert (2, 3, 7, 65) in mixed  # r2's chunk (5 tokens at contexts up to 13) beside two decodes
+    assert (0, 2, 14, 11 * 11 + 3 * 3) in mixed  # the first step: two prompts alone, at the budget
+    assert (5, 6, 7, 4) in mixed  # r5's two tokens beside five decodes
+    assert all(tokens <= 16 and keys <= 130 for _, _, tokens, keys in replayed)
+    stats = core.stats()
+    assert stats.num_steps > stats.num_graph_steps == len(replayed)  # r3's and r4's steps ran eagerly
+    assert stats.num_free_blocks == 48
+    pad = core.runner.decode_graphs.kv_cache[48]
+    assert torch.isnan(pad[:, :, 1:]).all()  # padding rows write slot 0 of the pad block, nothing else
+
+
+def test_mixed_steps_stay_eager_when_turned_off(tiny_llama):
+    core, graphs, replayed = _graph_core(tiny_llama, False, max_batch=16)
+    graphs.mixed = False
+    out = _staggered(
+        core, [[("a", [1, 2, 3])], [("b", [4, 5, 6, 7])]], SamplingParams(max_tokens=4, ignore_eos=True)
+    )
+    assert len(out["b"]) == 4 and replayed and all(nd == spans for nd, spans, _, _ in replayed)
+    assert core.stats().num_free_blocks == 48
+
+
+def test_mixed_adapter_steps_replay_the_graph_token_identical(tiny_llama, lora_adapter_factory):
+    """Prompts of two adapters and the base model joining running decodes replay the graph, each
+    token's adapter slot in the static buffer: token-identical to the eager path."""
+    adapters = {
+        "a": str(lora_adapter_factory(tiny_llama, seed=11)),
+        "b": str(lora_adapter_factory(tiny_llama, seed=12)),
+    }
+    extra = dict(lora_modules=adapters, max_loras=2)
+    arrivals = [[("r0", [5, 9, 13, 17], "a")], [("r1", [7, 8, 9], None)], [("r2", [100, 200, 300], "b")]]
+
+    def generate(core):
+        out: dict[str, list[int]] = {}
+        for k in range(len(arrivals)):
+            for rid, prompt, lora in arrivals[k]:
+                core.add_request(
+                    rid, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, lora=lora)
+                )
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        while core.has_unfinished():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out
+
+    cfg = dict(model=str(tiny_llama), block_size=8, num_blocks=48, attention_backend="triton", device=DEVICE)
+    expected = generate(EngineCore(EngineConfig(**cfg, **extra, cuda_graphs=False)))
+    core, _, replayed = _graph_core(tiny_llama, False, max_batch=8, **extra)
+    assert generate(core) == expected
+    assert (1, 2, 4, 9) in replayed and (2, 3, 5, 9) in replayed  # r1's and r2's prompts beside decodes
+    assert core.stats().num_free_blocks == 48
+
+
+def test_token_spans_without_the_uploaded_offsets(tiny_llama):
+    """A step whose metadata came without its span offsets on the device finds each token's span
+    from the host list, as the device search does."""
+    _, graphs, _ = _graph_core(tiny_llama, False, max_batch=8)
+    qsl = [0, 1, 2, 5, 7]
+    meta = SimpleNamespace(query_start_loc=qsl, query_start_loc_tensor=None)
+    on_host = graphs._token_spans(meta, 7).tolist()
+    meta.query_start_loc_tensor = torch.tensor(qsl, device=DEVICE)
+    assert on_host == graphs._token_spans(meta, 7).tolist() == [0, 1, 2, 2, 2, 3, 3]
