@@ -150,16 +150,20 @@ def decode_step(core, batch: int, context: int, steps: int) -> tuple[float, floa
     return seconds, tokens / steps, mean_ctx
 
 
-def mixed_step(core, batch: int, context: int, steps: int, prompt_len: int = 16) -> tuple[float, float]:
+def mixed_step(
+    core, batch: int, context: int, steps: int, prompt_len: int = 16
+) -> tuple[float, float, float]:
     """(wall, host CPU) seconds per step of ``batch - 1`` decoding sequences plus one new
     ``prompt_len``-token prompt each step (a request that ends at its first token), the step a served
     engine runs when requests arrive one at a time (replayed from a decode graph with
     ``cuda_graph_mixed``, else launched eagerly).
-    ``prompt_len`` 0: ``batch`` decodes alone, timed the same way."""
+    ``prompt_len`` 0: ``batch`` decodes alone, timed the same way. Also the share of the steps
+    replayed from a graph (a step of more tokens than the largest graph runs eagerly either way)."""
     from engine import SamplingParams
 
     _start_decodes(core, batch - 1 if prompt_len else batch, context, steps)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    before = core.stats()
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(steps):
         if prompt_len:
@@ -168,8 +172,11 @@ def mixed_step(core, batch: int, context: int, steps: int, prompt_len: int = 16)
         core.step()
     _sync(str(core.device))
     wall, cpu = (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+    after = core.stats()
+    ran = after.num_steps - before.num_steps
+    graphs = (after.num_graph_steps - before.num_graph_steps) / ran if ran else 0.0
     _abort_all(core)
-    return wall, cpu
+    return wall, cpu, graphs
 
 
 def profile_decode(core, batch: int, context: int, steps: int, top: int = 12) -> dict:
@@ -332,22 +339,23 @@ def main() -> None:
         mixed_rows = []
         graph_runner = core.runner.decode_graphs
         print(f"\nmixed steps (batch - 1 decodes + one 16-token prompt) at context {contexts[0]}:")
-        print(f"{'batch':>6}{'decode ms':>11}{'cpu ms':>8}{'mixed ms':>10}{'cpu ms':>8}{'eager ms':>10}"
-              f"{'cpu ms':>8}{'mixed/decode':>14}{'eager/mixed':>13}")  # fmt: skip
+        print(f"{'batch':>6}{'decode ms':>11}{'cpu ms':>8}{'mixed ms':>10}{'cpu ms':>8}{'graph':>7}"
+              f"{'eager ms':>10}{'cpu ms':>8}{'mixed/decode':>14}{'eager/mixed':>13}")  # fmt: skip
         for b in [b for b in batches if b > 1 and b * (contexts[0] + 64) <= num_blocks * 16]:
             n = 5 if quick else 30
-            d_wall, d_cpu = mixed_step(core, b, contexts[0], n, prompt_len=0)
-            m_wall, m_cpu = mixed_step(core, b, contexts[0], n)
+            d_wall, d_cpu, _ = mixed_step(core, b, contexts[0], n, prompt_len=0)
+            m_wall, m_cpu, m_graphs = mixed_step(core, b, contexts[0], n)
             e_wall, e_cpu = m_wall, m_cpu
             if graph_runner is not None and graph_runner.mixed:
                 graph_runner.mixed = False
-                e_wall, e_cpu = mixed_step(core, b, contexts[0], n)
+                e_wall, e_cpu, _ = mixed_step(core, b, contexts[0], n)
                 graph_runner.mixed = True
             mixed_rows.append({"batch": b, "context": contexts[0], "decode_s": d_wall, "mixed_s": m_wall,
-                               "mixed_cpu_s": m_cpu, "decode_cpu_s": d_cpu, "eager_mixed_s": e_wall,
-                               "eager_mixed_cpu_s": e_cpu})  # fmt: skip
+                               "mixed_cpu_s": m_cpu, "decode_cpu_s": d_cpu, "mixed_graph_share": m_graphs,
+                               "eager_mixed_s": e_wall, "eager_mixed_cpu_s": e_cpu})  # fmt: skip
             print(f"{b:>6}{d_wall * 1e3:>11.2f}{d_cpu * 1e3:>8.2f}{m_wall * 1e3:>10.2f}{m_cpu * 1e3:>8.2f}"
-                  f"{e_wall * 1e3:>10.2f}{e_cpu * 1e3:>8.2f}{m_wall / d_wall:>13.2f}x{e_wall / m_wall:>12.2f}x")  # fmt: skip
+                  f"{100 * m_graphs:>6.0f}%{e_wall * 1e3:>10.2f}{e_cpu * 1e3:>8.2f}{m_wall / d_wall:>13.2f}x"
+                  f"{e_wall / m_wall:>12.2f}x")  # fmt: skip
         out["mixed"] = mixed_rows
         prefill_rows = []
         print("\nprefill:")

@@ -127,7 +127,9 @@ class EngineConfig:
         ASYNC_SCHEDULING,
     )
     cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA + Triton backend only)")
-    cuda_graph_max_batch: int = option(256, "largest decode batch captured in a CUDA graph")
+    cuda_graph_max_batch: int = option(
+        256, "largest batch captured in a CUDA graph (rows: a decode's token, or a mixed step's tokens)"
+    )
     cuda_graph_mixed: bool = option(
         True,
         "replay steps that mix prompt chunks with decodes from the decode graphs too (up to "

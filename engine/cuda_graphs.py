@@ -51,6 +51,15 @@ logger = logging.getLogger(__name__)
 MIXED_BUDGET = 256 * 2048
 
 
+def graph_max_batch(config) -> int:
+    """The most rows a step can bring to a graph (``EngineConfig``): its tokens when mixed steps
+    replay too, its sequences otherwise; never more than ``cuda_graph_max_batch``."""
+    rows = config.max_num_batched_tokens
+    if not config.cuda_graph_mixed:
+        rows = min(rows, config.max_num_seqs)
+    return min(config.cuda_graph_max_batch, rows)
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, then multiples of 8, and ``max_batch`` itself: a padded batch wastes < 8 rows."""
     if max_batch < 1:

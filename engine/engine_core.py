@@ -142,7 +142,7 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
             logger.info("kv_cache_dtype=%s: decode steps run eagerly (no CUDA graphs)", config.kv_cache_dtype)
             graphs = False
         if graphs:
-            from engine.cuda_graphs import DecodeGraphRunner
+            from engine.cuda_graphs import DecodeGraphRunner, graph_max_batch
 
             t0 = time.perf_counter()
             try:
@@ -152,7 +152,7 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
                     kv_cache_with_pad,
                     config.block_size,
                     self.max_model_len,
-                    min(config.cuda_graph_max_batch, max(config.max_num_seqs, config.max_num_batched_tokens)),
+                    graph_max_batch(config),
                     lora=self.lora_slots,
                     mixed=config.cuda_graph_mixed,
                 )

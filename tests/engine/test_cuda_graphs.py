@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from engine import EngineConfig, EngineCore, SamplingParams
-from engine.cuda_graphs import DecodeGraphRunner, batch_buckets
+from engine.cuda_graphs import DecodeGraphRunner, batch_buckets, graph_max_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -159,15 +159,20 @@ def _graph_core(model_dir, capture, max_batch, **extra):
     return core, graphs, replayed
 
 
-def _staggered(core, arrivals, params) -> dict[str, list[int]]:
-    """Requests added as others decode: ``arrivals[k]`` (id, prompt) join before step ``k``."""
-    out: dict[str, list[int]] = {}
+def _staggered(core, arrivals, params, everything: bool = False) -> dict:
+    """Requests added as others decode: ``arrivals[k]`` (id, prompt) join before step ``k``. Each
+    request's tokens, or (``everything``) its tokens, logprobs and prompt logprobs."""
+    out: dict = {}
     k = 0
     while k < len(arrivals) or core.has_unfinished():
         for rid, prompt in arrivals[k] if k < len(arrivals) else []:
             core.add_request(rid, prompt, params)
         for o in core.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if everything:
+                for name in ("new_logprobs", "prompt_logprobs"):
+                    for d in getattr(o, name) or []:
+                        out[o.request_id].append(d)
         k += 1
     return out
 
@@ -262,3 +267,62 @@ def test_token_spans_without_the_uploaded_offsets(tiny_llama):
     on_host = graphs._token_spans(meta, 7).tolist()
     meta.query_start_loc_tensor = torch.tensor(qsl, device=DEVICE)
     assert on_host == graphs._token_spans(meta, 7).tolist() == [0, 1, 2, 2, 2, 3, 3]
+
+
+MODES = {
+    "chunked": (dict(max_num_batched_tokens=8), {}),
+    "ngram-verify": (
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+        {},
+    ),
+    "logprobs": (dict(max_num_batched_tokens=8), dict(logprobs=2, prompt_logprobs=2)),
+    "async": (dict(async_scheduling="on"), {}),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mixed_steps_keep_every_mode_exact(tiny_llama, mode):
+    """Through the graph path, as the plain path: chunked prefill (middle chunks that do not
+    sample), speculative decoding's verify steps (several query rows per sequence), logprobs and
+    prompt logprobs (values within 1e-4), overlapped scheduling (input ids patched on the device)."""
+    extra, more = MODES[mode]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **more)
+    repeats = [3, 4, 5, 6, 7] * 4  # n-gram drafts find matches
+    arrivals = [
+        [("a", repeats[:13]), ("b", [9, 8, 7, 6, 5])],
+        [],
+        [("c", repeats[:18])],
+        [],
+        [("d", list(range(30, 41)))],
+    ]
+    plain = EngineCore(
+        EngineConfig(model=str(tiny_llama), block_size=8, num_blocks=48, cuda_graphs=False, **extra)
+    )
+    expected = _staggered(plain, arrivals, params, everything=True)
+    core, _, replayed = _graph_core(tiny_llama, False, max_batch=32, **extra)
+    got = _staggered(core, arrivals, params, everything=True)
+    assert got.keys() == expected.keys()
+    for rid, items in expected.items():  # tokens exact; logprobs' keys exact, values to 1e-4
+        assert len(got[rid]) == len(items)
+        for a, b in zip(got[rid], items, strict=True):
+            if isinstance(b, dict):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in b), rid
+            else:
+                assert a == b, rid
+    mixed = [r for r in replayed if r[0] < r[1]]
+    assert mixed
+    if mode == "ngram-verify":  # a verify step: drafts as a span of several rows, no prompt beside
+        assert core.stats().spec_accepted_tokens > 0
+        assert any(tokens > spans for _, spans, tokens, _ in mixed)
+    assert core.stats().num_free_blocks == 48
+
+
+@pytest.mark.parametrize(
+    ("mixed", "seqs", "tokens", "rows"),
+    [(True, 16, 2048, 256), (True, 16, 64, 64), (False, 16, 2048, 16), (False, 512, 2048, 256)],
+)
+def test_graphs_are_sized_for_the_rows_a_step_can_bring(mixed, seqs, tokens, rows):
+    config = SimpleNamespace(
+        cuda_graph_mixed=mixed, max_num_seqs=seqs, max_num_batched_tokens=tokens, cuda_graph_max_batch=256
+    )
+    assert graph_max_batch(config) == rows
