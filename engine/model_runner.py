@@ -160,7 +160,10 @@ class ModelRunner:
             ids = [s for _, s, _ in sample_rows]
             lists = [self.seqs[s].token_ids for s in ids]
             index = dict(zip(ids, range(len(ids))))
-        launch.slots = dict(zip(ids, map(len, lists)))
+        at = list(map(len, lists))
+        launch.slots = dict(zip(ids, at))
+        if launch.repeat:
+            launch.placeholders = (ids, lists, at)
         for token_ids in lists:
             token_ids.append(PLACEHOLDER)
         self._inflight = (tokens, index)
@@ -184,6 +187,12 @@ class ModelRunner:
         if launch.plan.expand is None and not self._grammar_seqs:  # one plain sample per sequence
             # NOTE: every sequence, every step: C-level loops where they do.
             seqs = self.seqs
+            if launch.placeholders is not None:  # the steady batch, overlapped: placeholders, as columns
+                ids, lists, at = launch.placeholders
+                for token_ids, i, tok in zip(lists, at, token_list):
+                    token_ids[i] = tok  # (the list of a sequence that ended meanwhile is no one's)
+                out.repeat_ids, out.repeat_tokens, out.repeat_overlapped = ids, token_list, True
+                return out
             if not slots and launch.repeat:  # the steady decode batch: its next inputs are these
                 out.repeat_ids, out.repeat_tokens = self._repeat.ids, token_list
                 self._repeat.sampled = token_list
@@ -430,6 +439,7 @@ class StepLaunch:
     slots: dict[str, int] = field(default_factory=dict)  # overlapped: seq_id -> its placeholder's index
     done: RunnerOutput | None = None  # set when the step did not overlap
     repeat: bool = False  # it samples the runner's repeat cache's ids alone, in order
+    placeholders: tuple | None = None  # overlapped ``repeat``: (ids, token lists, placeholder indices)
 
     @property
     def sampled_ids(self) -> list[str]:

@@ -97,10 +97,12 @@ class RunnerOutput:
     # seq_id -> (first prompt position, logprobs of the tokens after it): prompt_logprobs, per chunk.
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
     # A steady decode batch's samples as columns (the runner's repeat cache; not in ``sampled``):
-    # one token for each of these sequences, no logprobs, no drafts, no overlap. The ids list is the
-    # runner's, the same object for as long as the batch repeats.
+    # one token for each of these sequences, no logprobs, no drafts. The ids list is the runner's,
+    # the same object for as long as the batch repeats. ``repeat_overlapped``: the step overlapped
+    # the next one, so each token is the value of its sequence's oldest placeholder.
     repeat_ids: list[str] | None = None
     repeat_tokens: list[int] | None = None
+    repeat_overlapped: bool = False
 
 
 @dataclass(slots=True)

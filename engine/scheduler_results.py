@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 
 _status = attrgetter("status")
+_placeholders = attrgetter("num_placeholders")
 
 
 class StepResults:
@@ -76,8 +77,13 @@ class StepResults:
         spec = sched.num_spec_tokens
         max_len = self.max_model_len
         get, emit = requests.get, outputs.append
-        if result.repeat_ids and self._update_steady(result.repeat_ids, result.repeat_tokens, outputs, plain):
-            pass  # a steady decode batch that nothing ends this step: appended in bulk
+        overlapped = result.repeat_overlapped
+        if result.repeat_ids and self._update_steady(
+            result.repeat_ids, result.repeat_tokens, outputs, plain, overlapped
+        ):
+            pass  # a steady decode batch that nothing ends this step: appended (or filled in) in bulk
+        elif overlapped:  # each token fills a placeholder: the per-request path below takes them
+            result.sampled.update(zip(result.repeat_ids, [[t] for t in result.repeat_tokens]))
         elif result.repeat_ids:  # NOTE: a steady decode batch, every step: its samples as columns
             for req, tok in zip(self._requests_of(result.repeat_ids), result.repeat_tokens):
                 if req is None or req.status is not running:
@@ -151,12 +157,18 @@ class StepResults:
         return outputs
 
     def _update_steady(
-        self, ids: list[str], tokens: list[int], outputs: list[SequenceOutput], plain: PlainTokens | None
+        self,
+        ids: list[str],
+        tokens: list[int],
+        outputs: list[SequenceOutput],
+        plain: PlainTokens | None,
+        overlapped: bool = False,
     ) -> bool:
-        """A steady decode batch's samples, appended in one loop, when its requests all run, all are
-        lean, and no token stops one and no length reaches a limit (checked on the columns: a stop
-        token of any of them, a length one short of its own limit); else False, and nothing changed
-        (the per-request loop takes the step)."""
+        """A steady decode batch's samples, appended in one loop (``overlapped``: each filling its
+        request's oldest placeholder), when its requests all run, all are lean, and no token stops
+        one and no length reaches a limit (checked on the columns: a stop token of any of them, a
+        length one short of its own limit; placeholders count, which only errs early); else False,
+        and nothing changed (the per-request loop takes the step)."""
         reqs = self._requests_of(ids)
         if self.running != reqs and (None in reqs or set(map(_status, reqs)) != {RequestStatus.RUNNING}):
             return False  # (the running list in another order: the torch backend's, longest first)
@@ -176,8 +188,16 @@ class StepResults:
         # reaches ``horizon``, no list is at its limit.
         if len(lists[0]) >= horizon and any(map(ge, map(len, lists), limits)):
             return False
-        for token_ids, tok in zip(lists, tokens):  # NOTE: every sequence, every steady step
-            token_ids.append(tok)
+        if overlapped:
+            if not all(map(_placeholders, reqs)):
+                return False
+            for r, tok in zip(reqs, tokens):  # NOTE: every sequence, every overlapped steady step
+                k = r.num_placeholders
+                r.token_ids[len(r.token_ids) - k] = tok
+                r.num_placeholders = k - 1
+        else:
+            for token_ids, tok in zip(lists, tokens):  # NOTE: every sequence, every steady step
+                token_ids.append(tok)
         if plain is not None:
             plain.batch = reqs if not plain.requests else None
             plain.requests.extend(reqs)

@@ -207,3 +207,46 @@ def test_on_a_gpu_overlapped_steps_equal_synchronous_ones(tiny_llama, placeholde
     off, _ = _run(tiny_llama, prompts, params, async_scheduling="off", **kw)
     on, _ = _run(tiny_llama, prompts, params, async_scheduling="on", **kw)
     assert on == off and placeholders[0] > 100
+
+
+def test_a_steady_batch_resolved_in_bulk_then_a_synchronous_step_reads_real_tokens(tiny_llama):
+    """A steady decode batch overlapped for many steps (its placeholders filled in bulk, as columns,
+    on both sides), then requests that force synchronous steps (a penalty, then n-gram-like host
+    reads): the runner's and the scheduler's token lists hold no placeholder behind the one in
+    flight, and every output equals the engine without overlap."""
+    from engine.request import PLACEHOLDER
+
+    prompts = _prompts(11, [9, 14, 11, 7, 12, 10])
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    late = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, presence_penalty=0.5)
+
+    def run(overlap: str):
+        core = EngineCore(
+            EngineConfig(model=str(tiny_llama), async_scheduling=overlap, block_size=4, num_blocks=96)
+        )
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            core.add_request(f"r{i}", p, plain)
+        bulk = 0
+        for k in range(400):
+            if not core.has_unfinished():
+                break
+            if k == 14:
+                core.add_request("late", [5, 6, 7], late)
+            if overlap == "on" and k in (13, 16):  # steady before the late request, synchronous after
+                seqs = core.runner.seqs
+                for s in [s for s in seqs if s.startswith("r")]:
+                    assert PLACEHOLDER not in seqs[s].token_ids[:-1]
+                    req = core.scheduler.requests[s]
+                    assert PLACEHOLDER not in req.token_ids[: len(req.token_ids) - req.num_placeholders]
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            inflight = core._inflight
+            bulk += inflight is not None and inflight[1].placeholders is not None
+        assert core.stats().num_free_blocks == 96
+        return out, bulk
+
+    expected, _ = run("off")
+    got, bulk = run("on")
+    assert got == expected
+    assert bulk > 10  # steady steps overlapped with their placeholders resolved in bulk
