@@ -316,7 +316,9 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
                 plain.marks.extend([len(plain.tokens)] * len(failed))
             return outs + failed
         if launch.slots:
-            self.scheduler.expect_tokens(launch.sampled_ids)
+            self.scheduler.expect_tokens(
+                launch.placeholders[0] if launch.placeholders else launch.sampled_ids
+            )
         if self._inflight is not None:
             outs = self._finish_inflight(plain)
         if launch.slots:

@@ -128,13 +128,44 @@ class DecodeBlocks:
         bs, counts = self.block_size, self._num_cached_blocks
         return any(counts.get(r.request_id, 0) < (r.num_computed_tokens + 1) // bs for r in reqs)
 
+    def plan_late_fills(self, reqs: list[Request]) -> FillPlan | None:
+        """For decodes ``reqs`` whose tokens open a block: the block before each one's where it is
+        not cached yet (its last token was in flight when it filled: overlapped scheduling) and
+        the hash chain reaches the block before that, as ``plan_fills`` plans fills; None when one
+        lags otherwise (the per-request path caches it)."""
+        bs, tables, counted = self.block_size, self.tables, self._num_cached_blocks.get
+        at: list[int] = []
+        blocks: list[int] = []
+        parents: list[BlockHash] = []
+        tokens: list[int] = []
+        for i, req in enumerate(reqs):  # NOTE: every sequence, once per block it opens, overlapped
+            idx = req.num_computed_tokens // bs  # the block it opens; idx - 1 is full now
+            rid = req.request_id
+            cached = counted(rid, 0)
+            if cached >= idx:
+                continue
+            hashes, toks, n = req.block_hashes, req.token_ids, idx * bs
+            # Exactly the one block behind, its chain and tokens in (else: the per-request path).
+            if not (1 < idx == len(hashes) + 1 == cached + 1) or n > len(toks) - req.num_placeholders:
+                return None
+            at.append(i)
+            blocks.append(tables[rid][idx - 1])
+            parents.append(hashes[-1])
+            tokens += toks[n - bs : n]
+        return FillPlan(at, blocks, hash_next_blocks(parents, tokens, bs) if at else [], False)
+
     def open_blocks(self, reqs: list[Request]) -> list[int] | None:
         """``append_block`` for each of a steady batch's decodes that opens a block, in order, all or
-        none: None (nothing allocated) when fewer blocks are free."""
+        none: None (nothing allocated) when fewer blocks are free. Blocks before them still uncached
+        are cached first in one pass, when the allocation evicts none of their hashes (else each is
+        cached before the next allocation evicts, request by request)."""
         if len(reqs) > self.pool.num_free:
             return None
-        if self.enable_caching and self.lagging(reqs):  # each cached before the next allocation evicts
-            return [self.append_block(req) for req in reqs]
+        if self.enable_caching and self.lagging(reqs):
+            late = self.plan_late_fills(reqs)
+            if late is None or not self.pool.evictions(len(reqs)).keys().isdisjoint(late.hashes):
+                return [self.append_block(req) for req in reqs]
+            self.fill_blocks(reqs, late, set())
         blocks = self.pool.allocate(len(reqs))
         tables = self.tables
         for req, block in zip(reqs, blocks):

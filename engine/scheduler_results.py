@@ -38,10 +38,12 @@ class StepResults:
     def expect_tokens(self, seq_ids: list[str]) -> None:
         """Overlapped scheduling: the step just launched samples a token for each of ``seq_ids``;
         each counts it (the next step decodes it, reading its value on the device) as a PLACEHOLDER
-        until its value is in."""
-        requests = self.requests
-        for seq_id in seq_ids:  # NOTE: every sequence, every overlapped step
-            req = requests[seq_id]
+        until its value is in. A steady batch's ids (the runner's list, the same object each step)
+        find their requests as ``update`` last looked them up."""
+        reqs = self._repeat_requests if seq_ids is self._repeat_ids else None  # a steady batch's
+        if reqs is None or None in reqs:
+            reqs = map(self.requests.__getitem__, seq_ids)
+        for req in reqs:  # NOTE: every sequence, every overlapped step
             req.token_ids.append(PLACEHOLDER)
             req.num_placeholders += 1
 
