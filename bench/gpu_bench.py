@@ -151,23 +151,31 @@ def decode_step(core, batch: int, context: int, steps: int) -> tuple[float, floa
 
 
 def mixed_step(
-    core, batch: int, context: int, steps: int, prompt_len: int = 16
+    core, batch: int, context: int, steps: int, prompt_len: int = 16, cached: int = 0
 ) -> tuple[float, float, float]:
     """(wall, host CPU) seconds per step of ``batch - 1`` decoding sequences plus one new
     ``prompt_len``-token prompt each step (a request that ends at its first token), the step a served
     engine runs when requests arrive one at a time (replayed from a decode graph with
     ``cuda_graph_mixed``, else launched eagerly).
-    ``prompt_len`` 0: ``batch`` decodes alone, timed the same way. Also the share of the steps
-    replayed from a graph (a step of more tokens than the largest graph runs eagerly either way)."""
+    ``prompt_len`` 0: ``batch`` decodes alone, timed the same way. ``cached``: each prompt follows
+    the same ``cached`` tokens, found in the prefix cache (a conversation's next turn; the engine's
+    prefix caching on, ``prefix_caching``). Also the share of the steps replayed from a graph (a
+    step of more tokens than the largest graph runs eagerly either way)."""
     from engine import SamplingParams
 
     _start_decodes(core, batch - 1 if prompt_len else batch, context, steps)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prefix = [(13 * j) % 1000 + 10 for j in range(cached)]
+    if cached:  # computed once, untimed: every prompt after it finds it cached
+        rid = f"p{batch}-{context}"
+        core.add_request(rid, [*prefix, 5], one)
+        while rid in core.scheduler.requests:
+            core.step()
     before = core.stats()
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(steps):
         if prompt_len:
-            prompt = [(11 * i + j) % 1000 + 10 for j in range(prompt_len)]
+            prompt = prefix + [(11 * i + j) % 1000 + 10 for j in range(prompt_len)]
             core.add_request(f"m{batch}-{context}-{i}", prompt, one)
         core.step()
     _sync(str(core.device))
@@ -177,6 +185,38 @@ def mixed_step(
     graphs = (after.num_graph_steps - before.num_graph_steps) / ran if ran else 0.0
     _abort_all(core)
     return wall, cpu, graphs
+
+
+def prefix_caching(core, on: bool) -> None:
+    """Turn the idle engine's prefix caching on or off (this benchmark's engines run without it, so
+    that no measured prompt finds another's blocks)."""
+    kv = core.kv
+    if not on and not kv.pool.reset_prefix_cache():
+        raise RuntimeError("prefix caching can only be turned off with every block free")
+    kv.enable_caching = kv.pool.enable_caching = on
+
+
+def mixed_table(core, batches: list[int], context: int, n: int, turn: int, cached: int) -> list[dict]:
+    """``mixed_step`` rows, printed as they come: decode steps, then mixed steps replayed from the
+    graphs (``cuda_graph_mixed``) and launched eagerly, in the same run."""
+    graph_runner, rows = core.runner.decode_graphs, []
+    print(f"{'batch':>6}{'decode ms':>11}{'cpu ms':>8}{'mixed ms':>10}{'cpu ms':>8}{'graph':>7}"
+          f"{'eager ms':>10}{'cpu ms':>8}{'mixed/decode':>14}{'eager/mixed':>13}")  # fmt: skip
+    for b in batches:
+        d_wall, d_cpu, _ = mixed_step(core, b, context, n, prompt_len=0)
+        m_wall, m_cpu, m_graphs = mixed_step(core, b, context, n, turn, cached)
+        e_wall, e_cpu = m_wall, m_cpu
+        if graph_runner is not None and graph_runner.mixed:
+            graph_runner.mixed = False
+            e_wall, e_cpu, _ = mixed_step(core, b, context, n, turn, cached)
+            graph_runner.mixed = True
+        rows.append({"batch": b, "context": context, "prompt_tokens": turn, "cached_prefix": cached,
+                     "decode_s": d_wall, "mixed_s": m_wall, "mixed_cpu_s": m_cpu, "decode_cpu_s": d_cpu,
+                     "mixed_graph_share": m_graphs, "eager_mixed_s": e_wall, "eager_mixed_cpu_s": e_cpu})  # fmt: skip
+        print(f"{b:>6}{d_wall * 1e3:>11.2f}{d_cpu * 1e3:>8.2f}{m_wall * 1e3:>10.2f}{m_cpu * 1e3:>8.2f}"
+              f"{100 * m_graphs:>6.0f}%{e_wall * 1e3:>10.2f}{e_cpu * 1e3:>8.2f}{m_wall / d_wall:>13.2f}x"
+              f"{e_wall / m_wall:>12.2f}x")  # fmt: skip
+    return rows
 
 
 def profile_decode(core, batch: int, context: int, steps: int, top: int = 12) -> dict:
@@ -335,27 +375,17 @@ def main() -> None:
         out["decode"] = rows
         # Decode steps again with their host CPU, then the same batch with one new prompt a step
         # (CPU time includes the host's wait for the GPU: a CUDA sync spins by default), replayed
-        # from the decode graphs (cuda_graph_mixed) and launched eagerly, in the same run.
-        mixed_rows = []
-        graph_runner = core.runner.decode_graphs
+        # from the decode graphs and launched eagerly; then a conversation's next turn over a long
+        # cached prefix, near the most prompt keys a replayed step may read (cuda_graphs.MIXED_BUDGET).
+        n = 5 if quick else 30
+        fits = [b for b in batches if b > 1 and b * (contexts[0] + 64) <= num_blocks * 16]
         print(f"\nmixed steps (batch - 1 decodes + one 16-token prompt) at context {contexts[0]}:")
-        print(f"{'batch':>6}{'decode ms':>11}{'cpu ms':>8}{'mixed ms':>10}{'cpu ms':>8}{'graph':>7}"
-              f"{'eager ms':>10}{'cpu ms':>8}{'mixed/decode':>14}{'eager/mixed':>13}")  # fmt: skip
-        for b in [b for b in batches if b > 1 and b * (contexts[0] + 64) <= num_blocks * 16]:
-            n = 5 if quick else 30
-            d_wall, d_cpu, _ = mixed_step(core, b, contexts[0], n, prompt_len=0)
-            m_wall, m_cpu, m_graphs = mixed_step(core, b, contexts[0], n)
-            e_wall, e_cpu = m_wall, m_cpu
-            if graph_runner is not None and graph_runner.mixed:
-                graph_runner.mixed = False
-                e_wall, e_cpu, _ = mixed_step(core, b, contexts[0], n)
-                graph_runner.mixed = True
-            mixed_rows.append({"batch": b, "context": contexts[0], "decode_s": d_wall, "mixed_s": m_wall,
-                               "mixed_cpu_s": m_cpu, "decode_cpu_s": d_cpu, "mixed_graph_share": m_graphs,
-                               "eager_mixed_s": e_wall, "eager_mixed_cpu_s": e_cpu})  # fmt: skip
-            print(f"{b:>6}{d_wall * 1e3:>11.2f}{d_cpu * 1e3:>8.2f}{m_wall * 1e3:>10.2f}{m_cpu * 1e3:>8.2f}"
-                  f"{100 * m_graphs:>6.0f}%{e_wall * 1e3:>10.2f}{e_cpu * 1e3:>8.2f}{m_wall / d_wall:>13.2f}x"
-                  f"{e_wall / m_wall:>12.2f}x")  # fmt: skip
+        mixed_rows = mixed_table(core, fits, contexts[0], n, 16, 0)
+        turn, cached = (16, 48) if quick else (128, 3840)
+        print(f"\nthe same with a {turn}-token turn over a cached {cached}-token prefix:")
+        prefix_caching(core, True)
+        mixed_rows += mixed_table(core, fits, contexts[0], n, turn, cached)
+        prefix_caching(core, False)
         out["mixed"] = mixed_rows
         prefill_rows = []
         print("\nprefill:")

@@ -7,7 +7,9 @@
 #      "split" layout, on the ~0.3B model (bench.served_path, aggregated, in-process KV);
 #   3. what a step with a prompt in it costs against a decode step, replayed from the decode graphs
 #      (cuda_graph_mixed, new: each prompt token a decode row) and launched eagerly, in one run
-#      (bench.gpu_bench's mixed-step table);
+#      (bench.gpu_bench's mixed-step tables; the second, a 128-token turn over a cached 3,840-token
+#      prefix, sits near the most prompt keys a replayed step may read: if eager wins there, the
+#      budget, cuda_graphs.MIXED_BUDGET, is too generous);
 #   4. step 2's 16/16 again with mixed steps eager (--no-cuda-graph-mixed): the served gap with and
 #      without them on the same host;
 #   5. step 3 with overlapped scheduling (--async-scheduling on): it was left off by default after

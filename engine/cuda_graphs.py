@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 # The most (prompt token, context token) pairs a mixed step's prompt chunks may attend to and still
 # replay a graph: 256 prompt tokens over 2k contexts each. Each pair is a key read per row that a
 # prefill kernel would share across a tile of queries; below this the reads should cost less than
-# launching the step eagerly costs the host. An estimate, not yet measured on a GPU (bench.gpu_bench
-# times 16-token prompts replayed and eager, not a turn over a long cached context).
+# launching the step eagerly costs the host. An estimate, not yet measured on a GPU: bench.gpu_bench
+# times a 128-token turn over a cached 3,840-token prefix (508k pairs) replayed and eager.
 MIXED_BUDGET = 256 * 2048
 
 
