@@ -28,19 +28,19 @@ source "$(dirname "$0")/gpu_setup.sh"
 DEVICE=cuda DTYPE=bfloat16 MODEL=llama-0.3b N=192 QUICK=() CONTEXT=1024 INTERPRET=0
 if [ -n "${SMOKE:-}" ]; then DEVICE=cpu DTYPE=float32 MODEL=tiny N=16 QUICK=(--quick) CONTEXT=128 INTERPRET=1; fi
 echo "== 1. GPU tests"
-TRITON_INTERPRET=$INTERPRET timeout 90 "$PY" -m pytest -q -p no:warnings -p no:cacheprovider \
+TRITON_INTERPRET=$INTERPRET timeout 110 "$PY" -m pytest -q -p no:warnings -p no:cacheprovider \
   tests/engine/test_step_syncs.py tests/engine/test_async_scheduling.py tests/engine/test_cuda_graphs.py \
   -k "gpu or graph" 2>&1 | tail -15
 SERVED=("$PY" -m bench.served_path --model "$MODELS/$MODEL" --device $DEVICE --dtype $DTYPE
   --layouts engine,engine_staggered,split --num-requests $N --concurrency 32 --num-blocks 4096)
 echo "== 2. engine fed in cohorts and staggered vs the served split layout, 0.3B"
-timeout 200 "${SERVED[@]}" --workloads 16/16,128/128 --output "$DEST/served_path_gpu_next_$MODEL.json"
+timeout 190 "${SERVED[@]}" --workloads 16/16,128/128 --output "$DEST/served_path_gpu_next_$MODEL.json"
 echo "== 3. mixed steps against decode steps, from the graphs and eager"
-timeout 90 "$PY" -m bench.gpu_bench --device $DEVICE --dtype $DTYPE --batches 1,32,256 --contexts $CONTEXT \
+timeout 120 "$PY" -m bench.gpu_bench --device $DEVICE --dtype $DTYPE --batches 1,32,256 --contexts $CONTEXT \
   "${QUICK[@]}" --json "$DEST/gpu_next_bench.json"
 echo "== 4. step 2's 16/16 with mixed steps eager"
-timeout 110 "${SERVED[@]}" --workloads 16/16 --no-cuda-graph-mixed --ttft-requests 0 \
+timeout 100 "${SERVED[@]}" --workloads 16/16 --no-cuda-graph-mixed --ttft-requests 0 \
   --output "$DEST/served_path_gpu_next_${MODEL}_eager_mixed.json"
-echo "== 5. step 3 overlapped"
-timeout 80 "$PY" -m bench.gpu_bench --device $DEVICE --dtype $DTYPE --batches 1,32,256 --contexts $CONTEXT \
+echo "== 5. step 3 overlapped (batches 1 and 32)"
+timeout 50 "$PY" -m bench.gpu_bench --device $DEVICE --dtype $DTYPE --batches 1,32 --contexts $CONTEXT \
   --async-scheduling on "${QUICK[@]}" --json "$DEST/gpu_next_bench_overlap.json"
