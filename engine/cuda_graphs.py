@@ -205,4 +205,8 @@ class DecodeGraphRunner:
                 )
             self._graphs[bucket] = graph
         torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        logger.info(
+            "captured CUDA graphs for %s rows (decodes%s)",
+            self.buckets,
+            f", and mixed steps of up to {self.max_batch} tokens" if self.mixed else "",
+        )
