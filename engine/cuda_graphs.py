@@ -38,6 +38,7 @@ import logging
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.config import EngineConfig
 from engine.device_copy import ints_on
 from engine.lora.batch import GraphLora
 
@@ -51,7 +52,7 @@ logger = logging.getLogger(__name__)
 MIXED_BUDGET = 256 * 2048
 
 
-def graph_max_batch(config) -> int:
+def graph_max_batch(config: EngineConfig) -> int:
     """The most rows a step can bring to a graph (``EngineConfig``): its tokens when mixed steps
     replay too, its sequences otherwise; never more than ``cuda_graph_max_batch``."""
     rows = config.max_num_batched_tokens
