@@ -102,6 +102,7 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
         self.block_tables = torch.full((n, width), self.pad_block, dtype=torch.int64, device=dev)
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # a mixed step's token indices
+        self._written = 0  # rows below hold a replayed step's inputs; the rest, padding
         self.lora = lora
         self.lora_slots = torch.full((n,), -1, dtype=torch.int64, device=dev) if lora is not None else None
         self._metas = {b: self._static_meta(b) for b in self.buckets}
@@ -159,15 +160,20 @@ class DecodeGraphRunner:
                 self.lora_slots[:b].fill_(-1)
             else:
                 self.lora_slots[:b].copy_(meta.lora.token_slots)
-        if bucket > b:  # rows of an earlier, larger batch: back to padding
-            self.input_ids[b:bucket].zero_()
-            self.positions[b:bucket].zero_()
-            self.slot_blocks[b:bucket].fill_(self.pad_block)
-            self.slot_offsets[b:bucket].zero_()
-            self.seq_lens[b:bucket].fill_(1)
-            self.block_tables[b:bucket].fill_(self.pad_block)
+        # NOTE: a padding row holding an earlier row's inputs would write its K/V into that row's
+        # slot. Rows at and past ``_written`` are padding; those an earlier, larger step wrote go
+        # back to padding, all of them, so that one bound keeps track (a steady batch resets none).
+        end = self._written
+        if end > b:
+            self.input_ids[b:end].zero_()
+            self.positions[b:end].zero_()
+            self.slot_blocks[b:end].fill_(self.pad_block)
+            self.slot_offsets[b:end].zero_()
+            self.seq_lens[b:end].fill_(1)
+            self.block_tables[b:end].fill_(self.pad_block)
             if self.lora_slots is not None:
-                self.lora_slots[b:bucket].fill_(-1)
+                self.lora_slots[b:end].fill_(-1)
+        self._written = b
         if self.capture:
             self._graphs[bucket].replay()
             return self._outputs[bucket][:b]

@@ -152,7 +152,20 @@ def _graph_core(model_dir, capture, max_batch, **extra):
         qsl, lens, nd = meta.query_start_loc, meta.seq_lens_list, meta.num_decodes
         keys = sum((qsl[i + 1] - qsl[i]) * lens[i] for i in range(nd, len(lens)))
         replayed.append((nd, len(lens), qsl[-1], keys))
-        return run(input_ids, positions, meta)
+        hidden = run(input_ids, positions, meta)
+        b = qsl[-1]
+        bucket = next(x for x in graphs.buckets if x >= b)
+        # Every row past the step's own is padding when it runs: a row left from an earlier, larger
+        # step would write its K/V into a slot a sequence may own by now.
+        g, pad = graphs, graphs.pad_block
+        assert (g.slot_blocks[b:bucket] == pad).all() and (g.block_tables[b:bucket] == pad).all()
+        assert (
+            (g.seq_lens[b:bucket] == 1).all()
+            and not g.input_ids[b:bucket].any()
+            and not g.positions[b:bucket].any()
+        )
+        assert g.lora_slots is None or (g.lora_slots[b:bucket] == -1).all()
+        return hidden
 
     graphs.run = recording_run
     core.runner.decode_graphs = graphs
