@@ -106,8 +106,8 @@ class Launches(TorchDispatchMode):
 def mixed_step_launches(layers: int, decodes: int, prompt: int) -> dict:
     from engine.attention.triton_kernels import is_interpreted
 
-    if not (torch.cuda.is_available() or is_interpreted()):
-        raise SystemExit("run with TRITON_INTERPRET=1 on a machine without a GPU")
+    if not is_interpreted():  # the count patches the interpreter's launches; the step runs on CPU
+        raise SystemExit("run with TRITON_INTERPRET=1 (the step runs on CPU, Triton under its interpreter)")
     with tempfile.TemporaryDirectory() as tmp:
         model = create_tiny_model(
             Path(tmp) / "m", "llama", num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
