@@ -39,7 +39,6 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.config import EngineConfig
-from engine.device_copy import ints_on
 from engine.lora.batch import GraphLora
 
 logger = logging.getLogger(__name__)
@@ -134,8 +133,8 @@ class DecodeGraphRunner:
         if nd == b:
             return 0 < b <= self.max_batch
         qsl, lens = meta.query_start_loc, meta.seq_lens_list
-        if not self.mixed or qsl[-1] > self.max_batch:
-            return False
+        if not self.mixed or qsl[-1] > self.max_batch or meta.query_start_loc_tensor is None:
+            return False  # (each token's span is found from the span offsets the upload carries)
         return sum((qsl[i + 1] - qsl[i]) * lens[i] for i in range(nd, b)) <= self.mixed_budget
 
     @torch.inference_mode()
@@ -181,13 +180,8 @@ class DecodeGraphRunner:
 
     def _token_spans(self, meta: AttentionMetadata, n: int) -> torch.Tensor:
         """Each of a mixed step's ``n`` tokens' span (its sequence's row in ``meta.block_tables``),
-        found on the device from the step's span offsets when its upload carried them."""
-        qsl = meta.query_start_loc_tensor
-        if qsl is not None:
-            return torch.searchsorted(qsl[1:], self.rows[:n], right=True)
-        starts = meta.query_start_loc
-        spans = [i for i in range(len(starts) - 1) for _ in range(starts[i + 1] - starts[i])]
-        return ints_on(spans, self.rows.device)
+        found on the device from the step's span offsets."""
+        return torch.searchsorted(meta.query_start_loc_tensor[1:], self.rows[:n], right=True)
 
     def _forward(self, bucket: int) -> torch.Tensor:
         meta = self._metas[bucket]

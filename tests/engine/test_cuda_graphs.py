@@ -271,15 +271,20 @@ def test_mixed_adapter_steps_replay_the_graph_token_identical(tiny_llama, lora_a
     assert core.stats().num_free_blocks == 48
 
 
-def test_token_spans_without_the_uploaded_offsets(tiny_llama):
-    """A step whose metadata came without its span offsets on the device finds each token's span
-    from the host list, as the device search does."""
+def test_token_spans_and_a_mixed_step_without_its_offsets_on_the_device(tiny_llama):
+    """Each token's span comes from the span offsets the step's upload carries; a mixed step whose
+    metadata lacks them runs eagerly rather than search on the host."""
     _, graphs, _ = _graph_core(tiny_llama, False, max_batch=8)
     qsl = [0, 1, 2, 5, 7]
-    meta = SimpleNamespace(query_start_loc=qsl, query_start_loc_tensor=None)
-    on_host = graphs._token_spans(meta, 7).tolist()
-    meta.query_start_loc_tensor = torch.tensor(qsl, device=DEVICE)
-    assert on_host == graphs._token_spans(meta, 7).tolist() == [0, 1, 2, 2, 2, 3, 3]
+    tables = torch.zeros(4, 2, dtype=torch.int64)
+    meta = SimpleNamespace(
+        query_start_loc=qsl, query_start_loc_tensor=torch.tensor(qsl, device=DEVICE), block_tables=tables,
+        lora=None, num_decodes=2, seq_lens_list=[4, 9, 3, 2],
+    )  # fmt: skip
+    assert graphs._token_spans(meta, 7).tolist() == [0, 1, 2, 2, 2, 3, 3]
+    assert graphs.can_run(meta)
+    meta.query_start_loc_tensor = None
+    assert not graphs.can_run(meta)
 
 
 MODES = {
