@@ -22,7 +22,12 @@ The profile covers the engine's steps and KV transfers; everything else on the s
 tokenization, gRPC hops between ingress, router and workers, streaming) is not in it, and on this
 2-core machine the front end shares the cores with the engines. The errors say how much that is.
 
-    python -m bench.planner_validation [--quick] [--model PATH] [--load 0.5]
+``--model pdserve/emulated`` runs it on an emulated accelerator (``engine.model_names``): every
+engine step sleeps as long as its work would take on one, so the engines' time dominates the
+host's, as on a GPU host, and what is left is the simulator's model of the deployment (queueing,
+batching, routing, transfers, the front end) rather than the engines' shared cores.
+
+    python -m bench.planner_validation [--quick] [--model PATH | pdserve/emulated] [--load 0.5]
     python -m bench.planner_validation --replay results/planner_validation.json --output OUT.json
 """
 
@@ -45,6 +50,7 @@ import torch
 from bench.offline_throughput import DEFAULT_MODEL_DIR, ensure_model
 from bench.serving_harness import bench_args, serving
 from bench.speed_probe import SpeedProbe
+from engine.model_names import builtin_model_dir
 from ingress.request_timing import DEBUG_HEADER
 from loadgen.serving_client import send
 from loadgen.serving_datasets import ServingRequest
@@ -171,7 +177,7 @@ def errors(real: dict, sim: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    model = str(ensure_model(Path(args.model)))
+    model = str(builtin_model_dir(args.model) or ensure_model(Path(args.model)))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     cores = len(os.sched_getaffinity(0))
     probe = SpeedProbe(model)
@@ -405,7 +411,11 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.planner_validation", description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer requests and a smaller profile grid")
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint (created when missing)")
+    p.add_argument(
+        "--model",
+        default=str(DEFAULT_MODEL_DIR),
+        help="checkpoint (the tiny Llama created when missing) or pdserve/emulated (an emulated accelerator)",
+    )
     p.add_argument("--load", type=float, default=1.0, help="scale every mix's arrival rate")
     p.add_argument("--output", default=str(RESULTS / "planner_validation.json"))
     p.add_argument(

@@ -9,6 +9,11 @@ the special ids 0-2), never EOS unless the checkpoint names an ``eos_after`` tok
 else in a step (scheduler, batch building, sampler, output processing) runs for real, so a step's
 time is the engine's host overhead.
 
+With a ``step_time`` (``StepTime``) the forward also waits as long as an accelerator would take
+for the step's work, sleeping (the GIL and the cores free, as while a GPU computes): an emulated
+accelerator under the real serving stack, for measuring routing, queueing and the planner where the
+host is not the bottleneck (``pdserve/emulated``, ``engine.model_names``).
+
 ``create_zero_cost_model(path)`` writes a checkpoint directory (config.json with the
 ``PdserveZeroCostForCausalLM`` architecture, and the tiny models' word-level tokenizer) that
 ``engine.models.load_model`` builds this model from. It has no weights file: nothing is learned.
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -59,10 +66,44 @@ class _Backbone(nn.Module):
         self.layers = nn.ModuleList(_SkippedLayer() for _ in range(num_layers))
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """An emulated accelerator's time for a step, in the shape of the planner's cost curves
+    (``planner.costs``): ``base_s`` per forward (the weights read once), ``per_token_s`` per token
+    computed (prompt or decode), ``per_ctx_s`` per (query token, context token) pair attended (a
+    decode attends its whole context; a prompt chunk of ``q`` tokens ending at context ``L``,
+    ``q * L - q * (q - 1) / 2`` pairs, causal)."""
+
+    base_s: float
+    per_token_s: float
+    per_ctx_s: float
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (isinstance(value, int | float) and value >= 0):
+                raise ValueError(f"step_time.{name} must be a non-negative number of seconds, got {value!r}")
+
+    def seconds(self, query_start_loc: list[int], seq_lens: list[int]) -> float:
+        """The step's time: sequence ``i`` computes ``query_start_loc[i + 1] - query_start_loc[i]``
+        tokens ending at context ``seq_lens[i]``."""
+        tokens = query_start_loc[-1] - query_start_loc[0]
+        pairs = sum(seq_lens)  # a decode's pairs: its context (most steps: decodes alone)
+        if tokens != len(seq_lens):
+            pairs = 0.0
+            for i, length in enumerate(seq_lens):
+                q = query_start_loc[i + 1] - query_start_loc[i]
+                pairs += q * length - q * (q - 1) / 2
+        return self.base_s + self.per_token_s * tokens + self.per_ctx_s * pairs
+
+
 class ZeroCostForCausalLM(nn.Module):
-    def __init__(self, spec, stride: int = 1, eos_after: int | None = None) -> None:
+    def __init__(
+        self, spec, stride: int = 1, eos_after: int | None = None, step_time: dict | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
+        self.step_time = StepTime(**step_time) if step_time else None
+        self.sleep = time.sleep  # the wait (a test records it instead)
         self.model = _Backbone(spec.vocab_size, spec.hidden_size, spec.num_layers)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.register_buffer(
@@ -82,6 +123,9 @@ class ZeroCostForCausalLM(nn.Module):
         NOTE: float32 whatever the model dtype (bfloat16 holds integers exactly only up to 256),
         and a broadcast view: one gather and one cast per step, whatever the hidden size."""
         nxt = self.successor[input_ids].to(torch.float32)
+        if self.step_time is not None and meta is not None:
+            share = 1.0 if num_layers is None else num_layers / self.spec.num_layers  # a draft's layers
+            self.sleep(share * self.step_time.seconds(meta.query_start_loc, meta.seq_lens_list))
         return nxt[:, None].expand(-1, self.spec.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -138,12 +182,14 @@ def create_zero_cost_model(
     head_dim: int = 8,
     stride: int = 1,
     eos_after: int | None = None,
+    step_time: StepTime | None = None,
 ) -> Path:
     """Write a zero-cost checkpoint (config.json and tokenizer) to ``path`` and return it.
 
     ``num_layers``, ``num_kv_heads`` and ``head_dim`` size the engine's KV cache (allocated, never
     written). ``stride`` and ``eos_after`` set the walk: after token ``t`` comes ``t + stride``
-    (over the ordinary ids), and after ``eos_after`` (if given) comes EOS."""
+    (over the ordinary ids), and after ``eos_after`` (if given) comes EOS. ``step_time``: each
+    forward waits as an accelerator of those costs would take (an emulated accelerator)."""
     import transformers
 
     from engine.tiny_model import build_tokenizer
@@ -173,6 +219,8 @@ def create_zero_cost_model(
     cfg_file = path / "config.json"
     data = json.loads(cfg_file.read_text())
     data["pdserve_zero_cost"] = {"stride": stride, "eos_after": eos_after}
+    if step_time is not None:
+        data["pdserve_zero_cost"]["step_time"] = asdict(step_time)
     cfg_file.write_text(json.dumps(data, indent=2) + "\n")
     build_tokenizer(vocab_size).save_pretrained(path)
     logger.info("wrote a zero-cost model (vocabulary %d) to %s", vocab_size, path)

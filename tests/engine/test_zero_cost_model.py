@@ -126,3 +126,40 @@ def test_the_model_name_builds_it_once_for_every_process(tmp_path, monkeypatch):
     assert isinstance(llm.core.model, ZeroCostForCausalLM)
     out = llm.generate([[5, 6]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert out.token_ids == [7, 8, 9, 10]
+
+
+def test_the_step_time_model_counts_tokens_and_causal_context_pairs():
+    from engine.models.zero_cost import StepTime
+
+    cost = StepTime(base_s=1.0, per_token_s=0.1, per_ctx_s=0.001)
+    # Three decodes at contexts 10, 20, 30: one token each, attending their whole context.
+    assert cost.seconds([0, 1, 2, 3], [10, 20, 30]) == pytest.approx(1.0 + 0.3 + 0.001 * 60)
+    # A decode at context 8, then a 4-token chunk ending at context 12 (positions 8..11 attend
+    # 9..12 keys: 42 pairs).
+    assert cost.seconds([0, 1, 5], [8, 12]) == pytest.approx(1.0 + 0.5 + 0.001 * (8 + 42))
+    with pytest.raises(ValueError, match="per_ctx_s"):
+        StepTime(base_s=0.01, per_token_s=0.0, per_ctx_s=-1e-9)
+
+
+def test_an_emulated_accelerator_waits_its_step_time_and_generates_the_walk(tmp_path, monkeypatch):
+    """``pdserve/emulated``: the zero-cost walk, each forward waiting what its step's work costs
+    (recorded here instead of slept)."""
+    import engine.model_names as names
+    from engine.models.zero_cost import StepTime
+
+    monkeypatch.setattr(names, "CACHE_DIR", tmp_path)
+    llm = LLM(names.EMULATED, num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    model = llm.core.model
+    assert model.step_time == StepTime(**names.EMULATED_STEP_TIME)
+    waits: list[float] = []
+    model.sleep = waits.append
+    out = llm.generate([list(range(10, 22))], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert out.token_ids == [22, 23, 24]
+    cost = model.step_time
+    # 12 prompt tokens in chunks of 8 and 4 (the second over 8 cached), then two decodes.
+    expected = [cost.seconds([0, 8], [8]), cost.seconds([0, 4], [12]), cost.seconds([0, 1], [13]),
+                cost.seconds([0, 1], [14])]  # fmt: skip
+    assert waits == pytest.approx(expected)
+    assert expected[0] == pytest.approx(0.020 + 8 * 0.0002 + 36 * 1e-7)
+    assert _all_free(llm)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["emulated-v1"]
