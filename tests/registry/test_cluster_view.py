@@ -134,6 +134,29 @@ def test_events_queued_together_go_out_as_one_transaction_of_merged_entries(redi
         pub.stop(deregister=False)
 
 
+def test_events_offered_soon_after_a_transaction_wait_and_go_out_together(redis_server, views, monkeypatch):
+    """Transactions of events are ``PUBLISH_INTERVAL_S`` apart: batches offered one by one right
+    after one went out (a prefill worker's, a prompt each) leave as one entry."""
+    import registry.publisher as publisher
+
+    monkeypatch.setattr(publisher, "PUBLISH_INTERVAL_S", 2.0)  # far longer than two offers take
+    view = views()
+    pub = RegistryPublisher(redis_server.url, record("p0"), heartbeat_s=0.1)
+    pub.offer_snapshot([H[0]])
+    pub.start()
+    try:
+        pub.offer_events([(STORED, [H[1]])])
+        wait_until(lambda: pub.published == 1, "the first batch published")
+        pub.offer_events([(STORED, [H[2]])])
+        wait_until(lambda: pub._queue.empty(), "the publisher took the second batch")  # alone
+        pub.offer_events([(STORED, [H[3]])])
+        converges(view, "p0", {H[0], H[1], H[2], H[3]})
+        assert pub.published == 2, "the two later batches went out as two entries"
+        assert view.index.gaps_detected == 0
+    finally:
+        pub.stop(deregister=False)
+
+
 def test_a_gap_in_sequence_numbers_resynchronises_from_the_snapshot(redis_server, views):
     view = views()
     client = connect(redis_server.url)
