@@ -14,7 +14,9 @@ What it models, as the real system does it:
   (a request waits for blocks rather than preempting); a step costs the profile's decode curve at
   the batch's size and mean context, plus the prefill chunks of prompts prefilled there.
 - **Prefix caches**: each worker's whole prompt blocks, least recently used evicted first, as
-  ``engine.block_pool`` keeps them; hits shorten prefills.
+  ``engine.block_pool`` keeps them; hits shorten prefills. A prompt's hit is read when its first
+  chunk is scheduled, as the engine's scheduler reads it: one that arrived while another with its
+  prefix was computing finds that prefix cached.
 
 - **The served path** (when the profile has it for the deployment's mode: ``pdserve profile
   --served``): a fixed delay before routing (front end, router, hops), prompts computed slower than
@@ -128,6 +130,7 @@ class _Seq:
     ctx: int  # prompt tokens already in the KV (cached or computed)
     decode: _Worker | None = None  # where it decodes (a prefill worker hands it there)
     generated: int = 0
+    started: bool = False  # a chunk of it was scheduled (its prefix cache hit is then fixed)
 
 
 class _Worker:
@@ -245,10 +248,24 @@ class Simulator:
         for s in w.waiting:
             if budget <= 0:
                 break
+            if not s.started:  # as the engine's scheduler, the prefix cache is read when it is taken
+                s.started = True
+                self._take_hit(w, s)
             n = min(s.todo, budget)
             out.append((s, n))
             budget -= n
         return out
+
+    def _take_hit(self, w: _Worker, s: _Seq) -> None:
+        """``s``'s prompt blocks cached on ``w`` now, when its first chunk is scheduled: a prompt
+        that arrived while another with its prefix was being computed finds that prefix cached."""
+        hit = min(w.cache.hit_blocks(s.hashes) * self.block_size, len(s.req.prompt) - 1)
+        more = hit - s.ctx
+        if more > 0:
+            s.todo -= more
+            s.ctx = hit
+            w.queued -= more
+            s.req.cached_tokens = hit
 
     def _step(self, w: _Worker) -> None:
         if w.role == "decode":

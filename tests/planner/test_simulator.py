@@ -1,6 +1,7 @@
 """The deployment simulator against what its cost model says by hand: one request's timeline, FIFO
 chunked prefill, the real cache-aware policy sending a tenant back to its prefix, the local-prefill
-rule, aggregated mode, a decode pool that runs out of blocks, and the summary's percentiles."""
+rule, aggregated mode, a decode pool that runs out of blocks, a prefix cache read when a prompt is
+scheduled, and the summary's percentiles."""
 
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def test_the_real_policy_decides_where_a_tenant_finds_its_prefix(policy):
     # A cached prompt's first token comes sooner than its tenant's first one did.
     hit = next(r for r in requests if r.cached_tokens)
     assert hit.first_token - hit.arrival < requests[0].first_token - requests[0].arrival
+
+
+def test_a_prompt_arriving_while_its_prefix_is_computed_finds_it_cached_when_scheduled():
+    """As the engine's scheduler, the simulator reads a prompt's prefix cache hit when it first
+    schedules the prompt, not when it arrives: a second prompt of a tenant, arriving while the first
+    one's step runs, computes only its own tokens in the next step."""
+    p = synthetic_profile()
+    shared = prompt(1, 256)
+    a, b = Simulator(p, Deployment(0, 1)).run(
+        [SimRequest(0.0, shared + prompt(2, 32), 1), SimRequest(0.001, shared + prompt(3, 32), 1)]
+    )
+    assert a.cached_tokens == 0 and b.cached_tokens == 256
+    assert b.first_token == pytest.approx(a.first_token + p.prefill_s(32, 256), rel=0, abs=1e-12)
 
 
 def test_a_prompt_under_the_local_prefill_threshold_is_prefilled_on_its_decode_worker():
