@@ -56,6 +56,7 @@ def _own_zero_cost():
     be a revision without it (it needs only torch, and ``engine.models.llama`` for specs)."""
     spec = importlib.util.spec_from_file_location("_bench_zero_cost", ROOT / "engine/models/zero_cost.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
