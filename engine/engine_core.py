@@ -141,6 +141,9 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
             # The quantizing store groups a step's writes by block (torch.unique): not capturable.
             logger.info("kv_cache_dtype=%s: decode steps run eagerly (no CUDA graphs)", config.kv_cache_dtype)
             graphs = False
+        if graphs and getattr(self.model, "step_time", None) is not None:
+            # An emulated accelerator waits in its forward, which a graph replay would skip.
+            graphs = False
         if graphs:
             from engine.cuda_graphs import DecodeGraphRunner, graph_max_batch
 

@@ -17,6 +17,8 @@ Torch-free: the ingress resolves names too.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import tempfile
 from pathlib import Path
 
@@ -28,7 +30,9 @@ CACHE_DIR = Path.home() / ".cache" / "pdserve"
 # decode step of 32 sequences at context 256 27 ms, so at the rates such an engine serves, the
 # front end's CPU on a 2-core machine stays a small share, as on a GPU host.
 EMULATED_STEP_TIME = {"base_s": 0.020, "per_token_s": 0.0002, "per_ctx_s": 1e-7}
-_DIRS = {ZERO_COST: "zero-cost", EMULATED: "emulated-v1"}  # a new cost model: a new directory
+# Other costs, another directory (named by them): a checkpoint written for old costs is never read.
+_COSTS = hashlib.sha256(json.dumps(EMULATED_STEP_TIME, sort_keys=True).encode()).hexdigest()[:8]
+_DIRS = {ZERO_COST: "zero-cost", EMULATED: f"emulated-{_COSTS}"}
 
 
 def builtin_model_dir(model: str, cache_dir: Path | None = None) -> Path | None:

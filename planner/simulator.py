@@ -258,10 +258,11 @@ class Simulator:
 
     def _take_hit(self, w: _Worker, s: _Seq) -> None:
         """``s``'s prompt blocks cached on ``w`` now, when its first chunk is scheduled: a prompt
-        that arrived while another with its prefix was being computed finds that prefix cached."""
+        that arrived while another with its prefix was being computed finds that prefix cached, and
+        one whose prefix was evicted since its arrival computes it."""
         hit = min(w.cache.hit_blocks(s.hashes) * self.block_size, len(s.req.prompt) - 1)
-        more = hit - s.ctx
-        if more > 0:
+        more = hit - s.ctx  # negative: blocks it found at arrival were evicted meanwhile
+        if more:
             s.todo -= more
             s.ctx = hit
             w.queued -= more

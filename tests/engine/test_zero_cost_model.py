@@ -3,6 +3,8 @@ nothing, so its outputs follow a fixed walk and its steps run no layer and no at
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -162,4 +164,6 @@ def test_an_emulated_accelerator_waits_its_step_time_and_generates_the_walk(tmp_
     assert waits == pytest.approx(expected)
     assert expected[0] == pytest.approx(0.020 + 8 * 0.0002 + 36 * 1e-7)
     assert _all_free(llm)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["emulated-v1"]
+    written = json.loads((names.builtin_model_dir(names.EMULATED) / "config.json").read_text())
+    assert written["pdserve_zero_cost"]["step_time"] == names.EMULATED_STEP_TIME
+    assert [p.name for p in tmp_path.iterdir()] == [f"emulated-{names._COSTS}"]

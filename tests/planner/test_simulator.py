@@ -74,6 +74,21 @@ def test_a_prompt_arriving_while_its_prefix_is_computed_finds_it_cached_when_sch
     assert b.first_token == pytest.approx(a.first_token + p.prefill_s(32, 256), rel=0, abs=1e-12)
 
 
+def test_a_prefix_evicted_between_arrival_and_scheduling_is_computed():
+    """The other way round: a prompt that found its prefix cached on arrival, evicted by the step
+    that ran meanwhile, computes it when scheduled."""
+    p = synthetic_profile(num_blocks=20)  # b's 19 blocks evict a's 9
+    a, b, c = Simulator(p, Deployment(0, 1)).run(
+        [
+            SimRequest(0.0, prompt(1, 160), 1),
+            SimRequest(1.0, prompt(2, 320), 1),
+            SimRequest(1.001, prompt(1, 160), 1),  # a's prompt again, while b computes
+        ]
+    )
+    assert a.cached_tokens == 0 and c.cached_tokens == 0  # a found none; c lost what it found
+    assert c.first_token == pytest.approx(b.first_token + p.prefill_s(160, 0), rel=0, abs=1e-12)
+
+
 def test_a_prompt_under_the_local_prefill_threshold_is_prefilled_on_its_decode_worker():
     p = synthetic_profile()
     sim = Simulator(p, Deployment(1, 1, local_prefill_tokens=64))

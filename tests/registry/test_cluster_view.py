@@ -23,6 +23,7 @@ from registry.schema import (
     set_draining,
     snapshot_key,
     snapshot_meta_key,
+    unpack_hashes,
 )
 
 H = [bytes([i]) * 16 for i in range(8)]
@@ -151,7 +152,12 @@ def test_events_offered_soon_after_a_transaction_wait_and_go_out_together(redis_
         wait_until(lambda: pub._queue.empty(), "the publisher took the second batch")  # alone
         pub.offer_events([(STORED, [H[3]])])
         converges(view, "p0", {H[0], H[1], H[2], H[3]})
-        assert pub.published == 2, "the two later batches went out as two entries"
+        wait_until(lambda: pub.published >= 2, "the later batches published")
+        client = connect(redis_server.url)
+        entries = [f for _, f in client.xrange("pdserve:kv_events") if f[b"w"] == b"p0"]
+        assert pub.published == 2, "the two later batches went out as two entries, not one"
+        assert entries[-1][b"k"].decode() == STORED
+        assert set(unpack_hashes(entries[-1][b"h"])) == {H[2], H[3]}  # one entry holds both
         assert view.index.gaps_detected == 0
     finally:
         pub.stop(deregister=False)
