@@ -51,6 +51,22 @@ logger = logging.getLogger(__name__)
 MIXED_BUDGET = 256 * 2048
 
 
+def graphs_apply(config: EngineConfig, device_type: str, backend: str, kv_dtype, model) -> bool:
+    """Whether an engine captures decode CUDA graphs: asked for, on a GPU, with the Triton backend;
+    not with a quantized KV cache (its store groups a step's writes by block, ``torch.unique``: not
+    capturable), nor for an emulated accelerator (``zero_cost.StepTime``: it waits in its forward,
+    which a replay would skip)."""
+    if not (config.cuda_graphs and device_type == "cuda" and backend == "triton"):
+        return False
+    if kv_dtype is not None:
+        logger.info("kv_cache_dtype=%s: decode steps run eagerly (no CUDA graphs)", config.kv_cache_dtype)
+        return False
+    if getattr(model, "step_time", None) is not None:
+        logger.info("an emulated accelerator: steps run eagerly (a graph replay would skip its wait)")
+        return False
+    return True
+
+
 def graph_max_batch(config: EngineConfig) -> int:
     """The most rows a step can bring to a graph (``EngineConfig``): its tokens when mixed steps
     replay too, its sequences otherwise; never more than ``cuda_graph_max_batch``."""

@@ -136,17 +136,10 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         if self.speculator is not None:
             attach_cache(self.speculator, self.model, draft, kv_cache, self.layout, num_blocks, backend)
             self.runner.speculator = self.speculator
-        graphs = config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton"
-        if graphs and self.layout.kv_dtype is not None:
-            # The quantizing store groups a step's writes by block (torch.unique): not capturable.
-            logger.info("kv_cache_dtype=%s: decode steps run eagerly (no CUDA graphs)", config.kv_cache_dtype)
-            graphs = False
-        if graphs and getattr(self.model, "step_time", None) is not None:
-            # An emulated accelerator waits in its forward, which a graph replay would skip.
-            graphs = False
-        if graphs:
-            from engine.cuda_graphs import DecodeGraphRunner, graph_max_batch
+        from engine.cuda_graphs import DecodeGraphRunner, graph_max_batch, graphs_apply
 
+        graphs = graphs_apply(config, self.device.type, backend.name, self.layout.kv_dtype, self.model)
+        if graphs:
             t0 = time.perf_counter()
             try:
                 self.runner.decode_graphs = DecodeGraphRunner(

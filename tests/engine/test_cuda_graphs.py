@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from engine import EngineConfig, EngineCore, SamplingParams
-from engine.cuda_graphs import DecodeGraphRunner, batch_buckets, graph_max_batch
+from engine.cuda_graphs import DecodeGraphRunner, batch_buckets, graph_max_batch, graphs_apply
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -344,3 +344,23 @@ def test_graphs_are_sized_for_the_rows_a_step_can_bring(mixed, seqs, tokens, row
         cuda_graph_mixed=mixed, max_num_seqs=seqs, max_num_batched_tokens=tokens, cuda_graph_max_batch=256
     )
     assert graph_max_batch(config) == rows
+
+
+def test_graphs_apply_on_a_gpu_with_triton_but_not_to_a_quantized_cache_or_an_emulated_accelerator():
+    """An emulated accelerator (``pdserve/emulated``) waits in its forward: a replay would skip the
+    wait, so its steps run eagerly on a GPU too."""
+    from engine.models.zero_cost import ZeroCostForCausalLM, spec_from_config
+    from engine.tiny_model import make_config
+
+    spec = spec_from_config(make_config(vocab_size=64, max_position_embeddings=64))
+    plain = ZeroCostForCausalLM.from_spec(spec)
+    emulated = ZeroCostForCausalLM.from_spec(
+        spec, step_time={"base_s": 0.01, "per_token_s": 0.0, "per_ctx_s": 0.0}
+    )
+    config = SimpleNamespace(cuda_graphs=True, kv_cache_dtype="auto")
+    assert graphs_apply(config, "cuda", "triton", None, plain)
+    assert not graphs_apply(config, "cuda", "triton", None, emulated)
+    assert not graphs_apply(config, "cuda", "triton", torch.int8, plain)  # a quantized cache
+    assert not graphs_apply(config, "cpu", "triton", None, plain)
+    assert not graphs_apply(config, "cuda", "torch", None, plain)
+    assert not graphs_apply(SimpleNamespace(cuda_graphs=False), "cuda", "triton", None, plain)
