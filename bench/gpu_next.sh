@@ -4,7 +4,8 @@
 #      (tests/engine/test_step_syncs.py) and on an overlapped step's collect;
 #   2. the served path's 16/16 gap split between the engine and the stack: the engine alone fed in
 #      cohorts ("engine") and as a served engine is fed ("engine_staggered"), against the served
-#      "split" layout, on the ~0.3B model (bench.served_path, aggregated, in-process KV);
+#      "split" layout, on the ~0.3B model (bench.served_path, aggregated, in-process KV), and
+#      "split_rh" (the router inside the HTTP process, as `pdserve serve` runs it by default);
 #   3. what a step with a prompt in it costs against a decode step, replayed from the decode graphs
 #      (cuda_graph_mixed, new: each prompt token a decode row) and launched eagerly, in one run
 #      (bench.gpu_bench's mixed-step tables; the second, a 128-token turn over a cached 3,840-token
@@ -32,15 +33,15 @@ TRITON_INTERPRET=$INTERPRET timeout 110 "$PY" -m pytest -q -p no:warnings -p no:
   tests/engine/test_step_syncs.py tests/engine/test_async_scheduling.py tests/engine/test_cuda_graphs.py \
   -k "gpu or graph" 2>&1 | tail -15
 SERVED=("$PY" -m bench.served_path --model "$MODELS/$MODEL" --device $DEVICE --dtype $DTYPE
-  --layouts engine,engine_staggered,split --num-requests $N --concurrency 32 --num-blocks 4096)
+  --layouts engine,engine_staggered,split,split_rh --num-requests $N --concurrency 32 --num-blocks 4096)
 echo "== 2. engine fed in cohorts and staggered vs the served split layout, 0.3B"
-timeout 190 "${SERVED[@]}" --workloads 16/16,128/128 --output "$DEST/served_path_gpu_next_$MODEL.json"
+timeout 220 "${SERVED[@]}" --workloads 16/16,128/128 --output "$DEST/served_path_gpu_next_$MODEL.json"
 echo "== 3. mixed steps against decode steps, from the graphs and eager"
 timeout 120 "$PY" -m bench.gpu_bench --device $DEVICE --dtype $DTYPE --batches 1,32,256 --contexts $CONTEXT \
   "${QUICK[@]}" --json "$DEST/gpu_next_bench.json"
 echo "== 4. step 2's 16/16 with mixed steps eager"
-timeout 100 "${SERVED[@]}" --workloads 16/16 --no-cuda-graph-mixed --ttft-requests 0 \
+timeout 90 "${SERVED[@]}" --workloads 16/16 --no-cuda-graph-mixed --ttft-requests 0 \
   --output "$DEST/served_path_gpu_next_${MODEL}_eager_mixed.json"
 echo "== 5. step 3 overlapped (batches 1 and 32)"
-timeout 50 "$PY" -m bench.gpu_bench --device $DEVICE --dtype $DTYPE --batches 1,32 --contexts $CONTEXT \
+timeout 40 "$PY" -m bench.gpu_bench --device $DEVICE --dtype $DTYPE --batches 1,32 --contexts $CONTEXT \
   --async-scheduling on "${QUICK[@]}" --json "$DEST/gpu_next_bench_overlap.json"

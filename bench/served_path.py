@@ -14,6 +14,9 @@ ignored, greedy), after a few warm-up requests that are not counted:
     disagg   ``python -m prefill_worker`` + ``python -m decode_worker`` (NIXL), router, ingress
              ``--mode disaggregated`` (default on for CPU; ``--no-disagg`` leaves it out)
     disagg_split  the same with ``--engine-process`` on both workers (columns "p.core", "core")
+    split_rh, disagg_split_rh  split and disagg_split with the router inside the HTTP process
+             (``python -m ingress --redis-url``; column "ingress"), as ``pdserve serve`` serves
+             by default: no router process, no gRPC hop between them
 Standalone processes only (no Ray), all bound to 127.0.0.1, so it runs on a bare GPU host too;
 Redis is embedded in this process (fakeredis) unless ``--redis-server PATH`` runs a real one.
 
@@ -222,7 +225,12 @@ def minimal_layout(a: argparse.Namespace, model: str, vocab: int) -> dict:
 
 
 def stack_layout(
-    a: argparse.Namespace, model: str, vocab: int, disaggregated: bool, engine_process: bool = False
+    a: argparse.Namespace,
+    model: str,
+    vocab: int,
+    disaggregated: bool,
+    engine_process: bool = False,
+    router_http: bool = False,
 ) -> dict:
     engine = ["--model", model, "--device", a.device, "--dtype", a.dtype, "--num-blocks", str(a.num_blocks)]
     engine += [
@@ -238,9 +246,12 @@ def stack_layout(
         transfer = "nixl" if disaggregated else "inprocess"
         flags = [*engine, "--redis-url", url, "--kv-transfer", transfer]
         workers["decode_worker"] = procs.serve("decode_worker", *flags, *split)
-        router = procs.serve("router", "--redis-url", url)
+        # ``router_http``: the router inside the HTTP process, as ``pdserve serve`` runs it by default.
+        route = (
+            ["--redis-url", url] if router_http else ["--router", procs.serve("router", "--redis-url", url)]
+        )
         mode = "disaggregated" if disaggregated else "aggregated"
-        flags = ["--router", router, "--model", model, "--mode", mode, "--port", "0"]
+        flags = [*route, "--model", model, "--mode", mode, "--port", "0"]
         base = "http://" + procs.serve("ingress", *flags)
         before = {name: free_blocks(addr, name) for name, addr in workers.items()}
         served = wait_http(base, procs)
@@ -275,6 +286,10 @@ LAYOUTS: dict[str, Callable[[argparse.Namespace, str, int], dict]] = {
     "split": functools.partial(stack_layout, disaggregated=False, engine_process=True),
     "disagg": functools.partial(stack_layout, disaggregated=True),
     "disagg_split": functools.partial(stack_layout, disaggregated=True, engine_process=True),
+    "split_rh": functools.partial(stack_layout, disaggregated=False, engine_process=True, router_http=True),
+    "disagg_split_rh": functools.partial(
+        stack_layout, disaggregated=True, engine_process=True, router_http=True
+    ),
 }
 
 

@@ -322,3 +322,49 @@ def test_completions_batch_echo_best_of_and_sampling_controls_equal_the_engine_a
     assert code == 200 and body["prompt"] == prompt_text
 
     asyncio.run(all_free(p, d))
+
+
+@pytest.fixture
+def router_inside(workers, redis_server, tiny_llama):
+    """``python -m ingress --redis-url``: the router in the HTTP process (as ``pdserve serve``'s
+    router replicas serve HTTP), in front of a prefill and a decode worker; no router process."""
+    url = redis_server.url
+    p = workers("prefill", "--redis-url", url, "--worker-id", "p1")
+    d = workers("decode", "--redis-url", url, "--worker-id", "d1")
+    ingress, address = _spawn("ingress", "--model", str(tiny_llama), "--redis-url", url, "--port", "0")
+    try:
+        base = f"http://{address}"
+        deadline = time.monotonic() + 30
+        while True:
+            code, health = _get(base, "/health")
+            if code == 200 and health["prefill_workers"] == 1 and health["decode_workers"] == 1:
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.1)
+        yield base, p, d
+    finally:
+        ingress.terminate()
+        try:
+            ingress.wait(15)
+        except subprocess.TimeoutExpired:
+            ingress.kill()
+
+
+def test_the_router_inside_the_http_process_serves_what_hf_computes(router_inside, tiny_llama, hf_greedy):
+    """Completions, streamed and not, equal HF's greedy output through a router running in the
+    ingress's process; prefills go to the prefill worker; bad input is a 400; blocks end free."""
+    base, p, d = router_inside
+    model = str(tiny_llama)
+    for prompt in (list(range(5, 25)), [100, 7, 7, 250, 31]):
+        want = continuation(tiny_llama, prompt, hf_greedy(tiny_llama, prompt, 8))
+        req = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        code, body = _post(base, "/v1/completions", req, {"x-pdserve-debug": "timing"})
+        assert code == 200, body
+        assert body["choices"][0]["text"] == want
+        assert {"route", "prefill_compute", "kv_transfer", "ttft"} <= set(body["pdserve_timing"])
+        events = _stream(base, "/v1/completions", req | {"stream": True}, {})
+        assert "".join(c["text"] for e in events for c in e["choices"]) == want
+    code, body = _post(base, "/v1/completions", {"model": model, "prompt": [5, 6], "max_tokens": -3})
+    assert code == 400 and body["error"]["param"] == "max_tokens"
+    asyncio.run(all_free(p, d))
+    assert asyncio.run(state(p.address, "prefill")).stats.prompt_tokens >= 25
