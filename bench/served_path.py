@@ -238,13 +238,16 @@ def stack_layout(
         str(a.cpu_threads),
         "--cuda-graph-mixed" if a.cuda_graph_mixed else "--no-cuda-graph-mixed",
     ]
+    workers_only = ["--socket-streams" if a.socket_streams else "--no-socket-streams"]
     with redis(a.redis_server, a.start_timeout) as (url, redis_pid), Processes(a.start_timeout) as procs:
         workers: dict[str, str] = {}
         split = ["--engine-process"] * engine_process
         if disaggregated:  # first, so the decode worker warms its NIXL connection to it
-            workers["prefill_worker"] = procs.serve("prefill_worker", *engine, "--redis-url", url, *split)
+            workers["prefill_worker"] = procs.serve(
+                "prefill_worker", *engine, *workers_only, "--redis-url", url, *split
+            )
         transfer = "nixl" if disaggregated else "inprocess"
-        flags = [*engine, "--redis-url", url, "--kv-transfer", transfer]
+        flags = [*engine, *workers_only, "--redis-url", url, "--kv-transfer", transfer]
         workers["decode_worker"] = procs.serve("decode_worker", *flags, *split)
         # ``router_http``: the router inside the HTTP process, as ``pdserve serve`` runs it by default.
         route = (
@@ -345,6 +348,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="engines replay mixed prefill + decode steps from CUDA graphs (GPU; the engine's default: on)",
+    )
+    p.add_argument(
+        "--socket-streams",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers serve the router's call streams on a plain socket too (their default; off: gRPC only)",
     )
     p.add_argument("--workloads", type=parse_workloads, help="INPUT/OUTPUT tokens, comma-separated")
     p.add_argument("--num-requests", type=int, help="measured requests per workload (192)")

@@ -16,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-SERVED = ("minimal", "stack", "split", "disagg", "disagg_split")
+SERVED = ("minimal", "stack", "split", "split_rh", "disagg", "disagg_split", "disagg_split_rh")
 PROCESS_ORDER = (
     "minimal_server", "prefill_worker", "prefill_engine_process", "decode_worker", "engine_process", "router",
     "ingress",

@@ -58,6 +58,7 @@ def main() -> None:
         keepalive_s=args.keepalive,
         stream_interval=args.stream_interval,
         engine_process=args.engine_process,
+        socket_streams=args.socket_streams,
     )
     if args.kv_transfer == "inprocess" and not args.engine_process:
         logger.warning(

@@ -22,6 +22,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedDecode
 from proto.convert import params_from_proto, stop_reason_fields, tokens_message
+from proto.socket_stream import CallStreamServer
 from worker.adapters import adapter_rpc
 from worker.peer_reads import lend_rpc
 from worker.runtime import RequestFailed
@@ -149,6 +150,10 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
 async def serve(worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
     """Start the worker's engine loop and gRPC server, warm its NIXL peers, then register it;
     returns (server, "host:port")."""
+    service = DecodeService(worker)
     return await worker.serve(
-        lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker), server), host, port
+        lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(service, server),
+        host,
+        port,
+        CallStreamServer(service.Decode, "decode"),
     )

@@ -160,6 +160,13 @@ class _WorkerPoolOptions(ReplicaOptions):
         "(worker/engine_process.py): nothing else on its GIL, the gRPC work in the replica's process; "
         "`auto`: on",
     )
+    socket_streams: bool = Field(
+        True,
+        description="also serve the router's call stream (its Decode or Prefill calls) on a plain TCP "
+        "socket beside gRPC, on the replica's host and a port of its own (proto/socket_stream.py; "
+        "framed protobuf); the router prefers it: a streamed gRPC message costs ~5x the CPU. Off: "
+        "gRPC only (one port per replica)",
+    )
 
 
 class PrefillOptions(_WorkerPoolOptions):

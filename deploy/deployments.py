@@ -108,6 +108,7 @@ class PrefillServer(_WorkerReplica):
                 model_name=config.model_name,
                 redis_url=environment.require_redis_url(config.redis_url),
                 engine_process=config.engine_process("prefill"),
+                socket_streams=config.prefill.socket_streams,
             )
         )
         await serve_prefill(self.worker, host, 0)
@@ -141,6 +142,7 @@ class DecodeServer(_WorkerReplica):
                 model_name=config.model_name,
                 redis_url=environment.require_redis_url(config.redis_url),
                 engine_process=config.engine_process("decode"),
+                socket_streams=config.decode.socket_streams,
             )
         )
         # Registers after connecting NIXL to every registered prefill worker, and keeps connecting to

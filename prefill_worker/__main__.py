@@ -46,6 +46,7 @@ def main() -> None:
         redis_url=args.redis_url,
         lease_seconds=args.lease_seconds,
         engine_process=args.engine_process,
+        socket_streams=args.socket_streams,
     )
     worker = build_prefill_worker(config, transfer_factory=transfer_factory_from_args(args))
     event_loop.run(serve_until_signal(worker, serve, args.host, args.port))

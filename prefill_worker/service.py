@@ -12,6 +12,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedPrefill
 from proto.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto, stop_reason_fields
+from proto.socket_stream import CallStreamServer
 from worker.adapters import adapter_rpc
 from worker.peer_reads import lend_rpc
 from worker.runtime import RequestFailed
@@ -114,6 +115,10 @@ class PrefillService(MultiplexedPrefill, pb_grpc.PrefillWorkerServicer):
 
 async def serve(worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
     """Start the worker's engine loop, gRPC server and registry link; returns (server, "host:port")."""
+    service = PrefillService(worker)
     return await worker.serve(
-        lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker), server), host, port
+        lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(service, server),
+        host,
+        port,
+        CallStreamServer(service.prefill_call, "prefill", out="prefill"),
     )

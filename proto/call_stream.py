@@ -154,11 +154,12 @@ class MultiplexedPrefill:
     stand-in's): each call's one message is the answer, and a call ends as the unary call would."""
 
     async def PrefillStream(self, request_iterator, context):
-        async def one(request, ctx):
-            yield await self.Prefill(request, ctx)
-
-        async for batch in serve_calls(one, "prefill", request_iterator, out="prefill"):
+        async for batch in serve_calls(self.prefill_call, "prefill", request_iterator, out="prefill"):
             yield batch
+
+    async def prefill_call(self, request, context):
+        """A Prefill call on a call stream: its one message is the unary call's answer."""
+        yield await self.Prefill(request, context)
 
 
 class MultiplexedGenerate:

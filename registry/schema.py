@@ -131,6 +131,7 @@ class WorkerRecord:
     kv_handoff: int = 1  # 0: a decode worker that takes no KV hand-offs (it computes its prompts itself)
     loras: str = "{}"  # the LoRA adapters it serves, as JSON: name -> the salt suffix of its prefix hashes
     resident_loras: str = "[]"  # of those, the ones in device slots at the last heartbeat (JSON list)
+    streams: str = ""  # host:port of its call stream over a socket (proto.socket_stream); "": gRPC's only
 
     def resident(self, name: str) -> bool:
         """Whether adapter ``name`` was in a device slot at the last heartbeat (no swap-in to run it)."""

@@ -119,7 +119,7 @@ class DecodeRelay:
             req.handle.CopyFrom(handle)
         if peer is not None:
             req.peer.CopyFrom(peer)
-        call = self.stubs.decode_stream(w.address).open(req, timeout=_remaining(deadline))
+        call = self.stubs.decode_stream(w).open(req, timeout=_remaining(deadline))
         decoding = self.cancellation.decoding
         entry = decoding[key] = (w, rid)
 

@@ -432,7 +432,7 @@ class Router(DecodeRelay):
         if peer is not None:
             req.peer.CopyFrom(peer)
         try:
-            call = self.stubs.prefill_stream(w.address).open(req, timeout=_remaining(deadline))
+            call = self.stubs.prefill_stream(w).open(req, timeout=_remaining(deadline))
             resp = await watched(call, w, self.view.silent_for, self.migration)
             computed = True
             return resp

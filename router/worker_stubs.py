@@ -9,10 +9,14 @@ router's lifetime, as the channels are.
 
 from __future__ import annotations
 
+import functools
+
 import grpc
 
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import CallMux
+from proto.socket_stream import SocketCall
+from registry.schema import WorkerRecord
 
 
 class WorkerStubs:
@@ -41,20 +45,30 @@ class WorkerStubs:
             stub = self._decode[address] = pb_grpc.DecodeWorkerStub(self.channel(address))
         return stub
 
-    def decode_stream(self, address: str) -> CallMux:
-        """The worker's Decode calls, all on one ``DecodeStream`` (``proto.call_stream``)."""
-        mux = self._streams.get(address)
+    def decode_stream(self, worker: WorkerRecord) -> CallMux:
+        """The worker's Decode calls, all on one call stream (``proto.call_stream``): over its socket
+        when it serves one (``proto.socket_stream``), else its gRPC ``DecodeStream``."""
+        key = worker.streams or worker.address
+        mux = self._streams.get(key)
         if mux is None:
-            mux = self._streams[address] = CallMux(self.decode(address).DecodeStream, address, "decode")
+            if worker.streams:
+                mux = CallMux(functools.partial(SocketCall, worker.streams), worker.streams, "decode")
+            else:
+                mux = CallMux(self.decode(worker.address).DecodeStream, worker.address, "decode")
+            self._streams[key] = mux
         return mux
 
-    def prefill_stream(self, address: str) -> CallMux:
-        """The worker's Prefill calls, all on one ``PrefillStream``: a unary call each cost the router
-        and the worker a gRPC call's setup per request."""
-        mux = self._prefill_streams.get(address)
+    def prefill_stream(self, worker: WorkerRecord) -> CallMux:
+        """The worker's Prefill calls, all on one call stream as ``decode_stream``'s (a unary gRPC
+        call each cost the router and the worker a call's setup per request)."""
+        key = worker.streams or worker.address
+        mux = self._prefill_streams.get(key)
         if mux is None:
-            mux = CallMux(self.prefill(address).PrefillStream, address, "prefill")
-            self._prefill_streams[address] = mux
+            if worker.streams:
+                mux = CallMux(functools.partial(SocketCall, worker.streams), worker.streams, "prefill")
+            else:
+                mux = CallMux(self.prefill(worker.address).PrefillStream, worker.address, "prefill")
+            self._prefill_streams[key] = mux
         return mux
 
     async def close(self) -> None:

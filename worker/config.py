@@ -16,6 +16,9 @@ class WorkerConfig:
     # Run the engine core in a process of its own (``worker.engine_process``): nothing but the engine
     # on its GIL. Decode role, without KV hand-offs (aggregated serving); see worker.engine_client.
     engine_process: bool = False
+    # Serve the router's Decode / Prefill call stream on a plain socket too (proto.socket_stream;
+    # the router prefers it): a gRPC streamed message cost ~5x the CPU of a framed one.
+    socket_streams: bool = True
 
     @property
     def served_model(self) -> str:

@@ -100,6 +100,7 @@ def worker_record(
     salt: str,
     kv_handoff: bool = True,
     loras: dict[str, str] | None = None,
+    streams: str = "",
 ) -> WorkerRecord:
     return WorkerRecord(
         worker_id=worker_id,
@@ -114,6 +115,7 @@ def worker_record(
         kv_layout=describe_layout(compat),
         kv_handoff=int(kv_handoff),
         loras=json.dumps(loras or {}, sort_keys=True),
+        streams=streams,
     )
 
 

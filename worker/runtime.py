@@ -34,6 +34,7 @@ from engine.limits import RequestLimits
 from kv_transfer import KVCompat, KVTransferBackend, RemoteKVInfo
 from kv_transfer.stats import TransferStats
 from proto import pdserve_pb2 as pb
+from proto.socket_stream import CallStreamServer
 from registry.publisher import RegistryPublisher
 from worker.adapters import AdapterMixin
 from worker.config import WorkerConfig
@@ -103,6 +104,8 @@ class WorkerRuntime(AdapterMixin, ABC):
         self.draining = False
         self.address = ""
         self.server: grpc.aio.Server | None = None
+        self.calls: CallStreamServer | None = None  # the call stream over a socket, once serving
+        self.streams_address = ""  # its host:port (registered; empty: gRPC streams only)
 
     # Role hooks -------------------------------------------------------------------------------
 
@@ -141,6 +144,7 @@ class WorkerRuntime(AdapterMixin, ABC):
             self.prefix_salt,
             kv_handoff=self.transfer_info() is not None,  # an agent over its KV: it takes hand-offs
             loras=self.loras,
+            streams=self.streams_address,
         )
 
     # Lifecycle --------------------------------------------------------------------------------
@@ -149,11 +153,16 @@ class WorkerRuntime(AdapterMixin, ABC):
         self.loop.start()
 
     async def serve(
-        self, add_service: Callable[[grpc.aio.Server], None], host: str = "127.0.0.1", port: int = 0
+        self,
+        add_service: Callable[[grpc.aio.Server], None],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        calls: CallStreamServer | None = None,
     ) -> tuple[grpc.aio.Server, str]:
         """Bind ``host:port`` (0 picks a port), add the role's servicer (``self.address`` is known by
-        then), start the engine loop and the server, warm up, then register; returns
-        (server, "host:port")."""
+        then), start the engine loop and the server, and ``calls`` (the role's call stream over a
+        socket, on the same host: ``proto.socket_stream``) unless ``socket_streams`` is off; warm up,
+        then register; returns (server, "host:port")."""
         server = grpc.aio.server()
         bound = server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
@@ -163,10 +172,15 @@ class WorkerRuntime(AdapterMixin, ABC):
         add_service(server)
         self.start()
         await server.start()
+        if calls is not None and self.config.socket_streams:
+            self.calls = calls
+            self.streams_address = await calls.start(host)
         try:
             await self.check_joins()
         except IncompatibleKVLayoutError:
             await server.stop(0)
+            if self.calls is not None:
+                await self.calls.stop()
             self.stop()
             raise
         await self.before_register()
@@ -254,7 +268,9 @@ class WorkerRuntime(AdapterMixin, ABC):
 
     async def shutdown(self, grace_s: float = 1.0) -> None:
         """Stop the gRPC server (``grace_s`` for calls in flight), then the worker."""
-        if self.server is not None:
+        if self.calls is not None:  # its calls' grace runs beside the gRPC server's
+            await asyncio.gather(self.calls.stop(grace_s), self.server.stop(grace=grace_s))
+        elif self.server is not None:
             await self.server.stop(grace=grace_s)
         await asyncio.to_thread(self.stop)
 

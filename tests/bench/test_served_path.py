@@ -36,7 +36,7 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
 
     result = json.loads(out.read_text())
     layouts = result["workloads"]["8/8"]
-    assert list(layouts) == ["engine", "engine_staggered", "minimal", "stack", "split"]
+    assert list(layouts) == ["engine", "engine_staggered", "minimal", "stack", "split", "split_rh"]
     for name, run in layouts.items():
         assert run["requests_per_s"] > 0, name
         assert run["complete"], name
@@ -60,6 +60,9 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
         split["kv_blocks"]["decode_worker"]["free_after"]
         == split["kv_blocks"]["decode_worker"]["free_before"]
     )
+    # The router inside the HTTP process (as pdserve serve runs it): no router process.
+    assert set(layouts["split_rh"]["cpu_ms_per_token"]) == {"decode_worker", "engine_process", "ingress"}
+    assert layouts["split_rh"]["load"]["completed"] == 96 and layouts["split_rh"]["load"]["failed"] == 0
     assert set(layouts["minimal"]["cpu_ms_per_token"]) == {"minimal_server"}
     assert layouts["minimal"]["cpu_over_minimal"] == pytest.approx(1.0)
     assert layouts["engine"]["over_engine"] == pytest.approx(1.0)

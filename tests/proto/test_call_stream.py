@@ -1,8 +1,8 @@
-"""``DecodeStream``: many Decode calls on one gRPC stream (``proto.call_stream``, both ends), over a
-real gRPC server. Each call sees what a Decode call of its
-own would: its messages in order, the status it was refused with, its deadline, cancellation that
-reaches the worker, and UNAVAILABLE when the worker goes away; messages that exist together travel
-together in one batch."""
+"""``DecodeStream``: many Decode calls on one call stream (``proto.call_stream``, both ends), over a
+real gRPC server and over the worker's plain socket (``proto.socket_stream``), each test run on both.
+Each call sees what a Decode call of its own would: its messages in order, the status it was refused
+with, its deadline, cancellation that reaches the worker, and UNAVAILABLE when the worker goes away;
+messages that exist together travel together in one batch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ import pytest
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto import socket_stream
 from proto.call_stream import CallMux, MultiplexedDecode, MultiplexedPrefill, serve_calls
+from proto.socket_stream import CallStreamServer, SocketCall
+
+TRANSPORTS = ("grpc", "socket")
 
 
 class SteppedDecode(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
@@ -52,13 +56,53 @@ class SteppedDecode(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
             yield batch
 
 
-async def _serve(servicer) -> tuple[grpc.aio.Server, CallMux, grpc.aio.Channel]:
-    server = grpc.aio.server()
-    pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    channel = grpc.aio.insecure_channel(address)
-    return server, CallMux(pb_grpc.DecodeWorkerStub(channel).DecodeStream, address, "decode"), channel
+class _Served:
+    """A servicer served over ``transport``; ``mux`` reaches it, ``stop()`` takes the server away."""
+
+    def __init__(self, servicer, transport: str, kind: str = "decode") -> None:
+        self.servicer, self.transport, self.kind = servicer, transport, kind
+        self.server = self.channel = self.calls = None
+
+    async def start(self) -> _Served:
+        if self.transport == "socket":
+            if self.kind == "decode":
+                self.calls = CallStreamServer(self.servicer.Decode, "decode")
+            else:
+                self.calls = CallStreamServer(self.servicer.prefill_call, "prefill", out="prefill")
+            address = await self.calls.start("127.0.0.1")
+            self.mux = CallMux(lambda: SocketCall(address), address, self.kind)
+            return self
+        self.server = grpc.aio.server()
+        if self.kind == "decode":
+            pb_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.server)
+        else:
+            pb_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.server)
+        address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(address)
+        stub = (pb_grpc.DecodeWorkerStub if self.kind == "decode" else pb_grpc.PrefillWorkerStub)(
+            self.channel
+        )
+        self.mux = CallMux(
+            stub.DecodeStream if self.kind == "decode" else stub.PrefillStream, address, self.kind
+        )
+        return self
+
+    async def stop(self) -> None:
+        if self.calls is not None:
+            await self.calls.stop()
+        if self.server is not None:
+            await self.server.stop(0)
+
+    async def close(self) -> None:
+        await self.mux.close()
+        if self.channel is not None:
+            await self.channel.close()
+        await self.stop()
+
+
+async def _serve(servicer, transport: str) -> _Served:
+    return await _Served(servicer, transport).start()
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int = 3) -> pb.DecodeRequest:
@@ -79,10 +123,21 @@ async def _collect(call) -> list[pb.GenerateResponse]:
     return [msg async for msg in call]
 
 
-def test_a_step_of_many_calls_travels_as_one_batch_and_each_call_gets_its_own():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_step_of_many_calls_travels_as_one_batch_and_each_call_gets_its_own(transport, monkeypatch):
+    servicer = SteppedDecode()
+    framed = socket_stream.frame
+
+    def counted(msg) -> bytes:  # the socket server sends its batches itself, not through DecodeStream
+        if isinstance(msg, pb.CallStreamBatch):
+            servicer.batch_sizes.append(len(msg.items))
+        return framed(msg)
+
+    monkeypatch.setattr(socket_stream, "frame", counted)
+
     async def main() -> None:
-        servicer = SteppedDecode()
-        server, mux, channel = await _serve(servicer)
+        served = await _serve(servicer, transport)
+        mux = served.mux
         try:
             calls = [mux.open(_request(f"r{i}", [5, 6])) for i in range(8)]
             readers = [asyncio.ensure_future(_collect(c)) for c in calls]
@@ -99,17 +154,17 @@ def test_a_step_of_many_calls_travels_as_one_batch_and_each_call_gets_its_own():
             # and the eight calls' ends.
             assert servicer.batch_sizes == [8, 8, 24], servicer.batch_sizes
         finally:
-            await mux.close()
-            await channel.close()
-            await server.stop(0)
+            await served.close()
 
     asyncio.run(main())
 
 
-def test_a_refused_call_ends_with_its_status_and_the_others_go_on():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_refused_call_ends_with_its_status_and_the_others_go_on(transport):
     async def main() -> None:
         servicer = SteppedDecode()
-        server, mux, channel = await _serve(servicer)
+        served = await _serve(servicer, transport)
+        mux = served.mux
         try:
             good, bad = mux.open(_request("good", [5], 1)), mux.open(_request("bad", [0]))
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -121,17 +176,17 @@ def test_a_refused_call_ends_with_its_status_and_the_others_go_on():
             servicer.step()
             assert [m.WhichOneof("kind") for m in await reader] == ["tokens", "finished"]
         finally:
-            await mux.close()
-            await channel.close()
-            await server.stop(0)
+            await served.close()
 
     asyncio.run(main())
 
 
-def test_cancel_and_deadline_end_the_call_on_the_worker():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cancel_and_deadline_end_the_call_on_the_worker(transport):
     async def main() -> None:
         servicer = SteppedDecode()
-        server, mux, channel = await _serve(servicer)
+        served = await _serve(servicer, transport)
+        mux = served.mux
         try:
             left, slow = mux.open(_request("left", [5])), mux.open(_request("slow", [5]), timeout=0.3)
             await _until(lambda: len(servicer.started) == 2, "both calls started")
@@ -142,21 +197,21 @@ def test_cancel_and_deadline_end_the_call_on_the_worker():
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await _until(lambda: "slow" in servicer.cancelled, "the expired call ended on the worker")
         finally:
-            await mux.close()
-            await channel.close()
-            await server.stop(0)
+            await served.close()
 
     asyncio.run(main())
 
 
-def test_every_call_fails_unavailable_when_the_worker_goes_and_the_next_uses_a_new_stream():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_call_fails_unavailable_when_the_worker_goes_and_the_next_uses_a_new_stream(transport):
     async def main() -> None:
         servicer = SteppedDecode()
-        server, mux, channel = await _serve(servicer)
+        served = await _serve(servicer, transport)
+        mux = served.mux
         try:
             calls = [mux.open(_request(f"r{i}", [5])) for i in range(3)]
             await _until(lambda: len(servicer.started) == 3, "the calls started")
-            await server.stop(0)
+            await served.stop()
             for call in calls:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await _collect(call)
@@ -165,8 +220,7 @@ def test_every_call_fails_unavailable_when_the_worker_goes_and_the_next_uses_a_n
                 await _collect(mux.open(_request("late", [5])))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         finally:
-            await mux.close()
-            await channel.close()
+            await served.close()
 
     asyncio.run(main())
 
@@ -194,18 +248,15 @@ class HeldPrefill(MultiplexedPrefill, pb_grpc.PrefillWorkerServicer):
         )
 
 
-def test_prefill_calls_answer_once_refuse_with_their_status_and_cancel_on_the_worker():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_calls_answer_once_refuse_with_their_status_and_cancel_on_the_worker(transport):
     """``PrefillStream``: each Prefill call on the stream gets its own answer, as the unary call
     would; a refusal is the call's status; a cancel reaches the worker's handler."""
 
     async def main() -> None:
         servicer = HeldPrefill()
-        server = grpc.aio.server()
-        pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
-        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-        await server.start()
-        channel = grpc.aio.insecure_channel(address)
-        mux = CallMux(pb_grpc.PrefillWorkerStub(channel).PrefillStream, address, "prefill")
+        served = await _Served(servicer, transport, "prefill").start()
+        mux = served.mux
         try:
             calls = {
                 rid: mux.open(pb.PrefillRequest(request_id=rid, prompt_token_ids=[1] * n), timeout=60)
@@ -228,8 +279,46 @@ def test_prefill_calls_answer_once_refuse_with_their_status_and_cancel_on_the_wo
                 "b": ("b", 5),
             }
         finally:
-            await mux.close()
-            await channel.close()
-            await server.stop(None)
+            await served.close()
+
+    asyncio.run(main())
+
+
+def test_a_caller_leaving_the_socket_cancels_its_calls_and_a_bad_frame_ends_only_its_connection():
+    """Over the socket: the caller's connection closing cancels every call it had open on the worker
+    (as a cancelled gRPC stream does); a frame over the limit, or bytes that are no request batch,
+    end that connection alone, and the server keeps serving others."""
+
+    async def main() -> None:
+        servicer = SteppedDecode()
+        served = await _serve(servicer, "socket")
+        try:
+            calls = [served.mux.open(_request(f"r{i}", [5])) for i in range(3)]
+            await _until(lambda: len(servicer.started) == 3, "the calls started")
+            await served.mux.close()
+            await _until(lambda: sorted(servicer.cancelled) == ["r0", "r1", "r2"], "the calls cancelled")
+            for call in calls:
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await _collect(call)
+            host, _, port = served.calls.address.rpartition(":")
+            for junk in (
+                socket_stream._LEN.pack(socket_stream.MAX_FRAME_BYTES + 1),
+                b"\x05\x00\x00\x00\xff\xff\xff\xff\xff",
+            ):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(junk)
+                await writer.drain()
+                assert await reader.read() == b""  # the server closed it
+                writer.close()
+            mux = CallMux(lambda: SocketCall(served.calls.address), served.calls.address, "decode")
+            try:
+                call = mux.open(_request("after", [5], 1))
+                await _until(lambda: "after" in servicer.started, "a new caller's call started")
+                servicer.step()
+                assert [m.WhichOneof("kind") for m in await _collect(call)] == ["tokens", "finished"]
+            finally:
+                await mux.close()
+        finally:
+            await served.close()
 
     asyncio.run(main())
