@@ -1,12 +1,12 @@
 """A worker's call stream over a plain TCP connection: the same batches as ``DecodeStream`` /
 ``PrefillStream``, framed, without gRPC's per-message cost.
 
-Measured on this 2-core machine (``bench/README.md``, *Call streams over a socket*): a streamed
-gRPC message (``grpc.aio``, uvloop) cost its sender about 47 us of CPU and its receiver about 75 us,
-where the same ``CallStreamBatch`` written as a length-prefixed frame on an asyncio connection cost
-about 18 us for both ends together. The call streams already send one message per engine step,
-so a request costs each hop about two messages: at 16 tokens a request that was a fifth of the
-stack's CPU.
+Measured on this 2-core machine (``bench/README.md``, *Call streams over a socket*): with a step
+every millisecond, a call stream's step cost 175-215 us less CPU at its two ends over a socket than
+over gRPC (``bench.call_stream_transport``), and the short requests' stack (16 tokens in and out)
+spent 18-28% less CPU per token. The call streams already send one message per engine step, but
+each streamed ``grpc.aio`` message costs a C-core operation and a wake-up through gRPC's polling
+thread at both ends.
 
 A frame is a 4-byte little-endian length, then one protobuf message: ``CallStreamRequestBatch``
 from the caller, ``CallStreamBatch`` from the worker. Nothing else crosses (no pickle), frames over

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-def run(main: Coroutine) -> None:
+def run(main: Coroutine[object, object, T]) -> T:
+    """``main`` to its end on this loop; its result."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
