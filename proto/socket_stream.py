@@ -139,7 +139,7 @@ class SocketCall:
             self._connected = asyncio.ensure_future(self._connect())
         try:
             return await asyncio.shield(self._connected)
-        except OSError as exc:
+        except Exception as exc:  # refused, unreachable, or an address that is not host:port
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"cannot reach {self.address}: {exc}") from None
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -322,3 +322,23 @@ def test_a_caller_leaving_the_socket_cancels_its_calls_and_a_bad_frame_ends_only
             await served.close()
 
     asyncio.run(main())
+
+
+def test_a_socket_nobody_serves_fails_its_calls_unavailable_at_once():
+    """A worker that registered a socket and is gone (or an address that cannot be one): every call
+    opened to it fails UNAVAILABLE, as over gRPC, rather than waiting for its deadline."""
+
+    async def main() -> None:
+        gone = CallStreamServer(SteppedDecode().Decode, "decode")
+        address = await gone.start("127.0.0.1")
+        await gone.stop()
+        for addr in (address, "no-port-here"):
+            mux = CallMux(lambda addr=addr: SocketCall(addr), addr, "decode")
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await asyncio.wait_for(_collect(mux.open(_request("r", [5]), timeout=60)), 10)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            finally:
+                await mux.close()
+
+    asyncio.run(main())
