@@ -238,7 +238,7 @@ def stack_layout(
         str(a.cpu_threads),
         "--cuda-graph-mixed" if a.cuda_graph_mixed else "--no-cuda-graph-mixed",
     ]
-    workers_only = ["--socket-streams" if a.socket_streams else "--no-socket-streams"]
+    workers_only = ["--socket-streams" if a.socket_streams else "--no-socket-streams"]  # and the router
     with redis(a.redis_server, a.start_timeout) as (url, redis_pid), Processes(a.start_timeout) as procs:
         workers: dict[str, str] = {}
         split = ["--engine-process"] * engine_process
@@ -250,9 +250,8 @@ def stack_layout(
         flags = [*engine, *workers_only, "--redis-url", url, "--kv-transfer", transfer]
         workers["decode_worker"] = procs.serve("decode_worker", *flags, *split)
         # ``router_http``: the router inside the HTTP process, as ``pdserve serve`` runs it by default.
-        route = (
-            ["--redis-url", url] if router_http else ["--router", procs.serve("router", "--redis-url", url)]
-        )
+        router_flags = ["--redis-url", url, *workers_only]
+        route = ["--redis-url", url] if router_http else ["--router", procs.serve("router", *router_flags)]
         mode = "disaggregated" if disaggregated else "aggregated"
         flags = [*route, "--model", model, "--mode", mode, "--port", "0"]
         base = "http://" + procs.serve("ingress", *flags)
@@ -353,7 +352,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--socket-streams",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="workers serve the router's call streams on a plain socket too (their default; off: gRPC only)",
+        help="workers and the router serve their call streams on a plain socket too (their default; off: gRPC only)",
     )
     p.add_argument("--workloads", type=parse_workloads, help="INPUT/OUTPUT tokens, comma-separated")
     p.add_argument("--num-requests", type=int, help="measured requests per workload (192)")

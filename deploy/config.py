@@ -253,6 +253,11 @@ class RouterOptions(ReplicaOptions):
         description="seconds a decode worker that stalled or failed gets no new requests while "
         "others are live",
     )
+    socket_streams: bool = Field(
+        True,
+        description="also serve the ingress replicas' Generate call stream on a plain TCP socket "
+        "beside gRPC (proto/socket_stream.py); the ingress prefers it. Off: gRPC only",
+    )
 
     def migration(self) -> MigrationOptions:
         return MigrationOptions(

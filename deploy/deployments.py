@@ -178,7 +178,9 @@ class RouterServer:
             kv_streaming_tokens=r.kv_streaming_tokens,
             peer_reads=r.peer_reads,
         )
-        self.server, self.address = await serve_router(self.router, _bind_host(config), 0)
+        self.server, self.address = await serve_router(
+            self.router, _bind_host(config), 0, socket_streams=r.socket_streams
+        )
         # ``http_server: router``: this replica is also the HTTP endpoint, the ingress calling the
         # router in-process (no ingress replica, no gRPC hop between them).
         self.ingress, self._http = None, None

@@ -57,7 +57,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await server.stop()
         if router is not None:
             await router.close()
-            router.view.stop()
+            await asyncio.to_thread(router.view.stop)
     if server.task.done() and not server.task.cancelled() and server.task.exception():
         raise server.task.exception()
 

@@ -286,6 +286,9 @@ class _Stream:
                 await self._call.write(pb.CallStreamRequestBatch(requests=batch))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             self._break(exc if isinstance(exc, grpc.aio.AioRpcError) else None)
+        except Exception as exc:  # whatever else ends it, its calls fail rather than hang
+            logger.warning("call stream to %s: write failed: %r", self.address, exc)
+            self._break(None)
 
     async def _read(self) -> None:
         error = None
@@ -301,6 +304,8 @@ class _Stream:
                         call.deliver(item)
         except grpc.aio.AioRpcError as exc:
             error = exc
+        except Exception as exc:  # whatever else ends it, its calls fail rather than hang
+            logger.warning("call stream to %s: read failed: %r", self.address, exc)
         self._break(error)
 
     def _break(self, error: grpc.aio.AioRpcError | None) -> None:

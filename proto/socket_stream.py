@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import struct
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -35,6 +36,7 @@ from proto.call_stream import Handler, rpc_error, serve_calls
 logger = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 64 << 20
+CONNECT_TIMEOUT_S = 20.0  # as gRPC's default connect deadline
 _LEN = struct.Struct("<I")
 
 
@@ -55,7 +57,14 @@ async def read_frame(reader: asyncio.StreamReader, kind: type):
     (size,) = _LEN.unpack(head)
     if size > MAX_FRAME_BYTES:
         raise ValueError(f"a frame of {size} bytes is over the limit ({MAX_FRAME_BYTES})")
-    return kind.FromString(await reader.readexactly(size))
+    try:
+        data = await reader.readexactly(size)
+    except asyncio.IncompleteReadError:
+        raise ConnectionError("the connection ended inside a frame") from None
+    try:
+        return kind.FromString(data)
+    except Exception as exc:  # protobuf's DecodeError: not a message of that kind
+        raise ValueError(f"a frame that is no {kind.__name__}: {exc}") from None
 
 
 # Worker ----------------------------------------------------------------------------------------
@@ -72,7 +81,9 @@ class CallStreamServer:
         self.address = ""
 
     async def start(self, host: str, port: int = 0) -> str:
-        self._server = await asyncio.start_server(self._serve, host, port)
+        # One socket on the host's first address (a name with several would get a port on each).
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        self._server = await asyncio.start_server(self._serve, infos[0][4][0], port)
         bound = self._server.sockets[0].getsockname()[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         return self.address
@@ -88,7 +99,8 @@ class CallStreamServer:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        await self._server.wait_closed()
+        # Every connection was aborted above (3.12+ waits for them here).
+        await asyncio.wait_for(self._server.wait_closed(), 5.0)
         self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -100,11 +112,11 @@ class CallStreamServer:
                 async for batch in batches:
                     writer.write(frame(batch))
                     await writer.drain()  # a caller that stopped reading holds its calls back
-        except (ConnectionError, asyncio.CancelledError):
+        except (OSError, asyncio.CancelledError):
             pass  # the caller left (its calls were cancelled with the stream) or the server stops
         finally:
             self._connections.discard(task)
-            writer.close()
+            writer.transport.abort()  # nobody reads what is unsent: do not wait for it to drain
 
     async def _requests(
         self, reader: asyncio.StreamReader, serving: asyncio.Task
@@ -139,14 +151,19 @@ class SocketCall:
             self._connected = asyncio.ensure_future(self._connect())
         try:
             return await asyncio.shield(self._connected)
-        except Exception as exc:  # refused, unreachable, or an address that is not host:port
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"cannot reach {self.address}: {exc}") from None
+        except asyncio.CancelledError:
+            if self._connected.cancelled():  # ``cancel()`` ended the connect, not our caller
+                raise _unavailable(self.address, "the call stream was cancelled") from None
+            raise
+        except Exception as exc:  # refused, unreachable, timed out, or no host:port
+            raise _unavailable(self.address, f"cannot connect: {exc!r}") from None
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         host, _, port = self.address.rpartition(":")
-        reader, writer = await asyncio.open_connection(host.strip("[]"), int(port), limit=1 << 20)
+        opening = asyncio.open_connection(host.strip("[]"), int(port), limit=1 << 20)
+        reader, writer = await asyncio.wait_for(opening, CONNECT_TIMEOUT_S)
         if self._cancelled:
-            writer.close()
+            writer.transport.abort()
             raise ConnectionAbortedError("cancelled")
         self._writer = writer
         return reader, writer
@@ -158,21 +175,28 @@ class SocketCall:
         try:
             writer.write(frame(batch))
             await writer.drain()
-        except ConnectionError as exc:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.address}: {exc}") from None
+        except Exception as exc:  # reset, timed out, unreachable: the stream is gone
+            raise _unavailable(self.address, repr(exc)) from None
 
     async def read(self):
         reader, _ = await self._connection()
         try:
             batch = await read_frame(reader, pb.CallStreamBatch)
-        except (ConnectionError, ValueError) as exc:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.address}: {exc}") from None
+        except Exception as exc:  # cut inside a frame, a bad frame, reset, timed out
+            raise _unavailable(self.address, repr(exc)) from None
         return grpc.aio.EOF if batch is None else batch
 
     def cancel(self) -> bool:
+        """Drop the connection now (unsent bytes too: nobody waits for them), or the connect."""
         if self._cancelled:
             return False
         self._cancelled = True
         if self._writer is not None:
-            self._writer.close()
+            self._writer.transport.abort()
+        elif self._connected is not None:
+            self._connected.cancel()
         return True
+
+
+def _unavailable(address: str, what: str) -> grpc.aio.AioRpcError:
+    return rpc_error(grpc.StatusCode.UNAVAILABLE, f"call stream to {address}: {what}")

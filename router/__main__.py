@@ -20,7 +20,7 @@ from settings import event_loop
 
 async def _main(args: argparse.Namespace) -> None:
     router = build_router(args)
-    server, address = await serve(router, args.host, args.port)
+    server, address = await serve(router, args.host, args.port, args.socket_streams)
     print(f"LISTENING {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument(
+        "--socket-streams",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also serve the front ends' Generate call stream on a plain socket beside gRPC "
+        "(framed protobuf, same host; front ends find it in the cluster state and prefer it)",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 

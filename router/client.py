@@ -1,8 +1,9 @@
 """The ingress's (and the CLI's) gRPC side: Generate through the router, and the cluster's state.
 
-Generate calls all travel on one ``GenerateStream`` to the router (``proto.call_stream``): the
-tokens of every request in flight come back batched, one message per router wake-up rather than one
-per request per token. The router's address comes from ``resolve`` (the router deployment, through a Serve handle) and is
+Generate calls all travel on one call stream to the router (``proto.call_stream``): the tokens of
+every request in flight come back batched, one message per router wake-up rather than one per
+request per token. The stream is the router's socket one when it serves one (``proto.socket_stream``;
+its address from ``GetClusterState``), else its gRPC ``GenerateStream``. The router's address comes from ``resolve`` (the router deployment, through a Serve handle) and is
 looked up again when the router answers UNAVAILABLE (a restarted replica has a new port). Only
 protobuf crosses these connections.
 """
@@ -10,6 +11,7 @@ protobuf crosses these connections.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -19,6 +21,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import CallMux
 from proto.convert import params_to_proto
+from proto.socket_stream import SocketCall
 
 logger = logging.getLogger(__name__)
 
@@ -28,22 +31,40 @@ class RouterClient:
         self._resolve = resolve
         self._address: str | None = None
         self._channel: grpc.aio.Channel | None = None
-        self._calls: CallMux | None = None  # Generate calls, all on one GenerateStream
+        self._calls: CallMux | None = None  # Generate calls, all on one call stream (set last)
+        self._connecting = asyncio.Lock()
         self._router: pb_grpc.RouterStub | None = None  # the channel's stub, built once
         self._worker_channels: dict[str, grpc.aio.Channel] = {}
 
     async def _stub(self, refresh: bool = False) -> pb_grpc.RouterStub:
-        if self._channel is None or refresh:
-            address = await self._resolve()
-            if address != self._address or self._channel is None:
-                if self._calls is not None:
-                    await self._calls.close()
-                if self._channel is not None:
-                    await self._channel.close()
-                self._address, self._channel = address, grpc.aio.insecure_channel(address)
-                self._router = pb_grpc.RouterStub(self._channel)
-                self._calls = CallMux(self._router.GenerateStream, address, "generate")
+        if self._calls is not None and not refresh:
+            return self._router
+        async with self._connecting:  # one (re)connection at a time; the others wait for it
+            if self._calls is None or refresh:
+                address = await self._resolve()
+                if address != self._address or self._calls is None:
+                    old, self._calls = self._calls, None
+                    if old is not None:
+                        await old.close()
+                    if self._channel is not None:
+                        await self._channel.close()
+                    self._address, self._channel = address, grpc.aio.insecure_channel(address)
+                    self._router = pb_grpc.RouterStub(self._channel)
+                    self._calls = await self._generate_calls(self._router, address)
         return self._router
+
+    @staticmethod
+    async def _generate_calls(router: pb_grpc.RouterStub, address: str) -> CallMux:
+        """The router's Generate calls on its socket call stream when it serves one (its cluster
+        state says where), else on its gRPC ``GenerateStream``."""
+        try:
+            streams = (await router.GetClusterState(pb.ClusterStateRequest(), timeout=5)).call_streams
+        except grpc.aio.AioRpcError as exc:  # Generate tells the caller what is wrong, if it still is
+            logger.info("router at %s: no cluster state (%s); Generate over gRPC", address, exc.code())
+            streams = ""
+        if streams:
+            return CallMux(functools.partial(SocketCall, streams), streams, "generate")
+        return CallMux(router.GenerateStream, address, "generate")
 
     async def generate(
         self, request_id: str, prompt: list[int], params, priority: int, timeout_s: float

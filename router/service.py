@@ -13,6 +13,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedGenerate
 from proto.convert import params_from_proto
+from proto.socket_stream import CallStreamServer
 from router.adapters import AdapterChangeFailed, change_adapter
 from router.migration import MigrationRefused
 from router.policies import AdapterNotServed
@@ -57,6 +58,7 @@ async def caller_stream(
 class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
+        self.call_streams = ""  # host:port of the Generate call stream on a socket, once served
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         prompt = list(request.prompt_token_ids)
@@ -146,6 +148,7 @@ class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):
             suspect_workers=sorted(r.suspects),
             indexed=_indexed(view.index),
             adapters=sorted({name for w in view.live_workers("decode") for name in w.adapters()}),
+            call_streams=self.call_streams,
         )
 
 
@@ -163,13 +166,37 @@ def _indexed(index) -> list[pb.IndexedWorker]:
         ]
 
 
-async def serve(router: Router, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, str]:
+class RouterServers:
+    """The router's gRPC server and, with ``socket_streams``, its Generate call stream on a socket
+    (``proto.socket_stream``; its address in ``GetClusterState.call_streams``, where a front end's
+    ``RouterClient`` finds it): ``stop`` stops both."""
+
+    def __init__(self, grpc_server: grpc.aio.Server, calls: CallStreamServer | None) -> None:
+        self.grpc_server, self.calls = grpc_server, calls
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self.calls is None:
+            await self.grpc_server.stop(grace)
+            return
+        await asyncio.gather(self.grpc_server.stop(grace), self.calls.stop(grace or 0.0))
+
+
+async def serve(
+    router: Router, host: str = "127.0.0.1", port: int = 0, socket_streams: bool = True
+) -> tuple[RouterServers, str]:
     server = grpc.aio.server()
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
-    pb_grpc.add_RouterServicer_to_server(RouterService(router), server)
+    service = RouterService(router)
+    pb_grpc.add_RouterServicer_to_server(service, server)
     await server.start()
+    calls = None
+    if socket_streams:
+        calls = CallStreamServer(service.Generate, "generate")
+        service.call_streams = await calls.start(host)
     address = f"{host}:{bound}"
-    logger.info("router (%s) on %s", router.policy.name, address)
-    return server, address
+    logger.info(
+        "router (%s) on %s (call streams: %s)", router.policy.name, address, service.call_streams or "gRPC"
+    )
+    return RouterServers(server, calls), address

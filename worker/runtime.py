@@ -173,8 +173,13 @@ class WorkerRuntime(AdapterMixin, ABC):
         self.start()
         await server.start()
         if calls is not None and self.config.socket_streams:
+            try:
+                self.streams_address = await calls.start(host)
+            except OSError:
+                await server.stop(0)
+                self.stop()
+                raise
             self.calls = calls
-            self.streams_address = await calls.start(host)
         try:
             await self.check_joins()
         except IncompatibleKVLayoutError:

@@ -342,3 +342,44 @@ def test_a_socket_nobody_serves_fails_its_calls_unavailable_at_once():
                 await mux.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("reply", ["cut inside a frame", "not a batch"])
+def test_a_worker_that_breaks_the_framing_fails_its_calls_unavailable_and_the_next_open_reconnects(reply):
+    """A worker (or whatever answers on its port) that dies mid-frame or sends bytes that are no
+    batch: every call on that stream fails UNAVAILABLE at once (so the router retries or migrates),
+    and the next call opens a new stream instead of joining the dead one."""
+
+    async def main() -> None:
+        connections = []
+
+        async def bad_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            connections.append(writer)
+            await socket_stream.read_frame(reader, pb.CallStreamRequestBatch)  # the call's open
+            if reply == "cut inside a frame":
+                writer.write(socket_stream._LEN.pack(100) + b"\x0a" * 10)
+                await writer.drain()
+                writer.transport.abort()
+            else:
+                writer.write(socket_stream._LEN.pack(4) + b"\xff\xff\xff\xff")
+                await writer.drain()
+
+        server = await asyncio.start_server(bad_worker, "127.0.0.1", 0)
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        mux = CallMux(lambda: SocketCall(address), address, "decode")
+        try:
+            first = mux.open(_request("first", [5]), timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(_collect(first), 10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            second = mux.open(_request("second", [5]), timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await asyncio.wait_for(_collect(second), 10)
+            assert len(connections) == 2  # the second call came on a connection of its own
+        finally:
+            await mux.close()
+            for w in connections:
+                w.transport.abort()
+            server.close()
+
+    asyncio.run(main())

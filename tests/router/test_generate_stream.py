@@ -1,4 +1,5 @@
-"""The front end's Generate calls over ``Router.GenerateStream`` (``RouterClient``), and the router's
+"""The front end's Generate calls over the router's call stream (``RouterClient``; each test over the
+router's socket, ``proto.socket_stream``, and over its gRPC ``GenerateStream``), and the router's
 Decode calls over each worker's ``DecodeStream``: many requests share one stream each way, each gets
 its own tokens and end, a caller that leaves cancels its decode on the worker, and an Abort still
 ends its stream with an ``abort`` finish. Real Redis, the router's real gRPC service, fake decode
@@ -10,12 +11,14 @@ import asyncio
 import contextlib
 
 import grpc
+import pytest
 from fake_decode_worker import FakeDecodeWorker, until
 from test_abort import _serving, view  # noqa: F401  (view: a fixture)
 
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from proto.socket_stream import SocketCall
 from router.client import RouterClient
 from router.router import Router
 from router.service import serve
@@ -24,7 +27,7 @@ PROMPT = list(range(1, 20))
 
 
 @contextlib.asynccontextmanager
-async def _router(view, redis_url: str, max_tokens: int = 10_000):  # noqa: F811
+async def _router(view, redis_url: str, max_tokens: int = 10_000, socket: bool = True):  # noqa: F811
     workers = [FakeDecodeWorker("d0", max_tokens=max_tokens), FakeDecodeWorker("d1", max_tokens=max_tokens)]
     router = Router(view)
     server = client = None
@@ -32,7 +35,7 @@ async def _router(view, redis_url: str, max_tokens: int = 10_000):  # noqa: F811
         for w in workers:
             await w.start(redis_url)
         await until(lambda: len(view.live_workers("decode")) == 2, "the router's view lists both workers")
-        server, address = await serve(router)
+        server, address = await serve(router, socket_streams=socket)
 
         async def resolve() -> str:
             return address
@@ -49,9 +52,15 @@ async def _router(view, redis_url: str, max_tokens: int = 10_000):  # noqa: F811
             await w.stop()
 
 
-def test_many_requests_share_the_streams_and_each_gets_its_own_tokens(redis_server, view):  # noqa: F811
+@pytest.mark.parametrize("socket", [True, False], ids=["socket", "grpc"])
+def test_many_requests_share_the_streams_and_each_gets_its_own_tokens(redis_server, view, socket):  # noqa: F811
     async def main() -> None:
-        async with _router(view, redis_server.url, max_tokens=5) as (router, client, workers, _):
+        async with _router(view, redis_server.url, max_tokens=5, socket=socket) as (
+            router,
+            client,
+            workers,
+            _,
+        ):
 
             async def one(i: int) -> list[pb.GenerateResponse]:
                 params = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -65,15 +74,17 @@ def test_many_requests_share_the_streams_and_each_gets_its_own_tokens(redis_serv
             assert sorted(rid for w in workers for rid in w.served) == sorted(f"r{i}" for i in range(12))
             # One stream from this client to the router, one from the router to each worker.
             assert client._calls._stream is not None and not client._calls._stream.broken
+            assert isinstance(client._calls._stream._call, SocketCall) == socket
             assert set(router.stubs._streams) == {w.address for w in workers}
             await until(lambda: router.active == 0, "the router's streams ended")
 
     asyncio.run(main())
 
 
-def test_a_caller_that_leaves_cancels_its_decode_on_the_worker(redis_server, view):  # noqa: F811
+@pytest.mark.parametrize("socket", [True, False], ids=["socket", "grpc"])
+def test_a_caller_that_leaves_cancels_its_decode_on_the_worker(redis_server, view, socket):  # noqa: F811
     async def main() -> None:
-        async with _router(view, redis_server.url) as (router, client, workers, _):
+        async with _router(view, redis_server.url, socket=socket) as (router, client, workers, _):
             params = SamplingParams(max_tokens=4096, ignore_eos=True)
             stay = client.generate("stay", PROMPT, params, 0, 60)
             leave = client.generate("leave", PROMPT, params, 0, 60)
@@ -89,9 +100,10 @@ def test_a_caller_that_leaves_cancels_its_decode_on_the_worker(redis_server, vie
     asyncio.run(main())
 
 
-def test_abort_over_grpc_ends_the_streamed_call(redis_server, view):  # noqa: F811
+@pytest.mark.parametrize("socket", [True, False], ids=["socket", "grpc"])
+def test_abort_over_grpc_ends_the_streamed_call(redis_server, view, socket):  # noqa: F811
     async def main() -> None:
-        async with _router(view, redis_server.url) as (_, client, workers, address):
+        async with _router(view, redis_server.url, socket=socket) as (_, client, workers, address):
             params = SamplingParams(max_tokens=4096, ignore_eos=True)
             stream = client.generate("r1", PROMPT, params, 0, 60)
             assert (await anext(stream)).HasField("tokens")
