@@ -86,6 +86,26 @@ def _get(base: str, path: str) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
+def _until_both_workers_listed(base: str) -> None:
+    """Until the router (behind ``base``) sees the prefill and the decode worker register."""
+    deadline = time.monotonic() + 30
+    while True:
+        code, health = _get(base, "/health")
+        if code == 200 and health["prefill_workers"] == 1 and health["decode_workers"] == 1:
+            return
+        assert time.monotonic() < deadline, health
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 @pytest.fixture
 def stack(workers, redis_server, tiny_llama):
     url = redis_server.url
@@ -100,21 +120,10 @@ def stack(workers, redis_server, tiny_llama):
         )
         procs.append(ingress)
         base = f"http://{address}"
-        deadline = time.monotonic() + 30
-        while True:  # the router sees both workers once their registrations arrive
-            code, health = _get(base, "/health")
-            if code == 200 and health["prefill_workers"] == 1 and health["decode_workers"] == 1:
-                break
-            assert time.monotonic() < deadline, health
-            time.sleep(0.1)
+        _until_both_workers_listed(base)
         yield base, p, d
     finally:
-        for proc in procs:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop(procs)
 
 
 def test_openai_http_without_ray_equals_hf(stack, tiny_llama, hf_greedy):
@@ -334,20 +343,10 @@ def router_inside(workers, redis_server, tiny_llama):
     ingress, address = _spawn("ingress", "--model", str(tiny_llama), "--redis-url", url, "--port", "0")
     try:
         base = f"http://{address}"
-        deadline = time.monotonic() + 30
-        while True:
-            code, health = _get(base, "/health")
-            if code == 200 and health["prefill_workers"] == 1 and health["decode_workers"] == 1:
-                break
-            assert time.monotonic() < deadline, health
-            time.sleep(0.1)
+        _until_both_workers_listed(base)
         yield base, p, d
     finally:
-        ingress.terminate()
-        try:
-            ingress.wait(15)
-        except subprocess.TimeoutExpired:
-            ingress.kill()
+        _stop([ingress])
 
 
 def test_the_router_inside_the_http_process_serves_what_hf_computes(router_inside, tiny_llama, hf_greedy):
