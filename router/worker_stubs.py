@@ -14,7 +14,7 @@ import functools
 import grpc
 
 from proto import pdserve_pb2_grpc as pb_grpc
-from proto.call_stream import CallMux
+from proto.call_stream import CallMux, rpc_error
 from proto.socket_stream import SocketCall
 from registry.schema import WorkerRecord
 
@@ -26,6 +26,7 @@ class WorkerStubs:
         self._decode: dict[str, pb_grpc.DecodeWorkerStub] = {}
         self._streams: dict[str, CallMux] = {}
         self._prefill_streams: dict[str, CallMux] = {}
+        self._closed = False  # once closed, no call stream is opened again (a relay still running fails)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -49,6 +50,7 @@ class WorkerStubs:
         """The worker's Decode calls, all on one call stream (``proto.call_stream``): over its socket
         when it serves one (``proto.socket_stream``), else its gRPC ``DecodeStream``."""
         key = worker.streams or worker.address
+        self._check_open()
         mux = self._streams.get(key)
         if mux is None:
             if worker.streams:
@@ -62,6 +64,7 @@ class WorkerStubs:
         """The worker's Prefill calls, all on one call stream as ``decode_stream``'s (a unary gRPC
         call each cost the router and the worker a call's setup per request)."""
         key = worker.streams or worker.address
+        self._check_open()
         mux = self._prefill_streams.get(key)
         if mux is None:
             if worker.streams:
@@ -71,7 +74,12 @@ class WorkerStubs:
             self._prefill_streams[key] = mux
         return mux
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the router is closing")
+
     async def close(self) -> None:
+        self._closed = True
         for mux in [*self._streams.values(), *self._prefill_streams.values()]:
             await mux.close()
         for ch in self._channels.values():
