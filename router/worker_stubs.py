@@ -49,29 +49,22 @@ class WorkerStubs:
     def decode_stream(self, worker: WorkerRecord) -> CallMux:
         """The worker's Decode calls, all on one call stream (``proto.call_stream``): over its socket
         when it serves one (``proto.socket_stream``), else its gRPC ``DecodeStream``."""
-        key = worker.streams or worker.address
-        self._check_open()
-        mux = self._streams.get(key)
-        if mux is None:
-            if worker.streams:
-                mux = CallMux(functools.partial(SocketCall, worker.streams), worker.streams, "decode")
-            else:
-                mux = CallMux(self.decode(worker.address).DecodeStream, worker.address, "decode")
-            self._streams[key] = mux
-        return mux
+        return self._mux(self._streams, worker, "decode", lambda: self.decode(worker.address).DecodeStream)
 
     def prefill_stream(self, worker: WorkerRecord) -> CallMux:
         """The worker's Prefill calls, all on one call stream as ``decode_stream``'s (a unary gRPC
         call each cost the router and the worker a call's setup per request)."""
-        key = worker.streams or worker.address
+        return self._mux(
+            self._prefill_streams, worker, "prefill", lambda: self.prefill(worker.address).PrefillStream
+        )
+
+    def _mux(self, muxes: dict[str, CallMux], worker: WorkerRecord, kind: str, grpc_stream) -> CallMux:
         self._check_open()
-        mux = self._prefill_streams.get(key)
+        key = worker.streams or worker.address
+        mux = muxes.get(key)
         if mux is None:
-            if worker.streams:
-                mux = CallMux(functools.partial(SocketCall, worker.streams), worker.streams, "prefill")
-            else:
-                mux = CallMux(self.prefill(worker.address).PrefillStream, worker.address, "prefill")
-            self._prefill_streams[key] = mux
+            opener = functools.partial(SocketCall, worker.streams) if worker.streams else grpc_stream()
+            mux = muxes[key] = CallMux(opener, key, kind)
         return mux
 
     def _check_open(self) -> None:

@@ -16,6 +16,8 @@ import urllib.request
 import pytest
 from pd_client import state
 
+from registry.schema import connect, read_workers
+
 START_TIMEOUT_S = 120
 
 
@@ -336,10 +338,11 @@ def test_completions_batch_echo_best_of_and_sampling_controls_equal_the_engine_a
 @pytest.fixture
 def router_inside(workers, redis_server, tiny_llama):
     """``python -m ingress --redis-url``: the router in the HTTP process (as ``pdserve serve``'s
-    router replicas serve HTTP), in front of a prefill and a decode worker; no router process."""
+    router replicas serve HTTP), in front of a prefill worker (its calls on its socket, the default)
+    and a decode worker with ``--no-socket-streams`` (its calls over gRPC); no router process."""
     url = redis_server.url
     p = workers("prefill", "--redis-url", url, "--worker-id", "p1")
-    d = workers("decode", "--redis-url", url, "--worker-id", "d1")
+    d = workers("decode", "--redis-url", url, "--worker-id", "d1", "--no-socket-streams")
     ingress, address = _spawn("ingress", "--model", str(tiny_llama), "--redis-url", url, "--port", "0")
     try:
         base = f"http://{address}"
@@ -349,10 +352,17 @@ def router_inside(workers, redis_server, tiny_llama):
         _stop([ingress])
 
 
-def test_the_router_inside_the_http_process_serves_what_hf_computes(router_inside, tiny_llama, hf_greedy):
+def test_the_router_inside_the_http_process_serves_what_hf_computes(
+    router_inside, redis_server, tiny_llama, hf_greedy
+):
     """Completions, streamed and not, equal HF's greedy output through a router running in the
-    ingress's process; prefills go to the prefill worker; bad input is a 400; blocks end free."""
+    ingress's process; prefills go to the prefill worker; bad input is a 400; blocks end free. The
+    prefill worker registered its call-stream socket (on its own loopback host), the decode worker
+    started with ``--no-socket-streams`` none, and both kinds of stream carry the requests."""
     base, p, d = router_inside
+    records = read_workers(connect(redis_server.url))
+    assert records["p1"].streams.startswith("127.0.0.1:") and records["p1"].streams != records["p1"].address
+    assert records["d1"].streams == ""
     model = str(tiny_llama)
     for prompt in (list(range(5, 25)), [100, 7, 7, 250, 31]):
         want = continuation(tiny_llama, prompt, hf_greedy(tiny_llama, prompt, 8))
