@@ -250,16 +250,9 @@ class WorkerRegistration:
 
     def publish_many(self, batches: list[tuple[str, list[bytes]]]) -> int:
         """Batches of block events in order, in one transaction (one round trip, where a batch each
-        cost one): adjacent batches of one kind become one stream entry, each entry its own
-        sequence number. Returns the entries written."""
-        merged: list[tuple[str, list[bytes]]] = []
-        for kind, hashes in batches:
-            if not hashes and kind != CLEARED:
-                continue
-            if merged and merged[-1][0] == kind and kind != CLEARED:
-                merged[-1][1].extend(hashes)
-            else:
-                merged.append((kind, list(hashes)))
+        cost one), as their net effect (``net_events``): at most a removal and a storing entry per
+        tier between two clears, each entry its own sequence number. Returns the entries written."""
+        merged = net_events(batches)
         if not merged:
             return 0
         pipe = self.client.pipeline(transaction=True)
@@ -309,6 +302,50 @@ class WorkerRegistration:
     def _entry(self, kind: str, hashes: list[bytes]) -> dict[str, bytes | str | int]:
         r = self.record
         return {"w": r.worker_id, "e": r.epoch, "s": self.seq, "k": kind, "h": pack_hashes(hashes)}
+
+
+# Each stored/removed kind: its tier and whether it stores; and each tier's two kinds, removal first.
+_TIER_OF = {
+    STORED: (0, True),
+    REMOVED: (0, False),
+    HOST_STORED: (1, True),
+    HOST_REMOVED: (1, False),
+    DISK_STORED: (2, True),
+    DISK_REMOVED: (2, False),
+}
+_TIER_KINDS = ((REMOVED, STORED), (HOST_REMOVED, HOST_STORED), (DISK_REMOVED, DISK_STORED))
+
+
+def net_events(batches: list[tuple[str, list[bytes]]]) -> list[tuple[str, list[bytes]]]:
+    """Block events as their net effect: between two clears, per tier, the hashes whose last event
+    removed them, then those whose last event stored them. A reader (a set per worker and tier)
+    ends in the same state as after the events one by one. A prefill worker's events alternate
+    (each prompt evicts a block, then stores its own), so merging only adjacent batches of a kind
+    left ~10 entries in a 10 ms transaction under short requests: 23 commands, ~0.3 ms of the
+    publisher's CPU, and an entry each for every router to parse."""
+    out: list[tuple[str, list[bytes]]] = []
+    last: list[dict[bytes, bool]] = [{}, {}, {}]  # per tier: hash -> stored by its last event
+
+    def flush() -> None:
+        for tier, kinds in enumerate(_TIER_KINDS):
+            acts = last[tier]
+            for kind, stored in zip(kinds, (False, True)):
+                hashes = [h for h, s in acts.items() if s is stored]
+                if hashes:
+                    out.append((kind, hashes))
+            acts.clear()
+
+    for kind, hashes in batches:
+        tier = _TIER_OF.get(kind)
+        if tier is None:  # a clear (or a kind this code does not merge): a barrier, kept in place
+            flush()
+            out.append((kind, list(hashes)))
+            continue
+        acts, stored = last[tier[0]], tier[1]
+        for h in hashes:
+            acts[h] = stored
+    flush()
+    return out
 
 
 def read_snapshot(client: redis.Redis, worker_id: str) -> tuple[int, int, set[bytes], set[bytes], set[bytes]]:

@@ -102,3 +102,36 @@ def test_disk_tier_events_are_indexed_apart_and_matched_after_the_host_run():
     assert idx.num_disk_blocks_of("b") == 0 and idx.match_tiers(chain, ["b"]) == {"b": (0, 0, 0)}
     assert idx.apply(ev("a", 2, 1, CLEARED))  # a new incarnation: every tier forgotten
     assert idx.num_disk_blocks_of("a") == 0 and idx.match_tiers(chain, ["a"]) == {"a": (0, 0, 0)}
+
+
+
+def test_the_net_effect_of_events_leaves_an_index_where_the_events_one_by_one_leave_it():
+    """``net_events`` (what a publisher writes for a transaction's batches): random runs of stored
+    and removed events over three tiers, with clears, applied one by one and as their net effect,
+    end in the same index; between clears the net effect has at most one entry of each kind."""
+    import random
+
+    from registry.schema import DISK_REMOVED, DISK_STORED, HOST_REMOVED, HOST_STORED, net_events
+
+    kinds = [STORED, REMOVED, HOST_STORED, HOST_REMOVED, DISK_STORED, DISK_REMOVED]
+    rng = random.Random(5)
+    for _ in range(300):
+        batches = []
+        for _ in range(rng.randint(1, 12)):
+            if rng.random() < 0.08:
+                batches.append((CLEARED, []))
+            else:
+                batches.append((rng.choice(kinds), [H[rng.randrange(6)] for _ in range(rng.randint(1, 3))]))
+        net = net_events(batches)
+        ends = []
+        for events in (batches, net):
+            idx = PrefixIndex()
+            idx.apply(KVEventRecord("a", 1, 1, RESYNCED, [H[0], H[1]], [H[2]], [H[3]]))
+            for seq, (kind, hashes) in enumerate(events, start=2):
+                assert idx.apply(KVEventRecord("a", 1, seq, kind, hashes))
+            tiers = (idx._host.blocks.get("a", set()), idx._disk.blocks.get("a", set()))
+            ends.append((idx.blocks_of("a"), *tiers))
+        assert ends[0] == ends[1], batches
+        for segment in " ".join(k for k, _ in net).split(CLEARED):
+            assert len(segment.split()) == len(set(segment.split())), net
+        assert [k for k, _ in net].count(CLEARED) == [k for k, _ in batches].count(CLEARED)
