@@ -104,7 +104,6 @@ def test_disk_tier_events_are_indexed_apart_and_matched_after_the_host_run():
     assert idx.num_disk_blocks_of("a") == 0 and idx.match_tiers(chain, ["a"]) == {"a": (0, 0, 0)}
 
 
-
 def test_the_net_effect_of_events_leaves_an_index_where_the_events_one_by_one_leave_it():
     """``net_events`` (what a publisher writes for a transaction's batches): random runs of stored
     and removed events over three tiers, with clears, applied one by one and as their net effect,
