@@ -105,9 +105,11 @@ def parse_workloads(text: str) -> list[Workload]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of all of ``pid``'s threads so far (``/proc/<pid>/stat`` fields 14 and 15)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """utime + stime of all of ``pid``'s threads so far (``/proc/<pid>/stat`` fields 14 and 15); of
+    thread ``thread`` alone when given (``/proc/<pid>/task/<thread>/stat``; the main thread's id is
+    the pid)."""
+    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on; the name may hold spaces
     return (int(fields[11]) + int(fields[12])) * _TICK_S
 
@@ -133,8 +135,14 @@ def measure(
     run(a.warmup, seed=1)
     pids = {**pids, LOADGEN: os.getpid()}
     before, counted = {name: cpu_seconds(pid) for name, pid in pids.items()}, stats and stats()
+    main_before = {name: cpu_seconds(pid, pid) for name, pid in pids.items()}
     summary = run(a.num_requests, seed=0)
     spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    # Each process's threads besides its main one (a registry publisher, the router's cluster view,
+    # a NIXL progress thread, gRPC's): their CPU, which the main thread's profile does not show.
+    background = {
+        name: spent[name] - (cpu_seconds(pid, pid) - main_before[name]) for name, pid in pids.items()
+    }
     steps = step_counts(stats(), counted, a.num_requests) if stats else {}
     tokens = round(summary["output_token_throughput"] * summary["duration_s"])
     per_token = {name: s * 1e3 / max(tokens, 1) for name, s in spent.items()}
@@ -152,6 +160,9 @@ def measure(
         "streamed_tokens": tokens,
         "complete": complete,
         "cpu_ms_per_token": {n: v for n, v in per_token.items() if n != LOADGEN},
+        "background_cpu_ms_per_token": {
+            n: max(0.0, v) * 1e3 / max(tokens, 1) for n, v in background.items() if n != LOADGEN
+        },
         "load_generator_cpu_ms_per_token": per_token[LOADGEN],
         "load": summary,
     } | steps
@@ -333,6 +344,11 @@ def print_table(workload: str, layouts: dict, a: argparse.Namespace) -> None:
         print("  ".join(x.rjust(wd) if i else x.ljust(wd) for i, (x, wd) in enumerate(zip(row, widths))))
     loadgen = "this process" + ("" if a.redis_server else " with the embedded Redis")
     print(f"total: the layout's processes summed; loadgen: {loadgen}, not in the total", flush=True)
+    for name, r in layouts.items():
+        bg = {p: v for p, v in r.get("background_cpu_ms_per_token", {}).items() if v > 0}
+        if bg:
+            parts = ", ".join(f"{SHORT.get(p, p)} {v:.3f}" for p, v in bg.items())
+            print(f"  of which threads besides each process's main one, {name}: {parts}", flush=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -62,6 +62,14 @@ def test_a_tiny_run_reports_every_layout_and_process(tmp_path, capsys):
     )
     # The router inside the HTTP process (as pdserve serve runs it): no router process.
     assert set(layouts["split_rh"]["cpu_ms_per_token"]) == {"decode_worker", "engine_process", "ingress"}
+    # Each process's threads besides its main one: a part of its CPU (within a 10 ms tick of it).
+    tick = 10.0 / (96 * 8)
+    for name in ("stack", "split", "split_rh"):
+        cpu, background = layouts[name]["cpu_ms_per_token"], layouts[name]["background_cpu_ms_per_token"]
+        assert set(background) == set(cpu), name
+        assert all(0 <= background[p] <= cpu[p] + tick for p in cpu), (name, background, cpu)
+        # The HTTP work is the ingress's main thread's (several ticks), not its background's.
+        assert background["ingress"] < cpu["ingress"], (name, background, cpu)
     assert layouts["split_rh"]["load"]["completed"] == 96 and layouts["split_rh"]["load"]["failed"] == 0
     assert set(layouts["minimal"]["cpu_ms_per_token"]) == {"minimal_server"}
     assert layouts["minimal"]["cpu_over_minimal"] == pytest.approx(1.0)
