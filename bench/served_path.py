@@ -23,6 +23,8 @@ Redis is embedded in this process (fakeredis) unless ``--redis-server PATH`` run
 CPU per process: utime + stime (``/proc/<pid>/stat``) over the measured load per streamed token; a
 layout's total sums its processes, this one (load generator, embedded Redis) apart. After each served
 load, every worker's free KV blocks (``GetState``) must be back at their count before the first request.
+Under each table, the part of each process's CPU spent on threads besides its main one (registry
+publishers, the router's cluster view, NIXL progress, gRPC's; the minimal server's engine thread).
 The default model, ``pdserve/zero-cost``, computes nothing: the measured CPU is the stack's own.
 
     python -m bench.served_path [--workloads 128/128,16/16] [--num-requests 192] [--concurrency 32]
