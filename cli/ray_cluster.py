@@ -66,6 +66,16 @@ def connect(target: Target) -> None:
     raise ConnectionError(f"cannot connect to {target.describe()}: {_first_line(error)}")
 
 
+def stdout_for_results():
+    """The real stdout, for a command whose stdout is machine-readable; for the rest of this process
+    ``sys.stdout`` is stderr. Ray's driver prints the cluster's error messages (``(raylet) ... lagging
+    heartbeats``) to ``sys.stdout`` from a thread, at any time while connected: they must not land
+    between a ``--json`` answer and the program reading it."""
+    results = sys.stdout
+    sys.stdout = sys.stderr
+    return results
+
+
 def _use_token(record) -> None:
     """Ray's auth settings for joining the cluster of ``record`` (a ``ServiceRecord``, or None for a
     bare address): its token, token mode off for a service recorded without one."""

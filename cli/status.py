@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 
 from cli.app_client import router_client
 from cli.service_target import Target, add_target_args, choose_target
@@ -23,8 +24,9 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from cli.ray_cluster import connect
+    from cli.ray_cluster import connect, stdout_for_results
 
+    results = stdout_for_results() if args.json else sys.stdout
     target = choose_target(args)
     if not args.json:
         print(f"{target.describe()}\n", flush=True)
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = status_json(target, cluster, states)
         out["replicas"] = {name: {"running": r, "target": t} for name, (r, t) in replicas.items()}
-        print(json.dumps(out))
+        print(json.dumps(out), file=results, flush=True)
         return 0
     print(format_status(cluster, states) + "\n\n" + line)
     return 0

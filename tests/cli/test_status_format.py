@@ -96,3 +96,23 @@ def test_status_prints_speculation_per_worker_that_speculates():
     assert len(lines) == at + 3  # the prefill worker does not speculate: no row
     plain = [pb.WorkerState(role="decode", worker_id="d0", stats=pb.EngineStats(num_blocks=8))]
     assert "speculative" not in format_status(pb.ClusterState(policy="cache_aware"), plain)
+
+
+def test_status_json_answers_alone_on_stdout_while_ray_prints_the_clusters_errors(monkeypatch, capsys):
+    """Ray's driver prints the cluster's error messages (a raylet's lagging heartbeats under load) to
+    ``sys.stdout`` from a thread; ``--json`` keeps them off the stdout its reader parses."""
+    import json
+    import sys
+
+    from ray._private.worker import print_to_stdstream
+
+    from cli.ray_cluster import stdout_for_results
+
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test
+    results = stdout_for_results()
+    said = {"lines": ["(2) raylet has lagging heartbeats due to slow network or busy workload."]}
+    print_to_stdstream({**said, "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    print(json.dumps({"workers": []}), file=results, flush=True)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ['{"workers": []}']
+    assert "lagging heartbeats" in err
