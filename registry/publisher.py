@@ -3,9 +3,11 @@
 The worker's engine thread hands batches of block events (``offer_events``), its prefix cache when
 a snapshot is wanted (``snapshot_wanted`` / ``offer_snapshot``) and its load (``offer_load``) to a
 queue, never touching Redis itself. A publisher thread drains the queue into Redis: the event
-batches it finds queued together go out in one transaction, adjacent batches of a kind as one
-stream entry (a busy engine offers one or two batches every step; a transaction each kept a
-decode worker's publisher thread at ~6% of its process under short requests). Event transactions
+batches it finds queued together go out in one transaction as their net effect (per tier, the
+blocks whose last event removed them, then those whose last event stored them; a clear stays a
+barrier: ``schema.net_events``), a stream entry each (a busy engine offers one or two batches every
+step; a transaction each kept a decode worker's publisher thread at ~6% of its process under short
+requests). Event transactions
 are at least ``PUBLISH_INTERVAL_S`` apart: what arrives meanwhile waits for the next one (a prefill
 worker under short requests made a transaction per prompt, a fifth of its samples in a py-spy
 ``--gil`` profile on 2 busy cores; the router read an entry for each). Readers see a block at most

@@ -3,7 +3,9 @@
 Schema (all keys under ``pdserve:``; the wire format both the workers and the router speak):
 - ``worker:{id}`` HASH — role, address, epoch, model, block_size, num_blocks, cache_salt, load
   fields; expires ``ttl_s`` after the last heartbeat. ``workers`` SET lists ids ever registered.
-- ``kv_events`` STREAM — one entry per batch of a worker's block events: ``w`` worker id, ``e``
+- ``kv_events`` STREAM — one entry per kind of a transaction's net block events (removals before
+  stores within a tier, so between two entries a reader may briefly miss a block, never see one
+  the worker did not hold): ``w`` worker id, ``e``
   epoch, ``s`` sequence number (per worker and epoch, from 1, no gaps), ``k`` kind (``S`` stored,
   ``R`` removed, ``C`` cleared, ``Z`` resynced; ``s`` / ``r`` stored in / removed from the worker's
   host tier, ``d`` / ``e`` the same for its disk tier), ``h`` the 16-byte block hashes concatenated;

@@ -314,3 +314,66 @@ def test_lower_tier_blocks_travel_through_redis_and_a_new_routers_snapshot(views
     wait_until(lambda: tiers(view) == (2, 3, 1), "block 1 moved to the device, block 5 is on disk")
     assert view.index.gaps_detected == 0 and view.index.num_disk_blocks_of("p0") == 2
     assert tiers(views()) == (2, 3, 1)  # from the snapshot in Redis
+
+
+def test_a_reader_joining_at_any_entry_of_net_transactions_ends_where_the_events_one_by_one_end(redis_server):
+    """Random histories of transactions (three tiers, clears, empty and repeated batches) published as
+    their net effect into a real Redis: a reader starting at each stream entry, resynchronising from
+    the snapshot at a gap as ``ClusterView`` does, ends in the state the events one by one leave, and
+    so does the snapshot."""
+    import random
+
+    from registry.prefix_index import PrefixIndex
+    from registry.schema import (
+        DISK_REMOVED,
+        DISK_STORED,
+        EVENTS_STREAM,
+        HOST_REMOVED,
+        HOST_STORED,
+        KVEventRecord,
+        read_snapshot,
+    )
+
+    tier_of = {STORED: 0, REMOVED: 0, HOST_STORED: 1, HOST_REMOVED: 1, DISK_STORED: 2, DISK_REMOVED: 2}
+    stores = {STORED, HOST_STORED, DISK_STORED}
+    client = connect(redis_server.url)
+    rng = random.Random(11)
+    for trial in range(40):
+        worker = f"w{trial}"
+        reg = WorkerRegistration(client, record(worker))
+        state = [set(rng.sample(H, 3)), set(rng.sample(H, 2)), set(rng.sample(H, 2))]
+        reg.register(*[list(s) for s in state])
+        for _ in range(rng.randint(1, 6)):
+            batches = []
+            for _ in range(rng.randint(0, 10)):
+                r = rng.random()
+                if r < 0.07:
+                    batches.append((CLEARED, []))
+                else:
+                    n = 0 if r < 0.12 else rng.randint(1, 4)
+                    batches.append((rng.choice(list(tier_of)), [rng.choice(H) for _ in range(n)]))
+            reg.publish_many(batches)
+            for kind, hashes in batches:  # the truth: each event in turn
+                if kind == CLEARED:
+                    state = [set(), set(), set()]
+                elif kind in stores:
+                    state[tier_of[kind]].update(hashes)
+                else:
+                    state[tier_of[kind]].difference_update(hashes)
+        entries = [
+            KVEventRecord.from_fields(f)
+            for _, f in client.xrange(EVENTS_STREAM)
+            if f[b"w"] == worker.encode()
+        ]
+        for start in range(len(entries)):
+            index = PrefixIndex()
+            for ev in entries[start:]:
+                if not index.apply(ev):
+                    index.replace(worker, *read_snapshot(client, worker))
+            held = [
+                index.blocks_of(worker),
+                index._host.blocks.get(worker, set()),
+                index._disk.blocks.get(worker, set()),
+            ]
+            assert held == state, (trial, start)
+        assert list(read_snapshot(client, worker)[2:]) == state, trial
