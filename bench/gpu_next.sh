@@ -25,6 +25,7 @@ set -uo pipefail
 DEST=${OUT:-$PWD/bench/results}
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1
+if [ -n "${SMOKE:-}" ] && [ -z "${PY:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi  # this checkout's
 source "$(dirname "$0")/gpu_setup.sh"
 DEVICE=cuda DTYPE=bfloat16 MODEL=llama-0.3b N=192 QUICK=() CONTEXT=1024 INTERPRET=0
 if [ -n "${SMOKE:-}" ]; then DEVICE=cpu DTYPE=float32 MODEL=tiny N=16 QUICK=(--quick) CONTEXT=128 INTERPRET=1; fi
