@@ -77,7 +77,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds a decode stream may stay silent before the router gives up on its worker and "
-        "moves the request (default: max(5 s, 20 x the worker's longest recent step))",
+        "moves the request (default: max(5 s, 20 x the worker's step budget))",
     )
     s.add_argument(
         "--redis-url",

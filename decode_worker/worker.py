@@ -89,7 +89,7 @@ class WorkerUnavailableError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """A quiet stream's sign of life: the engine's longest recent step, how long its thread has gone
+    """A quiet stream's sign of life: the engine's step budget (engine.step_budget), how long its thread has gone
     without finishing an iteration, and the longest this worker stays silent."""
 
     step_s: float

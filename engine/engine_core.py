@@ -37,6 +37,7 @@ from engine.scheduler import Scheduler
 from engine.scheduler_output import PlainTokens, SequenceOutput
 from engine.spec_decode import attach_cache, build_speculator, draft_block_bytes
 from engine.stats import EngineStats, disk_tier_stats, host_tier_stats, spec_stats
+from engine.step_budget import StepBudget
 from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,8 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
                 self.runner.decode_graphs = None
         self._rng = random.Random(config.seed)
         self._inflight = None  # overlapped scheduling: (sched, launch, t0) of the step on the device
+        # The serving loop's step budget (``engine.step_budget``), told each step's tokens once scheduled.
+        self.step_budget: StepBudget | None = None
         # A prefill worker's engine: a request ends at its first token, which then holds its KV for a
         # peer; those steps run without overlap (they are prompt compute, which keeps a GPU busy).
         self._serves_prefill_only = False
@@ -300,6 +303,8 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t_launch = time.perf_counter()  # the scheduling (and host-tier copies on CPU) are behind
+        if self.step_budget is not None:
+            self.step_budget.started(sched.total_num_scheduled_tokens)
         overlap = self.overlap and not self._needs_host_tokens(sched)
         outs: list[SequenceOutput] = []
         if not overlap and self._inflight is not None:

@@ -28,13 +28,10 @@ from typing import Any, TypeVar
 
 from engine.engine_core import EngineCore
 from engine.scheduler_output import SequenceOutput
+from engine.step_budget import StepBudget
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# How fast the remembered longest step decays per step: a long prefill step is remembered for a few
-# hundred short ones, so a stream's deadline does not shrink back between two long steps.
-_STEP_DECAY = 0.99
 
 
 def _deliver(items: list[tuple[asyncio.Queue, SequenceOutput]]) -> None:
@@ -90,7 +87,7 @@ class EngineLoop:
         self.step_started = self.last_progress  # the current (or last) step's start
         self.busy_since: float | None = None
         self.beat = self.last_progress  # the thread's last sign of life: an iteration or a step ended
-        self.recent_step_s = 0.0  # the longest recent step, decaying (what a stall is judged against)
+        self.steps = core.step_budget = StepBudget()  # what a stall is judged against
         self.failure: EngineLoopFailed | None = None
         self._failure_hooks: list[Callable[[EngineLoopFailed], None]] = []
 
@@ -131,6 +128,12 @@ class EngineLoop:
         runs (idle iterations end every ``idle_tick_s``), the step's age during a long step, growing
         without bound when the thread is stuck or dead."""
         return time.monotonic() - self.beat
+
+    @property
+    def recent_step_s(self) -> float:
+        """The step budget a stall is judged against: the longest recent step, or what the running
+        step's tokens should take if longer (``engine.step_budget``)."""
+        return self.steps.budget_s
 
     def stream_ids(self) -> list[str]:
         """The requests whose outputs someone is waiting for (any thread)."""
@@ -225,9 +228,7 @@ class EngineLoop:
                 self.step_started = self.beat = time.monotonic()  # what a request's first step is timed from
                 self.publish(core.step())
                 self.last_progress = self.beat = time.monotonic()
-                self.recent_step_s = max(
-                    self.last_progress - self.step_started, self.recent_step_s * _STEP_DECAY
-                )
+                self.steps.finished(self.last_progress - self.step_started)
             else:
                 self.busy_since = None
             for tick in self._ticks:

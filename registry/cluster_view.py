@@ -76,6 +76,12 @@ class ClusterView:
     def live_workers(self, role: str | None = None) -> list[WorkerRecord]:
         return [w for w in list(self.workers.values()) if role is None or w.role == role]
 
+    def step_s_of(self, worker_id: str) -> float:
+        """``worker_id``'s step budget as its last heartbeat carried it (0 when unknown): the
+        longest recent step, or what the running one should take if longer."""
+        rec = self.workers.get(worker_id)
+        return rec.step_ms / 1000 if rec is not None else 0.0
+
     def silent_for(self, worker_id: str) -> float:
         """Seconds ``worker_id`` has shown no sign of life: its heartbeats stopped rising (a stopped
         or cut-off process) or its engine thread stopped reporting its load (a hung engine). 0 while

@@ -65,7 +65,7 @@ class MigrationOptions:
     max_migrations: int = 3  # moves per request; 0 turns migration off
     stall_timeout_s: float | None = None  # a fixed stall deadline instead of the step-derived one
     stall_floor_s: float = 5.0  # the step-derived deadline is never shorter
-    stall_step_multiple: float = 20.0  # deadline = this x the worker's longest recent step
+    stall_step_multiple: float = 20.0  # deadline = this x the worker's step budget (engine.step_budget)
     suspect_s: float = 30.0  # a stalled or failed worker is not routed to for this long
 
     def __post_init__(self) -> None:
@@ -205,7 +205,7 @@ class ProgressWatch:
 
     def __init__(self, options: MigrationOptions) -> None:
         self.options = options
-        self._step_s: dict[str, float] = {}  # worker -> its longest recent step
+        self._step_s: dict[str, float] = {}  # worker -> its step budget (engine.step_budget)
         self._interval_s: dict[str, float] = {}  # worker -> its keepalive interval
 
     def deadline_s(self, worker_id: str) -> float:

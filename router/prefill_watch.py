@@ -8,7 +8,7 @@ the stall deadline (its heartbeats stopped rising: a stopped or cut-off process;
 stopped reporting: a hung engine thread), the call is cancelled and ``PrefillStalled`` raised, and
 the router retries the prefill elsewhere and keeps the worker out of routing for a while. A worker
 that is merely busy (a long prompt, a queue) keeps heartbeating and reporting between its steps, and
-the deadline scales with its longest recent step (heartbeats carry it), so a slow step is no stall.
+the deadline scales with its step budget (heartbeats carry it: engine.step_budget), so a slow step is no stall.
 """
 
 from __future__ import annotations
@@ -33,20 +33,25 @@ async def watched(
     silent_for: Callable[[str], float],
     options: MigrationOptions,
     poll_s: float = 0.25,
+    step_s_of: Callable[[str], float] | None = None,
 ) -> pb.PrefillResponse:
     """The answer of ``call`` (a Prefill call to ``worker`` on its call stream, a
     ``proto.call_stream.StreamedCall``), unless ``silent_for(worker id)`` passes the worker's stall
-    deadline first: then the call is cancelled and ``PrefillStalled`` raised."""
-    limit_s = options.deadline_s(worker.step_ms / 1e3)
+    deadline first: then the call is cancelled and ``PrefillStalled`` raised. The deadline follows
+    the worker's step budget as its heartbeats carry it (``step_s_of``): a step scheduled with many
+    tokens raises it while it runs (``engine.step_budget``)."""
+    step_s = worker.step_ms / 1e3
     # One timer that re-arms itself every ``poll_s`` and cancels the waiting task on a stall: no task
     # or ``asyncio.wait`` per call (most prefills answer before the first check).
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     stalled: list[float] = []
 
     def check() -> None:
-        nonlocal handle
+        nonlocal handle, step_s
+        if step_s_of is not None:
+            step_s = max(step_s, step_s_of(worker.worker_id))
         silent = silent_for(worker.worker_id)
-        if silent > limit_s:
+        if silent > options.deadline_s(step_s):
             stalled.append(silent)
             task.cancel()
         else:

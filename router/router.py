@@ -433,7 +433,7 @@ class Router(DecodeRelay):
             req.peer.CopyFrom(peer)
         try:
             call = self.stubs.prefill_stream(w).open(req, timeout=_remaining(deadline))
-            resp = await watched(call, w, self.view.silent_for, self.migration)
+            resp = await watched(call, w, self.view.silent_for, self.migration, step_s_of=self.view.step_s_of)
             computed = True
             return resp
         finally:

@@ -16,7 +16,7 @@ A grammar compiles on a helper thread (as the in-process loop's callers do), so 
 new grammar never stalls the running batch; its add lands when the grammar is ready.
 
 A shared clock file (three float64s, written every iteration: the thread's last beat, the current
-step's start, the longest recent step) lets the worker tell a stalled engine from a busy one without
+step's start, the step budget: engine.step_budget) lets the worker tell a stalled engine from a busy one without
 a message. If a step raises, the process says so (``failure``) and exits 1.
 """
 
@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from engine.engine_core import EngineCore
 from engine.scheduler_output import PlainTokens, SequenceOutput
+from engine.step_budget import StepBudget
 from kv_transfer import KVCompat
 from proto import pdserve_pb2 as pb
 from proto.convert import params_from_proto
@@ -54,8 +55,8 @@ from worker.state import stats_to_proto
 
 logger = logging.getLogger(__name__)
 
-CLOCK = struct.Struct("<3d")  # beat, step_started, recent_step_s (time.monotonic(), system-wide)
-_STEP_DECAY = 0.99  # as engine.engine_loop: a long step is remembered for a few hundred short ones
+# beat, step_started (time.monotonic(), system-wide), and the step budget (``engine.step_budget``)
+CLOCK = struct.Struct("<3d")
 LOAD_INTERVAL_S = 0.25  # the registry's heartbeat (1 s) takes the latest load
 
 
@@ -115,7 +116,7 @@ class EngineHost:
         self.watching = False  # send the cache's events and the load (the worker publishes them)
         self.next_load = 0.0
         self.beat = self.step_started = time.monotonic()
-        self.recent_step_s = 0.0
+        self.steps = core.step_budget = StepBudget(on_start=self._tick_clock)
         self.stopping = False
         os.set_blocking(commands_fd, False)
 
@@ -146,7 +147,7 @@ class EngineHost:
                     self._fail(f"engine step failed: {type(exc).__name__}: {exc}")
                     return False
                 self.beat = time.monotonic()
-                self.recent_step_s = max(self.beat - step_started, self.recent_step_s * _STEP_DECAY)
+                self.steps.finished(self.beat - step_started)
             self.published = []
             events = pb.EngineEvents(replies=replies, step_started=self.step_started)
             kinds = self.role.finish(events, outputs)
@@ -191,7 +192,7 @@ class EngineHost:
             events.load.resident_loras.extend(self.core.resident_loras())
 
     def _tick_clock(self) -> None:
-        CLOCK.pack_into(self.clock, 0, self.beat, self.step_started, self.recent_step_s)
+        CLOCK.pack_into(self.clock, 0, self.beat, self.step_started, self.steps.budget_s)
 
     def _read_commands(self) -> list[pb.EngineCommand]:
         commands: list[pb.EngineCommand] = []

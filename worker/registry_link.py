@@ -41,7 +41,7 @@ class RegistryLink:
     ) -> None:
         self.core = core
         self.publisher = publisher
-        self.recent_step_s = recent_step_s  # the engine loop's longest recent step
+        self.recent_step_s = recent_step_s  # the engine loop's step budget (engine.step_budget)
         self.stopped = False
 
     def tick(self) -> None:

@@ -210,6 +210,44 @@ def test_a_failing_step_is_reported_and_ends_the_engine_loop(tiny_llama, monkeyp
         os.close(fd)
 
 
+def test_the_clock_carries_a_long_steps_budget_while_it_runs(tiny_llama):
+    """The worker reads the engine process's shared clock for its stall signals (heartbeats, a
+    stream's keepalives): while a step of many tokens runs, the clock's budget is what those tokens
+    should take (``engine.step_budget``), written once the step is scheduled, not the short steps
+    before it."""
+    from engine.step_budget import COLD_TOKEN_S
+
+    core = EngineCore(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=BLOCKS))
+    commands_r, commands_w = os.pipe()
+    events_r, events_w = os.pipe()
+    clock = bytearray(CLOCK.size)
+    host = EngineHost(core, commands_r, events_w, memoryview(clock), idle_tick_s=0.005)
+    seen: list[tuple[int, float]] = []  # (the step's tokens, the clock's budget) from inside each step
+    real_launch = core.runner.launch
+
+    def launch(sched, **kw):
+        seen.append((sched.total_num_scheduled_tokens, CLOCK.unpack_from(clock)[2]))
+        return real_launch(sched, **kw)
+
+    core.runner.launch = launch
+    thread = threading.Thread(target=host.serve)
+    thread.start()
+    params = params_to_proto(SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    add = pb.EngineAdd(request_id="x", prompt_token_ids=list(range(3, 303)), params=params)
+    os.write(commands_w, frame(pb.EngineCommands(commands=[pb.EngineCommand(command_id=1, add=add)])))
+    finished = False
+    while not finished:
+        events = read_frame(events_r, pb.EngineEvents)
+        finished = any(o.finish_reason for o in events.outputs)
+    os.write(commands_w, frame(pb.EngineCommands(commands=[pb.EngineCommand(command_id=2, stop=True)])))
+    thread.join(10)
+    tokens, budget = seen[0]
+    assert tokens == 300 and budget == pytest.approx(300 * COLD_TOKEN_S)
+    assert seen[1][0] == 1 and seen[1][1] < budget  # the decode step after it is announced short
+    for fd in (commands_r, commands_w, events_r, events_w):
+        os.close(fd)
+
+
 def test_frames_split_anywhere_reassemble():
     msgs = [
         pb.EngineCommands(commands=[pb.EngineCommand(command_id=i, abort=f"r{i}" * i)]) for i in range(1, 6)

@@ -259,6 +259,41 @@ def test_busy_worker_is_not_mistaken_for_a_stalled_one(redis_server, tiny_model_
     asyncio.run(main())
 
 
+def test_a_step_much_longer_than_the_recent_ones_is_no_stall(redis_server, tiny_model_factory):
+    """A stream decodes in short steps on the only decode worker; a 300-token prompt joins it and its
+    step takes 2.5 s, past the 1 s floor and 20 x the recent steps, so the stream is silent that long.
+    The engine announced the step's length from its tokens once it scheduled them
+    (``engine.step_budget``): nothing is taken for a stall and both requests finish (a user saw a
+    503 here, for a cold worker's first long prompt)."""
+    import time
+
+    model = tiny_model_factory("llama", max_position_embeddings=4096)
+    options = MigrationOptions(stall_floor_s=1.0, stall_step_multiple=20.0)
+
+    async def main() -> None:
+        async with running(redis_server, model, options, num_decode=1, num_blocks=1024) as stack:
+            (w,) = stack.workers
+            real_launch = w.core.runner.launch
+
+            def launch(sched, **kw):
+                if sched.total_num_scheduled_tokens >= 256:
+                    time.sleep(2.5)  # the injected long step (a big prompt on a slow device)
+                return real_launch(sched, **kw)
+
+            running_one = Stream(
+                stack, "running", pb.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            )
+            await until(lambda: len(running_one.tokens) >= 4, "the first request decodes")
+            w.core.runner.launch = launch
+            long_prompt = Stream(stack, "long", GREEDY, prompt=list(range(3, 303)))
+            assert len(await long_prompt.result()) == GREEDY.max_tokens
+            assert len(await running_one.result()) == 200
+            assert stack.router.stats.stalls == 0 and stack.router.stats.migrations == 0
+            await stack.all_free()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(
     ("case", "num_decode", "options", "params", "says"),
     [

@@ -79,3 +79,29 @@ def test_a_caller_leaving_cancels_the_call_and_is_no_stall():
         assert call.future.cancelled()
 
     asyncio.run(run())
+
+
+def test_a_long_step_announced_by_the_heartbeats_raises_the_deadline_of_a_call_already_open():
+    """The call opens while the worker's record says its steps are short (a cold worker: 0); then
+    its heartbeats carry the budget of the long step it has scheduled (``engine.step_budget``), and
+    the silence that would pass the 5 s floor is no stall. A worker whose budget stays short is one."""
+
+    async def run(announced_s: float) -> tuple[bool, float]:
+        call = _Call()
+        silent = 0.0
+
+        def silent_for(_: str) -> float:
+            nonlocal silent
+            silent += 0.5
+            if silent >= 8:
+                call.future.set_result(pb.PrefillResponse())
+            return silent
+
+        try:
+            await watched(call, _worker(0), silent_for, OPTIONS, poll_s=0.01, step_s_of=lambda _: announced_s)
+            return True, silent
+        except PrefillStalled:
+            return False, silent
+
+    assert asyncio.run(run(10.24)) == (True, 8.0)  # 2,048 tokens at the cold 5 ms a token
+    assert asyncio.run(run(0.0)) == (False, 5.5)
