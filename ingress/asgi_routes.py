@@ -18,6 +18,7 @@ request at the router, whose worker aborts it and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -104,7 +105,14 @@ class GenerationRoutes:
         arrived = time.perf_counter()
         try:
             body = await read_body(_header(scope, b"content-length"), _body_chunks(receive), self.max_body)
-            result = await handler(body, arrived, wants_timing(_header(scope, _DEBUG)))
+            with _cancelled_if_client_leaves(receive) as left:
+                try:
+                    result = await handler(body, arrived, wants_timing(_header(scope, _DEBUG)))
+                except asyncio.CancelledError:
+                    if not left():
+                        raise
+                    asyncio.current_task().uncancel()
+                    raise ClientLeft from None
         except ClientLeft:
             return
         except APIError as exc:
@@ -116,6 +124,34 @@ class GenerationRoutes:
             await JSONResponse(err.body(), status_code=500)(scope, receive, send)
             return
         await answer(result, scope, receive, send)
+
+
+@contextlib.contextmanager
+def _cancelled_if_client_leaves(receive):
+    """While the body is read and the answer not begun (a whole answer, not streamed, is generated
+    in here): the current task is cancelled if the client disconnects, which aborts its request down
+    to the workers, as a streamed answer's is (vLLM's ``with_cancellation``). Yields ``left()``:
+    whether that happened."""
+    task = asyncio.current_task()
+    gone, watching = False, True
+
+    def on_message(watch: asyncio.Future) -> None:
+        nonlocal gone
+        # (a callback already scheduled when the block ended is too late: the answer is under way)
+        if not watching or watch.cancelled() or watch.exception() is not None:
+            return
+        if watch.result()["type"] == "http.disconnect":
+            gone = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(receive())
+    watcher.add_done_callback(on_message)
+    try:
+        yield lambda: gone
+    finally:
+        watching = False
+        watcher.remove_done_callback(on_message)
+        watcher.cancel()
 
 
 async def answer(result: dict | AsyncIterator[bytes], scope, receive, send) -> None:

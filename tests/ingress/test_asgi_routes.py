@@ -117,6 +117,46 @@ def test_a_client_leaving_mid_stream_cancels_its_request_and_frees_its_slot(info
     asyncio.run(run())
 
 
+def test_a_client_leaving_before_a_whole_answer_cancels_its_request_and_frees_its_slot(info):
+    """Not streamed, nothing reaches the client before the end: a client that leaves (a timeout, a
+    retry) still has its request cancelled down to the router, not generated to the end."""
+
+    async def run():
+        router = WatchedRouter()
+        serving = _serving(info, router)
+        app, out, left = _app(serving), Response(), asyncio.Event()
+        body, sent = json.dumps({**BODY, "stream": False}).encode(), False
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            if msg["type"] == "http.response.start":
+                out.status = msg["status"]
+            out.changed.set()
+
+        served = asyncio.ensure_future(app(_scope("/v1/completions", body), receive, send))
+        router.feed.put_nowait(tokens([5]))
+        router.feed.put_nowait(tokens([6]))
+        while not (router.feed.empty() and serving.admission.running == 1):  # both tokens taken
+            await asyncio.sleep(0)
+        left.set()  # the client goes; the router has 48 tokens still to send
+        # A bound against a hang, not a duration the test expects: the app returns once the client left.
+        done, _ = await asyncio.wait({served}, timeout=30)
+        assert served in done and served.exception() is None  # no error because a client left
+        assert router.closed.is_set()
+        assert serving.admission.running == 0
+        assert _cancelled(serving) == 1
+        assert out.status == 0  # nothing was answered
+
+    asyncio.run(run())
+
+
 def test_a_mounted_app_routes_by_the_path_under_its_root(info):
     async def run():
         router = FedRouter([tokens([5]), tokens([6]), finished()])
