@@ -9,9 +9,18 @@ vocabulary) are checked by ``ingress.request_validation`` after parsing.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 Number = StrictInt | StrictFloat
 
@@ -60,9 +69,30 @@ class APIError(Exception):
         }
 
 
+_NULL_DEFAULTED: dict[type, frozenset[str]] = {}  # per request model: its non-nullable optional fields
+
+
 class _Request(BaseModel):
     # NaN and infinities (json accepts NaN, Infinity and 1e999) are refused with the field named.
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """``null`` for an optional field that takes no ``None`` of its own is its default, as
+        OpenAI's API (every optional field is nullable there) and vLLM take it: clients and SDKs
+        send ``"n": null``, ``"stream": null``. A field whose ``None`` means something keeps it
+        (``max_tokens``: up to the context), and a required field's ``null`` is refused, named."""
+        if isinstance(data, dict) and None in data.values():
+            defaulted = _NULL_DEFAULTED.get(cls)
+            if defaulted is None:
+                defaulted = _NULL_DEFAULTED[cls] = frozenset(
+                    k
+                    for k, f in cls.model_fields.items()
+                    if not f.is_required() and type(None) not in get_args(f.annotation)
+                )
+            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
 
 
 class StreamOptions(_Request):
@@ -179,9 +209,8 @@ def error_from_validation(exc) -> APIError:
         msg = f"missing required field {loc!r}"
     else:
         msg = f"invalid value for {loc!r}: {first.get('msg', 'invalid')}"
-    return APIError(
-        400, msg, param=loc or None, code="invalid_value" if kind != "missing" else "missing_field"
-    )
+    code = {"missing": "missing_field", "extra_forbidden": "unsupported_parameter"}.get(kind, "invalid_value")
+    return APIError(400, msg, param=loc or None, code=code)
 
 
 _KINDS = {

@@ -217,3 +217,18 @@ def test_a_negative_logit_bias_key_is_named_plainly():
     with pytest.raises(APIError) as exc:
         check_logit_bias({"7": 5}, vocab_size=4)
     assert exc.value.message == "logit_bias key '7' must be a token id in [0, 4)"
+
+
+def test_null_for_an_optional_field_is_its_default_and_a_required_ones_is_refused(info):
+    """OpenAI's optional fields are all nullable, and SDKs send ``null``: each takes its default
+    (``max_tokens``, whose ``None`` means up to the context, keeps it); ``null`` for a required field
+    is a 400 naming it, and an unknown field, null or not, is an unsupported parameter."""
+    nulls = {"n": None, "stream": None, "echo": None, "ignore_eos": None, "priority": None}
+    plain = _completion(info)
+    assert _completion(info, **nulls, stream_options=None) == plain
+    chat_nulls = {"n": None, "stream": None, "logprobs": None, "add_generation_prompt": None}
+    assert _chat(info, max_tokens=4, **chat_nulls) == _chat(info, max_tokens=4)
+    assert not _chat(info, max_tokens=4, stream=True, stream_options={"include_usage": None}).include_usage
+    assert _refusal(lambda: _completion(info, model=None)).param == "model"
+    refused = _refusal(lambda: _completion(info, bogus=None)).body()["error"]
+    assert (refused["param"], refused["code"]) == ("bogus", "unsupported_parameter")
