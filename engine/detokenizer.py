@@ -71,6 +71,10 @@ class IncrementalDetokenizer:
         self._incomplete = False
         self.num_output_tokens = 0
         self.kept = 0  # tokens of the last add() that count (fewer when a stop string matched)
+        # A stop token (``stop_token_ids``) ends the output without its text, as vLLM's detokenizer
+        # leaves it out (unless ``include_stop_str_in_output``); it still counts as a token.
+        self._stop_ids = frozenset(() if params.include_stop_str_in_output else params.stop_token_ids)
+        self.stop_token: int | None = None  # the one that ended the output so (not in ``tokens``)
 
     def add(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the matched stop string, if the output now contains one.
@@ -81,7 +85,8 @@ class IncrementalDetokenizer:
         self.pieces = []
         self.kept = len(token_ids)
         min_tokens = self.params.min_tokens
-        for i, tok in enumerate(token_ids):
+        stopped = bool(token_ids) and token_ids[-1] in self._stop_ids  # it ended the output
+        for i, tok in enumerate(token_ids[:-1] if stopped else token_ids):
             start = len(self.text)  # a stop string must end after this
             self.tokens.append(tok)
             piece = self._step()
@@ -98,6 +103,10 @@ class IncrementalDetokenizer:
                     self.text = self.text[:end]
                     self.kept = i + 1
                     return stop
+        if stopped:  # counted, not shown
+            self.pieces.append("")
+            self.num_output_tokens += 1
+            self.stop_token = token_ids[-1]
         return None
 
     def flush(self) -> str:

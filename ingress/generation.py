@@ -227,6 +227,8 @@ class Generation:
         sampled = self.texts.sampled(ids, pieces, s.split)
         s.split = bool(pieces) and pieces[-1] is None
         history = s.detok.tokens
+        if s.detok.stop_token is not None:  # the stop token that ended it: not detokenized, still a token
+            history = [*history, s.detok.stop_token]
         base = len(history) - len(ids)
         out = []
         for j, (tid, lp, (token, raw)) in enumerate(zip(ids, entries, sampled)):

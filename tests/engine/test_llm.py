@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -40,6 +42,17 @@ def test_stop_token_ids_and_max_tokens_set_finish_reason(llm):
     assert out.finish_reason == "stop"
     assert out.outputs[0].stop_reason == stop_tok
     assert out.token_ids == first.token_ids[: first.token_ids.index(stop_tok) + 1]
+    # The stop token ends the output without its text (vLLM's rule), unless asked for.
+    dec = functools.partial(llm.tokenizer.decode, skip_special_tokens=True)
+    assert out.text == dec([5, 6, 7, *out.token_ids[:-1]])[len(dec([5, 6, 7])) :]
+    kept = llm.generate(
+        [[5, 6, 7]],
+        SamplingParams(
+            temperature=0, max_tokens=8, stop_token_ids=[stop_tok], include_stop_str_in_output=True
+        ),
+        use_tqdm=False,
+    )[0]
+    assert kept.text == dec([5, 6, 7, *out.token_ids])[len(dec([5, 6, 7])) :] and kept.text != out.text
     assert first.finish_reason == "length"
     assert _all_free(llm)
 

@@ -302,6 +302,38 @@ def test_a_stop_tokens_id_reaches_the_client_as_a_number(info, reason):
     assert type(last.stop_reason) is type(reason)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_token_ends_the_text_without_its_own_and_counts_as_a_token(info, stream):
+    """vLLM's rule: the token of ``stop_token_ids`` that ended a choice is in its tokens (usage,
+    logprobs) but not in its text, streamed or not."""
+    tok = info.tokenizer
+    ids = tok.encode("the world is in a house")
+    stop_id = ids[-1]
+    assert stop_id not in ids[:-1]  # (the engine stops at the first)
+    g = _completion(info, prompt="a", stream=stream, stop_token_ids=[stop_id], max_tokens=20, logprobs=1)
+
+    def chunk(token_ids):
+        lps = [pb.TokenLogprobs(entries=[pb.TokenLogprob(token_id=t, logprob=-1.0)]) for t in token_ids]
+        return pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=token_ids, logprobs=lps))
+
+    chunks = [chunk([t]) for t in ids[:-2]] + [chunk(ids[-2:])]  # the stop token with another
+    finished = pb.Finished(finish_reason="stop", usage=pb.Usage(), **stop_reason_fields(stop_id))
+    router = ScriptedRouter([*chunks, pb.GenerateResponse(finished=finished)])
+    gen = Generation("r1", g, tok, IngressMetrics("tiny"))
+
+    async def run():
+        return [d for deltas in [x async for x in gen.events(router, 5)] for d in deltas]
+
+    deltas = asyncio.run(run())
+    text = "".join(d.text for d in deltas)
+    prefix = tok.decode(tok.encode("a"))
+    assert text == tok.decode(tok.encode("a") + ids[:-1])[len(prefix) :]
+    assert gen.usage.completion_tokens == len(ids)
+    tokens = [lp.token for d in deltas for lp in d.logprobs]
+    assert len(tokens) == len(ids) and "".join(tokens) == text  # the stop token's entry adds no text
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", stop_id)
+
+
 def test_worker_error_becomes_an_api_error(info):
     g = _completion(info, prompt="a", max_tokens=4)
     router = ScriptedRouter(
