@@ -87,7 +87,9 @@ class EngineLoop:
         self.step_started = self.last_progress  # the current (or last) step's start
         self.busy_since: float | None = None
         self.beat = self.last_progress  # the thread's last sign of life: an iteration or a step ended
-        self.steps = core.step_budget = StepBudget()  # what a stall is judged against
+        self.steps = StepBudget()  # what a stall is judged against; the engine tells it each step's tokens
+        if core is not None:
+            core.step_budget = self.steps
         self.failure: EngineLoopFailed | None = None
         self._failure_hooks: list[Callable[[EngineLoopFailed], None]] = []
 

@@ -10,8 +10,9 @@ filled on a helper thread while the model's forward pass runs (xgrammar releases
 to the logits before sampling, and the sampled token is accepted -> once the language is complete
 only EOS is allowed, so the request ends on EOS.
 
-JSON is generated compact (no free whitespace between tokens): a model cannot fill its output with
-whitespace it was never asked for.
+JSON is generated in one fixed layout, with no free whitespace (xgrammar's ``any_whitespace=False``:
+a space after each ``:`` and ``,``, none elsewhere, as ``json.dumps`` writes it): a model cannot
+fill its output with whitespace it was never asked for.
 """
 
 from __future__ import annotations
