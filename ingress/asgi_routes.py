@@ -18,7 +18,6 @@ request at the router, whose worker aborts it and frees its blocks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -105,11 +104,11 @@ class GenerationRoutes:
         arrived = time.perf_counter()
         try:
             body = await read_body(_header(scope, b"content-length"), _body_chunks(receive), self.max_body)
-            with _cancelled_if_client_leaves(receive) as left:
+            with _ClientWatch(receive) as watch:  # a whole answer is generated in here
                 try:
                     result = await handler(body, arrived, wants_timing(_header(scope, _DEBUG)))
                 except asyncio.CancelledError:
-                    if not left():
+                    if not watch.left:
                         raise
                     asyncio.current_task().uncancel()
                     raise ClientLeft from None
@@ -126,32 +125,36 @@ class GenerationRoutes:
         await answer(result, scope, receive, send)
 
 
-@contextlib.contextmanager
-def _cancelled_if_client_leaves(receive):
-    """While the body is read and the answer not begun (a whole answer, not streamed, is generated
-    in here): the current task is cancelled if the client disconnects, which aborts its request down
-    to the workers, as a streamed answer's is (vLLM's ``with_cancellation``). Yields ``left()``:
-    whether that happened."""
-    task = asyncio.current_task()
-    gone, watching = False, True
+class _ClientWatch:
+    """While it is open, the current task is cancelled if the client disconnects (``left``), which
+    cancels its request down to the workers (vLLM's ``with_cancellation``). ``stop()`` ends the
+    watch early: after the last write the server answers ``receive()`` with a disconnect too."""
 
-    def on_message(watch: asyncio.Future) -> None:
-        nonlocal gone
-        # (a callback already scheduled when the block ended is too late: the answer is under way)
-        if not watching or watch.cancelled() or watch.exception() is not None:
+    def __init__(self, receive) -> None:
+        self.left = False
+        self._watching = True
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.ensure_future(receive())
+        self._watcher.add_done_callback(self._on_message)
+
+    def _on_message(self, watch: asyncio.Future) -> None:
+        # (a callback already scheduled when the watch stopped is too late: the answer is under way)
+        if not self._watching or watch.cancelled() or watch.exception() is not None:
             return
         if watch.result()["type"] == "http.disconnect":
-            gone = True
-            task.cancel()
+            self.left = True
+            self._task.cancel()
 
-    watcher = asyncio.ensure_future(receive())
-    watcher.add_done_callback(on_message)
-    try:
-        yield lambda: gone
-    finally:
-        watching = False
-        watcher.remove_done_callback(on_message)
-        watcher.cancel()
+    def stop(self) -> None:
+        self._watching = False
+        self._watcher.remove_done_callback(self._on_message)
+        self._watcher.cancel()
+
+    def __enter__(self) -> _ClientWatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 async def answer(result: dict | AsyncIterator[bytes], scope, receive, send) -> None:
@@ -166,32 +169,17 @@ async def answer(result: dict | AsyncIterator[bytes], scope, receive, send) -> N
 
 async def stream(events: AsyncIterator[bytes], receive, send) -> None:
     """Send ``events`` as a streamed 200 response until they end or the client leaves."""
-    task = asyncio.current_task()
-    finished = left = False
-
-    def on_disconnect(watch: asyncio.Future) -> None:
-        nonlocal left
-        # After the last write the server answers receive() with a disconnect too: not a leaving.
-        if finished or watch.cancelled() or watch.exception() is not None:
-            return
-        if watch.result()["type"] == "http.disconnect":
-            left = True
-            task.cancel()
-
-    watcher = asyncio.ensure_future(receive())
-    watcher.add_done_callback(on_disconnect)
+    watch = _ClientWatch(receive)
     try:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         async for event in events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
-        finished = True
+        watch.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except asyncio.CancelledError:
-        if not left:
+        if not watch.left:
             raise
-        task.uncancel()  # the client left: the events closed (the request is cancelled) and that is all
+        asyncio.current_task().uncancel()  # the client left: the events closed (the request is cancelled)
     finally:
-        finished = True
-        watcher.remove_done_callback(on_disconnect)
-        watcher.cancel()
+        watch.stop()
         await events.aclose()

@@ -70,6 +70,21 @@ def _scope(path: str, body: bytes, method: str = "POST", root_path: str = "") ->
     }
 
 
+def _client(body: bytes, left: asyncio.Event):
+    """ASGI ``receive`` of a client that sends ``body``, then disconnects once ``left`` is set."""
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
 def _cancelled(serving) -> float:
     text = serving.metrics.render(None, [], ("0", 0, 0)).decode()
     line = next(
@@ -83,15 +98,8 @@ def test_a_client_leaving_mid_stream_cancels_its_request_and_frees_its_slot(info
         router = WatchedRouter()
         serving = _serving(info, router)
         app, out, left = _app(serving), Response(), asyncio.Event()
-        body, sent = json.dumps(BODY).encode(), False
-
-        async def receive():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await left.wait()
-            return {"type": "http.disconnect"}
+        body = json.dumps(BODY).encode()
+        receive = _client(body, left)
 
         async def send(msg):
             if msg["type"] == "http.response.start":
@@ -125,15 +133,8 @@ def test_a_client_leaving_before_a_whole_answer_cancels_its_request_and_frees_it
         router = WatchedRouter()
         serving = _serving(info, router)
         app, out, left = _app(serving), Response(), asyncio.Event()
-        body, sent = json.dumps({**BODY, "stream": False}).encode(), False
-
-        async def receive():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await left.wait()
-            return {"type": "http.disconnect"}
+        body = json.dumps({**BODY, "stream": False}).encode()
+        receive = _client(body, left)
 
         async def send(msg):
             if msg["type"] == "http.response.start":
