@@ -85,6 +85,18 @@ def _client(body: bytes, left: asyncio.Event):
     return receive
 
 
+async def _leaves_and_is_cancelled(served, left: asyncio.Event, router, serving) -> None:
+    """The client goes while the router has tokens still to send: the app returns without an error,
+    the router's stream is closed, the slot is free and the request counts as cancelled."""
+    left.set()
+    # A bound against a hang, not a duration the test expects: the app returns once the client left.
+    done, _ = await asyncio.wait({served}, timeout=30)
+    assert served in done and served.exception() is None  # no error because a client left
+    assert router.closed.is_set()
+    assert serving.admission.running == 0
+    assert _cancelled(serving) == 1
+
+
 def _cancelled(serving) -> float:
     text = serving.metrics.render(None, [], ("0", 0, 0)).decode()
     line = next(
@@ -113,13 +125,7 @@ def test_a_client_leaving_mid_stream_cancels_its_request_and_frees_its_slot(info
         router.feed.put_nowait(tokens([6]))
         await out.wait_for(lambda r: len(r.events()) >= 2)
         assert serving.admission.running == 1 and not router.closed.is_set()
-        left.set()  # the client goes; the router has 48 tokens still to send
-        # A bound against a hang, not a duration the test expects: the app returns once the client left.
-        done, _ = await asyncio.wait({served}, timeout=30)
-        assert served in done and served.exception() is None  # no error because a client left
-        assert router.closed.is_set()
-        assert serving.admission.running == 0
-        assert _cancelled(serving) == 1
+        await _leaves_and_is_cancelled(served, left, router, serving)
         assert out.status == 200 and b"[DONE]" not in out.body
 
     asyncio.run(run())
@@ -146,13 +152,7 @@ def test_a_client_leaving_before_a_whole_answer_cancels_its_request_and_frees_it
         router.feed.put_nowait(tokens([6]))
         while not (router.feed.empty() and serving.admission.running == 1):  # both tokens taken
             await asyncio.sleep(0)
-        left.set()  # the client goes; the router has 48 tokens still to send
-        # A bound against a hang, not a duration the test expects: the app returns once the client left.
-        done, _ = await asyncio.wait({served}, timeout=30)
-        assert served in done and served.exception() is None  # no error because a client left
-        assert router.closed.is_set()
-        assert serving.admission.running == 0
-        assert _cancelled(serving) == 1
+        await _leaves_and_is_cancelled(served, left, router, serving)
         assert out.status == 0  # nothing was answered
 
     asyncio.run(run())
