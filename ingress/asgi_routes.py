@@ -112,6 +112,7 @@ class GenerationRoutes:
                         raise
                     asyncio.current_task().uncancel()
                     raise ClientLeft from None
+                watch.kept = not isinstance(result, dict)  # a stream's sending goes on watching
         except ClientLeft:
             return
         except APIError as exc:
@@ -122,16 +123,17 @@ class GenerationRoutes:
             err = APIError(500, "internal server error", code="internal")
             await JSONResponse(err.body(), status_code=500)(scope, receive, send)
             return
-        await answer(result, scope, receive, send)
+        await answer(result, scope, receive, send, watch)
 
 
 class _ClientWatch:
     """While it is open, the current task is cancelled if the client disconnects (``left``), which
     cancels its request down to the workers (vLLM's ``with_cancellation``). ``stop()`` ends the
-    watch early: after the last write the server answers ``receive()`` with a disconnect too."""
+    watch early: after the last write the server answers ``receive()`` with a disconnect too. A
+    watch ``kept`` past its ``with`` block goes on (one per request: a stream takes it over)."""
 
     def __init__(self, receive) -> None:
-        self.left = False
+        self.left = self.kept = False
         self._watching = True
         self._task = asyncio.current_task()
         self._watcher = asyncio.ensure_future(receive())
@@ -153,23 +155,27 @@ class _ClientWatch:
     def __enter__(self) -> _ClientWatch:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None or not self.kept:
+            self.stop()
 
 
-async def answer(result: dict | AsyncIterator[bytes], scope, receive, send) -> None:
-    """A handler's answer: JSON (with the hop timing's header when it carries one), or a stream."""
+async def answer(
+    result: dict | AsyncIterator[bytes], scope, receive, send, watch: _ClientWatch | None = None
+) -> None:
+    """A handler's answer: JSON (with the hop timing's header when it carries one), or a stream
+    (watched for the client leaving by ``watch``, or a watch of its own)."""
     if isinstance(result, dict):
         timing = result.get(TIMING_FIELD)
         headers = {TIMING_HEADER: format_timing(timing)} if timing is not None else None
         await JSONResponse(result, headers=headers)(scope, receive, send)
         return
-    await stream(result, receive, send)
+    await stream(result, receive, send, watch)
 
 
-async def stream(events: AsyncIterator[bytes], receive, send) -> None:
+async def stream(events: AsyncIterator[bytes], receive, send, watch: _ClientWatch | None = None) -> None:
     """Send ``events`` as a streamed 200 response until they end or the client leaves."""
-    watch = _ClientWatch(receive)
+    watch = watch or _ClientWatch(receive)
     try:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         async for event in events:

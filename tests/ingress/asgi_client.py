@@ -53,15 +53,7 @@ async def call(app, path: str, body: dict | bytes | None = None, headers: dict |
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 80),
     }
-    received = False
-
-    async def receive():
-        nonlocal received
-        if not received:
-            received = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await asyncio.Event().wait()
-
+    receive = client_receive(raw)
     out = out or Response()
 
     async def send(msg):
@@ -93,6 +85,24 @@ class FedRouter:
             yield msg
             if msg.WhichOneof("kind") == "finished":
                 return
+
+
+def client_receive(body: bytes, left: asyncio.Event | None = None):
+    """ASGI ``receive`` of a client that sends ``body``, then stays, or disconnects once ``left`` is
+    set; ``receive.calls`` counts the calls."""
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        receive.calls += 1
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await (left or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
+
+    receive.calls = 0
+    return receive
 
 
 def tokens(ids, logprobs=None, index=0) -> pb.GenerateResponse:

@@ -8,7 +8,7 @@ import asyncio
 import json
 
 import pytest
-from asgi_client import FedRouter, Response, call, finished, tokens
+from asgi_client import FedRouter, Response, call, client_receive, finished, tokens
 
 from ingress.http_app import build_http_app
 from ingress.metrics import IngressMetrics
@@ -70,21 +70,6 @@ def _scope(path: str, body: bytes, method: str = "POST", root_path: str = "") ->
     }
 
 
-def _client(body: bytes, left: asyncio.Event):
-    """ASGI ``receive`` of a client that sends ``body``, then disconnects once ``left`` is set."""
-    sent = False
-
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await left.wait()
-        return {"type": "http.disconnect"}
-
-    return receive
-
-
 async def _leaves_and_is_cancelled(served, left: asyncio.Event, router, serving) -> None:
     """The client goes while the router has tokens still to send: the app returns without an error,
     the router's stream is closed, the slot is free and the request counts as cancelled."""
@@ -111,7 +96,7 @@ def test_a_client_leaving_mid_stream_cancels_its_request_and_frees_its_slot(info
         serving = _serving(info, router)
         app, out, left = _app(serving), Response(), asyncio.Event()
         body = json.dumps(BODY).encode()
-        receive = _client(body, left)
+        receive = client_receive(body, left)
 
         async def send(msg):
             if msg["type"] == "http.response.start":
@@ -127,6 +112,7 @@ def test_a_client_leaving_mid_stream_cancels_its_request_and_frees_its_slot(info
         assert serving.admission.running == 1 and not router.closed.is_set()
         await _leaves_and_is_cancelled(served, left, router, serving)
         assert out.status == 200 and b"[DONE]" not in out.body
+        assert receive.calls == 2  # the body, then one watch for the request (the stream took it over)
 
     asyncio.run(run())
 
@@ -140,7 +126,7 @@ def test_a_client_leaving_before_a_whole_answer_cancels_its_request_and_frees_it
         serving = _serving(info, router)
         app, out, left = _app(serving), Response(), asyncio.Event()
         body = json.dumps({**BODY, "stream": False}).encode()
-        receive = _client(body, left)
+        receive = client_receive(body, left)
 
         async def send(msg):
             if msg["type"] == "http.response.start":
