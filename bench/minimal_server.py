@@ -30,6 +30,7 @@ from bench.ports import free_port
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_loop import EngineLoop
+from settings import gc_policy
 
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -131,6 +132,7 @@ def serve(model: str, host: str, port: int, device: str = "cpu", dtype: str = "f
     print(f"loading {model} on {device} ...", flush=True)
     app = MinimalApp(LLM(model, num_blocks=2048, device=device, dtype=dtype), "minimal")
     app.loop.start()
+    gc_policy.settle_heap()  # as every pdserve server process does once it serves
     print(f"serving on http://{host}:{port}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", loop="uvloop", http="httptools")
 

@@ -68,6 +68,7 @@ from engine.sampling_params import SamplingParams
 from loadgen.serving_client import run_load
 from loadgen.serving_datasets import ServingRequest
 from loadgen.workloads import random_workload
+from settings import gc_policy
 
 RESULTS = Path(__file__).parent / "results"
 # The report's columns, in this order; the load generator (this process) is shown apart.
@@ -204,6 +205,7 @@ def engine_layout(a: argparse.Namespace, model: str, vocab: int, staggered: bool
     engine = {"device": a.device, "dtype": a.dtype, "num_blocks": a.num_blocks, "cpu_threads": a.cpu_threads}
     config = EngineConfig(model=model, **engine, cuda_graph_mixed=a.cuda_graph_mixed)
     core, out = EngineCore(config), {}
+    gc_policy.settle_heap()  # the served processes' policy, so the ratios compare like with like
     for w in a.workloads:
         params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
         loop(core, prompts(w, a.warmup, vocab, seed=1), params, concurrency=a.concurrency)

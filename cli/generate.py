@@ -38,12 +38,10 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    model = args.model or str(ensure_tiny_model())
-    print(f"loading {model} ...", file=sys.stderr)
-    llm = LLM(model, **engine_kwargs_from_args(args))
-    prompts = args.prompt or DEFAULT_PROMPTS
-    prompts = prompts * max(1, args.repeat)
-    params = SamplingParams(
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    prompts = (args.prompt or DEFAULT_PROMPTS) * args.repeat
+    params = SamplingParams(  # checked before the model loads
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -51,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
+    model = args.model or str(ensure_tiny_model())
+    print(f"loading {model} ...", file=sys.stderr)
+    llm = LLM(model, **engine_kwargs_from_args(args))
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0

@@ -79,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _identity(model: str) -> dict:
     """The shape fields a profile names, read from the model's config (no weights loaded)."""
-    from transformers import AutoConfig
+    from engine.models.loader import load_hf_config, resolve_model_path
 
-    cfg = AutoConfig.from_pretrained(model)
+    cfg = load_hf_config(resolve_model_path(model))  # a ValueError (one line) when it cannot load
     layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
     return {
         "architecture": (cfg.architectures or [""])[0],

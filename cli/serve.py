@@ -58,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
             config = config_from_args(args, args.model or str(ensure_tiny_model()), tiny)
     if not args.address:  # a second service on a taken port would share it, or fail deep in Ray
         check_port_free(config.ingress.host, config.ingress.port)
+        # Before Ray starts: a model that cannot load fails here in a line, not in a replica's log
+        # after Serve gave up on it (a remote cluster's nodes may hold paths this machine lacks).
+        from engine.models.loader import check_model
+
+        check_model(config.model)
     args.name = claim_name(args.name or f"{config.app_name}-{config.ingress.port}")
     if args.api_key:
         environment.export_secret(environment.API_KEY, args.api_key)  # the local Ray cluster inherits it

@@ -18,7 +18,7 @@ from ray import serve
 
 from deploy.config import PDServeConfig
 from deploy.replica_grpc import keep_replica_grpc_on_loopback
-from settings import environment
+from settings import environment, gc_policy
 
 logger = logging.getLogger(__name__)
 keep_replica_grpc_on_loopback()  # in each replica's process, before Serve starts its gRPC server
@@ -112,6 +112,7 @@ class PrefillServer(_WorkerReplica):
             )
         )
         await serve_prefill(self.worker, host, 0)
+        gc_policy.settle_heap()
         logger.info(
             "%s ready on %s in %.1fs", self.worker.worker_id, self.worker.address, time.perf_counter() - t0
         )
@@ -148,6 +149,7 @@ class DecodeServer(_WorkerReplica):
         # Registers after connecting NIXL to every registered prefill worker, and keeps connecting to
         # new ones (the decode worker does it itself, as under ``python -m decode_worker``).
         await serve_decode(self.worker, host, 0)
+        gc_policy.settle_heap()
         logger.info(
             "%s ready on %s in %.1fs", self.worker.worker_id, self.worker.address, time.perf_counter() - t0
         )
@@ -186,6 +188,7 @@ class RouterServer:
         self.ingress, self._http = None, None
         if config.ingress.http_server == "router":
             self.ingress, self._http = await _serve_ingress(config, LocalRouterClient(self.router))
+        gc_policy.settle_heap()
 
     async def get_address(self) -> str:
         return self.address
@@ -248,6 +251,7 @@ class IngressServer:
             from ingress.server import serve_http
 
             self._direct = await serve_http(self.ingress.http, config.ingress.host, config.ingress.port)
+        gc_policy.settle_heap()
 
     def __serve_build_asgi_app__(self):
         return self.ingress.http

@@ -43,6 +43,23 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return getattr(torch, _DTYPE_ALIASES[dtype])
 
 
+def usable_device(device: str) -> torch.device:
+    """``device`` as torch's, or a ValueError that says why this process cannot use it (checked
+    where the engine is built: a config may be written on a host without the accelerator)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA GPU")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this host has {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev
+
+
 def option(default, help: str, choices: tuple | None = None, flag: str | None = None):
     """A declared engine option: its default, help text and choices, which every surface reads
     (``engine.args`` for the CLI flags, ``deploy.config.EngineOptions`` for Serve and KubeRay)."""

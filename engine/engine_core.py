@@ -13,10 +13,8 @@ import random
 import time
 from operator import attrgetter
 
-import torch
-
 from engine.attention import get_attention_backend
-from engine.config import EngineConfig
+from engine.config import EngineConfig, usable_device
 from engine.core_lora import LoraMixin
 from engine.core_tiers import TierMixin
 from engine.core_transfer import TransferMixin
@@ -48,8 +46,8 @@ _new_token_ids = attrgetter("new_token_ids")
 class EngineCore(TransferMixin, LoraMixin, TierMixin):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.device = usable_device(config.device)  # before a model download it could not use
         self.model_path = resolve_model_path(config.model)
-        self.device = torch.device(config.device)
         # The process's intra-op pool, before anything runs a parallel op: one engine each.
         apply_thread_policy(self.device.type, config.cpu_threads)
         backend = get_attention_backend(config.attention_backend, config.device)

@@ -49,7 +49,7 @@ class StructuredOutput:
 class SamplingParams:
     """How to sample one request.
 
-    temperature == 0 means greedy. ``top_k`` <= 0 disables top-k; ``top_p`` == 1 and ``min_p`` == 0
+    temperature == 0 means greedy. ``top_k`` -1 or 0 disables top-k; ``top_p`` == 1 and ``min_p`` == 0
     disable theirs. ``seed`` makes sampling a pure function of (seed, sample index, position), so
     the same request samples the same tokens on any engine. ``logprobs`` = k returns the sampled
     token's logprob and the top-k alternatives (k = 0: the sampled token's only).
@@ -133,6 +133,8 @@ class SamplingParams:
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:

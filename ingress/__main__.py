@@ -18,7 +18,7 @@ import signal
 
 from ingress.options import IngressOptions, add_ingress_flags
 from router.launch import add_router_flags
-from settings import event_loop
+from settings import event_loop, gc_policy
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -41,6 +41,7 @@ async def _serve(args: argparse.Namespace) -> None:
         ingress.http, options.host, options.port, reuse_port=False, log_level=args.log_level
     )
     host, port = server.address
+    gc_policy.settle_heap()
     print(f"LISTENING {f'[{host}]' if ':' in host else host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -245,6 +245,7 @@ def _mean_logprob(choice: dict) -> float:
 async def _joined_stream(serving, plan, gens, merged: _Merged, first, slot, rid: str):
     model = plan.parts[0].params.lora or serving.info.name
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
+    tail = {"usage": None} if plan.include_usage else {}  # every chunk's but the usage one (OpenAI)
     status = "error"
     try:
         if plan.echo is not None:
@@ -253,7 +254,7 @@ async def _joined_stream(serving, plan, gens, merged: _Merged, first, slot, rid:
                     {"index": i * plan.n + j, "text": text, "logprobs": None, "finish_reason": None}
                     for j in range(plan.n)
                 ]
-                yield _sse({**head, "choices": echoed})
+                yield _sse({**head, "choices": echoed, **tail})
         pending = list(first)
         while True:
             item = pending.pop(0) if pending else await merged.next()
@@ -263,7 +264,7 @@ async def _joined_stream(serving, plan, gens, merged: _Merged, first, slot, rid:
             choices = [serving._stream_choice(plan.parts[i], d) for d in deltas]
             for c in choices:
                 c["index"] += i * plan.n
-            yield _sse({**head, "choices": choices})
+            yield _sse({**head, "choices": choices, **tail})
         if plan.include_usage:
             usage = Usage(0)
             for g in gens:

@@ -23,6 +23,7 @@ from ingress.request_validation import GenerationRequest
 from ingress.token_text import TokenLogprob, TokenTexts
 from proto.convert import logprobs_from_proto, stop_reason_of
 from router.client import RouterClient
+from router.policies import DRAINING_MESSAGE
 
 _GRPC_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request"),
@@ -153,6 +154,8 @@ class Generation:
             except grpc.aio.AioRpcError as exc:
                 status, code = _GRPC_STATUS.get(exc.code(), (500, "internal"))
                 details = exc.details() or exc.code().name.lower()
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and details == DRAINING_MESSAGE:
+                    code = "draining"
                 param = self._param_of(details) if status == 400 else None
                 raise APIError(status, details, code=code, param=param) from exc
 

@@ -191,7 +191,8 @@ def status_of(exc: BaseException) -> str:
 
 
 def error_from_validation(exc) -> APIError:
-    """A pydantic ValidationError as a 400 naming the first offending field."""
+    """A pydantic ValidationError as a 400 naming the first offending field (its value shown short:
+    a multi-megabyte input is not echoed back)."""
     errors = exc.errors()
     first = errors[0]
     # Union members add a type tag to the location ("temperature.float"): name the field only.
@@ -199,10 +200,22 @@ def error_from_validation(exc) -> APIError:
     kind = first.get("type", "")
     # A union reports each member; a non-finite float fails the int member first, so look further.
     finite = next((e for e in errors if e.get("type") == "finite_number" and _loc(e) == loc), None)
+    # A list the field accepts, whose items are wrong (``prompt: [1.5]``, an image content part):
+    # the item is what to name, not the list's other forms.
+    item = next((e for e in errors if _loc(e).startswith(f"{loc}.")), None)
     if finite is not None:
         msg = f"invalid value for {loc!r}: must be a finite number, got {finite.get('input')}"
+    elif item is not None and _member_kinds(errors, loc):
+        loc, kind = _loc(item), item.get("type", "")
+        if kinds := _member_kinds(errors, loc):
+            msg = f"invalid value for {loc!r}: must be {' or '.join(kinds)}, got {_shown(item.get('input'))}"
+        elif kind == "literal_error" and loc.endswith(".type"):  # an image part, an unknown tool type
+            kind, expected = "extra_forbidden", (item.get("ctx") or {}).get("expected", "?")
+            msg = f"unsupported {loc!r}: {_shown(item.get('input'))}; supported: {expected}"
+        else:
+            msg = f"invalid value for {loc!r}: {item.get('msg', 'invalid')}, got {_shown(item.get('input'))}"
     elif kinds := _member_kinds(errors, loc):  # the value's type is wrong (for every member of a union)
-        msg = f"invalid value for {loc!r}: must be {' or '.join(kinds)}, got {first.get('input')!r}"
+        msg = f"invalid value for {loc!r}: must be {' or '.join(kinds)}, got {_shown(first.get('input'))}"
     elif kind == "extra_forbidden":
         msg = f"unsupported field {loc!r}"
     elif kind == "missing":
@@ -211,6 +224,12 @@ def error_from_validation(exc) -> APIError:
         msg = f"invalid value for {loc!r}: {first.get('msg', 'invalid')}"
     code = {"missing": "missing_field", "extra_forbidden": "unsupported_parameter"}.get(kind, "invalid_value")
     return APIError(400, msg, param=loc or None, code=code)
+
+
+def _shown(value: object, limit: int = 100) -> str:
+    """``repr(value)``, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 _KINDS = {

@@ -235,12 +235,14 @@ class OpenAIServing:
         tail = b""
         try:
             async with aclosing(events):
+                # With include_usage, every chunk but the usage one says "usage": null (OpenAI's spec).
+                usage = _NO_USAGE if req.include_usage else None
                 if req.chat:  # OpenAI opens every choice with the assistant role
                     for i in range(req.params.n):
-                        yield _sse(_chunk(rid, obj, created, model, [_chat_delta(i, "", role=True)]))
-                # Once per request: every chunk's fields but its choices, serialized (the same bytes
-                # as json.dumps of the whole chunk).
-                head = _sse(_chunk(rid, obj, created, model, []))[: -len(b"[]}\n\n")]
+                        yield _sse(_chunk(rid, obj, created, model, [_chat_delta(i, "", role=True)], usage))
+                # Once per request: every chunk's fields around its choices, serialized (the same
+                # bytes as json.dumps of the whole chunk; the key is the only unescaped '"choices"').
+                head, end = _sse(_chunk(rid, obj, created, model, [0], usage)).split(b'"choices":[0]', 1)
                 batch: list[ChoiceDelta] | None = first
                 gen.stamps.first_out = time.perf_counter()
                 tools = {i: ToolStream(req.tools) for i in range(req.params.n)} if req.tools else None
@@ -252,7 +254,7 @@ class OpenAIServing:
                         else _dumps(self._stream_choice(req, d, tools))
                         for d in batch
                     )
-                    tail += head + b"[" + choices + b"]}\n\n"
+                    tail += head + b'"choices":[' + choices + b"]" + end
                     if not gen.ended:  # no later event is known yet: out now
                         yield tail
                         tail = b""
@@ -355,10 +357,13 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + _dumps(obj) + b"\n\n"
 
 
+_NO_USAGE: dict = {}  # ``_chunk``'s usage for "usage": null (None leaves the field out)
+
+
 def _chunk(rid: str, obj: str, created: int, model: str, choices: list, usage: dict | None = None) -> dict:
     out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
     if usage is not None:
-        out["usage"] = usage
+        out["usage"] = usage or None
     return out
 
 

@@ -169,7 +169,19 @@ def validate_chat(req: ChatCompletionRequest, info: ModelInfo, limits: IngressOp
     _check_stream_options(req)
     for i, m in enumerate(req.messages):  # only an assistant's tool calls may stand without content
         if m.content is None and not (m.role == "assistant" and m.tool_calls):
-            raise APIError(400, f"messages[{i}] ({m.role}) needs a content", param=f"messages.{i}.content")
+            raise APIError(
+                400,
+                f"messages[{i}] ({m.role}) needs a content",
+                param=f"messages.{i}.content",
+                code="missing_field",
+            )
+        if m.role == "tool" and not m.tool_call_id:  # OpenAI's: a tool's answer names the call it answers
+            raise APIError(
+                400,
+                f"messages[{i}] (tool) needs a tool_call_id: the id of the call it answers",
+                param=f"messages.{i}.tool_call_id",
+                code="missing_field",
+            )
     tools, tool_plan, tool_grammar = plan_tools(req)
     check_sampling(req, limits.max_n)
     if req.max_tokens is not None and req.max_completion_tokens is not None:

@@ -53,7 +53,7 @@ class Ingress:
             "decode_workers": roles.count("decode"),
             "registry": "degraded" if cluster.degraded else "ok",
         }
-        if self.serving.draining:
+        if self.serving.draining or cluster.draining:  # this front end closing, or the application
             detail["status"] = "draining"
             return False, detail
         if not detail["decode_workers"]:

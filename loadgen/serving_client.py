@@ -109,8 +109,14 @@ def _arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
     return out
 
 
+def server_root(base_url: str) -> str:
+    """The server's root: the URL the serve banner prints (``.../v1``) names the same server."""
+    root = base_url.rstrip("/")
+    return root.removesuffix("/v1") if root.endswith("/v1") else root
+
+
 async def run_load(args, requests: list[ServingRequest], concurrency: int | None, rate: float | None) -> dict:
-    url = args.base_url.rstrip("/") + "/v1/completions"
+    url = server_root(args.base_url) + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if getattr(args, "debug_timing", False):
         headers["x-pdserve-debug"] = "timing"  # pdserve returns each request's hop timing
@@ -155,9 +161,22 @@ async def run_load(args, requests: list[ServingRequest], concurrency: int | None
 
 
 async def _first_model(session, base_url: str, headers: dict) -> str:
-    async with session.get(base_url.rstrip("/") + "/v1/models", headers=headers) as resp:
-        resp.raise_for_status()
-        return (await resp.json())["data"][0]["id"]
+    """The first model ``/v1/models`` lists; a server that cannot be reached is a ConnectionError and
+    a refusal a ValueError, each one line that says what to do (``pdserve bench`` prints it)."""
+    url = server_root(base_url) + "/v1/models"
+    try:
+        async with session.get(url, headers=headers) as resp:
+            status, body = resp.status, await resp.read()
+    except aiohttp.ClientConnectionError as exc:
+        raise ConnectionError(f"cannot reach {url}: {exc}") from None
+    if status == 401:
+        raise ValueError(f"{url} answered 401: give the server's key (--api-key or PDSERVE_API_KEY)")
+    if status != 200:
+        raise ValueError(f"{url} answered {status}: is --base-url an OpenAI-compatible server's root?")
+    try:
+        return json.loads(body)["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):
+        raise ValueError(f"{url} lists no model: give --model") from None
 
 
 def _label(concurrency, rate) -> str:

@@ -171,8 +171,9 @@ def parse_traffic(data, base: Path = Path(".")) -> Traffic:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise TrafficError(f"{name} must be a non-negative integer, got {v!r}")
     prompt = _lengths(data, "prompt_tokens")
-    if tokens and tokens >= prompt.mean * (1 - prompt.spread):
-        raise TrafficError(f"prefix.tokens ({tokens}) must be shorter than the shortest prompt")
+    # A prompt as long as the prefix still gets a token of its own (``generate``): equal is fine.
+    if tokens and tokens > prompt.mean * (1 - prompt.spread):
+        raise TrafficError(f"prefix.tokens ({tokens}) must not be longer than the shortest prompt")
     return Traffic(rate, requests, prompt, _lengths(data, "output_tokens"), groups, tokens, slo, seed)
 
 

@@ -15,12 +15,13 @@ import signal
 
 from router.launch import add_router_flags, build_router
 from router.service import serve
-from settings import event_loop
+from settings import event_loop, gc_policy
 
 
 async def _main(args: argparse.Namespace) -> None:
     router = build_router(args)
     server, address = await serve(router, args.host, args.port, args.socket_streams)
+    gc_policy.settle_heap()
     print(f"LISTENING {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -62,6 +62,11 @@ class NoWorkersError(RuntimeError):
     """No worker can take the request (none registered, or all lost by it)."""
 
 
+# The refusal of a request that arrives while the application drains: a 503 the front end codes
+# ``draining`` (as its own refusal once it closes), not ``unavailable``.
+DRAINING_MESSAGE = "the service is shutting down and takes no new requests"
+
+
 class AdapterNotServed(NoWorkersError):
     """Decode workers are registered, but none serves the request's LoRA adapter (a 404 at the edge)."""
 

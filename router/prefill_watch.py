@@ -69,5 +69,8 @@ async def watched(
         raise
     finally:
         handle.cancel()
+        # NOTE: ``check``'s cells hold itself, its timer and this task: a cycle that would keep the
+        # request's task and frames until a collection. Broken here, reference counting frees them.
+        handle = check = None
         if not answered:
             call.cancel()

@@ -39,6 +39,7 @@ from router.migration import (
     continuation,
 )
 from router.policies import (
+    DRAINING_MESSAGE,
     AdapterNotServed,
     DecodeHold,
     NoWorkersError,
@@ -192,7 +193,7 @@ class Router(DecodeRelay):
         """Attempt after attempt until the request ends: a decode worker lost mid-stream is replaced
         and the request resumed from what was already relayed (``router.migration``)."""
         if self.view.draining:
-            raise NoWorkersError("the service is shutting down and takes no new requests")
+            raise NoWorkersError(DRAINING_MESSAGE)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt)
         clock = RouterClock(self.hops)

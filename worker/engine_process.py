@@ -40,6 +40,7 @@ from engine.step_budget import StepBudget
 from kv_transfer import KVCompat
 from proto import pdserve_pb2 as pb
 from proto.convert import params_from_proto
+from settings import gc_policy
 from worker.adapters import change_adapter
 from worker.engine_channel import (
     FrameBuffer,
@@ -321,6 +322,7 @@ def main(argv: list[str] | None = None, role: RoleFactory | None = None) -> None
         host.role = role(host, compat, extra)
     ready = ready_to_proto(core.limits, compat, core.prefix_salt, core.lora_salts())
     host.role.ready(ready)
+    gc_policy.settle_heap()
     write_frame(
         args.events, pb.EngineEvents(replies=[pb.EngineReply(command_id=cmd.command_id, ready=ready)])
     )

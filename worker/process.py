@@ -14,7 +14,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from kv_transfer import InProcessFabric
-from settings import environment
+from settings import environment, gc_policy
 from worker.registry_link import IncompatibleKVLayoutError
 from worker.runtime import TransferFactory, WorkerRuntime, nixl_transfer
 
@@ -83,6 +83,7 @@ async def serve_until_signal(
     except IncompatibleKVLayoutError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    gc_policy.settle_heap()
     print(f"LISTENING {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -44,15 +44,38 @@ def resolve_model_path(model: str) -> Path:
     if path.exists() or model.startswith((".", "/")):
         raise ValueError(f"model path {model!r} is not a checkpoint directory")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError
 
     logger.info("resolving %s from the Hugging Face hub", model)
-    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except (OSError, EntryNotFoundError) as exc:  # not found, gated, offline, no network
+        raise ValueError(
+            f"model {model!r} is no local directory, and from the Hugging Face hub: {_brief(exc)}"
+        ) from None
 
 
 def load_hf_config(path: Path):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:  # no config.json, or one transformers cannot read
+        raise ValueError(f"model {str(path)!r} has no usable config.json: {_brief(exc)}") from None
+
+
+def check_model(model: str) -> None:
+    """A ValueError that says what is wrong with the model, read without its weights: a path that is
+    no checkpoint, a hub id that cannot be fetched, an architecture pdserve does not run."""
+    cfg = load_hf_config(resolve_model_path(model))
+    if ZERO_COST_ARCHITECTURE not in (getattr(cfg, "architectures", None) or []):
+        spec_from_hf_config(cfg)
+
+
+def _brief(exc: BaseException) -> str:
+    """An error's message on one line, at most 300 characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def spec_from_hf_config(cfg) -> ModelSpec:

@@ -212,6 +212,22 @@ def test_generate_submits_each_prompt_once_by_default():
     assert _subparser("generate").parse_args([]).repeat == 1
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--repeat", "0"], "--repeat must be at least 1, got 0"),
+        (["--top-k", "-5"], "top_k must be -1 or 0 (off) or a positive integer, got -5"),
+        (["--device", "cuda:7"], "device 'cuda:7': this "),  # no torch here has 8 GPUs... or any
+    ],
+)
+def test_generate_refuses_bad_values_in_one_line_before_loading_a_model(capsys, argv, says):
+    from cli.main import main as pdserve
+
+    assert pdserve(["generate", "--model", "/nonexistent", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and says in err.splitlines()[-1], err
+
+
 def test_the_request_limits_are_serve_flags_that_reach_the_ingress():
     """The limits the docs cite (``--max-n``, ``--max-logprobs``, ...) exist and set the ingress."""
     from pydantic import ValidationError

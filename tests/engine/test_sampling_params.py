@@ -31,6 +31,7 @@ from engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
         ({"n": True}, r"n must be an integer, got True"),
         ({"max_tokens": True}, r"max_tokens must be an integer, got True"),
         ({"top_k": False}, r"top_k must be an integer, got False"),
+        ({"top_k": -5}, r"top_k must be -1 or 0 \(off\) or a positive integer, got -5"),
         ({"seed": True}, r"seed must be an integer, got True"),
         ({"logprobs": True}, r"logprobs must be an integer, got True"),
         ({"temperature": True}, r"temperature must be a finite number >= 0, got True"),

@@ -66,6 +66,17 @@ def test_more_prompts_than_admission_slots_stream_to_the_end(info):
     indices = {c["index"] for e in r.events() for c in e.get("choices", [])}
     assert indices == {0, 1, 2, 3, 4}
     assert serving.admission.running == 0 and router.open == 0
+    assert all("usage" not in e for e in r.events())  # only asked for, and then null until the end
+
+
+def test_with_include_usage_every_chunk_of_several_prompts_says_usage_null_until_the_last(info):
+    scripts = {p: [tokens([p]), tokens([p + 1]), finished()] for p in (10, 11)}
+    _, app = _serving(info, ScriptedRouter(scripts))
+    body = {"model": "tiny", "prompt": [[10], [11]], "max_tokens": 2, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    events = asyncio.run(asyncio.wait_for(call(app, "/v1/completions", body), 30)).events()
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+    assert len(events) > 2 and all("usage" in e and e["usage"] is None for e in events[:-1])
 
 
 def test_a_failing_prompt_answers_with_its_status_and_closes_the_others(info):

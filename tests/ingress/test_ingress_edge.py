@@ -254,3 +254,5 @@ def test_tokens_go_out_as_they_come_and_the_stream_ends_in_one_write(info, path)
     events = out.events()
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    # OpenAI: with include_usage, every other chunk carries "usage": null.
+    assert all("usage" in e and e["usage"] is None for e in events[:-1])

@@ -232,3 +232,35 @@ def test_null_for_an_optional_field_is_its_default_and_a_required_ones_is_refuse
     assert _refusal(lambda: _completion(info, model=None)).param == "model"
     refused = _refusal(lambda: _completion(info, bogus=None)).body()["error"]
     assert (refused["param"], refused["code"]) == ("bogus", "unsupported_parameter")
+
+
+def test_a_refusal_names_the_wrong_item_and_never_echoes_a_huge_value():
+    """A 3 MB value of the wrong type is refused with its start shown, not sent back whole; a list of
+    the wrong items names the item (``prompt.0``), not the union's string form; an image content part
+    is an unsupported parameter naming what is supported."""
+    huge = _refusal(
+        lambda: parse_body(
+            json.dumps({"model": "t", "prompt": {"x": "A" * 3_000_000}}).encode(), CompletionRequest
+        )
+    )
+    assert huge.param == "prompt" and len(json.dumps(huge.body())) < 1000
+    assert "must be a string or a list" in huge.message
+    floats = _refusal(
+        lambda: parse_body(json.dumps({"model": "t", "prompt": [1.5]}).encode(), CompletionRequest)
+    )
+    assert floats.param == "prompt.0" and floats.message.endswith("got 1.5")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "x" * 200_000}}
+    body = {"model": "t", "messages": [{"role": "user", "content": [image]}]}
+    part = _refusal(lambda: parse_body(json.dumps(body).encode(), ChatCompletionRequest))
+    assert part.param == "messages.0.content.0.type" and part.code == "unsupported_parameter"
+    assert part.message.endswith("'image_url'; supported: 'text'") and len(part.message) < 200
+
+
+def test_a_tool_message_must_name_the_call_it_answers(info):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]
+    msgs.append({"role": "tool", "content": "42"})
+    err = _refusal(lambda: _chat(info, messages=msgs))
+    assert err.param == "messages.2.tool_call_id" and err.code == "missing_field"
+    msgs[2]["tool_call_id"] = "c1"
+    assert _chat(info, messages=msgs).prompt_ids

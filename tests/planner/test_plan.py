@@ -5,7 +5,9 @@ profile of another model refused at the command line."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -36,7 +38,10 @@ TRAFFIC = {
             r"prompt_tokens.spread must be in \[0, 1\)",
         ),
         (lambda d: d.update(output_tokens=-3), "output_tokens must be a positive integer"),
-        (lambda d: d.update(prefix={"groups": 2, "tokens": 400}), "must be shorter than the shortest prompt"),
+        (
+            lambda d: d.update(prefix={"groups": 2, "tokens": 400}),
+            "must not be longer than the shortest prompt",
+        ),
         (lambda d: d.update(slo={"ttft_p99_s": 1}), "slo takes ttft_p90_s and itl_p50_s"),
         (lambda d: d.update(slo={"ttft_p90_s": -1}), "slo.ttft_p90_s must be a positive number"),
     ],
@@ -46,6 +51,17 @@ def test_a_malformed_traffic_description_names_its_field(edit, message):
     edit(data)
     with pytest.raises(TrafficError, match=message):
         parse_traffic(data)
+
+
+def test_the_traffic_description_in_the_operations_guide_is_valid(tmp_path):
+    """The example a user copies from docs/operations.md loads as written (its prefix is exactly as
+    long as its shortest prompt)."""
+    guide = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    (example,) = re.findall(r"cat > traffic.yaml <<'YAML'\n(.*?)\nYAML\n", guide, re.S)
+    (tmp_path / "traffic.yaml").write_text(example)
+    traffic = load_traffic(tmp_path / "traffic.yaml")
+    assert (traffic.prefix_groups, traffic.prefix_tokens) == (8, 512)
+    assert all(len(r.prompt) > 512 for r in traffic.generate())
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ and the deadline scales with the worker's longest recent step (a slow step is no
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 
@@ -105,3 +107,33 @@ def test_a_long_step_announced_by_the_heartbeats_raises_the_deadline_of_a_call_a
 
     assert asyncio.run(run(10.24)) == (True, 8.0)  # 2,048 tokens at the cold 5 ms a token
     assert asyncio.run(run(0.0)) == (False, 5.5)
+
+
+def test_an_answered_watch_leaves_nothing_for_the_cyclic_collector():
+    """The watch's timer callback refers to itself and to the request's task: left as a cycle, every
+    request's task and frames waited for a collection (17-22% of the ingress's CPU at 16/16 tokens,
+    bench/README "The collector"). Answered after a few checks, the task is freed as it ends."""
+
+    async def run() -> bool:
+        call, checks = _Call(), 0
+
+        def silent_for(_: str) -> float:
+            nonlocal checks
+            checks += 1
+            if checks == 3:
+                call.future.set_result(pb.PrefillResponse())
+            return 0.0
+
+        task = asyncio.ensure_future(watched(call, _worker(0), silent_for, OPTIONS, poll_s=0.001))
+        await task
+        ref = weakref.ref(task)
+        del task
+        await asyncio.sleep(0)  # the loop lets go of the handle that woke this task
+        return ref() is None
+
+    gc.collect()
+    gc.disable()
+    try:
+        assert asyncio.run(run())
+    finally:
+        gc.enable()
