@@ -248,14 +248,16 @@ class OpenAIServing:
                 tools = {i: ToolStream(req.tools) for i in range(req.params.n)} if req.tools else None
                 plain = tools is None and req.logprobs is None and req.prompt_logprobs is None
                 while batch is not None:
-                    choices = b",".join(
+                    choices = [
                         _plain_choice(req.chat, d.index, d.text)
                         if plain and d.finish_reason is None
-                        else _dumps(self._stream_choice(req, d, tools))
+                        else self._stream_choice(req, d, tools)
                         for d in batch
-                    )
-                    tail += head + b'"choices":[' + choices + b"]" + end
-                    if not gen.ended:  # no later event is known yet: out now
+                    ]
+                    choices = [c if isinstance(c, bytes) else _dumps(c) for c in choices if c is not None]
+                    if choices:  # (none: a tool call held back, nothing to say yet)
+                        tail += head + b'"choices":[' + b",".join(choices) + b"]" + end
+                    if tail and not gen.ended:  # no later event is known yet: out now
                         yield tail
                         tail = b""
                     batch = await anext(events, None)
@@ -278,7 +280,9 @@ class OpenAIServing:
             await slot.__aexit__(None, None, None)
         yield tail + b"data: [DONE]\n\n"
 
-    def _stream_choice(self, req: GenerationRequest, d: ChoiceDelta, tools=None) -> dict:
+    def _stream_choice(self, req: GenerationRequest, d: ChoiceDelta, tools=None) -> dict | None:
+        """The choice's part of a chunk; None when it has nothing to say (a tool call being held
+        back, without logprobs to send)."""
         reason = d.finish_reason
         if req.chat:
             text, calls = d.text, []
@@ -287,9 +291,14 @@ class OpenAIServing:
                 if reason is not None:
                     rest, calls = tools[d.index].finish(reason)
                     text += rest
+                elif not text and req.logprobs is None:
+                    return None
             c = _chat_delta(d.index, text)
-            if calls:
-                c["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+            if calls:  # as OpenAI streams a call: no content beside it unless some came before
+                c["delta"] = {
+                    "content": text or None,
+                    "tool_calls": [{"index": k, **x} for k, x in enumerate(calls)],
+                }
                 reason = "tool_calls"
             c["logprobs"] = {"content": _chat_logprobs(d.logprobs)} if req.logprobs is not None else None
         else:

@@ -227,3 +227,21 @@ def test_required_tool_choice_refuses_min_tokens(info):
     }
     r = asyncio.run(call(_app(info, RecordingRouter([])), "/v1/chat/completions", body))
     assert r.status == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
+def test_a_forced_call_streams_no_chunk_while_it_is_held_back_and_no_content_beside_it(info):
+    """A named tool_choice: the call's arguments come token by token but go out once, as the call;
+    no empty content chunk per token meanwhile, and the call's delta has content null (OpenAI's)."""
+    args = '{"city": "Paris", "days": 3}'
+    ids = info.tokenizer.encode(args, add_special_tokens=False)
+    router = RecordingRouter([tokens([i]) for i in ids] + [finished("stop")])
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "weather?"}], "stream": True}
+    body |= {"tools": [WEATHER], "tool_choice": choice}
+    events = asyncio.run(call(_app(info, router), "/v1/chat/completions", body)).events()
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    assert len(ids) > 5 and len(deltas) == 2  # the role, then the call
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    (tool_call,) = deltas[1]["tool_calls"]
+    assert deltas[1]["content"] is None and tool_call["function"]["name"] == "get_weather"
+    assert json.loads(tool_call["function"]["arguments"]) == {"city": "Paris", "days": 3}
