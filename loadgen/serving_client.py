@@ -269,7 +269,11 @@ def print_report(s: dict) -> None:
         f"   requests/s {s['request_throughput']:.2f}   output tok/s {s['output_token_throughput']:.1f}   total tok/s {s['total_token_throughput']:.1f}"
     )
     if s["goodput_slo_ms"]:
-        print(f"   goodput {s['goodput']:.2f} req/s under {s['goodput_slo_ms']}")
+        slo = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in s["goodput_slo_ms"].items())
+        print(f"   goodput {s['goodput']:.2f} req/s within {slo}")
+    if not s["completed"]:  # no latency to report: not zeros
+        print("   no request completed: no latencies")
+        return
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         print(f"   {name[:-2].upper():5s} {ms(s[name])}")
     for hop, st in s.get("hop_timing_ms", {}).items():
