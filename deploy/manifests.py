@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deploy.config import PDServeConfig
 from deploy.pd_autoscaler import PDAutoscalingConfig
@@ -141,6 +141,19 @@ class ClusterValues(_Values):
         description="where the Ray dashboard listens on the head; the KubeRay operator reaches it only on "
         "the pod IP, so the shipped values set 0.0.0.0 (it stays behind token auth)",
     )
+
+    @model_validator(mode="after")
+    def _pools_fit_their_groups(self) -> ClusterValues:
+        """A pool the autoscaler may grow past its GPU group's pods would wait for pods that never come."""
+        for pool in ("prefill", "decode") if self.autoscaling else ():
+            most, group = getattr(self.autoscaling, pool).max_replicas, getattr(self, pool)
+            pods = max(group.max_replicas, group.replicas)
+            if most > pods:
+                raise ValueError(
+                    f"autoscaling.{pool}.max_replicas ({most}) is more than the {pool} group's "
+                    f"{pods} pods ({pool}.max_replicas): raise {pool}.max_replicas or lower the policy's"
+                )
+        return self
 
 
 def serve_config(v: ClusterValues) -> dict[str, Any]:

@@ -130,3 +130,16 @@ def _all_env(node):
     elif isinstance(node, list):
         for item in node:
             yield from _all_env(item)
+
+
+def test_an_autoscaled_pool_larger_than_its_gpu_group_is_refused():
+    """Replicas past the group's pods would wait for pods KubeRay never adds."""
+    raw = yaml.safe_load((KUBERAY / "values.yaml").read_text())
+    raw["autoscaling"]["prefill"] = {**raw["autoscaling"].get("prefill", {}), "max_replicas": 10}
+    raw["prefill"]["max_replicas"] = 4
+    with pytest.raises(
+        ValueError, match=r"autoscaling.prefill.max_replicas \(10\) is more than the prefill group's 4 pods"
+    ):
+        ClusterValues.model_validate(raw)
+    raw["prefill"]["max_replicas"] = 10
+    ClusterValues.model_validate(raw)
