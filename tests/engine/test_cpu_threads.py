@@ -91,6 +91,7 @@ def test_a_gpu_engine_runs_one_intra_op_thread_unless_told(
     def stop(*args, **kwargs):
         raise _Built
 
+    monkeypatch.setattr(engine_core, "usable_device", torch.device)  # as if this host had the GPUs
     monkeypatch.setattr(engine_core, "get_attention_backend", stop)  # no CUDA here: stop the build
     before = torch.get_num_threads()
     torch.set_num_threads(2)
