@@ -435,3 +435,37 @@ def test_a_landed_kv_is_reported_with_when_it_landed():
     clocks.transferred(landed.request_id, landed.seconds, landed.at)  # read later: the engine client's call
     assert clocks.get("r").ready == landed.at
     assert not role.landed  # reported once
+
+
+def test_an_idle_engine_waits_longer_each_empty_turn_and_a_command_wakes_it_at_once(tiny_llama, monkeypatch):
+    """Nothing to do: the wait on the command pipe doubles each empty turn up to IDLE_WAIT_MAX_S (an
+    idle engine process was 200 empty turns a second, 4% of a core); a command is answered at once
+    and the waits start short again."""
+    import worker.engine_process as engine_process
+
+    core = EngineCore(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=BLOCKS))
+    commands_r, commands_w = os.pipe()
+    events_r, events_w = os.pipe()
+    host = EngineHost(core, commands_r, events_w, memoryview(bytearray(CLOCK.size)), idle_tick_s=0.005)
+    waits: list[float] = []
+    real_select = engine_process.select.select
+
+    def select(r, w, x, timeout):
+        waits.append(timeout)
+        if len(waits) == 8:  # a command arrives during the eighth wait
+            stats = pb.EngineCommand(command_id=1, stats=True)
+            os.write(commands_w, frame(pb.EngineCommands(commands=[stats])))
+        if len(waits) == 12:
+            os.write(
+                commands_w, frame(pb.EngineCommands(commands=[pb.EngineCommand(command_id=2, stop=True)]))
+            )
+        return real_select(r, w, x, 0)  # no real waiting in the test
+
+    monkeypatch.setattr(engine_process.select, "select", select)
+    assert host.serve()
+    assert waits[:9] == [0.005, 0.01, 0.02, 0.04, 0.05, 0.05, 0.05, 0.05, 0.005]
+    assert waits[9:12] == [0.01, 0.02, 0.04]
+    reply = read_frame(events_r, pb.EngineEvents).replies[0]
+    assert reply.command_id == 1 and reply.HasField("stats")
+    for fd in (commands_r, commands_w, events_r, events_w):
+        os.close(fd)
