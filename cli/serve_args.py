@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from pydantic import ValidationError
+
 from cli.host_share import frontend_count, local_cpu_threads, positive_int
-from deploy.config import PDServeConfig
+from deploy.config import PDServeConfig, validation_message
 from engine.args import add_engine_args, engine_kwargs_from_args
 from ingress.options import add_ingress_flags
 from router.decode_relay import KV_STREAMING_TOKENS
@@ -200,6 +202,9 @@ def config_from_file(path: str, args: argparse.Namespace) -> PDServeConfig:
         data = yaml.safe_load(f)
     if isinstance(data, dict) and "applications" in data:
         data = data["applications"][0].get("args", {})
-    config = PDServeConfig.model_validate(data)
+    try:
+        config = PDServeConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"invalid config file {path}: {validation_message(exc)}") from None
     ingress = config.ingress.model_copy(update={"host": args.host, "port": args.port})
     return config.model_copy(update={"ingress": ingress})

@@ -11,7 +11,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from deploy.pd_autoscaler import PDAutoscalingConfig
 from engine.args import engine_options, option_type
@@ -413,3 +421,12 @@ class PDServeConfig(_Strict):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+def validation_message(exc: ValidationError) -> str:
+    """A config's validation errors as ``field.path: message``, one after another (without pydantic's
+    documentation links): what ``pdserve`` prints for a bad config or values file."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'the file'}: {e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from deploy.config import PDServeConfig
+from deploy.config import PDServeConfig, validation_message
 from deploy.pd_autoscaler import PDAutoscalingConfig
 from router.decode_relay import KV_STREAMING_TOKENS
 
@@ -355,7 +355,8 @@ def redis_manifests(v: ClusterValues) -> list[dict[str, Any]]:
 
 def render(values_path: Path) -> dict[str, str]:
     """File name -> content, for every generated file."""
-    v = ClusterValues.model_validate(yaml.safe_load(values_path.read_text()))
+    with values_path.open() as f:  # a YAML error names the file
+        v = ClusterValues.model_validate(yaml.safe_load(f))
     header = HEADER.format(values=values_path.name)
     serve_yaml = yaml.safe_dump(serve_config(v), sort_keys=False)
     files = {
@@ -375,8 +376,10 @@ def default_values() -> Path:
 def write(values_path: Path, out_dir: Path) -> list[Path]:
     try:
         files = render(values_path)  # first: an invalid file writes nothing
-    except (yaml.YAMLError, ValidationError) as exc:
-        raise ValueError(f"invalid values file {values_path}: {exc}") from exc
+    except ValidationError as exc:
+        raise ValueError(f"invalid values file {values_path}: {validation_message(exc)}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"invalid values file {values_path}: {exc}") from None
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in files.items():

@@ -266,3 +266,13 @@ def test_engine_threads_share_the_usable_cores_whatever_the_ray_cpus(monkeypatch
     assert config_from_args(parse(["--ray-cpus", "4"]), "m", tiny=False).engine.cpu_threads == 2
     given = parse(["--ray-cpus", "64", "--cpu-threads", "3"])
     assert config_from_args(given, "m", tiny=False).engine.cpu_threads == 3
+
+
+def test_a_bad_config_file_names_its_field_in_one_line(tmp_path):
+    from cli.serve_args import config_from_file
+
+    path = tmp_path / "pdserve.yaml"
+    path.write_text("model: m\ncolour: red\n")
+    with pytest.raises(ValueError) as exc:
+        config_from_file(str(path), _subparser("serve").parse_args([]))
+    assert str(exc.value) == f"invalid config file {path}: colour: Extra inputs are not permitted"

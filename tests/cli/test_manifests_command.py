@@ -32,7 +32,13 @@ def test_a_bad_values_file_is_one_line_and_writes_nothing(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
     done = _manifests(tmp_path, "--values", "bad.yaml", "--out", "k8s")
     assert done.returncode == 2 and "Traceback" not in done.stderr and "invalid values file" in done.stderr
+    assert 'in "bad.yaml", line 2' in done.stderr and "<unicode string>" not in done.stderr  # where it is
     (tmp_path / "wrong.yaml").write_text("name: x\nreplicas: lots\n")
     done = _manifests(tmp_path, "--values", "wrong.yaml", "--out", "k8s")
     assert done.returncode == 2 and "Traceback" not in done.stderr
+    # One line per problem, named by its field, without pydantic's documentation links.
+    assert (
+        "replicas: Extra inputs are not permitted" in done.stderr and "errors.pydantic.dev" not in done.stderr
+    )
+    assert done.stderr.count("\n") == 1
     assert not (tmp_path / "k8s").exists()
