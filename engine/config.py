@@ -79,7 +79,7 @@ class EngineConfig:
     """Everything an engine needs to start; every engine option is declared here, once.
 
     KV pool size: ``num_blocks`` pins it; otherwise it comes from ``kv_cache_memory_bytes`` on CPU or
-    ``gpu_memory_utilization`` of the device's free memory on CUDA. ``swap_space`` (GiB) > 0 adds a
+    ``gpu_memory_utilization`` of the device's total memory on CUDA, less what is in use (weights). ``swap_space`` (GiB) > 0 adds a
     CPU block pool and makes preemption swap instead of recompute.
     """
 
@@ -98,7 +98,10 @@ class EngineConfig:
     block_size: int = option(16, "tokens per KV block (a power of two <= 256)")
     num_blocks: int | None = option(None, "pin the KV pool's size in blocks (default: from memory)")
     kv_cache_memory_bytes: int = option(1 << 30, "bytes of KV cache on CPU")
-    gpu_memory_utilization: float = option(0.9, "fraction of free GPU memory for the KV cache on CUDA")
+    gpu_memory_utilization: float = option(
+        0.9,
+        "fraction of the GPU's total memory this engine may use on CUDA: the KV cache gets what the weights and others leave of it",
+    )
     swap_space: float = option(0.0, "GiB of CPU blocks for swap preemption (0: preempt by recompute)")
     kv_host_cache_gib: float = option(
         0.0,

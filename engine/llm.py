@@ -69,25 +69,29 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} adapters for {len(prompts)} prompts")
         plist = [p if name is None else dataclasses.replace(p, lora=name) for p, name in zip(plist, loras)]
+        ranks = self._priorities(priorities, len(prompts))
         for toks, p in zip(token_lists, plist):
             self.core.validate(toks, p)  # all or nothing: refuse before anything is queued
         results: dict[str, RequestOutput] = {}
         detoks: dict[tuple[str, int], IncrementalDetokenizer] = {}
-        for i, (prompt, toks, p) in enumerate(zip(prompts, token_lists, plist)):
-            rid = f"offline-{next(self._ids)}"
-            results[rid] = RequestOutput(
-                rid,
-                prompt if isinstance(prompt, str) else None,
-                toks,
-                [CompletionOutput(j, logprobs=[] if p.logprobs is not None else None) for j in range(p.n)],
-            )
-            if self.tokenizer is not None:
-                for j in range(p.n):
-                    detoks[(rid, j)] = IncrementalDetokenizer(self.tokenizer, toks, p)
-            self.core.add_request(rid, toks, p, priority=priorities[i] if priorities else 0)
         bar = tqdm(total=len(prompts), desc=desc, unit="req", disable=not use_tqdm)
         start, generated, done = time.perf_counter(), 0, 0
-        try:
+        try:  # NOTE: from the first add on: whatever ends this call aborts what it queued
+            for prompt, toks, p, rank in zip(prompts, token_lists, plist, ranks):
+                rid = f"offline-{next(self._ids)}"
+                results[rid] = RequestOutput(
+                    rid,
+                    prompt if isinstance(prompt, str) else None,
+                    toks,
+                    [
+                        CompletionOutput(j, logprobs=[] if p.logprobs is not None else None)
+                        for j in range(p.n)
+                    ],
+                )
+                if self.tokenizer is not None:
+                    for j in range(p.n):
+                        detoks[(rid, j)] = IncrementalDetokenizer(self.tokenizer, toks, p)
+                self.core.add_request(rid, toks, p, priority=rank)
             while self.core.has_unfinished():
                 for out in self.core.step():
                     result = results[out.request_id]
@@ -115,6 +119,18 @@ class LLM:
                 if not r.finished:
                     self.core.abort_request(rid)
         return list(results.values())
+
+    def _priorities(self, priorities: Sequence[int] | None, n: int) -> list[int]:
+        """One integer per prompt, for an engine that schedules by priority; a ValueError otherwise."""
+        if priorities is None:
+            return [0] * n
+        policy = self.core.config.scheduling_policy
+        if policy != "priority":
+            raise ValueError(f"priorities need scheduling_policy='priority' (this engine's is {policy!r})")
+        ranks = list(priorities)
+        if len(ranks) != n or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            raise ValueError(f"priorities must be {n} integers, one per prompt, got {priorities!r}")
+        return ranks
 
     def _resolve_bad_words(self, p: SamplingParams) -> SamplingParams:
         if not p.bad_words or p.bad_words_token_ids:

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/pdserve serve --demo "$@"
+VENV=${PDSERVE_VENV:-.venv}  # where setup.sh installed
+exec "$VENV"/bin/pdserve serve --demo "$@"

@@ -222,6 +222,24 @@ def test_every_package_is_installed_and_shipped_in_the_image():
     assert copied >= PACKAGES, PACKAGES - copied
 
 
+def test_the_image_pins_a_cuda_torch_before_installing_pdserve_and_sends_no_local_venv():
+    """Ray's CUDA images carry no torch: without its own install, ``pip install -e .`` would take
+    PyPI's default build. The local .venv (GBs) stays out of the build context."""
+    lines = (ROOT / "deploy" / "Dockerfile").read_text().splitlines()
+    torch = next(i for i, line in enumerate(lines) if line.startswith("RUN") and '"torch==' in line)
+    pdserve = next(i for i, line in enumerate(lines) if line.startswith("RUN") and "-e ." in line)
+    assert torch < pdserve and "--index-url" in lines[torch]
+    ignored = (ROOT / ".dockerignore").read_text().splitlines()
+    assert {".venv", ".git"} <= set(ignored)
+
+
+def test_the_scripts_run_what_setup_installed_where_pdserve_venv_says():
+    """setup.sh installs into ``PDSERVE_VENV`` (default .venv): run.sh and test.sh use that one too."""
+    for name in ("run.sh", "test.sh"):
+        text = (ROOT / "scripts" / name).read_text()
+        assert "VENV=${PDSERVE_VENV:-.venv}" in text and ".venv/bin" not in text, name
+
+
 def test_test_module_names_are_unique():
     """tests/ has no packages: pytest imports test modules by basename, so two alike break collection."""
     from collections import Counter

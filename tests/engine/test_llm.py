@@ -249,6 +249,39 @@ def test_priority_policy_serves_urgent_requests_first(tiny_llama):
     assert seen == order
 
 
+def test_bad_priorities_are_refused_before_anything_is_queued_and_the_engine_goes_on(tiny_llama):
+    """A wrong count or type, or priorities for an engine that does not schedule by them: a
+    ValueError before any request is queued (one left queued broke every later generate())."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=64, scheduling_policy="priority")
+    for bad in ([1], ["x", None, 2], [1, True, 2]):
+        with pytest.raises(ValueError, match="priorities must be 3 integers"):
+            llm.generate([[3] * 5, [4] * 5, [5] * 5], params, priorities=bad, use_tqdm=False)
+        assert not llm.core.has_unfinished()
+    assert llm.generate([[3] * 5], params, use_tqdm=False)[0].finished
+    fifo = LLM(str(tiny_llama), block_size=8, num_blocks=64)
+    with pytest.raises(ValueError, match="need scheduling_policy='priority'"):
+        fifo.generate([[3] * 5], params, priorities=[1], use_tqdm=False)
+
+
+def test_a_request_that_fails_to_queue_leaves_the_ones_before_it_aborted(tiny_llama, monkeypatch):
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=64)
+    real_add, added = llm.core.add_request, []
+
+    def add_request(rid, toks, params, **kw):
+        if added:
+            raise RuntimeError("injected")
+        added.append(rid)
+        return real_add(rid, toks, params, **kw)
+
+    monkeypatch.setattr(llm.core, "add_request", add_request)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([[3] * 5, [4] * 5], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(added) == 1 and not llm.core.has_unfinished()
+    monkeypatch.undo()
+    assert llm.generate([[3] * 5], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
 def test_cpu_threads_sets_the_engines_torch_threads(tiny_llama):
     """A Ray replica inherits OMP_NUM_THREADS = its CPUs (often 1); cpu_threads gives its engine the
     threads the operator wants."""
