@@ -214,6 +214,7 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         """Queue a request. ``prefill_only`` (prefill role): stop after the first token and hold the
         prompt's blocks until ``release_held``; the output carries their ids and the seed used."""
         self._check_new_id(request_id)
+        params = self.limits.resolved(len(prompt_token_ids), params)  # max_tokens None: up to the context
         self.validate(prompt_token_ids, params)
         if prefill_only and params.n != 1:
             raise ValueError("disaggregated prefill serves n = 1 only; run n > 1 requests aggregated")

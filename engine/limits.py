@@ -7,7 +7,7 @@ reported, so a request that can never run is refused before it crosses to the en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.sampling_params import SamplingParams
 
@@ -19,6 +19,15 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
+
+    def room(self, prompt_len: int) -> int:
+        """The most tokens a prompt this long may generate: what the context and the whole KV pool
+        leave it (at least 1, so a prompt with no room is refused by ``check`` with the reason)."""
+        return max(1, min(self.max_model_len, self.num_blocks * self.block_size) - prompt_len)
+
+    def resolved(self, prompt_len: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``max_tokens=None`` made the prompt's ``room``."""
+        return params if params.max_tokens is not None else replace(params, max_tokens=self.room(prompt_len))
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` for a request these limits rule out (a grammar is not compiled here)."""
@@ -36,6 +45,7 @@ class RequestLimits:
             raise ValueError(
                 f"prior_output_tokens ({params.prior_output_tokens}) must be less than the prompt's {n} tokens"
             )
+        params = self.resolved(n, params)
         total = n + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

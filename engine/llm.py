@@ -45,21 +45,21 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priorities: Sequence[int] | None = None,
         lora: str | Sequence[str | None] | None = None,
         use_tqdm: bool = True,
         desc: str = "generate",
     ) -> list[RequestOutput]:
-        """``lora``: the adapter every prompt runs, or one per prompt (None: the base model)."""
+        """``sampling_params`` (vLLM's name): one for every prompt, or one per prompt. ``lora``: the
+        adapter every prompt runs, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if params is None:
-            params = SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")

@@ -44,5 +44,9 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
     def logprobs(self) -> list[dict[int, float]] | None:
         return self.outputs[0].logprobs

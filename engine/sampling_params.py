@@ -90,7 +90,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: what the context (and the KV pool) leaves the prompt
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -141,9 +141,10 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not 0 <= self.seed < 2**63:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
@@ -179,7 +180,7 @@ class SamplingParams:
         if self.prior_output_tokens < 0:
             raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
         _check_int("min_tokens", self.min_tokens)
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
@@ -213,7 +214,7 @@ class SamplingParams:
         """These params for the same request once ``tokens`` of its output joined its prompt."""
         return dataclasses.replace(
             self,
-            max_tokens=self.max_tokens - tokens,
+            max_tokens=None if self.max_tokens is None else self.max_tokens - tokens,
             min_tokens=max(0, self.min_tokens - tokens),
             prior_output_tokens=self.prior_output_tokens + tokens,
             prompt_logprobs=None,  # sent with the first output already

@@ -294,3 +294,24 @@ def test_cpu_threads_sets_the_engines_torch_threads(tiny_llama):
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineConfig(model=str(tiny_llama), cpu_threads=0)
+
+
+def test_max_tokens_none_generates_up_to_the_context(tiny_llama):
+    """As in vLLM (and pdserve's HTTP API's ``max_tokens: null``): None is what the context leaves."""
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=64, max_model_len=48)
+    out = llm.generate([[3] * 10], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 48 - 10 and out.finish_reason == "length"
+    small = LLM(str(tiny_llama), block_size=8, num_blocks=4, max_model_len=48)  # the pool leaves 32
+    out = small.generate([[3] * 10], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 32 - 10
+    with pytest.raises(ValueError, match="exceeds the model's context length of 48"):
+        llm.generate([[3] * 48], SamplingParams(max_tokens=None), use_tqdm=False)
+
+
+def test_vllm_style_calls_work(tiny_llama):
+    """``generate(prompts, sampling_params=...)`` by vLLM's keyword; ``.stop_reason`` on the output."""
+    llm = LLM(str(tiny_llama), block_size=8, num_blocks=64)
+    out = llm.generate(
+        [[3] * 5], sampling_params=SamplingParams(max_tokens=4, stop_token_ids=[7]), use_tqdm=False
+    )[0]
+    assert out.stop_reason == out.outputs[0].stop_reason and out.finished
