@@ -125,7 +125,7 @@ class Generation:
         if not self.ended:
             raise APIError(500, "the generation stream ended before every sample finished", code="internal")
         now = self.stamps.finished = time.perf_counter()
-        self.metrics.e2e.labels(self.metrics.model).observe(now - self.started)
+        self.metrics.observe_e2e(now - self.started)
         self.metrics.observe_hops(self.stamps.hops())
 
     async def _follow(self, stream) -> AsyncIterator[list[ChoiceDelta]]:
@@ -182,7 +182,7 @@ class Generation:
             self.first_token_at = self.stamps.first_token = now
             if not self.req.stream:  # the whole answer goes out at the end; the stream stamps its own
                 self.stamps.first_out = now
-            self.metrics.ttft.labels(self.metrics.model).observe(now - self.started)
+            self.metrics.observe_ttft(now - self.started)
             if n > 1:
                 self.metrics.observe_token_gap(0.0, n - 1)
         else:

@@ -25,12 +25,18 @@ STATUSES = ("success", "client_error", "rejected", "cancelled", "error")
 
 
 class IngressMetrics:
-    """One ingress replica's request-level metrics (its own registry: no process-global state)."""
+    """One ingress replica's request-level metrics (its own registry: no process-global state).
 
-    def __init__(self, model: str) -> None:
+    Every series carries ``frontend``, the replica's id: front ends that share a port
+    (``--frontends N``) each answer some of the scrapes, and a counter without it would jump between
+    their values (read as resets: ``rate()`` explodes). With it, each front end's series stays
+    monotonic and ``sum by (...)`` adds them up."""
+
+    def __init__(self, model: str, frontend: str = "0") -> None:
         self.registry = CollectorRegistry()
         self.model = model
-        labels = ["model_name"]
+        self.key = (model, frontend)  # the label values of every request-level series
+        labels = ["model_name", "frontend"]
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Request arrival at the ingress to the first generated token",
@@ -61,12 +67,13 @@ class IngressMetrics:
             registry=self.registry,
         )
         self._hop_children: dict[str, object] = {}
-        self._itl = self.itl.labels(model)  # per token: the labelled child looked up once
+        self._itl = self.itl.labels(*self.key)  # per token: the labelled child looked up once
+        self._ttft, self._e2e = self.ttft.labels(*self.key), self.e2e.labels(*self.key)
         self.requests = Counter(
             "pdserve_requests", "Finished requests by status", [*labels, "status"], registry=self.registry
         )
         for status in STATUSES:
-            self.requests.labels(model, status)
+            self.requests.labels(*self.key, status)
         # vLLM's prompt_tokens_total / generation_tokens_total, counted once per request sent to
         # the router, when it ends (finished, failed or cancelled: the tokens were computed).
         self.prompt_tokens = Counter(
@@ -74,13 +81,19 @@ class IngressMetrics:
             "Prompt tokens of requests sent to the router",
             labels,
             registry=self.registry,
-        ).labels(model)
+        ).labels(*self.key)
         self.generation_tokens = Counter(
             "pdserve_generation_tokens",
             "Tokens generated for requests (every sample)",
             labels,
             registry=self.registry,
-        ).labels(model)
+        ).labels(*self.key)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
 
     def observe_token_gap(self, gap_s: float, tokens: int) -> None:
         """``tokens`` tokens that arrived together ``gap_s`` after the last: each an ITL sample of
@@ -96,7 +109,7 @@ class IngressMetrics:
                 continue
             child = children.get(hop)
             if child is None:
-                child = children[hop] = self.hops.labels(self.model, hop)
+                child = children[hop] = self.hops.labels(*self.key, hop)
             child.observe(ms / 1e3)
 
     def count_tokens(self, prompt: int, generated: int) -> None:
@@ -104,7 +117,7 @@ class IngressMetrics:
         self.generation_tokens.inc(generated)
 
     def count(self, status: str) -> None:
-        self.requests.labels(self.model, status).inc()
+        self.requests.labels(*self.key, status).inc()
 
     def render(
         self, cluster: pb.ClusterState | None, workers: list[pb.WorkerState], ingress: tuple[str, int, int]

@@ -37,7 +37,7 @@ class Ingress:
         self.client = client
         self.expect_prefill = expect_prefill  # disaggregated: no prefill worker means degraded
         self.replica = replica
-        self.serving = OpenAIServing(info, options, client, IngressMetrics(info.name))
+        self.serving = OpenAIServing(info, options, client, IngressMetrics(info.name, frontend=replica))
         self.http: ASGIApp = build_http_app(self.serving, api_key, self.health, self.metrics)
 
     async def health(self) -> tuple[bool, dict]:

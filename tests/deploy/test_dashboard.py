@@ -16,9 +16,9 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserv
 
 def exported_names() -> set[str]:
     m = IngressMetrics("model")
-    m.ttft.labels("model").observe(0.1)
-    m.itl.labels("model").observe(0.01)
-    m.e2e.labels("model").observe(1.0)
+    m.observe_ttft(0.1)
+    m.observe_token_gap(0.01, 1)
+    m.observe_e2e(1.0)
     workers = [
         pb.WorkerState(worker_id="p", role="prefill", stats=pb.EngineStats(num_blocks=8)),
         pb.WorkerState(

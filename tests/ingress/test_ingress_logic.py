@@ -355,7 +355,7 @@ def test_worker_error_becomes_an_api_error(info):
 
 def test_metrics_render_worker_and_transfer_series():
     m = IngressMetrics("tiny")
-    m.ttft.labels("tiny").observe(0.1)
+    m.observe_ttft(0.1)
     m.count("success")
     stats = pb.EngineStats(
         num_running=2,
@@ -414,7 +414,12 @@ def test_metrics_render_worker_and_transfer_series():
     assert samples[("pdserve_router_peer_reads_total", ())] == 6
     assert samples[("pdserve_kv_transfer_seconds_bucket", (("le", "0.1"), ("worker", "decode-a")))] == 2
     assert samples[("pdserve_kv_transfer_seconds_count", (("worker", "decode-a"),))] == 2
-    assert samples[("pdserve_requests_total", (("model_name", "tiny"), ("status", "success")))] == 1
+    assert (
+        samples[
+            ("pdserve_requests_total", (("frontend", "0"), ("model_name", "tiny"), ("status", "success")))
+        ]
+        == 1
+    )
     assert samples[("pdserve_router_requests_routed_total", ())] == 5
     assert samples[("pdserve_router_migrations_total", ())] == 2
     assert samples[("pdserve_router_stalls_total", ())] == 1

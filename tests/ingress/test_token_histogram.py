@@ -47,10 +47,29 @@ def test_a_token_gap_is_split_over_the_tokens_that_came_together():
     m.observe_token_gap(0.04, 4)  # four tokens 40 ms after the last: four samples of 10 ms
     m.observe_token_gap(0.0, 0)
     samples = _samples(m.registry)
-    key = ("pdserve_inter_token_latency_seconds_bucket", (("le", "0.01"), ("model_name", "model")))
+    front = ("frontend", "0")
+    key = ("pdserve_inter_token_latency_seconds_bucket", (front, ("le", "0.01"), ("model_name", "model")))
     assert samples[key] == 4
-    below = ("pdserve_inter_token_latency_seconds_bucket", (("le", "0.005"), ("model_name", "model")))
+    below = ("pdserve_inter_token_latency_seconds_bucket", (front, ("le", "0.005"), ("model_name", "model")))
     assert samples[below] == 0
-    assert samples[("pdserve_inter_token_latency_seconds_sum", (("model_name", "model"),))] == pytest.approx(
-        0.04
-    )
+    assert samples[
+        ("pdserve_inter_token_latency_seconds_sum", (front, ("model_name", "model")))
+    ] == pytest.approx(0.04)
+
+
+def test_front_ends_sharing_a_port_export_series_of_their_own():
+    """A scrape reaches one of the front ends on a port: each labels its series with its id, so a
+    counter never jumps from one process's value to another's (read as a reset by ``rate()``)."""
+    a, b = IngressMetrics("model", frontend="r1"), IngressMetrics("model", frontend="r2")
+    for _ in range(3):
+        a.count("success")
+    b.count("success")
+    a.observe_ttft(0.1)
+    for m, front, done in ((a, "r1", 3), (b, "r2", 1)):
+        samples = _samples(m.registry)
+        key = (
+            "pdserve_requests_total",
+            (("frontend", front), ("model_name", "model"), ("status", "success")),
+        )
+        assert samples[key] == done
+        assert all(dict(labels).get("frontend") == front for _, labels in samples)
