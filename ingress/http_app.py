@@ -154,7 +154,7 @@ def build_http_app(
     async def version_route():
         return version()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health_check():
         ok, detail = await health()
         return JSONResponse(detail, status_code=200 if ok else 503)

@@ -35,7 +35,9 @@ class Response:
                 await self.changed.wait()
 
 
-async def call(app, path: str, body: dict | bytes | None = None, headers: dict | None = None, out=None):
+async def call(
+    app, path: str, body: dict | bytes | None = None, headers: dict | None = None, out=None, method=None
+):
     raw = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else b""
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -43,7 +45,7 @@ async def call(app, path: str, body: dict | bytes | None = None, headers: dict |
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
-        "method": "POST" if body is not None else "GET",
+        "method": method or ("POST" if body is not None else "GET"),
         "scheme": "http",
         "path": path,
         "raw_path": path.encode(),

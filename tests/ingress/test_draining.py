@@ -49,6 +49,15 @@ def test_health_is_a_503_saying_draining_while_the_application_drains(info):
     assert asyncio.run(main(True)) == (503, "draining")
 
 
+@pytest.mark.parametrize(("draining", "status"), [(False, 200), (True, 503)])
+def test_a_head_probe_of_health_gets_the_same_status(info, draining, status):
+    async def main():
+        ingress = Ingress(info, IngressOptions(), DrainingRouter(draining), None, expect_prefill=False)
+        return (await call(ingress.http, "/health", method="HEAD")).status
+
+    assert asyncio.run(main()) == status
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_refused_while_the_application_drains_is_coded_draining(info, stream):
     async def main():
