@@ -84,7 +84,7 @@ def _served(args: argparse.Namespace) -> int:
 
     from planner import host_cpu
     from planner.costs import ModelProfile
-    from planner.served import Client, measure_served
+    from planner.served import Client, fit_warning, measure_served
     from settings import environment
 
     if not args.served_mode:
@@ -103,6 +103,9 @@ def _served(args: argparse.Namespace) -> int:
         host_usage=host_cpu.usage if local else None,
     )
     replace(profile, served={**profile.served, args.served_mode: over}).save(args.out)
+    warning = fit_warning(over)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     print(
         f"served path ({args.served_mode}): {over.ttft_s * 1e3:.2f} ms + "
         f"{over.per_token_s * 1e6:.1f} us per prompt token before the first token, prompts computed "

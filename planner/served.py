@@ -291,6 +291,19 @@ class _CPUPhase:
         self._start()
 
 
+def fit_warning(over: ServedOverhead) -> str | None:
+    """What to tell the user when the fit cannot be right: every overhead at zero means the deployment
+    served as fast as the engine profile says the engine alone computes, which no served path does
+    (HTTP, tokenization, the hops): the engine profile's steps were timed too slow."""
+    if over.ttft_s or over.per_token_s or over.prefill_scale or over.step_s or over.step_per_seq_s:
+        return None
+    return (
+        "every served overhead fitted to zero: the engine profile's steps are as slow as or slower than "
+        "the deployment's whole path, so it was likely measured while something else ran; profile the "
+        "engine again on an idle machine, then --served"
+    )
+
+
 def fit_overhead(samples: list[dict]) -> ServedOverhead:
     """The overhead model from measured samples (see the module doc); never below zero."""
     ttft = [s for s in samples if s["kind"] == "ttft"]

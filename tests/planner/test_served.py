@@ -15,7 +15,7 @@ from bench.ports import free_port
 from cli.main import main as pdserve
 from planner import host_cpu
 from planner.costs import ModelProfile, ProfileError, ServedOverhead
-from planner.served import Client, ServedError, fit_overhead, measure_served
+from planner.served import Client, ServedError, fit_overhead, fit_warning, measure_served
 from planner.simulator import FRONT_WINDOW_S, Deployment, SimRequest, Simulator
 
 
@@ -259,3 +259,17 @@ def test_the_command_stores_the_served_path_in_the_profile(server, tiny_llama, t
     nobody = f"http://127.0.0.1:{free_port()}"
     assert pdserve(["profile", "--out", str(path), "--served", nobody, "--served-mode", "aggregated"]) == 1
     assert f"cannot reach {nobody}" in capsys.readouterr().err
+
+
+def test_a_fit_of_all_zeros_warns_that_the_engine_profile_was_too_slow():
+    """A deployment no slower than its engine profile anywhere: the profile's steps were timed while
+    something else ran (the fit clips at zero, so it would silently plan with no served overhead)."""
+    samples = [
+        {"kind": "ttft", "prompt": n, "seconds": e * 0.9, "engine_s": e} for n, e in ((32, 0.01), (256, 0.05))
+    ]
+    samples += [
+        {"kind": "itl", "batch": b, "prompt": 32, "seconds": 0.004, "engine_s": 0.005} for b in (1, 4)
+    ]
+    assert "profile the engine again on an idle machine" in fit_warning(fit_overhead(samples))
+    samples[0]["seconds"] = 0.03  # one real overhead is enough
+    assert fit_warning(fit_overhead(samples)) is None
