@@ -353,18 +353,27 @@ def redis_manifests(v: ClusterValues) -> list[dict[str, Any]]:
     ]
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """Writes a value used twice (the Redis labels and selector) out twice, not as a YAML anchor
+    (``&id001`` / ``*id001``), which a reader of a manifest should not have to resolve."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
 def render(values_path: Path) -> dict[str, str]:
     """File name -> content, for every generated file."""
     with values_path.open() as f:  # a YAML error names the file
         v = ClusterValues.model_validate(yaml.safe_load(f))
     header = HEADER.format(values=values_path.name)
-    serve_yaml = yaml.safe_dump(serve_config(v), sort_keys=False)
+    serve_yaml = yaml.dump(serve_config(v), Dumper=_PlainDumper, sort_keys=False)
     files = {
         "serve_config.yaml": header + serve_yaml,
-        "rayservice.yaml": header + yaml.safe_dump(rayservice(v, serve_yaml), sort_keys=False),
+        "rayservice.yaml": header
+        + yaml.dump(rayservice(v, serve_yaml), Dumper=_PlainDumper, sort_keys=False),
     }
     if not v.redis_external:
-        files["redis.yaml"] = header + yaml.safe_dump_all(redis_manifests(v), sort_keys=False)
+        files["redis.yaml"] = header + yaml.dump_all(redis_manifests(v), Dumper=_PlainDumper, sort_keys=False)
     return files
 
 

@@ -5,6 +5,7 @@ and no secret in any manifest."""
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import jsonschema
@@ -42,6 +43,12 @@ def _crd_validator():
 def test_committed_files_are_what_the_values_render(rendered):
     for name, text in rendered.items():
         assert (KUBERAY / name).read_text() == text, f"{name} is stale: run `pdserve manifests`"
+
+
+def test_manifests_spell_every_value_out_without_yaml_anchors(rendered):
+    """A value used twice (the Redis labels and selector) is written twice: no ``&id001`` to resolve."""
+    for name, text in rendered.items():
+        assert not re.search(r"[&*]id\d+", text), name
 
 
 def test_serve_config_is_valid_for_ray_and_for_pdserve(rendered):
