@@ -79,8 +79,8 @@ class EngineConfig:
     """Everything an engine needs to start; every engine option is declared here, once.
 
     KV pool size: ``num_blocks`` pins it; otherwise it comes from ``kv_cache_memory_bytes`` on CPU or
-    ``gpu_memory_utilization`` of the device's total memory on CUDA, less what is in use (weights). ``swap_space`` (GiB) > 0 adds a
-    CPU block pool and makes preemption swap instead of recompute.
+    ``gpu_memory_utilization`` of the device's total memory on CUDA, less what is in use (weights).
+    ``swap_space`` (GiB) > 0 adds a CPU block pool and makes preemption swap instead of recompute.
     """
 
     model: str = option("", "checkpoint directory or Hugging Face id")

@@ -180,7 +180,7 @@ class SamplingParams:
         if self.prior_output_tokens < 0:
             raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
         _check_int("min_tokens", self.min_tokens)
-        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
