@@ -140,14 +140,18 @@ def _check_config(name: str, config: dict) -> None:
 
 
 def _pattern(patterns: dict, layer: int, proj: str, default):
-    """PEFT's per-module override: the pattern that matches the module's name (its full key, or its
-    end; the most specific wins), else ``default``."""
+    """PEFT's per-module override (``peft.utils.other.get_pattern_key``): the first key, in the
+    file's order, that matches the module's name as a regular expression (the whole name, or its
+    end after a dot; a key with ``|`` is one expression), else ``default``."""
     module = f"model.layers.{layer}.{'mlp' if proj in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{proj}"
-    best, best_len = default, -1
     for key, value in (patterns or {}).items():
-        if re.fullmatch(rf"(.*\.)?{key}", module) and len(key) > best_len:
-            best, best_len = value, len(key)
-    return best
+        try:
+            matched = re.match(rf"(.*\.)?({key})$", module)
+        except re.error as e:
+            raise AdapterError(f"pattern {key!r} is not a regular expression: {e}") from None
+        if matched:
+            return value
+    return default
 
 
 def _module(name: str, config: dict, layer: int, proj: str, ab: dict, spec, max_rank: int) -> LoraModule:

@@ -22,7 +22,7 @@ MAX_NEW = 10
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, lora_adapter_factory):
     """Three adapters of different shapes: every projection at rank 8; q and v at rank 4 with rsLoRA;
-    the MLP at rank 16 with a per-module alpha."""
+    the MLP at rank 16 with per-module alphas."""
     return {
         "all": lora_adapter_factory(tiny_llama, seed=1),
         "qv": lora_adapter_factory(tiny_llama, seed=2, r=4, targets=("q_proj", "v_proj"), use_rslora=True),
@@ -31,7 +31,10 @@ def adapters(tiny_llama, lora_adapter_factory):
             seed=3,
             r=16,
             targets=("gate_proj", "up_proj", "down_proj"),
-            alpha_pattern={"down_proj": 8},
+            # PEFT reads each key as a regular expression, the first match in the saved file's (sorted)
+            # order winning: "down_proj|up_proj" is one expression (down and up at 48, not up at 2),
+            # gate keeps lora_alpha.
+            alpha_pattern={"down_proj|up_proj": 48, "up_proj": 2},
         ),
     }
 
@@ -291,3 +294,34 @@ def test_adapters_under_speculative_decoding_and_parallel_samples(tiny_llama, ad
     want = hf_lora_greedy(tiny_llama, adapters["mlp"], prompts[0], MAX_NEW)
     assert [o.token_ids for o in out.outputs] == [want, want]
     assert llm.stats().num_free_blocks == 128
+
+
+@pytest.mark.parametrize(
+    "patterns",
+    [
+        {"down_proj": 8},
+        {"up_proj|down_proj": 24, "down_proj": 8},
+        {"q_proj": 8, ".*_proj": 4},  # the first match wins, not the longest key
+        {"layers.1.self_attn.q_proj": 3, "q_proj": 5},
+        {"model.layers.0.mlp.gate_proj": 7},
+        {"(gate|up)_proj": 9},
+        {"proj": 2},  # matches no name: a key matches after a dot or the whole name
+    ],
+)
+def test_per_module_alpha_picks_the_key_peft_picks(patterns):
+    from peft.utils.other import get_pattern_key
+
+    from engine.lora.adapter import _pattern
+
+    for layer in (0, 1):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            part = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = get_pattern_key(patterns.keys(), f"model.layers.{layer}.{part}.{proj}")
+            assert _pattern(patterns, layer, proj, 16) == patterns.get(key, 16), (layer, proj)
+
+
+def test_a_pattern_that_is_no_regular_expression_is_refused():
+    from engine.lora.adapter import _pattern
+
+    with pytest.raises(AdapterError, match="'q_proj\\[' is not a regular expression"):
+        _pattern({"q_proj[": 4}, 0, "q_proj", 16)
