@@ -390,9 +390,14 @@ class PDServeConfig(_Strict):
     def _pool_engines(self) -> PDServeConfig:
         for role in ("prefill", "decode"):
             try:
-                self.engine_for(role)
+                engine = self.engine_for(role)
             except ValueError as exc:  # pydantic's ValidationError is one
                 raise ValueError(f"{role}.engine: {exc}") from None
+            if self.model_name in (engine.lora_modules or {}):  # a request could never name it
+                raise ValueError(
+                    f"{role}.engine.lora_modules: the LoRA adapter {self.model_name!r} has the served "
+                    "model's name; give it another"
+                )
         return self
 
     def engine_for(self, role: Literal["prefill", "decode"]) -> EngineOptions:

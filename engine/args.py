@@ -70,7 +70,17 @@ def add_engine_args(
             default=f.default,
             choices=f.metadata.get("choices"),
             help=help_text + default_note,
+            **({"action": _LoraModulesAction} if f.name == "lora_modules" else {}),
         )
+
+
+def _add_adapters(parser, namespace, dest: str, adapters: dict, option_string: str) -> None:
+    """``adapters`` added to those given so far (``--lora`` and ``--lora-modules`` add up); a name
+    given twice is an error, not a silent replacement."""
+    have = getattr(namespace, dest) or {}
+    if twice := sorted(set(have) & set(adapters)):
+        parser.error(f"{option_string}: the LoRA adapter {twice[0]!r} is given twice")
+    setattr(namespace, dest, {**have, **adapters})
 
 
 class _LoraAction(argparse.Action):
@@ -80,7 +90,14 @@ class _LoraAction(argparse.Action):
         name, sep, path = value.partition("=")
         if not sep or not name or not path:
             parser.error(f"{option_string} takes NAME=PATH, got {value!r}")
-        setattr(namespace, self.dest, {**(getattr(namespace, self.dest) or {}), name: path})
+        _add_adapters(parser, namespace, self.dest, {name: path}, option_string)
+
+
+class _LoraModulesAction(argparse.Action):
+    """``--lora-modules JSON``: adds its adapters to ``lora_modules``."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        _add_adapters(parser, namespace, self.dest, value, option_string)
 
 
 def _json_object(text: str) -> dict:

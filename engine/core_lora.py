@@ -43,20 +43,28 @@ class LoraMixin:
         for name, path in (cfg.lora_modules or {}).items():
             self._load_lora(name, path)
 
-    def add_lora(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter at ``path`` as ``name``; ``AdapterError`` says why one is refused."""
+    def add_lora(self, name: str, path: str, replace: bool = True, check: bool = False) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name``; ``AdapterError`` says why one is refused.
+        ``replace=False``: refuse a name already served; ``check``: read and check the adapter as a
+        load would, serve nothing new."""
         if self.lora_slots is None:
             raise AdapterError("this engine serves no adapters: start it with enable_lora or lora_modules")
-        if name in self.lora_slots.adapters and self._lora_in_use(name):
-            raise AdapterError(
-                f"adapter {name!r} is in use by unfinished requests; it cannot be replaced now"
-            )
+        if name in self.lora_slots.adapters:
+            if not replace:
+                raise AdapterError(f"adapter {name!r} is already loaded")
+            if self._lora_in_use(name):
+                raise AdapterError(
+                    f"adapter {name!r} is in use by unfinished requests; it cannot be replaced now"
+                )
+        if check:
+            _check_name(name)
+            load_adapter(name, path, self.spec, self.config.max_lora_rank)
+            return
         self._unpin_finished()
         self._load_lora(name, path)
 
     def _load_lora(self, name: str, path: str) -> None:
-        if not isinstance(name, str) or not name.strip():
-            raise AdapterError("an adapter needs a non-empty name")
+        _check_name(name)
         adapter = load_adapter(name, path, self.spec, self.config.max_lora_rank)
         self.lora_slots.add(adapter)
         logger.info(
@@ -105,3 +113,8 @@ class LoraMixin:
         """Requests of adapter ``name``: queued or running, or staged (their prefix read from disk)."""
         staged = self.prefetch.requests() if self.prefetch is not None else []
         return sum(r.lora == name for r in (*self.scheduler.requests.values(), *staged))
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise AdapterError(f"an adapter needs a non-empty name without surrounding spaces, got {name!r}")

@@ -156,7 +156,7 @@ class Generation:
                 details = exc.details() or exc.code().name.lower()
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and details == DRAINING_MESSAGE:
                     code = "draining"
-                param = self._param_of(details) if status == 400 else None
+                param = self._param_of(details) if status == 400 else "model" if status == 404 else None
                 raise APIError(status, details, code=code, param=param) from exc
 
     def _param_of(self, message: str) -> str | None:

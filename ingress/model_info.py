@@ -49,4 +49,5 @@ def load_model_info(model: str, name: str, max_model_len: int | None, tiny: bool
         max_model_len=max_model_len or limit,
         tiny=tiny,
         tokenizer=tokenizer,
+        adapters=AdapterNames(base=name),
     )

@@ -572,14 +572,18 @@ class WorkerState(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transfer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., cache_salt: _Optional[str] = ..., transfer_stats: _Optional[_Union[KVTransferStats, _Mapping]] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class AdapterRequest(_message.Message):
-    __slots__ = ("name", "path", "unload")
+    __slots__ = ("name", "path", "unload", "replace", "check")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     unload: bool
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., unload: _Optional[bool] = ...) -> None: ...
+    replace: bool
+    check: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., unload: _Optional[bool] = ..., replace: _Optional[bool] = ..., check: _Optional[bool] = ...) -> None: ...
 
 class AdapterResponse(_message.Message):
     __slots__ = ("loras", "workers")

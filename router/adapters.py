@@ -4,7 +4,10 @@ request naming a just-loaded adapter is routable the moment the call returns.
 
 A load that some workers refuse (a path missing on one machine, a malformed adapter) is undone on
 the workers that took it: the cluster never serves an adapter on only part of its workers by
-accident. An unload that a worker refuses (requests still use the adapter there) leaves the others
+accident. A name already served is refused unless the load replaces it (vLLM's ``load_inplace``);
+a replacement is checked on every worker first, so a refusal leaves every worker's adapter as it
+was (and one that fails after that check, rarely, unloads it from those that replaced it: never two
+versions under one name). An unload that a worker refuses (requests still use the adapter there) leaves the others
 unloaded and says which refused; the caller may retry once those requests are done. Loads are
 remembered in Redis (``registry.schema.ADAPTERS_KEY``): a worker that starts later loads them too.
 """
@@ -32,37 +35,65 @@ class AdapterChangeFailed(RuntimeError):
         self.code, self.details = code, details
 
 
-async def change_adapter(router, name: str, path: str, unload: bool) -> list[str]:
+async def change_adapter(router, req: pb.AdapterRequest) -> list[str]:
     """Apply the change on every live worker; the ids of the workers that made it."""
-    if not name or (not unload and not path):
+    name, unload = req.name, req.unload
+    if not name or (not unload and not req.path):
         raise AdapterChangeFailed(
             grpc.StatusCode.INVALID_ARGUMENT, "an adapter needs a name and, to load, a path"
         )
     workers = router.view.live_workers()
     if not workers:
         raise AdapterChangeFailed(grpc.StatusCode.UNAVAILABLE, "no worker is registered")
+    serving = [w for w in workers if w.lora_salt(name) is not None]
     if unload:  # the workers that serve it (an earlier, partly refused unload left it on some)
-        workers = [w for w in workers if w.lora_salt(name) is not None]
-        if not workers:
+        if not serving:
             raise AdapterChangeFailed(grpc.StatusCode.NOT_FOUND, f"the model {name!r} does not exist")
-    req = pb.AdapterRequest(name=name, path=path, unload=unload)
-    results = await asyncio.gather(*(_on(router, w, req) for w in workers), return_exceptions=True)
+        workers = serving
+    elif serving and not req.replace:
+        where = ", ".join(sorted(w.worker_id for w in serving))
+        raise AdapterChangeFailed(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"the adapter {name!r} is already loaded (on {where}): unload it first, or load it with "
+            "load_inplace to replace it",
+        )
+    elif req.replace:  # every worker checks the new one first: a refusal then changes nothing anywhere
+        check = pb.AdapterRequest(name=name, path=req.path, replace=True, check=True)
+        _refused(
+            workers, await asyncio.gather(*(_on(router, w, check) for w in workers), return_exceptions=True)
+        )
+    change = pb.AdapterRequest(name=name, path=req.path, unload=unload, replace=req.replace)
+    results = await asyncio.gather(*(_on(router, w, change) for w in workers), return_exceptions=True)
     done = [w for w, r in zip(workers, results) if not isinstance(r, BaseException)]
-    failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
-    if failed:
+    try:
+        _refused(workers, results)
+    except AdapterChangeFailed as exc:
         if unload:  # those that did unload it: the view shows it before the caller hears of the refusal
             await _until_seen(router, {w.worker_id for w in done}, name, False)
-        elif done:  # undo the partial load
+        elif done:  # undo the partial load: a new name unloaded; a replacement too, as the others
+            # may serve the adapter they had or none now, never two versions under one name
             undo = pb.AdapterRequest(name=name, unload=True)
             await asyncio.gather(*(_on(router, w, undo) for w in done), return_exceptions=True)
-        exc = failed[0][1]
-        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
-        details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-        where = ", ".join(sorted(f.worker_id for f, _ in failed))
-        raise AdapterChangeFailed(code, f"{details} (refused by {where})")
-    await asyncio.to_thread(_remember, router.view.redis_url, name, None if unload else path)
+            if req.replace:
+                where = ", ".join(sorted(w.worker_id for w in done))
+                exc.details += f"; unloaded from {where}, which had replaced it"
+                exc.args = (exc.details,)
+        raise
+    await asyncio.to_thread(_remember, router.view.redis_url, name, None if unload else req.path)
     await _until_seen(router, {w.worker_id for w in done}, name, not unload)
     return sorted(w.worker_id for w in done)
+
+
+def _refused(workers: list, results: list) -> None:
+    """Raise the first refusal among ``results`` (one per worker), naming every worker that refused."""
+    failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
+    if not failed:
+        return
+    exc = failed[0][1]
+    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
+    details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+    where = ", ".join(sorted(f.worker_id for f, _ in failed))
+    raise AdapterChangeFailed(code, f"{details} (refused by {where})")
 
 
 def _remember(redis_url: str, name: str, path: str | None) -> None:

@@ -105,9 +105,8 @@ class RouterClient:
                 pb.ClusterStateRequest(), timeout=timeout_s
             )
 
-    async def adapter(self, name: str, path: str, unload: bool) -> pb.AdapterResponse:
+    async def adapter(self, req: pb.AdapterRequest) -> pb.AdapterResponse:
         """Load (``path``) or unload adapter ``name`` on every worker (``router.adapters``)."""
-        req = pb.AdapterRequest(name=name, path=path, unload=unload)
         return await (await self._stub()).Adapter(req, timeout=120)
 
     async def worker_states(self, timeout_s: float = 5.0) -> tuple[pb.ClusterState, list[pb.WorkerState]]:

@@ -43,11 +43,11 @@ class LocalRouterClient(RouterClient):
                 exc.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=exc.details
             ) from None
 
-    async def adapter(self, name: str, path: str, unload: bool) -> pb.AdapterResponse:
+    async def adapter(self, req: pb.AdapterRequest) -> pb.AdapterResponse:
         from router.adapters import AdapterChangeFailed, change_adapter
 
         try:
-            return pb.AdapterResponse(workers=await change_adapter(self.router, name, path, unload))
+            return pb.AdapterResponse(workers=await change_adapter(self.router, req))
         except AdapterChangeFailed as exc:
             raise grpc.aio.AioRpcError(
                 exc.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=exc.details

@@ -85,7 +85,7 @@ class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):
 
     async def Adapter(self, request: pb.AdapterRequest, context) -> pb.AdapterResponse:
         try:
-            workers = await change_adapter(self.router, request.name, request.path, request.unload)
+            workers = await change_adapter(self.router, request)
         except AdapterChangeFailed as exc:
             await context.abort(exc.code, exc.details)
         return pb.AdapterResponse(workers=workers)

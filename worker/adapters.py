@@ -30,13 +30,14 @@ def _cluster_adapters(redis_url: str) -> dict[str, str]:
         client.close()
 
 
-def change_adapter(core, name: str, path: str, unload: bool) -> dict[str, str]:
-    """Engine side: apply the change to ``core`` (an EngineCore); the adapters served after it."""
+def change_adapter(core, req: pb.AdapterRequest) -> dict[str, str]:
+    """Engine side: apply the change to ``core`` (an EngineCore); the adapters served after it. A
+    load replaces an adapter of that name only with ``replace``; ``check`` changes nothing."""
     try:
-        if unload:
-            core.remove_lora(name)
+        if req.unload:
+            core.remove_lora(req.name)
         else:
-            core.add_lora(name, path)
+            core.add_lora(req.name, req.path, replace=req.replace, check=req.check)
     except ValueError as exc:  # AdapterError, UnknownAdapterError: a refusal, whatever its class
         raise ValueError(str(exc)) from exc
     return core.lora_salts()
@@ -60,21 +61,22 @@ class AdapterMixin:
             if name in self.loras:
                 continue
             try:
-                await self.change_adapter(name, path, unload=False)
+                await self.change_adapter(pb.AdapterRequest(name=name, path=path))
                 logger.info("loaded the cluster's adapter %r from %s", name, path)
             except (ValueError, RuntimeError) as exc:
                 logger.warning("the cluster's adapter %r is not served here: %s", name, exc)
 
-    async def change_adapter(self, name: str, path: str, unload: bool) -> dict[str, str]:
-        if not name:
+    async def change_adapter(self, req: pb.AdapterRequest) -> dict[str, str]:
+        if not req.name:
             raise ValueError("an adapter needs a name")
-        if not unload and not path:
+        if not req.unload and not req.path:
             raise ValueError("loading an adapter needs its path")
         if self.engine is not None:
-            cmd = pb.EngineCommand(adapter=pb.AdapterRequest(name=name, path=path, unload=unload))
-            loras = dict((await self.engine.send(cmd)).loras)
+            loras = dict((await self.engine.send(pb.EngineCommand(adapter=req))).loras)
         else:
-            loras = await self.loop.run(lambda: change_adapter(self.core, name, path, unload))
+            loras = await self.loop.run(lambda: change_adapter(self.core, req))
+        if req.check:
+            return loras
         self.loras = loras
         if self.registry is not None:  # the next heartbeat publishes it
             self.registry.publisher.record.loras = json.dumps(loras, sort_keys=True)
@@ -86,7 +88,7 @@ async def adapter_rpc(worker, request: pb.AdapterRequest, context) -> pb.Adapter
     import grpc
 
     try:
-        loras = await worker.change_adapter(request.name, request.path, request.unload)
+        loras = await worker.change_adapter(request)
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     return pb.AdapterResponse(loras=loras)

@@ -244,8 +244,7 @@ class EngineHost:
             elif kind == "stop":
                 self.stopping = True
             elif kind == "adapter":
-                a = cmd.adapter
-                reply.loras.update(change_adapter(self.core, a.name, a.path, a.unload))
+                reply.loras.update(change_adapter(self.core, cmd.adapter))
             elif not self.role.run(cmd, reply):
                 raise ValueError(f"unknown engine command {kind!r}")
         except Exception as exc:  # the caller gets it; the engine goes on

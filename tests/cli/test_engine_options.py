@@ -276,3 +276,17 @@ def test_a_bad_config_file_names_its_field_in_one_line(tmp_path):
     with pytest.raises(ValueError) as exc:
         config_from_file(str(path), _subparser("serve").parse_args([]))
     assert str(exc.value) == f"invalid config file {path}: colour: Extra inputs are not permitted"
+
+
+def test_lora_flags_add_up_and_a_name_given_twice_is_an_error(capsys):
+    parser = _subparser("serve")
+    args = parser.parse_args(["--lora", "a=/x", "--lora-modules", '{"b": "/y"}', "--lora", "c=/z"])
+    assert args.lora_modules == {"a": "/x", "b": "/y", "c": "/z"}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lora", "a=/x", "--lora-modules", '{"a": "/y"}'])
+    assert "the LoRA adapter 'a' is given twice" in capsys.readouterr().err
+
+
+def test_an_adapter_under_the_served_models_name_is_refused():
+    with pytest.raises(ValueError, match="the LoRA adapter 'tiny' has the served model's name"):
+        PDServeConfig(model="m", served_model_name="tiny", engine={"lora_modules": {"tiny": "/a"}})

@@ -165,6 +165,7 @@ def test_loading_and_unloading_at_run_time_under_traffic_loses_no_request(
 
     base_want = _alone(tiny_llama, adapters, [None])
     a_want = _alone(tiny_llama, adapters, ["a"])
+    b_as_a_want = _alone(tiny_llama, {"a": adapters["b"]}, ["a"])
     long_params = dataclasses.replace(GREEDY, max_tokens=60)
     long_want = LLM(str(tiny_llama), num_blocks=128, block_size=8).generate(
         PROMPTS, long_params, use_tqdm=False
@@ -192,6 +193,15 @@ def test_loading_and_unloading_at_run_time_under_traffic_loses_no_request(
                 client.close()
             got = [await cluster.generate(f"a{i}", p, _params("a")) for i, p in enumerate(PROMPTS)]
             assert got == a_want
+            # Loaded again under its name: refused, unless the load replaces it (load_inplace).
+            again = pb.AdapterRequest(name="a", path=adapters["b"])
+            with pytest.raises(grpc.aio.AioRpcError, match="'a' is already loaded") as err:
+                await cluster.stub.Adapter(again, timeout=60)
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            again.replace = True
+            assert sorted((await cluster.stub.Adapter(again, timeout=60)).workers) == ["d0", "p0"]
+            got = [await cluster.generate(f"b{i}", p, _params("a")) for i, p in enumerate(PROMPTS)]
+            assert got == b_as_a_want  # its new weights, none of the old one's cached prefixes
             # A decode worker that starts now loads the adapter the cluster loaded at run time.
             late = workers("decode", "--redis-url", redis_server.url, "--worker-id", "d1", "--enable-lora")
             cluster.decodes.append(late)

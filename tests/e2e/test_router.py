@@ -77,6 +77,7 @@ class Cluster:
         self.view = ClusterView(url, poll_s=0.2)
         self.router = Router(self.view, policy)
         self.routes: dict[str, pb.RouteInfo] = {}
+        self.usage: dict[str, pb.Usage] = {}
 
     async def start(self) -> None:
         self.view.start()
@@ -102,6 +103,8 @@ class Cluster:
             assert kind != "error", msg.error
             if kind == "route":
                 self.routes[rid] = msg.route
+            elif kind == "finished":
+                self.usage[rid] = msg.finished.usage
             tokens.extend(msg.tokens.token_ids)
         return tokens
 
@@ -162,8 +165,10 @@ def test_router_serves_hf_identical_tokens_and_routes_tenants_to_their_prefix(
             await cluster.generate(f"t{t}-{i}", p)
             route = cluster.routes[f"t{t}-{i}"]
             seen.setdefault(t, []).append(route.prefill_worker)
-            # Per request, the router's predicted prefix hit is what the prefill engine delivered.
+            # Per request, the router's predicted prefix hit is what the prefill engine delivered,
+            # and what the client's usage reports.
             assert route.predicted_hit_tokens == route.delivered_hit_tokens, route
+            assert cluster.usage[f"t{t}-{i}"].cached_tokens == route.delivered_hit_tokens
             await asyncio.sleep(0.3)  # let the workers' KV events reach the index
         # After its first request, each tenant sticks to the worker holding its prefix...
         for t, ws in seen.items():
@@ -180,6 +185,11 @@ def test_router_serves_hf_identical_tokens_and_routes_tenants_to_their_prefix(
         assert {w.state.worker_id for w in cs.workers} == {"p0", "p1", "d0"} and not cs.degraded
         assert cs.index_entries > 0 and cs.events_applied > 0 and cs.delivered_prefix_hit_rate > 0.5
         assert sum(d.requests for d in cs.decisions if d.role == "prefill") == len(reqs) + 1
+        # Asked for its prompt's logprobs, a cached prompt is computed whole where it is prefilled:
+        # no hit to report, though the decode worker holds its blocks.
+        t, p = reqs[-1]
+        await cluster.generate("whole", p, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
+        assert cluster.routes["whole"].delivered_hit_tokens == cluster.usage["whole"].cached_tokens == 0
         await cluster.all_free()
 
     asyncio.run(run())

@@ -101,6 +101,16 @@ def test_an_adapter_loaded_later_is_found_by_the_first_request_naming_it(info):
     asyncio.run(main())
 
 
+def test_an_adapter_under_the_base_models_name_is_not_listed_as_a_second_model(info):
+    app = _app(info, AdapterRouter(["sql", "tiny"]))
+
+    async def main():
+        r = await call(app, "/v1/models")
+        assert [c["id"] for c in r.json()["data"]] == ["tiny", "sql"]
+
+    asyncio.run(main())
+
+
 def test_models_lists_the_adapters_under_the_base(info):
     app = _app(info, AdapterRouter(["sql", "poet"]))
 
@@ -121,10 +131,11 @@ class LoadingRouter(AdapterRouter):
         self.error = error
         self.changes = []
 
-    async def adapter(self, name, path, unload):
+    async def adapter(self, req):
         import grpc
 
-        self.changes.append((name, path, unload))
+        name, path, unload = req.name, req.path, req.unload
+        self.changes.append((name, path, unload) + (("replace",) if req.replace else ()))
         if self.error is not None:
             code, details = self.error
             raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
@@ -166,15 +177,26 @@ def test_load_then_use_then_unload_behind_the_api_key(info):
         assert r.status == 400 and r.json()["error"]["param"] == "lora_name"  # the base model's name
         r = await call(app, "/v1/load_lora_adapter", {"lora_name": "x"}, key)
         assert r.status == 400  # no path
+        r = await call(app, "/v1/load_lora_adapter", {"lora_name": " x", "lora_path": "/x"}, key)
+        assert r.status == 400 and r.json()["error"]["param"] == "lora_name"  # no request could name it
+        body = {"lora_name": "sql", "lora_path": "/adapters/sql2", "load_inplace": True}
+        assert (await call(app, "/v1/load_lora_adapter", body, key)).status == 200
+        assert router.changes[-1] == ("sql", "/adapters/sql2", False, "replace")
 
     asyncio.run(main())
 
 
 @pytest.mark.parametrize(
-    ("code", "status", "param"),
-    [("INVALID_ARGUMENT", 400, "lora_path"), ("NOT_FOUND", 404, "lora_name"), ("UNAVAILABLE", 503, None)],
+    ("code", "status", "param", "unload"),
+    [
+        ("INVALID_ARGUMENT", 400, "lora_path", False),
+        ("INVALID_ARGUMENT", 400, "lora_name", True),  # an unload refused: the adapter is in use
+        ("ALREADY_EXISTS", 400, "lora_name", False),
+        ("NOT_FOUND", 404, "lora_name", True),
+        ("UNAVAILABLE", 503, None, False),
+    ],
 )
-def test_a_refused_change_is_an_openai_error_with_the_workers_reason(info, code, status, param):
+def test_a_refused_change_is_an_openai_error_with_the_workers_reason(info, code, status, param, unload):
     import grpc
 
     from ingress.options import IngressOptions
@@ -184,7 +206,8 @@ def test_a_refused_change_is_an_openai_error_with_the_workers_reason(info, code,
     app = _app(info, router, IngressOptions(allow_runtime_lora=True))
 
     async def main():
-        r = await call(app, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a"})
+        path = "/v1/unload_lora_adapter" if unload else "/v1/load_lora_adapter"
+        r = await call(app, path, {"lora_name": "sql", **({} if unload else {"lora_path": "/a"})})
         assert r.status == status
         err = r.json()["error"]
         assert err["message"].startswith(reason) and err["param"] == param
@@ -212,6 +235,6 @@ def test_an_adapter_unloaded_behind_the_ingress_is_a_404(info):
         r = await call(app, "/v1/completions", _body("sql"))
         assert r.status == 404, r.body
         err = r.json()["error"]
-        assert err["code"] == "model_not_found" and "'sql'" in err["message"]
+        assert err["code"] == "model_not_found" and "'sql'" in err["message"] and err["param"] == "model"
 
     asyncio.run(main())
