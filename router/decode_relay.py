@@ -124,7 +124,7 @@ class DecodeRelay:
         entry = decoding[key] = (w, rid)
 
         def undo() -> None:
-            load.requests -= 1
+            load.end()
             if decoding.get(key) is entry:
                 del decoding[key]
 

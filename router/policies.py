@@ -8,7 +8,8 @@ worker wins until its queue costs more than the recompute elsewhere, so a hot te
 second worker instead of piling up on one (llm-d's prefix + queue scorers, with the weights fixed
 by both terms being tokens of work); a new prefix goes where the cache has the most room. A decode
 worker that receives its KV is chosen by running requests and free KV blocks, its own cached prefix
-breaking ties; aggregated (no prefill workers), the decode worker computes the prompt and is chosen
+breaking ties (and free-block differences under a sixteenth of its cache); aggregated (no prefill
+workers), the decode worker computes the prompt and is chosen
 as a prefill worker is, by the same cost, its running batch breaking ties. Among
 otherwise equal workers, a request of a LoRA adapter goes to one that has the adapter in a device
 slot (its heartbeat's ``resident_loras``), where it runs without a swap-in.
@@ -24,12 +25,16 @@ other the same way.
 Load is the router's exact count of what it has in flight on a worker (on a decode worker, from the
 moment a request is routed there), plus what the worker's heartbeat shows beyond that (other router
 replicas' work). The heartbeat alone is up to a period
-stale: taking it as is, a worker that just finished our requests would look busy for a second.
+stale: taking it as is, a worker that just finished our requests would look busy for a second (and
+lose the next request of a conversation whose prefix it holds); so the requests of ours that ended
+within a report's age are not counted as others' either.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +43,10 @@ from registry.prefix_index import PrefixIndex
 from registry.schema import WorkerRecord
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
+# How old a worker's load report may be when a router reads it: its heartbeat's period (1 s) and the
+# cluster view's poll, with a margin.
+REPORT_AGE_S = 1.5
+ROOM_STEP = 1 / 16  # a decode worker's cache is clearly emptier than another's by this share of it
 
 
 @dataclass(slots=True)
@@ -48,6 +57,9 @@ class WorkerLoad:
     requests: int = 0
     _reported: int = -1  # the heartbeat's queued tokens when we last looked
     _others: int = 0  # of those, the part that was not ours then
+    _reported_busy: int = -1  # the same for its running + waiting requests
+    _others_busy: int = 0
+    _ended: deque = field(default_factory=deque)  # when our requests there ended, the last REPORT_AGE_S
 
     def queued_tokens(self, reported: int) -> int:
         """Uncached prompt tokens queued on the worker: ours exactly, plus what its heartbeat
@@ -56,6 +68,27 @@ class WorkerLoad:
             self._reported = reported
             self._others = max(0, reported - self.prompt_tokens)
         return self.prompt_tokens + self._others
+
+    def busy(self, reported: int) -> int:
+        """Requests running or waiting on the worker: ours exactly, plus what its heartbeat
+        (``reported``) showed beyond ours and those of ours that ended within a report's age (the
+        figure may have been taken while they ran) when that figure first reached us."""
+        if reported != self._reported_busy:
+            self._reported_busy = reported
+            self._others_busy = max(0, reported - self.requests - self._recently_ended())
+        return self.requests + self._others_busy
+
+    def end(self) -> None:
+        """One of our requests there ended."""
+        self.requests -= 1
+        self._ended.append(time.monotonic())
+        self._recently_ended()
+
+    def _recently_ended(self) -> int:
+        ended, since = self._ended, time.monotonic() - REPORT_AGE_S
+        while ended and ended[0] < since:
+            ended.popleft()
+        return len(ended)
 
 
 class NoWorkersError(RuntimeError):
@@ -117,7 +150,8 @@ class PromptWork:
         if self._token is None:
             return
         self._load.prompt_tokens -= self._work
-        self._load.requests -= self._requests
+        if self._requests:
+            self._load.end()
         self._routed.settle(self._token, computed)
         self._token = None
 
@@ -159,12 +193,21 @@ class Policy:
         return load.queued_tokens(w.queued_prompt_tokens) if load else w.queued_prompt_tokens
 
     def _busy(self, inp: RoutingInput, w: WorkerRecord) -> int:
-        return max(w.num_running + w.num_waiting, self._load(inp, w).requests)
+        load = inp.inflight.get(w.worker_id)
+        reported = w.num_running + w.num_waiting
+        return load.busy(reported) if load else reported
 
     @staticmethod
     def _swaps(inp: RoutingInput, w: WorkerRecord) -> bool:
         """Whether running the request on ``w`` first copies its adapter into a device slot."""
         return bool(inp.lora) and not w.resident(inp.lora)
+
+
+def _room(w: WorkerRecord) -> float:
+    """A worker's free KV blocks as a share of its cache (its free blocks where it reports no
+    size): differences under ``ROOM_STEP`` (a request's blocks in a heartbeat taken while it ran, a
+    prefix kept) do not outrank the prompt's prefix."""
+    return w.num_free_blocks / w.num_blocks if w.num_blocks > 0 else float(w.num_free_blocks)
 
 
 class RoundRobin(Policy):
@@ -193,13 +236,15 @@ class LeastLoad(Policy):
 
     def _decode(self, inp: RoutingInput, hits: dict[str, int] | None = None) -> WorkerRecord:
         hits = hits or {}
+        roomiest = max(_room(w) for w in inp.decodes)
         return min(
             inp.decodes,
             key=lambda w: (
                 self._busy(inp, w),
                 self._swaps(inp, w),  # among equally busy workers, one with the adapter resident
-                -w.num_free_blocks,
+                roomiest - _room(w) >= ROOM_STEP,  # a clearly emptier cache first; else the prefix
                 -hits.get(w.worker_id, 0),
+                -w.num_free_blocks,
                 w.worker_id,
             ),
         )

@@ -134,6 +134,41 @@ def test_cache_aware_decode_by_busy_and_free_blocks_its_own_prefix_breaking_ties
     assert choose("cache_aware", p, [decode("d0"), decode("d1")], index).decode.worker_id == "d1"
 
 
+def test_a_decode_worker_holding_the_prefix_keeps_it_over_small_free_block_differences():
+    """A heartbeat taken while the conversation's last turn ran shows its blocks in use: a
+    difference under a sixteenth of the cache does not outrank the prefix; a larger one does."""
+    p = [prefill("p0")]
+    index = index_of({"d1": HASHES[:4]})
+    ds = [decode("d0", free=4096, num_blocks=4096), decode("d1", free=4082, num_blocks=4096)]
+    assert choose("cache_aware", p, ds, index).decode.worker_id == "d1"
+    ds = [decode("d0", free=4096, num_blocks=4096), decode("d1", free=3000, num_blocks=4096)]
+    assert choose("cache_aware", p, ds, index).decode.worker_id == "d0"
+
+
+def test_our_request_that_just_ended_is_not_taken_for_another_routers_from_a_stale_heartbeat(monkeypatch):
+    """The router's request on d1 ended; d1's heartbeat, taken while it ran, still shows it running.
+    The next request of that prefix stays on d1, while another router's request (beyond ours)
+    counts, and the report of ours is believed again once it is older than a report can be."""
+    from router import policies
+
+    now = [100.0]
+    monkeypatch.setattr(policies.time, "monotonic", lambda: now[0])
+    p = [prefill("p0")]
+    index = index_of({"d1": HASHES[:4]})
+    load = WorkerLoad(requests=1)
+    load.end()
+    inflight = {"d1": load}
+    stale = [decode("d0"), decode("d1", num_running=1)]
+    assert choose("cache_aware", p, stale, index, inflight=inflight).decode.worker_id == "d1"
+    busier = [decode("d0"), decode("d1", num_running=2)]  # one of another router's runs there
+    assert choose("cache_aware", p, busier, index, inflight=inflight).decode.worker_id == "d0"
+    now[0] += policies.REPORT_AGE_S + 0.1
+    later = [decode("d0"), decode("d1", num_running=1)]  # a later report: that one runs
+    fresh = {"d1": WorkerLoad()}
+    fresh["d1"]._ended = load._ended
+    assert choose("cache_aware", p, later, index, inflight=fresh).decode.worker_id == "d0"
+
+
 # predicted hits, aggregated mode, names -------------------------------------------------------
 
 
