@@ -40,7 +40,10 @@ def build_app(args: PDServeConfig | dict[str, Any]) -> Application:
     # The router finds workers through Redis, not through Serve; binding them here makes Serve start
     # and stop them as parts of this one application.
     router = RouterServer.options(**config.router.deployment_options()).bind(shared, [decode, prefill])
-    autoscaler = AutoscalerServer.bind(shared, router) if config.autoscaling is not None else None
+    autoscaler = None
+    if config.autoscaling is not None:  # where the router runs (on Kubernetes the head, which stays)
+        placement = {"num_cpus": 0, "resources": dict(config.router.resources or {})}
+        autoscaler = AutoscalerServer.options(ray_actor_options=placement).bind(shared, router)
     if config.ingress.http_server == "router":
         # The router replicas serve HTTP themselves: no Ingress deployment. Serve needs one root that
         # reaches every deployment: the autoscaler (it holds the router) when there is one.

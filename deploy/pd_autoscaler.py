@@ -94,6 +94,8 @@ class PDAutoscalingConfig(BaseModel):
     def _ratio(self) -> PDAutoscalingConfig:
         if self.min_pd_ratio > self.max_pd_ratio:
             raise ValueError(f"min_pd_ratio {self.min_pd_ratio} > max_pd_ratio {self.max_pd_ratio}")
+        if self.decode.min_replicas < 1:  # Serve's decode deployment cannot go to zero replicas
+            raise ValueError("decode.min_replicas must be at least 1: a decode replica serves every request")
         return self
 
 

@@ -41,3 +41,23 @@ def test_each_http_server_builds_its_graph(http_server, autoscaling, root, other
         args["autoscaling"] = {}
     names = _graph(build_app(args))
     assert names[0] == root and set(names[1:]) == others
+
+
+def test_the_autoscaler_runs_where_the_router_runs():
+    """On Kubernetes the router is pinned to the head (``pdserve_head``), which KubeRay never
+    removes; the policy's one replica goes there too, not onto a GPU pod that may go away."""
+    args = {"model": "m", "autoscaling": {}, "router": {"resources": {"pdserve_head": 0.01}}}
+    app = build_app(args)
+
+    def find(a: Application):
+        d = a._bound_deployment
+        if d.name == "Autoscaler":
+            return d
+        for arg in (*d.init_args, *d.init_kwargs.values()):
+            for item in arg if isinstance(arg, list) else [arg]:
+                if isinstance(item, Application) and (found := find(item)) is not None:
+                    return found
+        return None
+
+    options = find(app).ray_actor_options
+    assert options["resources"] == {"pdserve_head": 0.01} and options["num_cpus"] == 0

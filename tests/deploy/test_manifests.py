@@ -15,7 +15,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deploy.app import build_app
 from deploy.config import PDServeConfig
-from deploy.manifests import ClusterValues, rayservice, render, serve_config
+from deploy.manifests import ClusterValues, rayservice, render, serve_config, write
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "deploy" / "kuberay"
@@ -150,3 +150,49 @@ def test_an_autoscaled_pool_larger_than_its_gpu_group_is_refused():
         ClusterValues.model_validate(raw)
     raw["prefill"]["max_replicas"] = 10
     ClusterValues.model_validate(raw)
+
+
+def test_each_ray_cluster_keeps_its_registry_apart(rendered):
+    """KubeRay's NewCluster upgrade runs two Ray clusters on one Redis: every Ray container names
+    its registry after its own RayCluster (the pod's ray.io/cluster label)."""
+    spec = yaml.safe_load(rendered["rayservice.yaml"])["spec"]["rayClusterConfig"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group in groups:
+        for c in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e for e in c["env"]}
+            field = env["PDSERVE_REGISTRY_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"]
+            assert field == "metadata.labels['ray.io/cluster']", c["name"]
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"decode": {"memory": "96GB"}}, "decode.memory: a Kubernetes quantity such as 64Gi"),
+        ({"head_memory": "lots"}, "head_memory: a Kubernetes quantity"),
+        ({"redis_storage": "1 Gi"}, "redis_storage: a Kubernetes quantity"),
+        ({"head_cpus": 0}, "head_cpus: Input should be greater than or equal to 1"),
+        ({"name": "PD_Serve"}, "name: lower-case letters, digits and '-' are needed"),
+        ({"prefill": {"gpus": 2}}, "prefill.gpus: Input should be less than or equal to 1"),
+        ({"autoscaling": {"decode": {"min_replicas": 0}}}, "decode.min_replicas must be at least 1"),
+        ({"prefill": {"replicas": 0}}, "prefill.replicas: Input should be greater than or equal to 1"),
+        ({"router_policy": "fastest"}, "router_policy: Input should be 'cache_aware', 'least_load'"),
+    ],
+)
+def test_values_kubernetes_or_the_policy_would_refuse_later_are_refused_in_a_line(tmp_path, change, says):
+    raw = yaml.safe_load((KUBERAY / "values.yaml").read_text())
+    for key, value in change.items():
+        raw[key] = (
+            {**raw[key], **value} if isinstance(value, dict) and isinstance(raw.get(key), dict) else value
+        )
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        write(values, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_an_output_path_that_is_a_file_is_a_one_line_error(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    with pytest.raises(ValueError, match=f"cannot write the manifests to {re.escape(str(taken))}"):
+        write(KUBERAY / "values.yaml", taken)
