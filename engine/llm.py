@@ -1,4 +1,4 @@
-"""The offline API: ``LLM(model).generate(prompts, params)``."""
+"""The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM(model).chat(messages, params)``."""
 
 from __future__ import annotations
 
@@ -119,6 +119,61 @@ class LLM:
                 if not r.finished:
                     self.core.abort_request(rid)
         return list(results.values())
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora: str | Sequence[str | None] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
+        list of them, each rendered by the tokenizer's chat template (or ``chat_template``) into a
+        prompt as ``/v1/chat/completions`` renders it, then generated as ``generate`` does (each
+        output's ``prompt`` is the rendered text). ``continue_final_message``: the last (assistant)
+        message is continued, not closed, and no generation prompt is added."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("chat needs the model's tokenizer; this model has none: use generate()")
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise ValueError(
+                "this model's tokenizer has no chat template: pass chat_template= or use generate()"
+            )
+        if continue_final_message and add_generation_prompt:
+            add_generation_prompt = False  # as vLLM: continuing the last message adds no new turn
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        if not conversations or not all(isinstance(c, Sequence) and c for c in conversations):
+            raise ValueError(
+                "messages must be a conversation (a non-empty list of messages) or a list of them"
+            )
+        texts = []
+        for conv in conversations:
+            try:
+                texts.append(
+                    tok.apply_chat_template(
+                        list(conv),
+                        tools=tools,
+                        chat_template=chat_template,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        tokenize=False,
+                        **(chat_template_kwargs or {}),
+                    )
+                )
+            except Exception as exc:  # the template's own refusal (roles must alternate, ...)
+                raise ValueError(f"chat template failed: {exc}") from exc
+        prompts = [list(tok.encode(text, add_special_tokens=False)) for text in texts]
+        outputs = self.generate(prompts, sampling_params, lora=lora, use_tqdm=use_tqdm, desc="chat")
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
 
     def _priorities(self, priorities: Sequence[int] | None, n: int) -> list[int]:
         """One integer per prompt, for an engine that schedules by priority; a ValueError otherwise."""

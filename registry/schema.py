@@ -30,27 +30,26 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from dataclasses import dataclass
 
 import redis
 
+from settings.environment import REGISTRY_NAMESPACE, registry_namespace
+
 logger = logging.getLogger(__name__)
+
 
 # Every key lives under one prefix; ``PDSERVE_REGISTRY_NAMESPACE`` adds a namespace to it, so that
 # Ray clusters sharing one Redis (a KubeRay upgrade runs the old cluster and the new one side by
 # side; the manifests set it to the RayCluster's name) keep apart registries: a router never routes
 # to another cluster's workers, and a worker's KV layout is checked against its own cluster's only.
-NAMESPACE_ENV = "PDSERVE_REGISTRY_NAMESPACE"
-
-
 def key_prefix(namespace: str) -> str:
     if namespace and not all(c.isalnum() or c in "-_." for c in namespace):
-        raise ValueError(f"{NAMESPACE_ENV} takes letters, digits, '-', '_' and '.', got {namespace!r}")
+        raise ValueError(f"{REGISTRY_NAMESPACE} takes letters, digits, '-', '_' and '.', got {namespace!r}")
     return f"pdserve:{namespace}:" if namespace else "pdserve:"
 
 
-PREFIX = key_prefix(os.environ.get(NAMESPACE_ENV, ""))
+PREFIX = key_prefix(registry_namespace())
 EVENTS_STREAM = PREFIX + "kv_events"
 WORKERS_SET = PREFIX + "workers"
 DRAINING_KEY = PREFIX + "draining"

@@ -196,6 +196,9 @@ class DecodeRelay:
                                 work.done(True)  # its prompt is computed: no longer queued there
                             elif kind == "finished":
                                 ended += 1
+                                if handle is not None:  # the prompt's hits are where it was computed:
+                                    # the prefill worker's (the decode worker's own spared reads only)
+                                    msg.finished.usage.cached_tokens = handle.num_cached_tokens
                                 if shifted and msg.finished.usage.prompt_tokens:
                                     msg.finished.usage.prompt_tokens -= 1
                                     msg.finished.usage.completion_tokens += 1

@@ -407,15 +407,10 @@ class Router(DecodeRelay):
                 handle, shifted, decode_id = None, True, f"{decode_id}~s"
         clock.decoding()
         hold.release()
-        # The prompt's cache hits are the prefill worker's, where it was computed: the decode
-        # worker's own only spared blocks a read (unless the prompt shifted to it).
-        hits = resp.handle.num_cached_tokens if handle is not None else None
         async for msg in self._relay_decode(
             route.decode, decode_id, prompt, params, priority, handle, deadline, lost, key, opened, shifted
         ):
             clock.on_message(msg)
-            if hits is not None and msg.HasField("finished"):
-                msg.finished.usage.cached_tokens = hits
             yield msg, True
 
     async def _prefill(

@@ -8,6 +8,10 @@ config file or a log line.
 - ``PDSERVE_API_KEY``: the bearer key ``/v1`` requires, when set.
 - ``UCX_NET_DEVICES``: UCX's network devices (read by UCX itself when NIXL initialises it).
 - ``PYTHONPATH``: a worker's engine process imports this checkout first (``python_path_env``).
+- ``PDSERVE_REGISTRY_NAMESPACE``: the registry's key namespace in Redis (``registry.schema``). The
+  one setting here that is no secret: the KubeRay manifests set it from the pod's RayCluster label,
+  an identity only the pod knows (the Serve config is the same text in an upgrade's old and new
+  clusters).
 - ``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``: Ray's token auth (read by Ray when
   a client connects); ``pdserve status`` / ``scale`` set them to a service's recorded token.
 
@@ -29,6 +33,7 @@ RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
 RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 
 PYTHONPATH = "PYTHONPATH"
+REGISTRY_NAMESPACE = "PDSERVE_REGISTRY_NAMESPACE"
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Ray (2.60) has no bind-address option: its processes listen on the node's address, which it resolves
@@ -77,6 +82,10 @@ def require_redis_url(configured: str | None = None) -> str:
     if not url:
         raise ValueError(f"no Redis: set redis_url in the config or {REDIS_URL} in the environment")
     return url
+
+
+def registry_namespace() -> str:
+    return os.environ.get(REGISTRY_NAMESPACE, "")
 
 
 def api_key() -> str | None:

@@ -161,7 +161,9 @@ def test_router_serves_hf_identical_tokens_and_routes_tenants_to_their_prefix(
         # Tenants sharing long system prompts: one warm-up each, then the rest.
         reqs = _tenant_prompts(1, tenants=4, per_tenant=5)
         seen: dict[int, list[str]] = {}
+        index = cluster.view.index
         for i, (t, p) in enumerate(reqs):
+            held = {w: index.num_blocks_of(w) for w in ("p0", "p1")}
             await cluster.generate(f"t{t}-{i}", p)
             route = cluster.routes[f"t{t}-{i}"]
             seen.setdefault(t, []).append(route.prefill_worker)
@@ -169,7 +171,11 @@ def test_router_serves_hf_identical_tokens_and_routes_tenants_to_their_prefix(
             # and what the client's usage reports.
             assert route.predicted_hit_tokens == route.delivered_hit_tokens, route
             assert cluster.usage[f"t{t}-{i}"].cached_tokens == route.delivered_hit_tokens
-            await asyncio.sleep(0.3)  # let the workers' KV events reach the index
+            # Until the worker's KV events for the blocks it computed reach the index.
+            w, bs = route.prefill_worker, 8
+            computed = len(p) // bs - route.delivered_hit_tokens // bs
+            while index.num_blocks_of(w) < held[w] + computed:
+                await asyncio.sleep(0.02)
         # After its first request, each tenant sticks to the worker holding its prefix...
         for t, ws in seen.items():
             assert len(set(ws[1:])) == 1, (t, ws)
