@@ -7,6 +7,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from engine.json_schema_support import check_schema
+
 MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
@@ -37,6 +39,8 @@ class StructuredOutput:
                 raise ValueError(f"structured output {self.kind} is not valid JSON: {exc}") from exc
             if self.kind == "json_schema" and not isinstance(parsed, dict):
                 raise ValueError("a JSON schema must be a JSON object")
+            if self.kind == "json_schema":
+                check_schema(parsed)  # keywords generation cannot be held to: refused, named
             if self.kind == "choice" and not (
                 isinstance(parsed, list) and parsed and all(isinstance(c, str) and c for c in parsed)
             ):

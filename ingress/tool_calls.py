@@ -4,7 +4,7 @@ The chat template receives the tools (as Hugging Face templates take them), and 
 read depends on ``tool_choice``:
 - ``"auto"`` (the default with tools): the model decides. Its text is read for calls written as
   Hermes-style blocks, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen 2.5,
-  Hermes and other templates write them so); text before the first block is the message content.
+  Hermes and other templates write them so); the text around the blocks is the message content.
   A stream sends content as it comes and holds back only what may be the start of a block.
 - ``"required"``: the output is constrained by structured output to a JSON array of one or more
   ``{"name": <a tool>, "parameters": <its arguments>}`` (at most one with ``parallel_tool_calls:
@@ -63,7 +63,7 @@ def plan_tools(req) -> tuple[list[dict] | None, ToolPlan | None, StructuredOutpu
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "parameters": _hoist_defs(schema, f"{k}_", defs)},
+                "properties": {"name": {"const": name}, "parameters": _rooted(schema, f"tool{k}", defs)},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
@@ -74,7 +74,7 @@ def plan_tools(req) -> tuple[list[dict] | None, ToolPlan | None, StructuredOutpu
             array["$defs"] = defs
         if req.parallel_tool_calls is False:
             array["maxItems"] = 1
-        return tools, ToolPlan("required"), StructuredOutput("json_schema", json.dumps(array))
+        return tools, ToolPlan("required"), _tools_grammar(array)
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if name is None:
@@ -85,40 +85,62 @@ def plan_tools(req) -> tuple[list[dict] | None, ToolPlan | None, StructuredOutpu
         )
     if name not in schemas:
         raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    return tools, ToolPlan("named", name), StructuredOutput("json_schema", json.dumps(schemas[name]))
+    return tools, ToolPlan("named", name), _tools_grammar(schemas[name])
 
 
-def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
-    """``schema`` nested in a bigger one: its ``$defs`` move to the root (names prefixed, so tools'
-    definitions cannot clash) and its ``#/$defs/...`` references follow them."""
-    own = schema.get("$defs")
-    if not isinstance(own, dict):
+def _tools_grammar(schema: dict) -> StructuredOutput:
+    try:
+        return StructuredOutput("json_schema", json.dumps(schema))
+    except ValueError as exc:  # a keyword generation cannot be held to, in a tool's parameters
+        raise APIError(400, f"tools: {exc}", param="tools") from exc
+
+
+def _rooted(schema: dict, key: str, defs: dict) -> dict:
+    """``schema`` nested in a bigger one: where it refers to itself (``#``, ``#/$defs/...``,
+    ``#/definitions/...``: pointers from its own root), it moves to the root's ``$defs`` under
+    ``key`` and its references follow it, so they still point into it and not into the wrapper."""
+    if not _has_local_ref(schema):
         return schema
-    for name, sub in own.items():
-        defs[prefix + name] = sub
-    text = json.dumps({k: v for k, v in schema.items() if k != "$defs"})
-    for name in own:
-        text = text.replace(f'"#/$defs/{name}"', json.dumps(f"#/$defs/{prefix}{name}"))
-    for name in own:  # references between the definitions themselves
-        defs[prefix + name] = json.loads(
-            json.dumps(defs[prefix + name]).replace(
-                f'"#/$defs/{name}"', json.dumps(f"#/$defs/{prefix}{name}")
-            )
-        )
-    return json.loads(text)
+    defs[key] = _rerooted(schema, f"#/$defs/{key}")
+    return {"$ref": f"#/$defs/{key}"}
+
+
+def _has_local_ref(node) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_local_ref(v) for v in node)
+
+
+def _rerooted(node, root: str):
+    if isinstance(node, list):
+        return [_rerooted(v, root) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rerooted(v, root) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     """(message content, tool calls) read from a choice's whole text (a choice that ended on EOS or
-    a stop condition; one cut by max_tokens is returned as text)."""
+    a stop condition; one cut short, or whose call is not whole JSON, is returned as text). Each
+    call's arguments are the model's own text of them, not a re-encoding (which would round long
+    numbers and could write ``Infinity``, which is no JSON)."""
     if plan.mode == "named":
-        return None, [_call(plan.function, text)]
+        try:
+            _DECODER.decode(text)
+        except ValueError:  # cut (a stop string, max_tokens): nothing callable
+            return text, []
+        return None, [_call(plan.function, text.strip())]
     if plan.mode == "required":
         try:
-            calls = json.loads(text)
-        except ValueError:  # cut by max_tokens: nothing callable
+            calls = [(c["name"], _member(body, "parameters")) for c, body in _elements(text)]
+        except (ValueError, KeyError, TypeError, IndexError):  # cut short: nothing callable
             return text, []
-        return None, [_call(c["name"], json.dumps(c["parameters"])) for c in calls]
+        return None, [_call(name, args) for name, args in calls]
     head, sep, _ = text.partition(OPEN)
     if not sep:
         return text, []
@@ -127,13 +149,55 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]
     while rest.startswith(OPEN):
         body, sep, rest = rest[len(OPEN) :].partition(CLOSE)
         try:
-            call = json.loads(body)
-            calls.append(_call(call["name"], json.dumps(call.get("arguments", {}))))
-        except (ValueError, KeyError, TypeError):
+            call = _DECODER.decode(body)
+            calls.append(_call(call["name"], _member(body, "arguments") if "arguments" in call else "{}"))
+        except (ValueError, KeyError, TypeError, IndexError):
             return text, []  # not a well-formed call: the text stands as content
         rest = rest.lstrip()
     content = " ".join(part for part in (head.strip(), rest.strip()) if part) or None
     return content, calls if plan.parallel else calls[:1]
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _elements(text: str) -> list[tuple[dict, str]]:
+    """The objects of a JSON array's text, each with its own text; ValueError unless it is one."""
+    items, body = [], text.strip()
+    if not body.startswith("[") or not isinstance(_DECODER.decode(body), list):
+        raise ValueError("not a JSON array")
+    pos = _skip(body, 1)
+    while body[pos] != "]":
+        value, end = _DECODER.raw_decode(body, pos)
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        items.append((value, body[pos:end]))
+        pos = _skip(body, end)
+        if body[pos] == ",":
+            pos = _skip(body, pos + 1)
+    return items
+
+
+def _member(obj: str, key: str) -> str:
+    """The text of member ``key``'s value in the JSON object text ``obj``, as written."""
+    body = obj.strip()
+    pos = _skip(body, 1)
+    while body[pos] != "}":
+        name, pos = _DECODER.raw_decode(body, pos)
+        pos = _skip(body, _skip(body, pos) + 1)  # past the colon
+        _, end = _DECODER.raw_decode(body, pos)
+        if name == key:
+            return body[pos:end]
+        pos = _skip(body, end)
+        if body[pos] == ",":
+            pos = _skip(body, pos + 1)
+    raise KeyError(key)
+
+
+def _skip(text: str, pos: int) -> int:
+    while text[pos] in " \t\n\r":
+        pos += 1
+    return pos
 
 
 def _call(name: str, arguments: str) -> dict:
@@ -174,8 +238,13 @@ class ToolStream:
     def finish(self, finish_reason: str) -> tuple[str, list[dict]]:
         """(content not sent yet, calls) at the end of the choice; a choice cut short (``length``,
         ``abort``) makes no calls: its text is content."""
-        _, calls = parse_tool_calls(self.plan, self.text) if finish_reason == "stop" else (None, [])
+        content, calls = parse_tool_calls(self.plan, self.text) if finish_reason == "stop" else (None, [])
         if not calls:
             rest, self.sent = self.text[self.sent :], len(self.text)
             return rest, []
-        return "", calls
+        # The text after the calls, as the whole answer's content has it (the text before them went out).
+        tail = self.text[self.sent :].rpartition(CLOSE)[2].strip() if self.plan.mode == "auto" else ""
+        self.sent = len(self.text)
+        sent_text = self.text[: self.text.find(OPEN)] if OPEN in self.text else ""
+        gap = " " if tail and sent_text.strip() and not sent_text[-1:].isspace() else ""
+        return (gap + tail if tail and content else ""), calls

@@ -250,3 +250,55 @@ def test_the_bounded_string_rule_refuses_control_characters_and_takes_escapes(ll
     assert accepts('{"title": "a\\tb"')  # the two characters \ and t: an escape
     assert not accepts('{"title": "a\tb"')  # a raw tab
     assert not accepts('{"title": "a\x00b"')
+
+
+UNENFORCED = [  # (schema, a string the grammar accepts though the schema rejects it)
+    ({"type": "integer", "not": {"minimum": 0}}, "5"),
+    ({"type": "array", "contains": {"type": "integer"}}, "[]"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    ({"type": "number", "multipleOf": 0.5}, "0.3"),
+    (
+        {
+            "allOf": [
+                {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "boolean"}}, "required": ["b"]},
+            ]
+        },
+        "true",
+    ),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, '{"a": 1}'),
+    ({"type": "integer", "if": {"minimum": 0}, "then": {"maximum": 3}}, "7"),
+]
+
+
+@pytest.mark.parametrize(("schema", "slips"), UNENFORCED, ids=lambda v: "" if isinstance(v, str) else None)
+def test_keywords_generation_cannot_be_held_to_are_refused_by_name(schema, slips):
+    """Each is refused because the grammar really lets through output the schema rejects (were the
+    grammar engine to enforce one, this fails and it can leave the list)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from engine.structured_output import json_schema_grammar
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(slips), schema)
+    grammar = xgr.Grammar.from_ebnf(json_schema_grammar(json.dumps(schema)))
+    assert _is_grammar_accept_string(grammar, slips)
+    with pytest.raises(ValueError, match=r"is not (supported|declared)"):
+        StructuredOutput("json_schema", json.dumps(schema))
+
+
+def test_supported_keywords_and_local_references_are_accepted():
+    nested = {"type": "object", "properties": {"b": {"$ref": "#/definitions/u"}}, "required": ["b"]}
+    for schema in (
+        {"allOf": [{"type": "integer"}]},
+        {"type": "integer", "multipleOf": 3},
+        {"definitions": {"u": {"enum": ["c", "f"]}}, **nested},
+        {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}},
+        {"type": "array", "uniqueItems": False},
+    ):
+        StructuredOutput("json_schema", json.dumps(schema))
+    with pytest.raises(ValueError, match=r"'\$ref' outside the document"):
+        StructuredOutput("json_schema", json.dumps({"$ref": "http://example.com/s.json"}))
+    with pytest.raises(ValueError, match=r"at #/properties/x/items"):
+        StructuredOutput("json_schema", json.dumps({"properties": {"x": {"items": {"not": {}}}}}))

@@ -64,6 +64,13 @@ def _req(**kw) -> ChatCompletionRequest:
             "tool_choice",
         ),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        (  # a parameters schema generation could not be held to
+            {
+                "tools": [{**TIME, "function": {"name": "t", "parameters": {"uniqueItems": True}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
     ],
 )
 def test_bad_tool_requests_name_their_field(kw, param):
@@ -245,3 +252,78 @@ def test_a_forced_call_streams_no_chunk_while_it_is_held_back_and_no_content_bes
     (tool_call,) = deltas[1]["tool_calls"]
     assert deltas[1]["content"] is None and tool_call["function"]["name"] == "get_weather"
     assert json.loads(tool_call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+
+
+TREE = {  # refers to itself ("#") and to its "definitions", as zod and Pydantic v1 write schemas
+    "type": "function",
+    "function": {
+        "name": "tree",
+        "parameters": {
+            "type": "object",
+            "definitions": {"u": {"enum": ["c", "f"]}},
+            "properties": {
+                "unit": {"$ref": "#/definitions/u"},
+                "kids": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}},
+            },
+            "required": ["unit", "kids"],
+        },
+    },
+}
+
+
+def test_required_calls_keep_a_tools_own_references_pointing_into_it():
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from engine.structured_output import json_schema_grammar
+
+    _, _, grammar = plan_tools(_req(tools=[TREE, TIME], tool_choice="required"))
+    g = xgr.Grammar.from_ebnf(json_schema_grammar(grammar.value))
+    nested = '[{"name": "tree", "parameters": {"unit": "c", "kids": [{"unit": "f", "kids": []}]}}]'
+    assert _is_grammar_accept_string(g, nested)
+    # "#" is the tool's parameters, not the array of calls; "u" its enum
+    assert not _is_grammar_accept_string(g, '[{"name": "tree", "parameters": {"unit": "c", "kids": [[]]}}]')
+    assert not _is_grammar_accept_string(g, '[{"name": "tree", "parameters": {"unit": "x", "kids": []}}]')
+
+
+def test_arguments_are_the_models_own_text_and_a_cut_call_is_text():
+    named = ToolPlan("named", "get_time")
+    assert parse_tool_calls(named, '{"tz": 7') == ('{"tz": 7', [])  # a stop string cut it
+    text = '[{"name": "f", "parameters": {"x": 36e945116, "y": 0.12345678901234567890123}}]'
+    content, (call,) = parse_tool_calls(ToolPlan("required"), text)
+    assert (
+        content is None
+        and call["function"]["arguments"] == '{"x": 36e945116, "y": 0.12345678901234567890123}'
+    )
+    auto = '<tool_call>{"name": "f", "arguments": {"x": 1e400}}</tool_call>'
+    assert parse_tool_calls(ToolPlan("auto"), auto)[1][0]["function"]["arguments"] == '{"x": 1e400}'
+
+
+def test_streamed_content_is_the_whole_answers_with_text_after_the_calls():
+    answer = 'Sure thing! <tool_call>{"name": "get_time", "arguments": {}}</tool_call> done'
+    whole, calls = parse_tool_calls(ToolPlan("auto"), answer)
+    stream = ToolStream(ToolPlan("auto"))
+    sent = "".join(stream.feed(ch) for ch in answer)
+    rest, streamed_calls = stream.finish("stop")
+    assert sent + rest == whole == "Sure thing! done" and len(calls) == len(streamed_calls) == 1
+
+
+def test_an_earlier_calls_arguments_reach_the_template_as_an_object():
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "tiny",
+            "messages": [
+                {"role": "user", "content": "time?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "t", "arguments": '{"tz": 3}'}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+            ],
+        }
+    )
+    (call,) = req.messages[1].for_template()["tool_calls"]
+    assert call["function"]["arguments"] == {"tz": 3} and call["id"] == "c1"
