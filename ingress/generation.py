@@ -62,6 +62,7 @@ class _Sample:
     split: bool = False  # the last token ended inside a UTF-8 sequence
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    last_token_at: float | None = None  # when its last tokens came (inter-token latency)
 
 
 @dataclass(slots=True)
@@ -88,7 +89,6 @@ class Generation:
     texts: TokenTexts | None = None  # logprob token strings; one per tokenizer, shared by requests
     started: float = 0.0  # the request's arrival (its stamps'): TTFT and E2E metrics count from it
     first_token_at: float | None = None
-    last_token_at: float | None = None
     route: tuple[str, str] | None = None  # (prefill worker, decode worker)
     samples: list[_Sample] = field(default_factory=list)
     usage: Usage | None = None
@@ -183,11 +183,13 @@ class Generation:
             if not self.req.stream:  # the whole answer goes out at the end; the stream stamps its own
                 self.stamps.first_out = now
             self.metrics.observe_ttft(now - self.started)
+        # Gaps between one sample's tokens (n > 1: the samples' messages interleave, a step apart).
+        if s.last_token_at is None:
             if n > 1:
                 self.metrics.observe_token_gap(0.0, n - 1)
         else:
-            self.metrics.observe_token_gap(now - self.last_token_at, n)
-        self.last_token_at = now
+            self.metrics.observe_token_gap(now - s.last_token_at, n)
+        s.last_token_at = now
         ids = list(chunk.token_ids)
         stop = s.detok.add(ids)
         if stop is not None:  # the tokens after the one that completed it never happened

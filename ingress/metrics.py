@@ -16,10 +16,29 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from ingress.request_timing import TOTALS
+from ingress.router_metrics import router_families
 from proto import pdserve_pb2 as pb
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+# Hops run from microseconds (a socket write) to a queue's wait, which TTFT's buckets bound at 120 s.
+HOP_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    5.0,
+    30.0,
+    120.0,
+)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 STATUSES = ("success", "client_error", "rejected", "cancelled", "error")
 
@@ -360,63 +379,4 @@ class _ClusterCollector:
         yield from (disk_blocks, disk_used, disk_written, disk_rejected)
         yield tstreamed
         if self.cluster is not None:
-            c = self.cluster
-            r = GaugeMetricFamily(
-                "pdserve_router_prefix_hit_ratio",
-                "Prompt tokens the router predicted / the engines delivered as prefix-cache hits",
-                labels=["kind"],
-            )
-            r.add_metric(["predicted"], c.predicted_prefix_hit_rate)
-            r.add_metric(["delivered"], c.delivered_prefix_hit_rate)
-            yield r
-            yield CounterMetricFamily(
-                "pdserve_router_requests_routed", "Requests the router has routed", value=c.requests_routed
-            )
-            failed = CounterMetricFamily(
-                "pdserve_router_failed_requests",
-                "Requests the router could not serve, by the gRPC status they ended with",
-                labels=["code"],
-            )
-            for code, n in sorted(c.failed_by_code.items()):
-                failed.add_metric([code], n)
-            yield failed
-            yield CounterMetricFamily(
-                "pdserve_router_local_prefills",
-                "Requests prefilled on their decode worker (uncached prompt part under the threshold)",
-                value=c.local_prefills,
-            )
-            yield CounterMetricFamily(
-                "pdserve_router_peer_reads",
-                "Prompts sent with a peer of the computing worker's role to read their prefix from (KV tiers)",
-                value=c.peer_reads,
-            )
-            yield CounterMetricFamily(
-                "pdserve_router_kv_streamed",
-                "Requests whose Decode, opened before their prefill (KV streaming), took the complete handle",
-                value=c.kv_streamed,
-            )
-            yield CounterMetricFamily(
-                "pdserve_router_migrations",
-                "Requests resumed on another decode worker after theirs was lost mid-stream",
-                value=c.migrations,
-            )
-            yield CounterMetricFamily(
-                "pdserve_router_stalls",
-                "Decode streams and prefill calls given up on by the stall watch",
-                value=c.stalls,
-            )
-            yield CounterMetricFamily(
-                "pdserve_router_migrations_refused",
-                "Requests whose decode worker was lost and that could not be resumed (limit, no other worker, n > 1)",
-                value=c.migrations_refused,
-            )
-            yield GaugeMetricFamily(
-                "pdserve_router_active_requests",
-                "Generate streams open on the router",
-                value=c.active_requests,
-            )
-            yield GaugeMetricFamily(
-                "pdserve_router_degraded",
-                "1 while the registry (Redis) is unreachable",
-                value=float(c.degraded),
-            )
+            yield from router_families(self.cluster)

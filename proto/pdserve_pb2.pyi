@@ -637,7 +637,7 @@ class RoutingCount(_message.Message):
     def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining", "decode_retries", "local_prefills", "hop_timing", "migrations", "stalls", "migrations_refused", "suspect_workers", "kv_streamed", "peer_reads", "indexed", "adapters", "failed_by_code", "call_streams")
+    __slots__ = ("workers", "degraded", "policy", "requests_routed", "predicted_prefix_hit_rate", "delivered_prefix_hit_rate", "index_entries", "event_lag_seconds", "events_applied", "gaps_detected", "resyncs", "decisions", "prefill_retries", "aggregated_fallbacks", "failed_requests", "active_requests", "draining", "decode_retries", "local_prefills", "hop_timing", "migrations", "stalls", "migrations_refused", "suspect_workers", "kv_streamed", "peer_reads", "indexed", "adapters", "failed_by_code", "call_streams", "router_id", "prompt_tokens", "predicted_hit_tokens", "delivered_hit_tokens")
     class FailedByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -675,6 +675,10 @@ class ClusterState(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     FAILED_BY_CODE_FIELD_NUMBER: _ClassVar[int]
     CALL_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSummary]
     degraded: bool
     policy: str
@@ -705,7 +709,11 @@ class ClusterState(_message.Message):
     adapters: _containers.RepeatedScalarFieldContainer[str]
     failed_by_code: _containers.ScalarMap[str, int]
     call_streams: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., decode_retries: _Optional[int] = ..., local_prefills: _Optional[int] = ..., hop_timing: _Optional[_Iterable[_Union[HopSummary, _Mapping]]] = ..., migrations: _Optional[int] = ..., stalls: _Optional[int] = ..., migrations_refused: _Optional[int] = ..., suspect_workers: _Optional[_Iterable[str]] = ..., kv_streamed: _Optional[int] = ..., peer_reads: _Optional[int] = ..., indexed: _Optional[_Iterable[_Union[IndexedWorker, _Mapping]]] = ..., adapters: _Optional[_Iterable[str]] = ..., failed_by_code: _Optional[_Mapping[str, int]] = ..., call_streams: _Optional[str] = ...) -> None: ...
+    router_id: str
+    prompt_tokens: int
+    predicted_hit_tokens: int
+    delivered_hit_tokens: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSummary, _Mapping]]] = ..., degraded: _Optional[bool] = ..., policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., delivered_prefix_hit_rate: _Optional[float] = ..., index_entries: _Optional[int] = ..., event_lag_seconds: _Optional[float] = ..., events_applied: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., resyncs: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RoutingCount, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., aggregated_fallbacks: _Optional[int] = ..., failed_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., decode_retries: _Optional[int] = ..., local_prefills: _Optional[int] = ..., hop_timing: _Optional[_Iterable[_Union[HopSummary, _Mapping]]] = ..., migrations: _Optional[int] = ..., stalls: _Optional[int] = ..., migrations_refused: _Optional[int] = ..., suspect_workers: _Optional[_Iterable[str]] = ..., kv_streamed: _Optional[int] = ..., peer_reads: _Optional[int] = ..., indexed: _Optional[_Iterable[_Union[IndexedWorker, _Mapping]]] = ..., adapters: _Optional[_Iterable[str]] = ..., failed_by_code: _Optional[_Mapping[str, int]] = ..., call_streams: _Optional[str] = ..., router_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., predicted_hit_tokens: _Optional[int] = ..., delivered_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class IndexedWorker(_message.Message):
     __slots__ = ("worker_id", "epoch", "blocks", "host_blocks", "disk_blocks")

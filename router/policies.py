@@ -26,8 +26,8 @@ Load is the router's exact count of what it has in flight on a worker (on a deco
 moment a request is routed there), plus what the worker's heartbeat shows beyond that (other router
 replicas' work). The heartbeat alone is up to a period
 stale: taking it as is, a worker that just finished our requests would look busy for a second (and
-lose the next request of a conversation whose prefix it holds); so the requests of ours that ended
-within a report's age are not counted as others' either.
+lose the next request of a conversation whose prefix it holds); so what a report shows up to the
+most requests of ours that ran there within a report's age is taken as ours.
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ class WorkerLoad:
     _others: int = 0  # of those, the part that was not ours then
     _reported_busy: int = -1  # the same for its running + waiting requests
     _others_busy: int = 0
-    _ended: deque = field(default_factory=deque)  # when our requests there ended, the last REPORT_AGE_S
+    # (when, how many of ours ran just before) for each of our requests there that ended, the last
+    # REPORT_AGE_S: the most of ours a report read now can hold
+    _ended: deque = field(default_factory=deque)
 
     def queued_tokens(self, reported: int) -> int:
         """Uncached prompt tokens queued on the worker: ours exactly, plus what its heartbeat
@@ -71,24 +73,25 @@ class WorkerLoad:
 
     def busy(self, reported: int) -> int:
         """Requests running or waiting on the worker: ours exactly, plus what its heartbeat
-        (``reported``) showed beyond ours and those of ours that ended within a report's age (the
-        figure may have been taken while they ran) when that figure first reached us."""
+        (``reported``) showed beyond the most of ours that ran there within a report's age (the
+        figure may have been taken while they ran), when that figure first reached us. Under a
+        steady load that most is ours now, and other routers' requests count in full."""
         if reported != self._reported_busy:
             self._reported_busy = reported
-            self._others_busy = max(0, reported - self.requests - self._recently_ended())
+            self._others_busy = max(0, reported - self._recent_peak())
         return self.requests + self._others_busy
 
     def end(self) -> None:
         """One of our requests there ended."""
+        self._ended.append((time.monotonic(), self.requests))
         self.requests -= 1
-        self._ended.append(time.monotonic())
-        self._recently_ended()
+        self._recent_peak()
 
-    def _recently_ended(self) -> int:
+    def _recent_peak(self) -> int:
         ended, since = self._ended, time.monotonic() - REPORT_AGE_S
-        while ended and ended[0] < since:
+        while ended and ended[0][0] < since:
             ended.popleft()
-        return len(ended)
+        return max(self.requests, max((n for _, n in ended), default=0))
 
 
 class NoWorkersError(RuntimeError):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
 class RouterStats:
+    # This router replica's id (one per process life): the label that keeps replicas' counters
+    # apart when several answer one scrape target (front ends sharing a port, each with its router).
+    router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
     requests: int = 0
     prefill_retries: int = 0
     decode_retries: int = 0

@@ -110,10 +110,13 @@ class ServeProcess:
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         _, _, raw = self.request("GET", "/metrics")
-        out = {}
+        out: dict[tuple[str, tuple], float] = {}
         for fam in text_string_to_metric_families(raw.decode()):
             for s in fam.samples:
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+                if "router" in s.labels:  # also summed over the router replicas, by its other labels
+                    rest = tuple(sorted((k, v) for k, v in s.labels.items() if k != "router"))
+                    out[(s.name, rest)] = out.get((s.name, rest), 0.0) + s.value
         return out
 
     def workers(self) -> dict[str, dict[str, float]]:

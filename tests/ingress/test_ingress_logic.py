@@ -387,7 +387,9 @@ def test_metrics_render_worker_and_transfer_series():
     ]
     cluster = pb.ClusterState(
         requests_routed=5, migrations=2, stalls=1, migrations_refused=1, kv_streamed=4, peer_reads=6,
-        failed_requests=3, failed_by_code={"UNAVAILABLE": 2, "INVALID_ARGUMENT": 1},
+        failed_requests=3, failed_by_code={"UNAVAILABLE": 2, "INVALID_ARGUMENT": 1}, router_id="r1",
+        prompt_tokens=640, delivered_hit_tokens=320, prefill_retries=7, aggregated_fallbacks=1,
+        decode_retries=2, gaps_detected=3, resyncs=4, event_lag_seconds=0.25,
     )  # fmt: skip
     text = m.render(cluster, workers, ("ing-1", 1, 0)).decode()
     samples = {
@@ -395,8 +397,18 @@ def test_metrics_render_worker_and_transfer_series():
         for fam in text_string_to_metric_families(text)
         for s in fam.samples
     }
+    R1 = (("router", "r1"),)  # every router series names the router replica that answered
     assert samples[("pdserve_requests_running", (("role", "decode"), ("worker", "decode-a")))] == 2
     assert samples[("pdserve_requests_running", (("role", "ingress"), ("worker", "ing-1")))] == 1
+    # the fault path's counters, and the hit tokens a window's hit ratio is computed from
+    assert samples[("pdserve_router_prefill_retries_total", R1)] == 7
+    assert samples[("pdserve_router_aggregated_fallbacks_total", R1)] == 1
+    assert samples[("pdserve_router_decode_retries_total", R1)] == 2
+    assert samples[("pdserve_router_index_gaps_total", R1)] == 3
+    assert samples[("pdserve_router_index_resyncs_total", R1)] == 4
+    assert samples[("pdserve_router_event_lag_seconds", R1)] == 0.25
+    assert samples[("pdserve_router_prompt_tokens_total", R1)] == 640
+    assert samples[("pdserve_router_delivered_hit_tokens_total", R1)] == 320
     assert samples[("pdserve_preemptions_total", (("role", "decode"), ("worker", "decode-a")))] == 3
     assert samples[("pdserve_prefix_cache_queries_total", (("role", "decode"), ("worker", "decode-a")))] == 96
     assert samples[("pdserve_prefix_cache_hits_total", (("role", "decode"), ("worker", "decode-a")))] == 32
@@ -410,8 +422,8 @@ def test_metrics_render_worker_and_transfer_series():
     assert samples[("pdserve_kv_transfer_descriptors_total", (("worker", "decode-a"),))] == 3
     assert samples[("pdserve_kv_lease_expirations_total", (("worker", "prefill-a"),))] == 2
     assert samples[("pdserve_kv_transfer_streamed_bytes_total", (("worker", "decode-a"),))] == 1024
-    assert samples[("pdserve_router_kv_streamed_total", ())] == 4
-    assert samples[("pdserve_router_peer_reads_total", ())] == 6
+    assert samples[("pdserve_router_kv_streamed_total", R1)] == 4
+    assert samples[("pdserve_router_peer_reads_total", R1)] == 6
     assert samples[("pdserve_kv_transfer_seconds_bucket", (("le", "0.1"), ("worker", "decode-a")))] == 2
     assert samples[("pdserve_kv_transfer_seconds_count", (("worker", "decode-a"),))] == 2
     assert (
@@ -420,12 +432,12 @@ def test_metrics_render_worker_and_transfer_series():
         ]
         == 1
     )
-    assert samples[("pdserve_router_requests_routed_total", ())] == 5
-    assert samples[("pdserve_router_migrations_total", ())] == 2
-    assert samples[("pdserve_router_stalls_total", ())] == 1
-    assert samples[("pdserve_router_migrations_refused_total", ())] == 1
-    assert samples[("pdserve_router_failed_requests_total", (("code", "UNAVAILABLE"),))] == 2
-    assert samples[("pdserve_router_failed_requests_total", (("code", "INVALID_ARGUMENT"),))] == 1
+    assert samples[("pdserve_router_requests_routed_total", R1)] == 5
+    assert samples[("pdserve_router_migrations_total", R1)] == 2
+    assert samples[("pdserve_router_stalls_total", R1)] == 1
+    assert samples[("pdserve_router_migrations_refused_total", R1)] == 1
+    assert samples[("pdserve_router_failed_requests_total", (("code", "UNAVAILABLE"), *R1))] == 2
+    assert samples[("pdserve_router_failed_requests_total", (("code", "INVALID_ARGUMENT"), *R1))] == 1
 
 
 def test_config_validation():
@@ -489,3 +501,39 @@ def test_a_grammar_the_workers_cannot_compile_is_a_400_naming_its_field(info, in
     with pytest.raises(APIError) as exc:
         asyncio.run(main())
     assert exc.value.status == 400 and exc.value.param == param and "position 4" in exc.value.message
+
+
+def test_inter_token_gaps_are_measured_within_each_sample(info, monkeypatch):
+    """n=4: the four samples' tokens of a step come in four messages at once, a step (20 ms) after
+    the last. Each gap is one sample's: 20 ms, never the 0 between two samples of one step."""
+    import ingress.generation as generation
+
+    now = [10.0]
+    monkeypatch.setattr(generation.time, "perf_counter", lambda: now[0])
+
+    class Recorded(IngressMetrics):
+        def __init__(self, model: str) -> None:
+            super().__init__(model)
+            self.gaps: list = []
+
+        def observe_token_gap(self, gap_s: float, n: int) -> None:
+            self.gaps.append((round(gap_s, 6), n))
+
+    class SteppedRouter(ScriptedRouter):
+        async def generate(self, rid, prompt, params, priority, timeout_s):
+            for step in range(5):
+                now[0] += 0.02
+                for j in range(4):
+                    yield _tokens([5 + step], index=j)
+            for j in range(4):
+                yield _finished(index=j)
+
+    g = _completion(info, prompt="a", n=4, seed=1, max_tokens=5)
+    metrics = Recorded("tiny")
+    gen = Generation("r1", g, info.tokenizer, metrics)
+
+    async def run():
+        return [x async for x in gen.events(SteppedRouter([]), 5)]
+
+    asyncio.run(run())
+    assert metrics.gaps == [(0.02, 1)] * 16  # 4 steps after each sample's first token, 4 samples

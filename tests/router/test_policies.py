@@ -169,6 +169,25 @@ def test_our_request_that_just_ended_is_not_taken_for_another_routers_from_a_sta
     assert choose("cache_aware", p, later, index, inflight=fresh).decode.worker_id == "d0"
 
 
+def test_under_a_steady_load_another_routers_requests_count_in_full(monkeypatch):
+    """Two routers (front ends) share d0: ours run 4 there steadily, ending and replaced, the other
+    router's 4 more. d1 runs ours 4 only. The report's 8 on d0 is 4 of ours at most, so d0 is the
+    busier one, however many of ours ended there lately."""
+    from router import policies
+
+    now = [100.0]
+    monkeypatch.setattr(policies.time, "monotonic", lambda: now[0])
+    loads = {"d0": WorkerLoad(requests=4), "d1": WorkerLoad(requests=4)}
+    for _ in range(50):  # 50 of ours ended and were replaced on each within the last second
+        now[0] += 0.02
+        for load in loads.values():
+            load.end()
+            load.requests += 1
+    ds = [decode("d0", num_running=8), decode("d1", num_running=4)]
+    assert choose("least_load", [prefill("p0")], ds, inflight=loads).decode.worker_id == "d1"
+    assert loads["d0"].busy(8) == 8 and loads["d1"].busy(4) == 4
+
+
 # predicted hits, aggregated mode, names -------------------------------------------------------
 
 
