@@ -95,14 +95,19 @@ class IncrementalDetokenizer:
             self.num_output_tokens += 1
             if not self._max_stop or not piece or self.num_output_tokens <= min_tokens:
                 continue
+            # The match that ends in this token's text and starts first (of equal starts, the
+            # first in the list): the text before it holds no stop string.
+            found = None
             for stop in self.params.stop:
-                # The first match that ends in this token's text.
                 idx = self.text.find(stop, max(0, start - len(stop) + 1))
-                if idx != -1:
-                    end = idx + len(stop) if self.params.include_stop_str_in_output else idx
-                    self.text = self.text[:end]
-                    self.kept = i + 1
-                    return stop
+                if idx != -1 and (found is None or idx < found[0]):
+                    found = (idx, stop)
+            if found is not None:
+                idx, stop = found
+                end = idx + len(stop) if self.params.include_stop_str_in_output else idx
+                self.text = self.text[:end]
+                self.kept = i + 1
+                return stop
         if stopped:  # counted, not shown
             self.pieces.append("")
             self.num_output_tokens += 1

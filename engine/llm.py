@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from engine.bad_words import bad_words_token_ids
+from engine.chat_format import template_message
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore, EngineStats
@@ -155,10 +156,11 @@ class LLM:
             )
         texts = []
         for conv in conversations:
+            messages = [template_message(m) for m in conv]  # as /v1/chat/completions gives them
             try:
                 texts.append(
                     tok.apply_chat_template(
-                        list(conv),
+                        messages,
                         tools=tools,
                         chat_template=chat_template,
                         add_generation_prompt=add_generation_prompt,
@@ -188,11 +190,15 @@ class LLM:
         return ranks
 
     def _resolve_bad_words(self, p: SamplingParams) -> SamplingParams:
-        if not p.bad_words or p.bad_words_token_ids:
+        """``bad_words`` as token ids, added to any ``bad_words_token_ids`` given beside them."""
+        if not p.bad_words:
             return p
         if self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer; this model has none: pass bad_words_token_ids")
-        return dataclasses.replace(p, bad_words_token_ids=bad_words_token_ids(self.tokenizer, p.bad_words))
+        words = [
+            w for w in bad_words_token_ids(self.tokenizer, p.bad_words) if w not in p.bad_words_token_ids
+        ]
+        return dataclasses.replace(p, bad_words_token_ids=[*p.bad_words_token_ids, *words])
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -219,9 +225,13 @@ class LLM:
         comp.token_ids.extend(new)
         if out.new_logprobs and comp.logprobs is not None:
             comp.logprobs.extend(out.new_logprobs[: len(new)])
-        result.num_cached_tokens = out.num_cached_tokens
+        # (an output the call made itself, a stop string's end, carries no count: never lowered)
+        result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
         if out.finish_reason is None:
             return stop
+        if out.finish_reason == "error":
+            comp.error = out.error or "the engine failed this request"
+            logger.warning("request %s failed in the engine: %s", result.request_id, comp.error)
         if stop is None:
             if detok is not None:
                 detok.flush()  # bytes of a character the output ended inside

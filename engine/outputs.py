@@ -13,6 +13,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    error: str | None = None  # why the engine failed it (finish_reason "error")
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from engine.json_schema_support import check_schema
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily, as vLLM's (its _SAMPLING_EPS)
 MAX_N = 64
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty / frequency_penalty
@@ -53,7 +54,7 @@ class StructuredOutput:
 class SamplingParams:
     """How to sample one request.
 
-    temperature == 0 means greedy. ``top_k`` -1 or 0 disables top-k; ``top_p`` == 1 and ``min_p`` == 0
+    temperature == 0 (or under 1e-5) means greedy. ``top_k`` -1 or 0 disables top-k; ``top_p`` == 1 and ``min_p`` == 0
     disable theirs. ``seed`` makes sampling a pure function of (seed, sample index, position), so
     the same request samples the same tokens on any engine. ``logprobs`` = k returns the sampled
     token's logprob and the top-k alternatives (k = 0: the sampled token's only).
@@ -127,6 +128,8 @@ class SamplingParams:
         self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids or []]
         self._validate()
         self._validate_processing()
+        if 0 < self.temperature < GREEDY_BELOW:  # logits / temperature would overflow to inf (NaN)
+            self.temperature = 0.0
 
     def _validate(self) -> None:
         _check_int("n", self.n)

@@ -9,7 +9,6 @@ vocabulary) are checked by ``ingress.request_validation`` after parsing.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import (
@@ -22,6 +21,8 @@ from pydantic import (
     StrictStr,
     model_validator,
 )
+
+from engine.chat_format import decoded_arguments
 
 Number = StrictInt | StrictFloat
 
@@ -154,16 +155,15 @@ class ChatMessage(_Request):
     tool_call_id: StrictStr | None = None  # a tool's answer: the call it answers
 
     def for_template(self) -> dict:
-        """The message as chat templates take it: an earlier call's ``arguments`` (a JSON string, as
-        OpenAI's clients send it) as the object it encodes, as vLLM gives it and templates expect
-        (Qwen 2.5's and Llama 3.1's write ``arguments | tojson``: a string would be encoded twice)."""
+        """The message as chat templates take it (``engine.chat_format``, as ``LLM.chat`` gives it):
+        an earlier call's ``arguments`` decoded into the object they encode."""
         msg: dict[str, Any] = {"role": self.role, "content": self.text()}
         for key in ("name", "tool_calls", "tool_call_id"):
             value = getattr(self, key)
             if value is not None:
                 msg[key] = value
         if self.tool_calls:
-            msg["tool_calls"] = [_decoded_arguments(c) for c in self.tool_calls]
+            msg["tool_calls"] = [decoded_arguments(c) for c in self.tool_calls]
         return msg
 
     def text(self) -> str:
@@ -172,18 +172,6 @@ class ChatMessage(_Request):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
-
-
-def _decoded_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    fn = call.get("function")
-    args = fn.get("arguments") if isinstance(fn, dict) else None
-    if not isinstance(args, str):
-        return call
-    try:
-        decoded = json.loads(args)
-    except ValueError:
-        return call  # not JSON: the template gets the text as sent
-    return {**call, "function": {**fn, "arguments": decoded}}
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -66,6 +66,8 @@ TORCH_FREE_ENGINE = {
     "engine.block_hash",
     "engine.detokenizer",
     "engine.bad_words",
+    "engine.chat_format",  # chat messages as templates take them (LLM.chat and the HTTP API)
+    "engine.json_schema_support",  # (through sampling_params)
     "engine.model_names",  # imports the zero-cost model (torch) only to create its checkpoint
 }
 LIGHT = {"proto", "registry", "router", "ingress"}
