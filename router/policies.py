@@ -82,16 +82,21 @@ class WorkerLoad:
         return self.requests + self._others_busy
 
     def end(self) -> None:
-        """One of our requests there ended."""
-        self._ended.append((time.monotonic(), self.requests))
+        """One of our requests there ended (per request: O(1), the window's maximum is taken only
+        when a report changes)."""
+        now = time.monotonic()
+        self._ended.append((now, self.requests))
         self.requests -= 1
-        self._recent_peak()
+        self._prune(now)
 
-    def _recent_peak(self) -> int:
-        ended, since = self._ended, time.monotonic() - REPORT_AGE_S
+    def _prune(self, now: float) -> None:
+        ended, since = self._ended, now - REPORT_AGE_S
         while ended and ended[0][0] < since:
             ended.popleft()
-        return max(self.requests, max((n for _, n in ended), default=0))
+
+    def _recent_peak(self) -> int:
+        self._prune(time.monotonic())
+        return max(self.requests, max((n for _, n in self._ended), default=0))
 
 
 class NoWorkersError(RuntimeError):
