@@ -62,6 +62,7 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
             )
         completion = 1 if kv is not None or request.kv_source else 0
         keepalive = self.worker.config.keepalive_s or None
+        sent_hits = False  # the prompt's cache hit rides on the first chunk (``TokenChunk.cached_tokens``)
         try:
             async for out in self.worker.decode(
                 rid,
@@ -85,8 +86,13 @@ class DecodeService(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
                 if out.new_token_ids:
                     completion += len(out.new_token_ids)
                     yield tokens_message(
-                        out.sample_index, out.new_token_ids, out.new_logprobs, out.prompt_logprobs
+                        out.sample_index,
+                        out.new_token_ids,
+                        out.new_logprobs,
+                        out.prompt_logprobs,
+                        cached_tokens=None if sent_hits else out.num_cached_tokens,
                     )
+                    sent_hits = True
                 if out.finish_reason is not None:
                     yield pb.GenerateResponse(
                         finished=pb.Finished(

@@ -190,6 +190,8 @@ class Generation:
         else:
             self.metrics.observe_token_gap(now - s.last_token_at, n)
         s.last_token_at = now
+        if chunk.HasField("cached_tokens"):  # the first chunk's: a stop string may end it before Finished
+            self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.cached_tokens)
         ids = list(chunk.token_ids)
         stop = s.detok.add(ids)
         if stop is not None:  # the tokens after the one that completed it never happened

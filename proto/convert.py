@@ -96,6 +96,7 @@ def tokens_message(
     token_ids: list[int],
     logprobs: list[dict[int, float] | None] | None = None,
     prompt_logprobs: list[dict[int, float] | None] | None = None,
+    cached_tokens: int | None = None,
 ) -> pb.GenerateResponse:
     """A ``GenerateResponse`` carrying a ``TokenChunk``, built in place: the streams' per-token message.
     (``GenerateResponse(tokens=TokenChunk(..., logprobs=[], ...))`` costs several times as much: a
@@ -108,6 +109,8 @@ def tokens_message(
         chunk.logprobs.extend(logprobs_to_proto(lp) for lp in logprobs)
     if prompt_logprobs:
         chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt_logprobs))
+    if cached_tokens is not None:  # the request's first chunk
+        chunk.cached_tokens = cached_tokens
     return msg
 
 

@@ -192,8 +192,11 @@ class DecodeRelay:
                         async for msg in stream:
                             started = True
                             kind = msg.WhichOneof("kind")
-                            if kind == "tokens" and work is not None:
-                                work.done(True)  # its prompt is computed: no longer queued there
+                            if kind == "tokens":
+                                if work is not None:
+                                    work.done(True)  # its prompt is computed: no longer queued there
+                                if handle is not None and msg.tokens.HasField("cached_tokens"):
+                                    msg.tokens.cached_tokens = handle.num_cached_tokens  # as below
                             elif kind == "finished":
                                 ended += 1
                                 if handle is not None:  # the prompt's hits are where it was computed:

@@ -135,6 +135,8 @@ class Resumption:
         if kind == "tokens":
             if msg.tokens.sample_index == 0:
                 self.tokens.extend(msg.tokens.token_ids)
+            if self.offset and msg.tokens.HasField("cached_tokens"):  # the caller's prompt's share
+                msg.tokens.cached_tokens = min(msg.tokens.cached_tokens, len(self.prompt))
         elif kind == "finished":
             self.finished += 1
             if self.offset:

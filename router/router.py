@@ -378,6 +378,7 @@ class Router(DecodeRelay):
             token_ids=[handle.first_token],
             logprobs=[handle.first_logprobs],
             prompt_logprobs=resp.prompt_logprobs,
+            cached_tokens=handle.num_cached_tokens,
         )
         yield pb.GenerateResponse(tokens=first), False
         info = pb.RouteInfo(

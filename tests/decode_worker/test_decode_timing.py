@@ -87,6 +87,10 @@ def test_finished_carries_each_workers_hop_timing(make_pair):
         msgs = [m async for m in DecodeService(pair.d).Decode(pb.DecodeRequest(request_id="a", **req), None)]
         fin = [m.finished for m in msgs if m.HasField("finished")]
         assert set(_fields(fin[0].timing)) == {"decode_queue_ms", "decode_first_step_ms"}
+        # Its first chunk carries the prompt's cache hit (the blocks pulled for "r"), no later one.
+        chunks = [m.tokens for m in msgs if m.HasField("tokens")]
+        assert [c.HasField("cached_tokens") for c in chunks] == [True] + [False] * (len(chunks) - 1)
+        assert chunks[0].cached_tokens == fin[0].usage.cached_tokens == 3 * BLOCK
         await pair.wait_all_free()
         assert len(pair.d.clocks) == 0 and len(pair.p.clocks) == 0
 

@@ -374,6 +374,16 @@ def test_the_router_inside_the_http_process_serves_what_hf_computes(
         assert {"route", "prefill_compute", "kv_transfer", "ttft"} <= set(body["pdserve_timing"])
         events = _stream(base, "/v1/completions", req | {"stream": True}, {})
         assert "".join(c["text"] for e in events for c in e["choices"]) == want
+        # Again, ended by a stop string in its text (the ingress ends it, before the worker's
+        # Finished): the prompt's cached blocks still count in usage, streamed or not.
+        stop = {"stop": [want[2:5]]}
+        code, body = _post(base, "/v1/completions", req | stop)
+        assert body["choices"][0]["finish_reason"] == "stop", body
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == len(prompt) // 8 * 8, body["usage"]  # its whole blocks (the workers' size: 8)
+        streamed = req | stop | {"stream": True, "stream_options": {"include_usage": True}}
+        events = _stream(base, "/v1/completions", streamed, {})
+        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
     code, body = _post(base, "/v1/completions", {"model": model, "prompt": [5, 6], "max_tokens": -3})
     assert code == 400 and body["error"]["param"] == "max_tokens"
     asyncio.run(all_free(p, d))

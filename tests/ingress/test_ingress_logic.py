@@ -284,6 +284,27 @@ def test_stop_string_is_held_back_while_streaming_and_ends_the_stream(info):
     assert gen.usage.completion_tokens == 4  # generation ended at the token completing the stop string
 
 
+def test_a_request_a_stop_string_ends_reports_its_prompts_cache_hit(info):
+    """The prompt's cache hit rides on the first chunk: a stop string ends the request before the
+    worker's Finished (which carried it alone), and usage still counts the cached tokens."""
+    tok = info.tokenizer
+    ids = tok.encode("and more the world is in the")
+    stop = tok.decode(ids[2:4])
+    first = _tokens(ids[:1])
+    first.tokens.cached_tokens = 16
+    finished = pb.GenerateResponse(
+        finished=pb.Finished(finish_reason="length", usage=pb.Usage(cached_tokens=16))
+    )
+    router = ScriptedRouter([first] + [_tokens([t]) for t in ids[1:]] + [finished])
+    gen = Generation("r1", _completion(info, prompt="a", stop=[stop], max_tokens=20), tok, IngressMetrics("tiny"))
+
+    async def run():
+        return [d for deltas in [x async for x in gen.events(router, 5)] for d in deltas]
+
+    assert asyncio.run(run())[-1].finish_reason == "stop" and router.closed_early
+    assert gen.usage.cached_tokens == 16
+
+
 @pytest.mark.parametrize("reason", [563, "\n\n", None])
 def test_a_stop_tokens_id_reaches_the_client_as_a_number(info, reason):
     """``stop_reason`` as the engine gave it (vLLM's API): a stop token's id an int, a stop string a

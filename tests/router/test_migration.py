@@ -438,3 +438,16 @@ def test_a_stream_whose_last_token_was_relayed_ends_without_moving():
     short.resume(DecodeLost("d0", "gone"), MigrationOptions(), others=1, deadline=None)
     prompt, params = short.request()
     assert prompt == [*PROMPT, 1, 2] and params.max_tokens == GREEDY.max_tokens - 2
+
+
+def test_a_resumed_attempts_cache_hit_counts_only_the_callers_prompt():
+    """After a move the new worker's prompt is the caller's plus the tokens relayed; the hit its first
+    chunk and its Finished report is capped at the caller's prompt, as usage counts it."""
+    res = Resumption(PROMPT, GREEDY, 1)
+    res.relay(pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[1, 2], cached_tokens=0)))
+    res.resume(DecodeLost("d0", "gone"), MigrationOptions(), others=1, deadline=None)
+    over = len(PROMPT) + 2
+    first = res.relay(pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[3], cached_tokens=over)))
+    fin = pb.Finished(finish_reason="length", usage=pb.Usage(cached_tokens=over))
+    last = res.relay(pb.GenerateResponse(finished=fin))
+    assert first.tokens.cached_tokens == last.finished.usage.cached_tokens == len(PROMPT)
