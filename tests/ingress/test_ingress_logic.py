@@ -296,7 +296,9 @@ def test_a_request_a_stop_string_ends_reports_its_prompts_cache_hit(info):
         finished=pb.Finished(finish_reason="length", usage=pb.Usage(cached_tokens=16))
     )
     router = ScriptedRouter([first] + [_tokens([t]) for t in ids[1:]] + [finished])
-    gen = Generation("r1", _completion(info, prompt="a", stop=[stop], max_tokens=20), tok, IngressMetrics("tiny"))
+    gen = Generation(
+        "r1", _completion(info, prompt="a", stop=[stop], max_tokens=20), tok, IngressMetrics("tiny")
+    )
 
     async def run():
         return [d for deltas in [x async for x in gen.events(router, 5)] for d in deltas]
