@@ -130,7 +130,7 @@ class SplitDecodeWorker(DecodeWorker):
     ) -> bool:
         if kv is None:
             if peer is not None:  # a cancelled read is dropped by the abort that follows (``decode``)
-                await self.read_peer_prefix(request_id, prompt, peer)
+                await self.read_peer_prefix(request_id, prompt, peer, params.lora)
             await self.engine.add_request(request_id, prompt, params, priority)
             self.clocks.ready(request_id)
             return True

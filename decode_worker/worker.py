@@ -271,7 +271,7 @@ class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
         if kv is None:
             try:
                 if peer is not None:
-                    await self.read_peer_prefix(request_id, prompt, peer)
+                    await self.read_peer_prefix(request_id, prompt, peer, params.lora)
                 await self.loop.run(add)
             except asyncio.CancelledError:  # the caller left mid-read: the read is dropped
                 self.loop.call(lambda: self._drop_peer_read(request_id))

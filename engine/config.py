@@ -7,6 +7,7 @@ its fields, so a new option appears everywhere at once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -116,7 +117,7 @@ class EngineConfig:
     kv_disk_cache_dir: str | None = option(
         None,
         "local directory of the disk tier's file, used as is (default: a fresh temporary directory); the "
-        "file is removed at shutdown",
+        "file is unlinked once made, so any exit frees it",
     )
     enable_prefix_caching: bool = option(
         True, "reuse cached prompt blocks across requests", flag="--prefix-caching"
@@ -194,16 +195,12 @@ class EngineConfig:
             _positive("cpu_threads", self.cpu_threads)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_host_cache_gib < 0:
-            raise ValueError(f"kv_host_cache_gib must be >= 0 GiB, got {self.kv_host_cache_gib}")
-        if self.kv_disk_cache_gib < 0:
-            raise ValueError(f"kv_disk_cache_gib must be >= 0 GiB, got {self.kv_disk_cache_gib}")
+        for name in ("kv_host_cache_gib", "kv_disk_cache_gib", "swap_space"):
+            _gib(name, getattr(self, name))
         if self.kv_disk_cache_gib and not self.kv_host_cache_gib:
             raise ValueError("kv_disk_cache_gib needs a host tier above it: set kv_host_cache_gib too")
         if self.kv_disk_cache_dir is not None and not self.kv_disk_cache_gib:
             raise ValueError("kv_disk_cache_dir is set but the disk tier is off: set kv_disk_cache_gib")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise ValueError(
                 f"async_scheduling must be one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}"
@@ -229,6 +226,17 @@ class EngineConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+
+def _gib(name: str, value: float) -> None:
+    """A size in GiB: a finite number >= 0 (NaN and inf used to reach an allocation's traceback)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{name} must be a finite number >= 0 GiB, got {value!r}")
 
 
 def _positive(name: str, value: int) -> None:

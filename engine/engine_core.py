@@ -23,7 +23,7 @@ from engine.kv_cache import KVLayout, gpu_kv_budget, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_disk_prefetch import DiskPrefetch
 from engine.kv_disk_tier import attach_disk_tier
-from engine.kv_host_tier import attach_host_tier
+from engine.kv_host_tier import attach_host_tier, check_host_room
 from engine.kv_quant import first_blocks, storage_dtype
 from engine.limits import RequestLimits
 from engine.model_runner import ModelRunner
@@ -81,6 +81,8 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
         # only the first num_blocks.
         kv_cache_with_pad = self.layout.allocate(num_blocks + 1, self.device)
         kv_cache = first_blocks(kv_cache_with_pad, num_blocks)
+        if num_cpu_blocks:  # (after the pool: on a CPU engine it takes the same memory)
+            check_host_room("swap_space", config.swap_space, num_cpu_blocks * self.layout.block_bytes)
         cpu_cache = self.layout.allocate(num_cpu_blocks, "cpu") if num_cpu_blocks else None
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB), %d CPU swap blocks",

@@ -33,8 +33,11 @@ hash the bookkeeping expects and the CRC against the bytes read: a block that fa
 tokens are recomputed) and is dropped from the tier.
 
 Lifetime: the file is created at start (``kv_disk_cache_dir``, used as is, or a fresh temporary
-directory), sized to its bound at once, and removed at ``close()`` (with the temporary directory), or
-at interpreter exit when nobody closed it. A directory that cannot hold it fails the start.
+directory), sized to its bound at once, and unlinked at once (the temporary directory removed with
+it): only its descriptor keeps it, so the kernel frees its room however the process ends, a SIGKILL
+or an OOM kill included (a crash-looping worker used to leave a file a crash, until the directory's
+free-space check refused every start). ``ls`` no longer lists it; ``lsof`` shows it ``(deleted)``.
+A directory that cannot hold it fails the start.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def attach_disk_tier(kv, kv_cache, gib: float, directory: str | None) -> int:
     except BaseException:
         blocks.close()
         raise
-    logger.info("KV disk tier: %d blocks (%.2f GiB) in %s", slots, gib, blocks.path)
+    logger.info("KV disk tier: %d blocks (%.2f GiB) in %s (unlinked: freed on exit)", slots, gib, blocks.path)
     return slots
 
 
@@ -96,10 +99,10 @@ class DiskBlocks:
         self.device_rows = device_rows
         self.num_slots = num_slots
         self.record_size = self.record_bytes(device_rows)
-        self.path, fd, tmpdir = _create_file(directory, num_slots * self.record_size)
+        self.path, fd = _create_file(directory, num_slots * self.record_size)  # the name it had
         self._fd = fd
         self._io = _FileIO(fd, self.path, self.record_size, max(2, MAX_QUEUED_BYTES // self.record_size))
-        self._closer = weakref.finalize(self, _close, self._io, fd, self.path, tmpdir)
+        self._closer = weakref.finalize(self, _close, self._io, fd)
         # On a GPU a read lands in host memory first (pinned: the copy up is one DMA).
         on_gpu = device_rows.device.type == "cuda"
         shape, dtype = device_rows.shape[1:], device_rows.dtype
@@ -113,6 +116,11 @@ class DiskBlocks:
     @classmethod
     def slots_for_budget(cls, device_rows: torch.Tensor, gib: float) -> int:
         return int(gib * (1 << 30)) // cls.record_bytes(device_rows)
+
+    @property
+    def open_path(self) -> str:
+        """A path that opens the (unlinked) file while this process holds it."""
+        return f"/proc/self/fd/{self._fd}"
 
     @property
     def closed(self) -> bool:
@@ -284,14 +292,15 @@ class _FileIO:
                 thread.join()
 
 
-def _close(io: _FileIO, fd: int, path: str, tmpdir: str | None) -> None:
+def _close(io: _FileIO, fd: int) -> None:
     if threading.current_thread() in (io.thread, io.reader):
         # The garbage collector ran the finalizer on one of the threads it stops (a tier nobody
         # closed, in a reference cycle): a thread of its own joins them.
-        threading.Thread(target=_close, args=(io, fd, path, tmpdir), daemon=True).start()
+        threading.Thread(target=_close, args=(io, fd), daemon=True).start()
         return
     io.stop()
-    _remove(fd, path, tmpdir)
+    with contextlib.suppress(OSError):
+        os.close(fd)  # the file's last reference: the kernel frees it
 
 
 def _bytes(t: torch.Tensor):
@@ -299,8 +308,9 @@ def _bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _create_file(directory: str | None, size: int) -> tuple[str, int, str | None]:
-    """(path, fd, the temporary directory made for it or None) of a new file of ``size`` bytes."""
+def _create_file(directory: str | None, size: int) -> tuple[str, int]:
+    """(the path it was made at, fd) of a new file of ``size`` bytes, already unlinked (and the
+    temporary directory made for it removed)."""
     tmpdir = None
     if directory is None:
         directory = tmpdir = tempfile.mkdtemp(prefix="pdserve-kv-disk-")
@@ -318,21 +328,12 @@ def _create_file(directory: str | None, size: int) -> tuple[str, int, str | None
         except OSError as exc:
             raise ValueError(f"kv_disk_cache_dir={directory!r} is not usable: {exc.strerror}") from exc
         try:
+            os.unlink(path)  # nothing but the descriptor keeps it from here on
             os.ftruncate(fd, size)  # sparse: blocks take room as they are written
         except OSError as exc:
-            _remove(fd, path, None)
+            os.close(fd)
             raise ValueError(f"kv_disk_cache_dir={directory!r} is not usable: {exc.strerror}") from exc
-    except BaseException:
+    finally:
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
-        raise
-    return path, fd, tmpdir
-
-
-def _remove(fd: int, path: str, tmpdir: str | None) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    if tmpdir is not None:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    return path, fd

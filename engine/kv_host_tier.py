@@ -178,14 +178,45 @@ def attach_host_tier(kv, kv_cache, gib: float) -> int:
     its size in blocks."""
     rows = block_rows(kv_cache)
     slots = HostBlocks.slots_for_budget(rows, gib)
+    row_bytes = rows[0].numel() * rows.element_size()
     if slots < 1:
-        raise ValueError(
-            f"kv_host_cache_gib={gib} holds no block of {rows[0].numel() * rows.element_size()} bytes"
-        )
+        raise ValueError(f"kv_host_cache_gib={gib} holds no block of {row_bytes} bytes")
+    check_host_room("kv_host_cache_gib", gib, slots * row_bytes)
     blocks = HostBlocks(rows, slots)
     blocks.calibrate()
     kv.attach_host_tier(HostTier(slots), blocks)
     return slots
+
+
+def available_host_bytes() -> int | None:
+    """Host memory a new allocation can take: ``MemAvailable``, capped by the cgroup's limit (a
+    container's) less its use; None where neither can be read."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                found.append(max(0, int(limit) - int(f.read())))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_host_room(option: str, gib: float, nbytes: int) -> None:
+    """Refuse, naming ``option``, host memory the host has not got: torch's allocator fails with an
+    unhelpful message, or on CPU allocates lazily and fails (or is OOM-killed) once the blocks fill."""
+    free = available_host_bytes()
+    if free is not None and nbytes > free:
+        raise ValueError(
+            f"{option}={gib:g} needs {nbytes / 2**30:.2f} GiB of host memory; {free / 2**30:.2f} GiB "
+            f"is available on this host (lower {option})"
+        )
 
 
 class HostBlocks:

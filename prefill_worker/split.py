@@ -80,7 +80,7 @@ class SplitPrefillWorker(PrefillWorker):
         clock = self.clocks.arrive(request_id)
         try:
             if peer is not None:
-                await self.read_peer_prefix(request_id, prompt, peer)
+                await self.read_peer_prefix(request_id, prompt, peer, params.lora)
             await self.engine.add_request(request_id, prompt, params, priority, prefill_only=True)
             self.clocks.ready(request_id)
             out = await stream.get()

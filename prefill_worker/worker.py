@@ -132,7 +132,7 @@ class PrefillWorker(PeerReads, WorkerRuntime):
 
         try:
             if peer is not None:
-                await self.read_peer_prefix(request_id, prompt, peer)
+                await self.read_peer_prefix(request_id, prompt, peer, params.lora)
             await self.loop.run(add)
             out: SequenceOutput = await stream.get()
             lease = await self.loop.run(lambda: self.held.leases.get(request_id))

@@ -146,14 +146,16 @@ class PeerPrefix(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class LendRequest(_message.Message):
-    __slots__ = ("lease_id", "prompt_token_ids", "max_blocks")
+    __slots__ = ("lease_id", "prompt_token_ids", "max_blocks", "lora_salt")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SALT_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_blocks: int
-    def __init__(self, lease_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+    lora_salt: str
+    def __init__(self, lease_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., lora_salt: _Optional[str] = ...) -> None: ...
 
 class LendResponse(_message.Message):
     __slots__ = ("tier", "slots", "checksums", "lease_s")
@@ -788,18 +790,20 @@ class EngineCommand(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ..., add_peer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., pull: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_early: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_extend: _Optional[_Union[EngineExtend, _Mapping]] = ..., pull_finish: _Optional[_Union[EnginePull, _Mapping]] = ..., release: _Optional[str] = ..., watch: _Optional[_Union[EngineWatch, _Mapping]] = ..., unwatch: _Optional[str] = ..., lend: _Optional[_Union[LendRequest, _Mapping]] = ..., fetch: _Optional[_Union[EngineFetch, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRequest, _Mapping]] = ...) -> None: ...
 
 class EngineFetch(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "lent", "lease_id", "asked_s")
+    __slots__ = ("request_id", "prompt_token_ids", "lent", "lease_id", "asked_s", "lora_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ASKED_S_FIELD_NUMBER: _ClassVar[int]
+    LORA_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lent: LendResponse
     lease_id: str
     asked_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lent: _Optional[_Union[LendResponse, _Mapping]] = ..., lease_id: _Optional[str] = ..., asked_s: _Optional[float] = ...) -> None: ...
+    lora_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lent: _Optional[_Union[LendResponse, _Mapping]] = ..., lease_id: _Optional[str] = ..., asked_s: _Optional[float] = ..., lora_salt: _Optional[str] = ...) -> None: ...
 
 class EngineWatch(_message.Message):
     __slots__ = ("request_id", "wait_s")

@@ -374,12 +374,9 @@ class Router(DecodeRelay):
         """The first token, then the decode stream; each message with whether the decode side took
         over the held KV (else the caller releases it)."""
         handle, shifted = resp.handle, False
-        first = pb.TokenChunk(
-            token_ids=[handle.first_token],
-            logprobs=[handle.first_logprobs],
-            prompt_logprobs=resp.prompt_logprobs,
-            cached_tokens=handle.num_cached_tokens,
-        )
+        first = pb.TokenChunk(token_ids=[handle.first_token], logprobs=[handle.first_logprobs])
+        first.prompt_logprobs.extend(resp.prompt_logprobs)
+        first.cached_tokens = handle.num_cached_tokens
         yield pb.GenerateResponse(tokens=first), False
         info = pb.RouteInfo(
             prefill_worker=route.prefill.worker_id,

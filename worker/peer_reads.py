@@ -48,20 +48,27 @@ class PeerReads:
         its read at once)."""
         return self.engine is not None or self.tiers is not None
 
-    async def read_peer_prefix(self, request_id: str, prompt: list[int], peer: pb.PeerPrefix) -> None:
+    async def read_peer_prefix(
+        self, request_id: str, prompt: list[int], peer: pb.PeerPrefix, lora: str | None = None
+    ) -> None:
         """Ask ``peer`` to lend the prompt's first blocks and read them into this host tier; returns
-        once the read is over, landed or not (a peer that cannot be asked lends nothing)."""
-        if not self.reads_peers or peer.num_blocks == 0:
+        once the read is over, landed or not (a peer that cannot be asked lends nothing). ``lora``:
+        the request's adapter, whose blocks are hashed in its namespace (one not served here reads
+        nothing: the request is refused when added)."""
+        lora_salt = self.loras.get(lora) if lora else ""
+        if not self.reads_peers or peer.num_blocks == 0 or lora_salt is None:
             return
         self.reading.add(request_id)
         try:
-            await self._read_peer_prefix(request_id, prompt, peer)
+            await self._read_peer_prefix(request_id, prompt, peer, lora_salt)
         finally:
             self.reading.discard(request_id)
 
-    async def _read_peer_prefix(self, request_id: str, prompt: list[int], peer: pb.PeerPrefix) -> None:
+    async def _read_peer_prefix(
+        self, request_id: str, prompt: list[int], peer: pb.PeerPrefix, lora_salt: str
+    ) -> None:
         t0 = time.monotonic()
-        asked = await self.peer_lends.ask(peer, prompt)
+        asked = await self.peer_lends.ask(peer, prompt, lora_salt)
         if asked is None:
             return
         lent, lease_id = asked
@@ -76,6 +83,7 @@ class PeerReads:
                     lent=lent,
                     lease_id=lease_id,
                     asked_s=asked_s,
+                    lora_salt=lora_salt,
                 )
                 await self.engine.send(pb.EngineCommand(fetch=fetch))
                 await landed
@@ -87,20 +95,27 @@ class PeerReads:
             landed.get_loop().call_soon_threadsafe(lambda: landed.done() or landed.set_result(None))
 
         offer = offer_from_proto(lent, lease_id)
-        await self.loop.run(lambda: self.tiers.fetch(request_id, prompt, offer, done, asked_s))
+        await self.loop.run(lambda: self.tiers.fetch(request_id, prompt, offer, done, asked_s, lora_salt))
         await landed
 
-    async def lend(self, lease_id: str, prompt: list[int], max_blocks: int) -> pb.LendResponse:
+    async def lend(
+        self, lease_id: str, prompt: list[int], max_blocks: int, lora_salt: str = ""
+    ) -> pb.LendResponse:
         """Pin the prompt's leading blocks held here (at most ``max_blocks``) for a peer's read;
-        ``ValueError`` when the lease's name is taken."""
+        ``ValueError`` when the lease's name is taken. ``lora_salt``: the prompt's adapter's cache
+        namespace, as the reader's engine hashes it."""
         if not self.reads_peers:
             return pb.LendResponse()
         if self.engine is not None:
-            req = pb.LendRequest(lease_id=lease_id, prompt_token_ids=prompt, max_blocks=max_blocks)
+            req = pb.LendRequest(
+                lease_id=lease_id, prompt_token_ids=prompt, max_blocks=max_blocks, lora_salt=lora_salt
+            )
             return (await self.engine.send(pb.EngineCommand(lend=req))).lent
         if self.tiers is None:
             return pb.LendResponse()
-        slots, checksums = await self.loop.run(lambda: self.tiers.lend(lease_id, prompt, max_blocks))
+        slots, checksums = await self.loop.run(
+            lambda: self.tiers.lend(lease_id, prompt, max_blocks, lora_salt)
+        )
         return lent_to_proto(self.tiers, slots, checksums)
 
     def _drop_peer_read(self, request_id: str) -> None:
@@ -139,6 +154,8 @@ async def lend_rpc(worker, request: pb.LendRequest, context) -> pb.LendResponse:
     if worker.loop.failure is not None:
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"{worker.worker_id}: {worker.loop.failure}")
     try:
-        return await worker.lend(request.lease_id, list(request.prompt_token_ids), request.max_blocks)
+        return await worker.lend(
+            request.lease_id, list(request.prompt_token_ids), request.max_blocks, request.lora_salt
+        )
     except ValueError as exc:  # the lease's name is taken
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

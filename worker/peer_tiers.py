@@ -85,16 +85,20 @@ class PeerTiers:
     def info(self) -> RemoteKVInfo:
         return self.transfer.local_info()
 
-    def _hashes(self, prompt: list[int], max_blocks: int) -> list[bytes]:
-        # At most the blocks before the prompt's last token: that one is always computed.
+    def _hashes(self, prompt: list[int], max_blocks: int, lora_salt: str = "") -> list[bytes]:
+        # At most the blocks before the prompt's last token: that one is always computed. An
+        # adapter's prompt is hashed in its namespace, as the engine hashes it (``Request``).
         n = min(max_blocks, max(0, (len(prompt) - 1) // self.kv.block_size))
-        return hash_blocks(prompt[: n * self.kv.block_size], self.kv.block_size, self.kv.salt)
+        return hash_blocks(prompt[: n * self.kv.block_size], self.kv.block_size, self.kv.salt + lora_salt)
 
     # Owner ----------------------------------------------------------------------------------------
 
-    def lend(self, lease_id: str, prompt: list[int], max_blocks: int) -> tuple[list[int], list[int]]:
-        """Pin the prompt's leading held blocks (at most ``max_blocks``) for a peer's read."""
-        lent = self.lending.lend(lease_id, self._hashes(prompt, max_blocks))
+    def lend(
+        self, lease_id: str, prompt: list[int], max_blocks: int, lora_salt: str = ""
+    ) -> tuple[list[int], list[int]]:
+        """Pin the prompt's leading held blocks (at most ``max_blocks``) for a peer's read;
+        ``lora_salt``: the namespace of the prompt's adapter (the reader's, so the same content)."""
+        lent = self.lending.lend(lease_id, self._hashes(prompt, max_blocks, lora_salt))
         return lent.slots, lent.checksums
 
     # Reader ---------------------------------------------------------------------------------------
@@ -106,6 +110,7 @@ class PeerTiers:
         offer: LendOffer,
         done: Callable[[int], None],
         asked_s: float = 0.0,
+        lora_salt: str = "",
     ) -> None:
         """Read ``offer``'s blocks into this host tier; ``done(blocks published)`` is called once the
         read is over (at once when there is nothing to read), before the request may be admitted.
@@ -113,13 +118,16 @@ class PeerTiers:
         weighs a read by all it costs the request, not by the transfer alone)."""
         if request_id in self._fetches:
             raise ValueError(f"request {request_id} is already reading a peer's blocks")
-        hashes = self._hashes(prompt, len(offer.slots))
+        hashes = self._hashes(prompt, len(offer.slots), lora_salt)
         whole = offer.peer is not None and len(offer.checksums) == len(offer.slots)  # else: read nothing
         taken = self.lending.reserve(hashes) if whole else []
         if not taken:
             self._end_lease(offer)
             done(0)
             return
+        # The slots may have copies still queued on the device's stream (an offload into one just
+        # evicted, a load out of it): they land before the peer's bytes do, not on top of them.
+        self.kv.host_blocks.settle()
         try:
             self.transfer.add_peer(offer.peer)
             handle = self.transfer.start_read(
@@ -255,14 +263,18 @@ class PeerLends:
         self.stub = stub
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    async def ask(self, peer: pb.PeerPrefix, prompt: list[int]) -> tuple[pb.LendResponse, str] | None:
+    async def ask(
+        self, peer: pb.PeerPrefix, prompt: list[int], lora_salt: str = ""
+    ) -> tuple[pb.LendResponse, str] | None:
         """The peer's offer and its lease's name; None when the peer could not be asked (its blocks
-        are then computed here)."""
+        are then computed here). ``lora_salt``: the prompt's adapter's cache namespace."""
         channel = self._channels.get(peer.address)
         if channel is None:
             channel = self._channels[peer.address] = grpc.aio.insecure_channel(peer.address)
         lease_id = uuid.uuid4().hex
-        req = pb.LendRequest(lease_id=lease_id, prompt_token_ids=prompt, max_blocks=peer.num_blocks)
+        req = pb.LendRequest(
+            lease_id=lease_id, prompt_token_ids=prompt, max_blocks=peer.num_blocks, lora_salt=lora_salt
+        )
         try:
             resp = await self.stub(channel).Lend(req, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -306,7 +318,9 @@ class EngineTierPeers:
         if kind == "lend":
             if self.tiers is not None:
                 req = cmd.lend
-                slots, sums = self.tiers.lend(req.lease_id, list(req.prompt_token_ids), req.max_blocks)
+                slots, sums = self.tiers.lend(
+                    req.lease_id, list(req.prompt_token_ids), req.max_blocks, req.lora_salt
+                )
                 reply.lent.CopyFrom(lent_to_proto(self.tiers, slots, sums))
         elif kind == "fetch":
             msg, rid = cmd.fetch, cmd.fetch.request_id
@@ -315,7 +329,7 @@ class EngineTierPeers:
             else:
                 offer = offer_from_proto(msg.lent, msg.lease_id)
                 over = lambda _n: self._fetched.append(rid)  # noqa: E731
-                self.tiers.fetch(rid, list(msg.prompt_token_ids), offer, over, msg.asked_s)
+                self.tiers.fetch(rid, list(msg.prompt_token_ids), offer, over, msg.asked_s, msg.lora_salt)
         else:
             return False
         return True

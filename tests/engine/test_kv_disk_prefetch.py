@@ -118,7 +118,7 @@ def test_a_record_read_ahead_that_fails_its_check_is_recomputed(tiny_llama, hf_g
     core = llm.core
     prompt = _on_disk(llm, _prompts(6, 72, seed=13))
     blocks = core.kv.disk_blocks
-    with open(blocks.path, "r+b") as f:  # every record damaged
+    with open(blocks.open_path, "r+b") as f:  # every record damaged
         for slot in range(blocks.num_slots):
             f.seek(slot * blocks.record_size + HEADER.size)
             f.write(b"\x7f" * 8)

@@ -13,6 +13,8 @@ import dataclasses
 import gc
 import os
 import random
+import subprocess
+import sys
 import threading
 import zlib
 
@@ -101,7 +103,7 @@ def test_a_record_that_fails_its_check_is_recomputed_not_served(tmp_path, damage
     slot, blocks = kv.disk_tier.lookup(a.block_hashes[2]), kv.disk_blocks
     blocks.flush()  # the record is in the file (until then, reads take its queued copy)
     offset = slot * blocks.record_size
-    with open(blocks.path, "r+b") as f:
+    with open(blocks.open_path, "r+b") as f:
         if damage == "bytes":
             f.seek(offset + HEADER.size)
             f.write(b"\xff" * 4)
@@ -146,15 +148,36 @@ def test_slots_being_read_are_not_reused_by_the_same_admissions_writes(tmp_path)
     kv.close()
 
 
-def test_the_file_is_bounded_and_removed_at_close(tmp_path):
+def test_the_file_is_bounded_and_unlinked_from_the_start(tmp_path):
     device = torch.zeros(4, 4)
     blocks = DiskBlocks(device, 3, str(tmp_path))
-    assert os.path.getsize(blocks.path) == 3 * blocks.record_size  # its bound, from the start
-    assert os.listdir(tmp_path) == [os.path.basename(blocks.path)]
+    assert os.path.getsize(blocks.open_path) == 3 * blocks.record_size  # its bound, from the start
+    assert os.listdir(tmp_path) == [] and not os.path.exists(blocks.path)  # only its descriptor holds it
     blocks.close()
     blocks.close()  # idempotent
-    assert os.listdir(tmp_path) == [] and tmp_path.is_dir()  # a given directory stays
-    assert not blocks._io.thread.is_alive()
+    assert tmp_path.is_dir() and not blocks._io.thread.is_alive()  # a given directory stays
+
+
+@pytest.mark.parametrize("given_directory", [True, False])
+def test_a_killed_process_leaves_no_file_behind(tmp_path, given_directory):
+    """SIGKILL (an OOM kill, a crash loop) runs no finalizer: the file, unlinked at creation, goes
+    with the process; the default temporary directory is gone too."""
+    directory = str(tmp_path) if given_directory else None
+    code = (
+        "import sys, tempfile, torch; from engine.kv_disk_tier import DiskBlocks;"
+        f"tempfile.tempdir = {str(tmp_path)!r}; b = DiskBlocks(torch.zeros(4, 4), 3, {directory!r});"
+        "b.write(0, bytes(16), torch.ones(4)); b.flush(); print('ready', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert os.listdir(tmp_path) == []  # nothing named, while it runs
+    finally:
+        child.kill()
+        child.wait(30)
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.fixture
@@ -173,7 +196,7 @@ def writes_held(monkeypatch):
 
 
 def _record_hash(blocks: DiskBlocks, slot: int) -> bytes:
-    with open(blocks.path, "rb") as f:
+    with open(blocks.open_path, "rb") as f:
         f.seek(slot * blocks.record_size)
         return HEADER.unpack(f.read(HEADER.size))[0]
 
@@ -272,9 +295,9 @@ def test_engine_serves_an_overflowing_working_set_from_disk(tiny_llama, hf_greed
     # What the router weighs a disk hit by, measured; without a tier it is worth nothing.
     assert 0 <= tiered.core.disk_hit_cost_pct() < 100 and plain.core.disk_hit_cost_pct() == 100
     path = tiered.core.kv.disk_blocks.path
-    assert os.path.dirname(path) == str(tmp_path)
+    assert os.path.dirname(path) == str(tmp_path) and not os.path.exists(path)  # unlinked at once
     tiered.close()
-    assert not os.path.exists(path) and tmp_path.is_dir()
+    assert tmp_path.is_dir()
 
 
 def test_a_damaged_file_changes_no_output(tiny_llama, tmp_path):
@@ -287,7 +310,7 @@ def test_a_damaged_file_changes_no_output(tiny_llama, tmp_path):
     first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     blocks = llm.core.kv.disk_blocks
     blocks.flush()
-    with open(blocks.path, "r+b") as f:
+    with open(blocks.open_path, "r+b") as f:
         for slot in range(blocks.num_slots):
             f.seek(slot * blocks.record_size + HEADER.size)
             f.write(b"\x7f" * 8)
@@ -314,8 +337,8 @@ def test_the_directory_holds_no_more_than_its_bound(tiny_llama, tmp_path):
         llm.generate(_prompts(6, 72, seed=seed), params, use_tqdm=False)
     tier = llm.core.kv.disk_tier
     assert tier.num_slots == 8 and len(tier) == 8 and tier.counters.evicted_blocks > 0
-    (name,) = os.listdir(tmp_path)
-    st = os.stat(tmp_path / name)
+    assert os.listdir(tmp_path) == []  # unlinked at creation
+    st = os.stat(llm.core.kv.disk_blocks.open_path)
     assert st.st_size <= budget and st.st_blocks * 512 <= budget + st.st_blksize  # a file system block
     llm.close()
     assert os.listdir(tmp_path) == []
@@ -323,12 +346,16 @@ def test_the_directory_holds_no_more_than_its_bound(tiny_llama, tmp_path):
 
 def test_the_default_directory_is_temporary_and_removed(tiny_llama):
     llm = LLM(str(tiny_llama), kv_host_cache_gib=0.0001, kv_disk_cache_gib=0.001, **COMMON)
-    path = llm.core.kv.disk_blocks.path
+    blocks = llm.core.kv.disk_blocks
+    path, fd_path = blocks.path, blocks.open_path
     directory = os.path.dirname(path)
     assert os.path.basename(directory).startswith("pdserve-kv-disk-")
-    del llm
-    gc.collect()  # nobody called close(): the engine's end removes them anyway
-    assert not os.path.exists(path) and not os.path.exists(directory)
+    assert not os.path.exists(directory) and os.path.exists(fd_path)  # gone already; the fd holds the file
+    fd = blocks._fd
+    del llm, blocks
+    gc.collect()  # nobody called close(): the engine's end closes it anyway
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 @pytest.mark.parametrize(

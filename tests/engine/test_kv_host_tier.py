@@ -174,9 +174,31 @@ def test_the_registry_hears_of_both_tiers(tiny_llama):
     assert device and not set(device) & set(host) - set(device) and disk == []
 
 
-def test_host_tier_option_is_validated():
-    with pytest.raises(ValueError, match="kv_host_cache_gib"):
-        EngineConfig(model="m", kv_host_cache_gib=-1)
+@pytest.mark.parametrize("option", ["kv_host_cache_gib", "kv_disk_cache_gib", "swap_space"])
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), "2"])
+def test_host_tier_option_is_validated(option, value):
+    """A size that is no finite number >= 0 is refused by name (NaN and inf reached a traceback in
+    the allocation)."""
+    host = {"kv_host_cache_gib": 1} if option == "kv_disk_cache_gib" else {}
+    with pytest.raises(ValueError, match=f"{option} must be a finite number >= 0 GiB"):
+        EngineConfig(model="m", **(host | {option: value}))
+
+
+@pytest.mark.parametrize("option", ["kv_host_cache_gib", "swap_space"])
+def test_host_memory_the_host_has_not_got_is_refused_by_name(tiny_llama, monkeypatch, option):
+    """A host tier or swap space larger than the host's available memory fails the start with the
+    option's name and both sizes (torch's allocator said neither; on CPU it allocated lazily and
+    failed once the blocks filled)."""
+    import engine.kv_host_tier as host_tier
+
+    monkeypatch.setattr(host_tier, "available_host_bytes", lambda: 1 << 20)
+    with pytest.raises(
+        ValueError, match=rf"{option}=0.01 needs 0.01 GiB .* 0.00 GiB is available .*lower {option}"
+    ):
+        LLM(str(tiny_llama), block_size=8, num_blocks=16, **{option: 0.01})
+    monkeypatch.undo()
+    free = host_tier.available_host_bytes()
+    assert free is not None and 0 < free < 1 << 50  # this host's figure is read
 
 
 def test_hits_per_tier_reach_status_and_metrics(tiny_llama):

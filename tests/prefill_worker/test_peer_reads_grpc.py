@@ -28,9 +28,17 @@ def _prompt(seed: int, n: int = 90) -> list[int]:
 
 
 @pytest.fixture
-def pair(tiny_llama):
+def pair(tiny_llama, lora_adapter_factory):
     fabric = InProcessFabric()
-    engine = EngineConfig(model=str(tiny_llama), block_size=BS, num_blocks=32, kv_host_cache_gib=0.001)
+    adapter = str(lora_adapter_factory(tiny_llama, seed=5))
+    engine = EngineConfig(
+        model=str(tiny_llama),
+        block_size=BS,
+        num_blocks=32,
+        kv_host_cache_gib=0.001,
+        enable_lora=True,
+        lora_modules={"a": adapter},
+    )
     workers = [
         PrefillWorker(PrefillWorkerConfig(engine, worker_id=f"p{i}"), fabric.transfer_factory)
         for i in range(2)
@@ -59,8 +67,8 @@ def _run(workers, body) -> None:
     asyncio.run(main())
 
 
-async def _prefill(worker: PrefillWorker, rid: str, prompt, peer: pb.PeerPrefix | None = None):
-    result = await worker.prefill(rid, prompt, GREEDY, peer=peer)
+async def _prefill(worker: PrefillWorker, rid: str, prompt, peer: pb.PeerPrefix | None = None, params=GREEDY):
+    result = await worker.prefill(rid, prompt, params, peer=peer)
     assert await worker.release(rid)
     return result
 
@@ -77,6 +85,25 @@ def test_a_prefill_reads_its_prefix_from_a_peer(pair):
         assert read.num_cached_tokens == 11 * BS  # every block it did not compute came from p0
         assert (await p1.stats()).peer_received_blocks == 11
         assert (await p0.stats()).peer_lent_blocks == 11
+
+    _run(pair, body)
+
+
+def test_an_adapters_prompt_reads_the_peers_blocks_of_that_adapter(pair):
+    """The Lend call names the request's adapter's cache namespace: p0 lends the blocks it computed
+    with the adapter (not the base model's it also holds), and p1 serves the prompt from them."""
+    p0, p1 = pair
+    prompt = _prompt(3)
+    lora = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, lora="a")
+
+    async def body(addresses):
+        await _prefill(p0, "base", prompt)
+        first = await _prefill(p0, "a", prompt, params=lora)
+        peer = pb.PeerPrefix(worker_id="p0", address=addresses[0], num_blocks=11)
+        read = await _prefill(p1, "b", prompt, peer, params=lora)
+        assert read.first_token == first.first_token
+        assert read.num_cached_tokens == 11 * BS
+        assert (await p1.stats()).peer_received_blocks == 11
 
     _run(pair, body)
 

@@ -33,8 +33,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 class Pair:
     """Owner and reader engines (16-block pools, host tiers), their tiers on one fabric."""
 
-    def __init__(self, model, lease_s: float = 10.0, timeout_s: float = 5.0) -> None:
-        common = dict(block_size=BS, num_blocks=32, max_num_seqs=2, kv_host_cache_gib=0.001)
+    def __init__(self, model, lease_s: float = 10.0, timeout_s: float = 5.0, **engine) -> None:
+        common = dict(block_size=BS, num_blocks=32, max_num_seqs=2, kv_host_cache_gib=0.001) | engine
         self.fabric = InProcessFabric()
         self.llms = LLM(str(model), **common), LLM(str(model), **common)
         compat = KVCompat.from_layout("tiny", self.llms[0].core.layout)
@@ -54,11 +54,16 @@ class Pair:
         return LendOffer(self.owner.info(), slots, sums, lease_id, self.owner.lending.lease_s)
 
     def read(
-        self, prompt: list[int], offer: LendOffer, request_id: str = "r1", deadline_s: float = 10.0
+        self,
+        prompt: list[int],
+        offer: LendOffer,
+        request_id: str = "r1",
+        deadline_s: float = 10.0,
+        lora_salt: str = "",
     ) -> int:
         """Fetch and tick both ends until the read is over; the blocks published."""
         landed: list[int] = []
-        self.reader.fetch(request_id, prompt, offer, landed.append)
+        self.reader.fetch(request_id, prompt, offer, landed.append, lora_salt=lora_salt)
         deadline = time.monotonic() + deadline_s
         while not landed:
             assert time.monotonic() < deadline, "the read never ended"
@@ -296,3 +301,74 @@ def test_before_its_first_read_a_reader_assumes_half_the_compute_then_follows_re
         pair.reader._record(10, 0.0)
     assert pair.reader.fetch_s_per_block < slow * 0.001
     assert core.peer_hit_cost_pct() < 100 * PEER_READ_PRIOR  # measured cheap: the prior is gone
+
+
+class _StreamedHostBlocks:
+    """A host tier's copies as a GPU's stream runs them (CPU stand-in): an offload reads its device
+    block when issued and lands at the next ``settle`` or ``load``."""
+
+    def __init__(self, blocks) -> None:
+        self.blocks, self.queued = blocks, []
+        self.offload_now, self.load_now, self.settle_now = blocks.offload, blocks.load, blocks.settle
+        blocks.offload, blocks.load, blocks.settle = self.offload, self.load, self.land
+
+    def offload(self, pairs) -> None:
+        self.queued += [(slot, self.blocks.device_rows[block].clone()) for block, slot in pairs]
+
+    def land(self) -> None:
+        for slot, row in self.queued:
+            self.blocks.rows[slot].copy_(row)
+        self.queued = []
+
+    def load(self, pairs) -> None:
+        self.land()
+        self.load_now(pairs)
+
+
+def test_a_read_waits_for_copies_still_queued_into_its_slots(tiny_llama, hf_greedy):
+    """On a GPU the reader's host slots can still have offloads queued on the stream (the step that
+    evicted into them returned before they ran). A peer read reserving those slots must let them land
+    first: landing after the peer's bytes, they replaced the prompt's KV and its tokens changed."""
+    common = dict(num_blocks=16, max_num_seqs=1)
+    bb = LLM(str(tiny_llama), block_size=BS, **common).core.layout.block_bytes
+    pair = Pair(tiny_llama, **common, kv_host_cache_gib=4 * bb / 2**30)  # 4 host slots
+    owner, reader = pair.llms
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 1000) for _ in range(4 * BS + 1)]
+    want = hf_greedy(tiny_llama, prompt, 5)
+    assert owner.generate([prompt], PARAMS, use_tqdm=False)[0].token_ids == want
+    stream = _StreamedHostBlocks(reader.core.kv.host_blocks)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    reader.generate([[rng.randrange(3, 1000) for _ in range(8 * BS + 1)]], one, use_tqdm=False)
+    stream.land()
+    reader.generate([[rng.randrange(3, 1000) for _ in range(15 * BS)]], one, use_tqdm=False)
+    assert {slot for slot, _ in stream.queued} == set(range(4))  # evictions still on their way in
+    assert pair.read(prompt, pair.lend(prompt)) == 4
+    stream.land()  # the stream catches up
+    out = reader.generate([prompt], PARAMS, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 4 * BS and out.token_ids == want
+    pair.check_back()
+
+
+def test_an_adapters_prefix_is_lent_and_read_in_its_own_namespace(tiny_llama, lora_adapter_factory):
+    """A LoRA request's blocks are hashed with the adapter's namespace (as the engine and the router
+    hash them): both ends use it, so the owner lends the adapter's blocks (it lent none before, while
+    the router predicted the hit) and the reader serves the prompt from them, as the owner computed it."""
+    adapter = str(lora_adapter_factory(tiny_llama, seed=5))
+    pair = Pair(tiny_llama, enable_lora=True, lora_modules={"a": adapter})
+    owner, reader = pair.llms
+    prompt = _prompt(7)
+    lora = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, lora="a")
+    want = owner.generate([prompt], lora, use_tqdm=False)[0].token_ids
+    assert want != owner.generate([prompt], PARAMS, use_tqdm=False)[0].token_ids  # the adapter matters
+    salt = owner.core.lora_salts()["a"]
+    assert pair.owner.lend("base", prompt, 100)[0] != []  # the base model's blocks, from the second run
+    pair.owner.lending.end("base")
+    slots, sums = pair.owner.lend("lease-1", prompt, 100, salt)
+    assert len(slots) == 11
+    offer = LendOffer(pair.owner.info(), slots, sums, "lease-1", pair.owner.lending.lease_s)
+    assert pair.read(prompt, offer, lora_salt=salt) == 11
+    out = reader.generate([prompt], lora, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 11 * BS and out.token_ids == want
+    assert reader.generate([prompt], PARAMS, use_tqdm=False)[0].num_cached_tokens == 0  # not the base's
+    pair.check_back()
