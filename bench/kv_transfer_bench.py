@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from kv_transfer import KVCompat, RemoteKVInfo, merge_block_runs
+from kv_transfer.compat import LAYOUT_BLOCK_MAJOR_V1, LAYOUT_QUANTIZED_TOKEN_SCALES_V1
 
 LAYOUT = dict(model="bench-llama-32m", block_size=16, num_layers=8, num_kv_heads=4, head_dim=64)
 KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")  # int8 / fp8: quantized blocks with their scales
@@ -54,7 +55,9 @@ def log(msg: str) -> None:
 
 
 def compat(kv_dtype: str) -> KVCompat:
-    return KVCompat(dtype={"fp8": "float8_e4m3fn"}.get(kv_dtype, kv_dtype), **LAYOUT)
+    quantized = kv_dtype in ("int8", "fp8")
+    layout = LAYOUT_QUANTIZED_TOKEN_SCALES_V1 if quantized else LAYOUT_BLOCK_MAJOR_V1
+    return KVCompat(dtype={"fp8": "float8_e4m3fn"}.get(kv_dtype, kv_dtype), layout=layout, **LAYOUT)
 
 
 def make_pool(seed: int, kv_dtype: str) -> torch.Tensor:

@@ -89,7 +89,7 @@ class EngineConfig:
     dtype: str | torch.dtype = option("float32", "weights and KV cache dtype", DTYPE_NAMES)
     kv_cache_dtype: str = option(
         "auto",
-        "KV cache storage: auto (the model's dtype), int8 or fp8 (e4m3), with a scale per block, layer "
+        "KV cache storage: auto (the model's dtype), int8 or fp8 (e4m3), with a scale per token, layer "
         "and KV head",
         KV_CACHE_DTYPES,
     )

@@ -53,8 +53,8 @@ MIXED_BUDGET = 256 * 2048
 
 def graphs_apply(config: EngineConfig, device_type: str, backend: str, kv_dtype, model) -> bool:
     """Whether an engine captures decode CUDA graphs: asked for, on a GPU, with the Triton backend;
-    not with a quantized KV cache (its store groups a step's writes by block, ``torch.unique``: not
-    capturable), nor for an emulated accelerator (``zero_cost.StepTime``: it waits in its forward,
+    not with a quantized KV cache (its store, a scale per token since, no longer groups writes
+    with ``torch.unique``; replaying it waits for a GPU to check), nor for an emulated accelerator (``zero_cost.StepTime``: it waits in its forward,
     which a replay would skip)."""
     if not (config.cuda_graphs and device_type == "cuda" and backend == "triton"):
         return False

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_quant import SCALE_BYTES, QuantizedKVCache
+from engine.kv_quant import QuantizedKVCache
+from engine.kv_quant import block_bytes as quantized_block_bytes
 from engine.models.llama import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -44,11 +45,11 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         """One block's bytes: its K/V, and for a quantized cache its scales."""
+        if self.kv_dtype is not None:
+            return quantized_block_bytes(self.block_shape)
         n = 1
         for d in self.block_shape:
             n *= d
-        if self.kv_dtype is not None:
-            return n + self.num_layers * 2 * self.num_kv_heads * SCALE_BYTES
         return n * self.dtype.itemsize
 
     def allocate(self, num_blocks: int, device: str | torch.device):

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from engine.kv_cache import KVLayout
 
 LAYOUT_BLOCK_MAJOR_V1 = "block_major_v1"
+# A quantized cache's blocks: the data, then a scale per token, layer, K/V and head (engine.kv_quant;
+# v1 had one per block, layer, K/V and head: its blocks are not readable as these).
+LAYOUT_QUANTIZED_TOKEN_SCALES_V1 = "block_major_token_scales_v1"
 
 
 class KVIncompatibleError(ValueError):
@@ -55,7 +58,7 @@ class KVCompat:
             model=model_name,
             dtype=dtype_name(layout.storage_dtype),  # a quantized cache's blocks hold int8 / e4m3
             block_size=layout.block_size,
-            layout=LAYOUT_BLOCK_MAJOR_V1,
+            layout=LAYOUT_QUANTIZED_TOKEN_SCALES_V1 if layout.kv_dtype is not None else LAYOUT_BLOCK_MAJOR_V1,
             num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim,
@@ -95,8 +98,9 @@ _SCALE_BYTES = 4
 
 
 def quantized_block_bytes(c: KVCompat) -> int:
-    """A quantized block's bytes: one per K/V element, then a float32 scale per layer, K/V and head."""
-    return c.num_layers * 2 * c.num_kv_heads * (c.block_size * c.head_dim + _SCALE_BYTES)
+    """A quantized block's bytes: one per K/V element, then a float32 scale per token, layer, K/V and
+    head."""
+    return c.num_layers * 2 * c.num_kv_heads * c.block_size * (c.head_dim + _SCALE_BYTES)
 
 
 def check_kv_tensor(shape: tuple[int, ...], dtype: str, c: KVCompat) -> None:

@@ -410,20 +410,22 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
 class KVLayoutInfo(_message.Message):
-    __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "model")
+    __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "model", "layout")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str
     model: str
-    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    layout: str
+    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class KVTransferInfo(_message.Message):
     __slots__ = ("agent_name", "agent_metadata", "base_addr", "block_bytes", "num_blocks", "compat_hash", "layout", "memory_type", "device_id")

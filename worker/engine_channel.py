@@ -25,7 +25,7 @@ from kv_transfer import KVCompat, RemoteKVInfo
 from kv_transfer.compat import dtype_name
 from proto import pdserve_pb2 as pb
 from proto.convert import logprobs_from_proto, logprobs_to_proto
-from worker.state import transfer_info_from_proto
+from worker.state import compat_from_proto, compat_to_proto, transfer_info_from_proto
 
 M = TypeVar("M", bound=Message)
 _LEN = struct.Struct("<I")
@@ -327,14 +327,7 @@ def ready_to_proto(
 ) -> pb.EngineReady:
     return pb.EngineReady(
         loras=loras or {},
-        layout=pb.KVLayoutInfo(
-            num_layers=compat.num_layers,
-            block_size=compat.block_size,
-            num_kv_heads=compat.num_kv_heads,
-            head_dim=compat.head_dim,
-            dtype=compat.dtype,
-            model=compat.model,
-        ),
+        layout=compat_to_proto(compat),
         num_blocks=limits.num_blocks,
         max_model_len=limits.max_model_len,
         vocab_size=limits.vocab_size,
@@ -345,20 +338,12 @@ def ready_to_proto(
 
 
 def facts_from_proto(msg: pb.EngineReady) -> EngineFacts:
-    lay = msg.layout
-    compat = KVCompat(
-        model=lay.model,
-        dtype=lay.dtype,
-        block_size=lay.block_size,
-        num_layers=lay.num_layers,
-        num_kv_heads=lay.num_kv_heads,
-        head_dim=lay.head_dim,
-    )
+    compat = compat_from_proto(msg.layout)
     limits = RequestLimits(
         vocab_size=msg.vocab_size,
         max_num_seqs=msg.max_num_seqs,
         max_model_len=msg.max_model_len,
-        block_size=lay.block_size,
+        block_size=compat.block_size,
         num_blocks=msg.num_blocks,
     )
     transfer = transfer_info_from_proto(msg.transfer) if msg.HasField("transfer") else None

@@ -6,6 +6,7 @@ import os
 
 from engine.stats import EngineStats
 from kv_transfer import KVCompat, RemoteKVInfo
+from kv_transfer.compat import LAYOUT_BLOCK_MAJOR_V1
 from kv_transfer.stats import TRANSFER_SECONDS_BUCKETS, TransferStats
 from proto import pdserve_pb2 as pb
 
@@ -19,27 +20,36 @@ def transfer_info_to_proto(info: RemoteKVInfo) -> pb.KVTransferInfo:
         block_bytes=info.block_bytes,
         num_blocks=info.num_blocks,
         compat_hash=c.hash(),
-        layout=pb.KVLayoutInfo(
-            num_layers=c.num_layers,
-            block_size=c.block_size,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            dtype=c.dtype,
-            model=c.model,
-        ),
+        layout=compat_to_proto(c),
     )
 
 
-def transfer_info_from_proto(msg: pb.KVTransferInfo) -> RemoteKVInfo:
-    lay = msg.layout
-    compat = KVCompat(
+def compat_to_proto(c: KVCompat) -> pb.KVLayoutInfo:
+    return pb.KVLayoutInfo(
+        num_layers=c.num_layers,
+        block_size=c.block_size,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=c.dtype,
+        model=c.model,
+        layout=c.layout,
+    )
+
+
+def compat_from_proto(lay: pb.KVLayoutInfo) -> KVCompat:
+    return KVCompat(
         model=lay.model,
         dtype=lay.dtype,
         block_size=lay.block_size,
+        layout=lay.layout or LAYOUT_BLOCK_MAJOR_V1,
         num_layers=lay.num_layers,
         num_kv_heads=lay.num_kv_heads,
         head_dim=lay.head_dim,
     )
+
+
+def transfer_info_from_proto(msg: pb.KVTransferInfo) -> RemoteKVInfo:
+    compat = compat_from_proto(msg.layout)
     if compat.hash() != msg.compat_hash:
         raise ValueError(f"peer {msg.agent_name} sent a layout that does not match its compatibility hash")
     return RemoteKVInfo(

@@ -34,9 +34,6 @@ class AttentionMetadata:
     # Decode-only helpers, built once per step and shared by every layer: decodes (sorted by context
     # length, longest first) split into groups of similar length, each with its key mask.
     decode_groups: list[DecodeGroup] | None = None
-    # A quantized cache: the step's slot writes grouped by block (engine.kv_quant.SlotWrites), built
-    # by the first layer that stores and shared by the others.
-    quant_writes: object | None = None
     # The step's adapters (engine.lora.batch.LoraBatch), None when no token of it uses one.
     lora: object | None = None
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata, DecodeGroup
-from engine.kv_quant import QuantizedKVCache, gather, step_writes, store
+from engine.kv_quant import QuantizedKVCache, gather, store
 
 GROUP_RATIO = 0.75
 
@@ -51,9 +51,8 @@ class TorchAttentionBackend:
         sliding_window: int | None,
     ) -> torch.Tensor:
         if isinstance(kv_cache, QuantizedKVCache):
-            writes = step_writes(meta)
-            store(kv_cache, layer, 0, k, writes)
-            store(kv_cache, layer, 1, v, writes)
+            store(kv_cache, layer, 0, k, meta.slot_blocks, meta.slot_offsets)
+            store(kv_cache, layer, 1, v, meta.slot_blocks, meta.slot_offsets)
             k_cache = _Dequantized(kv_cache, layer, 0, q.dtype)
             v_cache = _Dequantized(kv_cache, layer, 1, q.dtype)
         else:

@@ -19,7 +19,7 @@ import torch
 from engine.attention.backend import AttentionMetadata
 from engine.attention.triton_kernels import paged_decode_attention, store_kv
 from engine.attention.triton_prefill import paged_prefill_attention
-from engine.kv_quant import QuantizedKVCache, step_writes, store
+from engine.kv_quant import QuantizedKVCache, store
 
 
 @dataclass(slots=True)
@@ -80,9 +80,8 @@ class TritonAttentionBackend:
             self.prepare(meta)
         plan = self._plan
         if isinstance(kv_cache, QuantizedKVCache):  # quantized on write in torch, dequantized in-kernel
-            writes = step_writes(meta)
-            store(kv_cache, layer, 0, k, writes)
-            store(kv_cache, layer, 1, v, writes)
+            store(kv_cache, layer, 0, k, meta.slot_blocks, meta.slot_offsets)
+            store(kv_cache, layer, 1, v, meta.slot_blocks, meta.slot_offsets)
             k_cache, v_cache = kv_cache.data[:, layer, 0], kv_cache.data[:, layer, 1]
             scales = {"k_scales": kv_cache.scales[:, layer, 0], "v_scales": kv_cache.scales[:, layer, 1]}
         else:

@@ -54,10 +54,10 @@ def _check_attention_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     if k_scales is None:
         assert q.dtype == k_cache.dtype == v_cache.dtype
-    else:  # a quantized cache: a float32 scale per block and KV head, dequantized in the kernel
+    else:  # a quantized cache: a float32 scale per token and KV head, dequantized in the kernel
         assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
         assert v_scales is not None and k_scales.dtype == v_scales.dtype == torch.float32
-        assert k_scales.shape == v_scales.shape == k_cache.shape[:1] + k_cache.shape[2:3]
+        assert k_scales.shape == v_scales.shape == k_cache.shape[:3]
         assert k_scales.stride() == v_scales.stride()
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {q.dtype}"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "head dim must be contiguous"
@@ -72,17 +72,19 @@ def _upcast_dot(dtype: torch.dtype) -> bool:
 
 
 def _scale_args(k_scales: Tensor | None, v_scales: Tensor | None, q: Tensor) -> tuple:
-    """(k scale ptr, v scale ptr, block stride, head stride); q stands in when not quantized."""
+    """(k scale ptr, v scale ptr, block stride, token stride, head stride); q stands in when not
+    quantized."""
     if k_scales is None:
-        return q, q, 0, 0
-    return k_scales, v_scales, k_scales.stride(0), k_scales.stride(1)
+        return q, q, 0, 0, 0
+    return k_scales, v_scales, k_scales.stride(0), k_scales.stride(1), k_scales.stride(2)
 
 
 @triton.jit
-def _dequant(x, scale_ptr, block, kvh, stride_sb, stride_sh, mask, dtype, QUANT: tl.constexpr):
-    """Tile rows of a quantized cache times their block's scale for this KV head, in ``dtype``."""
+def _dequant(x, scales, mask, dtype, QUANT: tl.constexpr):
+    """Tile rows of a quantized cache times their token's scale for this KV head (``scales``: a
+    pointer per row), in ``dtype``."""
     if QUANT:
-        s = tl.load(scale_ptr + block * stride_sb + kvh * stride_sh, mask=mask, other=0.0)
+        s = tl.load(scales, mask=mask, other=0.0)
         x = (x.to(tl.float32) * s[:, None]).to(dtype)
     return x
 
@@ -150,7 +152,7 @@ def store_kv_ref(
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     k_scale_ptr, v_scale_ptr, qk_scale, num_heads, num_partitions,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_tb, stride_sb, stride_sh,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_tb, stride_sb, stride_ss, stride_sh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr,
     PARTITION_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
@@ -184,9 +186,10 @@ def _decode_partition_kernel(
             valid &= pos >= seq_len - WINDOW
         block = tl.load(tables_ptr + b * stride_tb + pos // PAGE_SIZE, mask=valid, other=0)
         slot = block * stride_cb + (pos % PAGE_SIZE) * stride_cs + kvh * stride_ch
+        scale_at = block * stride_sb + (pos % PAGE_SIZE) * stride_ss + kvh * stride_sh  # (QUANT)
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        k = _dequant(k, k_scale_ptr, block, kvh, stride_sb, stride_sh, valid, q.dtype, QUANT)
+        k = _dequant(k, k_scale_ptr + scale_at, valid, q.dtype, QUANT)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every tile holds a visible key (lo is the window's tile), so m_new is finite.
@@ -195,7 +198,7 @@ def _decode_partition_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = _dequant(v, v_scale_ptr, block, kvh, stride_sb, stride_sh, valid, q.dtype, QUANT)
+        v = _dequant(v, v_scale_ptr + scale_at, valid, q.dtype, QUANT)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
@@ -252,7 +255,8 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     out: Tensor | None = None,
     partition_size: int = 512,
-    k_scales: Tensor | None = None,  # [num_blocks, num_kv_heads] float32: a quantized cache's scales
+    k_scales: Tensor
+    | None = None,  # [num_blocks, block_size, num_kv_heads] float32: a quantized cache's scales
     v_scales: Tensor | None = None,
 ) -> Tensor:
     qpk = _check_attention_inputs(q, k_cache, v_cache, k_scales, v_scales)

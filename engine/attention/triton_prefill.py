@@ -37,7 +37,7 @@ PREFILL_TILE = 32
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, out_ptr,
     k_scale_ptr, v_scale_ptr, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_tb, stride_sb, stride_sh,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_tb, stride_sb, stride_ss, stride_sh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr,
     UPCAST: tl.constexpr, QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -73,9 +73,10 @@ def _prefill_kernel(
         in_ctx = pos < hi
         block = tl.load(tables_ptr + seq * stride_tb + pos // PAGE_SIZE, mask=in_ctx, other=0)
         slot = block * stride_cb + (pos % PAGE_SIZE) * stride_cs + kvh * stride_ch
+        scale_at = block * stride_sb + (pos % PAGE_SIZE) * stride_ss + kvh * stride_sh  # (QUANT)
         kv_mask = in_ctx[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        k = _dequant(k, k_scale_ptr, block, kvh, stride_sb, stride_sh, in_ctx, q.dtype, QUANT)
+        k = _dequant(k, k_scale_ptr + scale_at, in_ctx, q.dtype, QUANT)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale
         visible = in_ctx[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
@@ -88,7 +89,7 @@ def _prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = _dequant(v, v_scale_ptr, block, kvh, stride_sb, stride_sh, in_ctx, q.dtype, QUANT)
+        v = _dequant(v, v_scale_ptr + scale_at, in_ctx, q.dtype, QUANT)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
@@ -108,7 +109,8 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: Tensor | None = None,
-    k_scales: Tensor | None = None,  # [num_blocks, num_kv_heads] float32: a quantized cache's scales
+    k_scales: Tensor
+    | None = None,  # [num_blocks, block_size, num_kv_heads] float32: a quantized cache's scales
     v_scales: Tensor | None = None,
 ) -> Tensor:
     qpk = _check_attention_inputs(q, k_cache, v_cache, k_scales, v_scales)

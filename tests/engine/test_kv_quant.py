@@ -1,6 +1,7 @@
-"""Quantized KV cache (int8, fp8): scales per block, layer, K/V and head, written with the tokens;
-blocks carry their scales through swaps, copy-on-write and transfers; the pool holds more tokens in
-the same bytes; outputs stay close to full precision and identical across the engine's paths."""
+"""Quantized KV cache (int8, fp8): a scale per token, layer, K/V and head, written with the token, so
+what a token stores does not depend on the tokens written with it; blocks carry their scales through
+swaps, copy-on-write and transfers; the pool holds more tokens in the same bytes; outputs stay close
+to full precision and identical across the engine's paths (speculation included)."""
 
 from __future__ import annotations
 
@@ -10,56 +11,64 @@ from test_disaggregation import BLOCK, _disaggregated
 
 from engine import LLM, EngineConfig, EngineCore, SamplingParams
 from engine.kv_cache import KVLayout
-from engine.kv_quant import QuantizedKVCache, SlotWrites, gather, store
+from engine.kv_quant import QuantizedKVCache, gather, store
 from kv_transfer.compat import KVCompat, KVIncompatibleError, check_compatible
 
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-# Worst relative error of one dequantized element against the block's largest magnitude: half a step
-# of int8's 127 levels, twice (a token written, then requantized once when the scale grows); e4m3
-# keeps 3 mantissa bits.
-TOLERANCE = {"int8": 1.5 / 127, "fp8": 0.07}
+# Worst relative error of one dequantized element against its token's largest magnitude (per head):
+# half a step of int8's 127 levels; e4m3 keeps 3 mantissa bits.
+TOLERANCE = {"int8": 0.51 / 127, "fp8": 0.07}
 
 
 def _cache(dtype: str, num_blocks: int = 6, block_size: int = 4, kvh: int = 2, hd: int = 8):
     return QuantizedKVCache.allocate(num_blocks, (2, 2, block_size, kvh, hd), DTYPES[dtype], "cpu")
 
 
+def _store(cache, layer, kv, x, blocks, offsets) -> None:
+    store(cache, layer, kv, x, torch.tensor(blocks), torch.tensor(offsets))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tokens_written_one_by_one_with_growing_magnitude_dequantize_within_a_step(dtype):
+def test_each_token_is_quantized_with_its_own_scale(dtype):
     cache = _cache(dtype)
     gen = torch.Generator().manual_seed(0)
-    tokens = [torch.randn((1, 2, 8), generator=gen) * (1 + 3 * i) for i in range(4)]  # each larger
-    for i, x in enumerate(tokens):
-        store(cache, 1, 0, x, SlotWrites.of(torch.tensor([3]), torch.tensor([i])))
+    want = torch.cat([torch.randn((1, 2, 8), generator=gen) * (1 + 30 * i) for i in range(4)])  # each larger
+    _store(cache, 1, 0, want, [3] * 4, range(4))
     got = gather(cache, 1, 0, torch.tensor([3]), torch.float32)[0]  # [bs, kvh, hd]
-    want = torch.cat(tokens)
-    amax = want.abs().amax(dim=(0, 2))  # per head
+    amax = want.abs().amax(dim=2)  # per token and head
     assert torch.allclose(cache.scales[3, 1, 0], amax / (127 if dtype == "int8" else 448))
-    err = ((got - want).abs().amax(dim=(0, 2)) / amax).max().item()
-    assert err < TOLERANCE[dtype], err
+    err = ((got - want).abs().amax(dim=2) / amax).max().item()
+    assert err < TOLERANCE[dtype], err  # the small first token keeps its precision beside the large last
     assert cache.scales[3, 1, 1].abs().sum() == 0 and cache.scales[3, 0, 0].abs().sum() == 0  # untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_reused_block_drops_its_previous_owners_scale(dtype):
-    cache = _cache(dtype)
-    store(cache, 0, 1, torch.full((4, 2, 8), 1000.0), SlotWrites.of(torch.tensor([2] * 4), torch.arange(4)))
-    small = torch.randn((2, 2, 8), generator=torch.Generator().manual_seed(1)) * 0.01
-    store(
-        cache, 0, 1, small, SlotWrites.of(torch.tensor([2, 2]), torch.arange(2))
-    )  # offset 0: the block restarts
-    got = gather(cache, 0, 1, torch.tensor([2]), torch.float32)[0, :2]
-    assert (got - small).abs().max() < TOLERANCE[dtype] * small.abs().max()
+def test_a_token_stores_the_same_bytes_however_its_writes_are_grouped(dtype):
+    """A block written one token a step, all at once, or after other values were written into its
+    slots and then rewritten (a verify step's rejected drafts) ends up byte for byte the same: what
+    speculative decoding, chunked prefill and prefix hits need to keep greedy output unchanged."""
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randn((4, 2, 8), generator=gen) * torch.tensor([1.0, 50.0, 0.1, 7.0])[:, None, None]
+    one_by_one, whole, redrafted = _cache(dtype), _cache(dtype), _cache(dtype)
+    for i in range(4):
+        _store(one_by_one, 0, 1, tokens[i : i + 1], [2], [i])
+    _store(whole, 0, 1, tokens, [2] * 4, range(4))
+    _store(redrafted, 0, 1, tokens[:1], [2], [0])
+    _store(redrafted, 0, 1, torch.full((3, 2, 8), 1000.0), [2] * 3, [1, 2, 3])  # drafts, rejected
+    _store(redrafted, 0, 1, tokens[1:], [2] * 3, [1, 2, 3])
+    assert torch.equal(one_by_one.raw, whole.raw) and torch.equal(whole.raw, redrafted.raw)
 
 
-def test_the_same_byte_budget_holds_at_least_3_5x_the_tokens_with_int8(tiny_llama):
+def test_the_same_byte_budget_holds_over_3x_the_tokens_with_int8(tiny_llama):
+    """A token and head: 16 bytes of data and 4 of scale against 64 of float32 (the tiny model's
+    head_dim is 16; 3.2x, and at head_dim 128 against bfloat16, 1.94x)."""
     sizes = {}
     for kv in ("auto", "int8", "fp8"):
         core = EngineCore(
             EngineConfig(model=str(tiny_llama), kv_cache_memory_bytes=8 << 20, kv_cache_dtype=kv)
         )
         sizes[kv] = core.kv.num_blocks
-    assert sizes["int8"] == sizes["fp8"] >= 3.5 * sizes["auto"]
+    assert sizes["int8"] == sizes["fp8"] >= 3.1 * sizes["auto"]
 
 
 def test_a_block_row_is_its_data_and_scales(tiny_llama):
@@ -67,9 +76,10 @@ def test_a_block_row_is_its_data_and_scales(tiny_llama):
     layout = KVLayout(2, 4, 2, 8, torch.float32, torch.int8)
     cache = layout.allocate(3, "cpu")
     assert (
-        cache.raw.shape == (3, layout.block_bytes) and layout.block_bytes == 2 * 2 * 4 * 2 * 8 + 2 * 2 * 2 * 4
+        cache.raw.shape == (3, layout.block_bytes)
+        and layout.block_bytes == 2 * 2 * 4 * 2 * 8 + 2 * 2 * 4 * 2 * 4
     )
-    store(cache, 0, 0, torch.randn(4, 2, 8), SlotWrites.of(torch.tensor([0] * 4), torch.arange(4)))
+    _store(cache, 0, 0, torch.randn(4, 2, 8), [0] * 4, range(4))
     cache.raw[1].copy_(cache.raw[0])
     assert torch.equal(cache.scales[1], cache.scales[0]) and torch.equal(cache.data[1], cache.data[0])
 

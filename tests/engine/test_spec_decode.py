@@ -294,17 +294,22 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_where_it_would_hav
     _assert_all_free(llm)
 
 
-@pytest.mark.parametrize("method", ["early_exit", "draft_is_target"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_a_model_proposer_runs_over_a_quantized_kv_cache(target, draft, method, kv_dtype):
-    """Speculation with a model's proposals over an int8 or fp8 KV cache (the engine failed at start:
-    the proposer read the device of a cache that is a region, not a tensor). Tokens equal to the
-    non-speculating engine's are not asserted: a quantized block's scale depends on how its writes
-    were grouped (``engine.kv_quant``), and a verify step writes several tokens at once."""
-    prompts = _prompts(3, [11, 26])
+def test_speculation_over_a_quantized_kv_cache_keeps_greedy_output(target, draft, method, kv_dtype):
+    """Over an int8 or fp8 KV cache, speculation gives the non-speculating quantized engine's tokens:
+    a token's stored bytes depend on that token alone (a scale per token, ``engine.kv_quant``), so
+    a verify step writing k + 1 positions, its rejected drafts rewritten later, leaves nothing behind.
+    (With a scale per block, a rejected draft's magnitude stayed in its block: ngram and early exit,
+    which reject often, changed greedy output.) Also: a model proposer runs over such a cache (it
+    failed at start, reading the device of a cache that is a region, not a tensor)."""
+    prompts = _prompts(3, [11, 26, 40, 17])
+    want = _llm(target, None, kv_cache_dtype=kv_dtype).generate(prompts, _greedy(max_new=32), use_tqdm=False)
     llm = _llm(target, _configs(target, draft)[method], kv_cache_dtype=kv_dtype)
-    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
-    assert [len(o.token_ids) for o in outs] == [MAX_NEW, MAX_NEW]
+    got = llm.generate(prompts, _greedy(max_new=32), use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = llm.stats()
-    assert stats.spec_num_drafts > 0 and stats.spec_accepted_per_position[0] > 0
+    assert stats.spec_num_drafts > 0  # (the random draft model's proposals are all rejected)
+    assert stats.spec_accepted_per_position[0] > 0 or method == "draft_model"
+    assert stats.spec_accepted_tokens < stats.spec_draft_tokens or method == "draft_is_target"  # rejections
     _assert_all_free(llm)

@@ -25,7 +25,7 @@ from engine.attention import triton_prefill as tp
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
-from engine.kv_quant import QuantizedKVCache, SlotWrites, store
+from engine.kv_quant import QuantizedKVCache, store
 
 INTERPRETED = tk.is_interpreted()
 assert triton.knobs.runtime.interpret == INTERPRETED, "triton_kernels was defined before the env was set"
@@ -182,7 +182,7 @@ def test_backend_matches_torch_backend_on_speculative_verification(window: int |
 def test_backend_matches_torch_backend_on_a_quantized_cache(
     kv_dtype: torch.dtype, dtype: torch.dtype
 ) -> None:
-    """int8 / e4m3 blocks with a scale per block and KV head: the kernels dequantize them as the torch
+    """int8 / e4m3 blocks with a scale per token and KV head: the kernels dequantize them as the torch
     backend does (decodes, a chunk over a cached prefix, short verify chunks)."""
     seqs = [(69, 1), (32, 1), (0, 1), (37, 20), (16, 11), (30, 3)]
     _compare_backends(seqs, None, dtype, share=(3, 4), kv_dtype=kv_dtype)
@@ -213,7 +213,7 @@ def _compare_backends(
             for side in range(2):
                 x = kv[:, layer, side].flatten(0, 1).float()
                 blocks = torch.arange(64).repeat_interleave(block_size)
-                store(torch_kv, layer, side, x, SlotWrites.of(blocks, torch.arange(block_size).repeat(64)))
+                store(torch_kv, layer, side, x, blocks, torch.arange(block_size).repeat(64))
         triton_kv = QuantizedKVCache.from_raw(torch_kv.raw.clone().to(DEVICE), tuple(kv.shape[1:]), kv_dtype)
 
     triton_backend = TritonAttentionBackend(decode_partition_size=32)  # the 70-token decode splits in 3
