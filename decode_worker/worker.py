@@ -361,7 +361,9 @@ class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
 
     async def shutdown(self, grace_s: float = 1.0) -> None:
         """Hand the requests still running to the router (instead of cutting their streams), give
-        their streams ``grace_s`` to say so, then stop."""
+        their streams ``grace_s`` to say so, then stop. It leaves the registry first: nothing new
+        is routed here meanwhile."""
+        await self.leave_registry()
         if await self.hand_off():
             deadline = asyncio.get_running_loop().time() + grace_s
             while self.loop.stream_ids() and asyncio.get_running_loop().time() < deadline:

@@ -15,7 +15,9 @@ that much later. When Redis fails, or a heartbeat finds that Redis
 lost the worker's registration (restarted empty between two heartbeats, the connection never
 failing), queued events are dropped and a snapshot is requested; once Redis answers again the worker re-registers from that snapshot (a RESYNCED event
 with the whole set), so readers converge without replaying anything. Events drained after the
-snapshot follow it in the queue, so order is kept.
+snapshot follow it in the queue, so order is kept. A newer incarnation of the same worker id
+(``SupersededError``) ends the thread: this worker stays out of the registry, and its leaving
+deletes nothing of its replacement's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import redis
 
-from registry.schema import WorkerRecord, WorkerRegistration, connect
+from registry.schema import SupersededError, WorkerRecord, WorkerRegistration, connect
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class RegistryPublisher:
         self.ttl_s = ttl_s
         self.heartbeat_s = heartbeat_s
         self.connected = False
+        self.superseded: int | None = None  # the newer incarnation's epoch, once one took the id over
         self.published = 0
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._want_snapshot = threading.Event()
@@ -154,6 +157,11 @@ class RegistryPublisher:
                         )
                         awaiting_snapshot = True
                         self._want_snapshot.set()
+            except SupersededError as exc:  # its replacement's entries: write them no more
+                logger.error("%s: leaving the registry to the newer incarnation", exc)
+                self.superseded = exc.newer
+                self.connected = False
+                return
             except redis.RedisError as exc:
                 if self.connected:
                     logger.warning("registry unreachable (%s): will resync when it returns", exc)

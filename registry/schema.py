@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -195,8 +196,23 @@ def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0, health_check_interval=10)
 
 
+class SupersededError(RuntimeError):
+    """A newer incarnation of this worker id owns its registry entries (a replacement started while
+    this one was stopped or cut off): this one must write none of them again."""
+
+    def __init__(self, worker_id: str, epoch: int, newer: int) -> None:
+        super().__init__(f"worker {worker_id} (epoch {epoch}) was superseded by epoch {newer}")
+        self.newer = newer
+
+
 class WorkerRegistration:
     """A worker's side: register/heartbeat its record, and publish its KV events with snapshots.
+
+    Every write is a transaction on the condition that this incarnation owns the worker id's entries:
+    the snapshot meta's epoch, WATCHed, is its own (or, to register, none or an older one). An
+    incarnation that comes back after its replacement registered (a process stopped, then
+    continued) raises ``SupersededError`` instead of overwriting the replacement's record and
+    snapshot every second, and leaves without deleting them.
 
     Not thread-safe; one owner thread (the worker's publisher) calls it.
     """
@@ -212,9 +228,11 @@ class WorkerRegistration:
     ) -> None:
         """(Re)start this incarnation: record, fresh snapshot (every tier), and a CLEARED (nothing
         cached) or RESYNCED event for readers."""
+        self._as_owner(lambda pipe: self._register(pipe, cached_hashes, host_hashes, disk_hashes), True)
+
+    def _register(self, pipe, cached_hashes, host_hashes, disk_hashes) -> None:
         wid = self.record.worker_id
         self.seq += 1
-        pipe = self.client.pipeline(transaction=True)
         pipe.hset(worker_key(wid), mapping=self.record.to_fields())
         pipe.pexpire(worker_key(wid), self.ttl_ms)
         pipe.sadd(WORKERS_SET, wid)
@@ -233,7 +251,30 @@ class WorkerRegistration:
         if disk_hashes:
             entry["y"] = pack_hashes(list(disk_hashes))
         pipe.xadd(EVENTS_STREAM, entry, maxlen=STREAM_MAXLEN, approximate=True)
-        pipe.execute()
+
+    def _as_owner(self, write: Callable[[redis.client.Pipeline], None], registering: bool = False) -> bool:
+        """``write(pipe)``'s commands in one transaction, if this incarnation owns the worker's entries
+        (the meta's epoch is ours; ``registering``: or none, or an older one). False when the entries
+        are gone or an older incarnation's (Redis restarted empty: register again, with a snapshot);
+        ``SupersededError`` when a newer incarnation owns them."""
+        meta, mine = snapshot_meta_key(self.record.worker_id), self.record.epoch
+        for _ in range(3):  # a concurrent write to the meta: look again
+            with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(meta)
+                    stored = pipe.hget(meta, "epoch")
+                    owner = int(stored) if stored is not None else None
+                    if owner is not None and owner > mine:
+                        raise SupersededError(self.record.worker_id, mine, owner)
+                    if owner != mine and not registering:
+                        return False
+                    pipe.multi()
+                    write(pipe)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+        raise redis.WatchError(f"the registry entries of {self.record.worker_id} kept changing")
 
     def heartbeat(self, **load: int) -> bool:
         """Refresh the record with the current load. False when Redis no longer knew this worker
@@ -242,26 +283,21 @@ class WorkerRegistration:
         for k, v in load.items():
             setattr(self.record, k, v)
         wid = self.record.worker_id
-        key, meta = worker_key(wid), snapshot_meta_key(wid)
+        key = worker_key(wid)
+
+        def beat(pipe) -> None:
+            pipe.hset(key, mapping=self.record.to_fields())
+            pipe.pexpire(key, self.ttl_ms)
+
         # NOTE: checked before writing, under WATCH: a heartbeat that wrote first would list the
         # worker again with no snapshot (readers would take its cache for empty) until it registers.
-        with self.client.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(meta)
-                if not pipe.exists(meta):
-                    return False
-                pipe.multi()
-                pipe.hset(key, mapping=self.record.to_fields())
-                pipe.pexpire(key, self.ttl_ms)
-                pipe.sadd(WORKERS_SET, wid)
-                *_, added = pipe.execute()
-            except redis.WatchError:  # emptied between the check and the write
-                return False
-        return not added
+        if not self._as_owner(beat):
+            return False
+        return not self.client.sadd(WORKERS_SET, wid)  # listed again (removed by hand): register
 
-    def publish(self, kind: str, hashes: list[bytes]) -> None:
+    def publish(self, kind: str, hashes: list[bytes]) -> int:
         """One batch of stored/removed block hashes, snapshot and stream updated atomically."""
-        self.publish_many([(kind, hashes)])
+        return self.publish_many([(kind, hashes)])
 
     def publish_many(self, batches: list[tuple[str, list[bytes]]]) -> int:
         """Batches of block events in order, in one transaction (one round trip, where a batch each
@@ -270,14 +306,20 @@ class WorkerRegistration:
         merged = net_events(batches)
         if not merged:
             return 0
-        pipe = self.client.pipeline(transaction=True)
-        for kind, hashes in merged:
-            self._add_event(pipe, kind, hashes)
-        pipe.hset(
-            snapshot_meta_key(self.record.worker_id), mapping={"epoch": self.record.epoch, "seq": self.seq}
-        )
-        pipe.execute()
-        return len(merged)
+        seq = self.seq
+
+        def events(pipe) -> None:
+            self.seq = seq  # (a transaction tried again numbers its entries again)
+            for kind, hashes in merged:
+                self._add_event(pipe, kind, hashes)
+            pipe.hset(
+                snapshot_meta_key(self.record.worker_id),
+                mapping={"epoch": self.record.epoch, "seq": self.seq},
+            )
+
+        # Not ours (Redis restarted empty): written now, a partial snapshot would pass for the whole
+        # one; the next heartbeat registers again with the whole cache.
+        return len(merged) if self._as_owner(events) else 0
 
     def _add_event(self, pipe, kind: str, hashes: list[bytes]) -> None:
         wid = self.record.worker_id
@@ -302,17 +344,22 @@ class WorkerRegistration:
         """Leave on purpose: the record goes, and a ``left`` marker tells readers not to wait out the
         grace period they give a worker whose record merely vanished (a Redis restarted empty)."""
         wid = self.record.worker_id
-        pipe = self.client.pipeline(transaction=True)
-        pipe.delete(
-            worker_key(wid),
-            snapshot_key(wid),
-            host_snapshot_key(wid),
-            disk_snapshot_key(wid),
-            snapshot_meta_key(wid),
-        )
-        pipe.srem(WORKERS_SET, wid)
-        pipe.set(left_key(wid), self.record.epoch, px=LEFT_MARKER_TTL_MS)
-        pipe.execute()
+
+        def leave(pipe) -> None:
+            pipe.delete(
+                worker_key(wid),
+                snapshot_key(wid),
+                host_snapshot_key(wid),
+                disk_snapshot_key(wid),
+                snapshot_meta_key(wid),
+            )
+            pipe.srem(WORKERS_SET, wid)
+            pipe.set(left_key(wid), self.record.epoch, px=LEFT_MARKER_TTL_MS)
+
+        try:
+            self._as_owner(leave, registering=True)  # ours, or nobody's (gone with Redis): leave
+        except SupersededError:  # a newer incarnation's entries: not ours to delete
+            logger.info("%s: a newer incarnation owns its registry entries; leaving them", wid)
 
     def _entry(self, kind: str, hashes: list[bytes]) -> dict[str, bytes | str | int]:
         r = self.record

@@ -233,9 +233,7 @@ class WorkerRuntime(AdapterMixin, ABC):
         False if work remained after ``timeout_s``.
         """
         self.draining = True
-        if self.registry is not None:
-            registry, self.registry = self.registry, None
-            await asyncio.to_thread(registry.stop)
+        await self.leave_registry()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         idle_since = None
@@ -261,6 +259,12 @@ class WorkerRuntime(AdapterMixin, ABC):
                 return left == 0
             await asyncio.sleep(0.05)
 
+    async def leave_registry(self) -> None:
+        """Deregister (idempotent): the routers route nothing new here from their next poll."""
+        if self.registry is not None:
+            registry, self.registry = self.registry, None
+            await asyncio.to_thread(registry.stop)
+
     def stop(self) -> None:
         self.loop.stop()
         if self.registry is not None:
@@ -272,7 +276,10 @@ class WorkerRuntime(AdapterMixin, ABC):
             self.core.close()  # the disk tier's file (the engine thread has stopped)
 
     async def shutdown(self, grace_s: float = 1.0) -> None:
-        """Stop the gRPC server (``grace_s`` for calls in flight), then the worker."""
+        """Leave the registry, stop the gRPC server (``grace_s`` for calls in flight), then the
+        worker. (It left only in ``stop``, after the grace: for those seconds the routers still sent
+        it requests, which bounced, and each marked it suspect and counted a migration.)"""
+        await self.leave_registry()
         if self.calls is not None:  # its calls' grace runs beside the gRPC server's
             await asyncio.gather(self.calls.stop(grace_s), self.server.stop(grace=grace_s))
         elif self.server is not None:

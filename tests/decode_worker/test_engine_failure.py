@@ -141,3 +141,31 @@ def test_a_quiet_stream_carries_progress_while_the_engine_is_busy(tiny_llama):
         asyncio.run(main())
     finally:
         worker.stop()
+
+
+def test_a_shutdown_leaves_the_registry_before_it_hands_requests_off(tiny_llama, redis_server):
+    """SIGTERM's path: the worker deregisters first, so no router sends it a request while its
+    streams are handed off and its server's grace runs (it left only at the end: requests routed
+    there meanwhile bounced, each marking it suspect and counting a migration)."""
+    worker = _worker(tiny_llama, redis_server.url)
+    client = connect(redis_server.url)
+    listed_at_hand_off: list[list[str]] = []
+    hand_off = worker.hand_off
+
+    async def recorded() -> int:
+        listed_at_hand_off.append(list(read_workers(client)))
+        return await hand_off()
+
+    worker.hand_off = recorded
+
+    async def main() -> None:
+        await worker.serve(lambda server: None)
+        await _until(lambda: list(read_workers(client)) == ["decode-0"], "registered")
+        s = _Consumer(worker, "h", list(range(3, 23)))
+        await _until(lambda: len(s.tokens) >= 2, "the stream decodes")
+        await worker.shutdown(grace_s=2.0)
+        await asyncio.wait_for(s.task, 30)
+        assert isinstance(s.error, WorkerUnavailableError) and "shutting down" in str(s.error)
+
+    asyncio.run(main())
+    assert listed_at_hand_off == [[]] and not read_workers(client)

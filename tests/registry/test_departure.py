@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord, WorkerRegistration, connect, worker_key
 
@@ -46,3 +48,38 @@ def test_deregistered_worker_leaves_at_once_and_vanished_one_waits_out_the_grace
         del vanishing, staying
     finally:
         view.stop()
+
+
+def test_an_older_incarnation_that_comes_back_leaves_the_id_to_its_replacement(redis_server):
+    """A worker stopped (SIGSTOP, a network cut) while a replacement registered under its id, then
+    continued: its heartbeats, events and registrations raise ``SupersededError`` instead of
+    overwriting the replacement's record every second (the router sent traffic to the old address),
+    and its leaving deletes nothing of the replacement's (the router said "no decode worker")."""
+    from registry.publisher import RegistryPublisher
+    from registry.schema import STORED, SupersededError, read_snapshot, read_workers
+
+    client = connect(redis_server.url)
+    old = _register(client, "d0", epoch=1)
+    new = WorkerRegistration(
+        client, WorkerRecord(worker_id="d0", role="decode", address="127.0.0.1:2", epoch=2)
+    )
+    new.register([b"n" * 16])
+    for write in (old.heartbeat, lambda: old.publish(STORED, [b"o" * 16]), lambda: old.register([])):
+        with pytest.raises(SupersededError, match=r"epoch 1\) was superseded by epoch 2"):
+            write()
+    old.deregister()  # not its entries: nothing deleted
+    assert read_workers(client)["d0"].address == "127.0.0.1:2"
+    assert read_snapshot(client, "d0")[2] == {b"n" * 16} and new.heartbeat()
+    # The publisher thread of the old incarnation stops at the first write, and leaves nothing.
+    publisher = RegistryPublisher(redis_server.url, old.record, heartbeat_s=0.05)
+    publisher.start()
+    publisher.offer_snapshot([])
+    _wait_until(lambda: publisher.superseded == 2, "the old publisher sees its replacement")
+    publisher.stop()
+    assert read_workers(client)["d0"].epoch == 2 and new.heartbeat()
+    # Its own entries, gone with a Redis restarted empty, are not recreated by an event: the next
+    # heartbeat registers again with the whole snapshot (a partial one would pass for it).
+    client.flushdb()
+    assert new.publish(STORED, [b"m" * 16]) == 0 and not new.heartbeat()
+    new.deregister()
+    assert "d0" not in read_workers(client)
