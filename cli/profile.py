@@ -45,9 +45,16 @@ def run(args: argparse.Namespace) -> int:
     from planner.profile import Grid, profile_engine
 
     if args.served:
+        ignored = _engine_flags_given(args)
+        if ignored:  # they shape the engine's measurement; --served measures a running deployment
+            verb = "does" if len(ignored) == 1 else "do"
+            raise ValueError(
+                f"{', '.join(ignored)} {verb} not apply with --served (it measures the deployment)"
+            )
         return _served(args)
     if args.served_mode:
         raise ValueError("--served-mode goes with --served URL")
+    _check_writable(args.out)  # before minutes of measuring, not after
     model = args.model or str(ensure_tiny_model())
     grid = Grid.default(quick=args.quick)
     if args.repeats is not None:
@@ -61,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {line}", file=sys.stderr, flush=True)
 
     profile = profile_engine(core, model, grid, transfer=args.transfer, progress=progress)
-    profile.save(args.out)
+    _save(profile, args.out)
     for name, curve in (
         ("prefill", profile.prefill),
         ("decode", profile.decode),
@@ -102,7 +109,7 @@ def _served(args: argparse.Namespace) -> int:
         progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
         host_usage=host_cpu.usage if local else None,
     )
-    replace(profile, served={**profile.served, args.served_mode: over}).save(args.out)
+    _save(replace(profile, served={**profile.served, args.served_mode: over}), args.out)
     warning = fit_warning(over)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
@@ -120,3 +127,40 @@ def _served(args: argparse.Namespace) -> int:
         )
     print(f"profile written to {args.out}")
     return 0
+
+
+def _engine_flags_given(args: argparse.Namespace) -> list[str]:
+    """The engine-measurement flags given that differ from their defaults."""
+    import dataclasses
+
+    from engine.args import engine_options, flag_name
+
+    given = ["--quick"] * args.quick + ["--repeats"] * (args.repeats is not None)
+    given += ["--no-transfer"] * (not args.transfer)
+    given += ["--model"] * (args.model is not None)
+    for f in engine_options():
+        if f.name == "model":
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        if getattr(args, f.name) != default:
+            given.append(flag_name(f.name))
+    return given
+
+
+def _check_writable(path: str) -> None:
+    import os
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"--out {path}: no directory {directory}")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--out {path}: not writable")
+
+
+def _save(profile, path: str) -> None:
+    try:
+        profile.save(path)
+    except OSError as exc:
+        raise ValueError(f"cannot write the profile to {path}: {exc.strerror or exc}") from exc

@@ -37,6 +37,12 @@ def connect(target: Target) -> None:
     """``ray.init`` into ``target``'s cluster; ConnectionError (one line, no secret) if that fails."""
     if not address_reachable(target.ray_address, timeout_s=3.0):
         raise ConnectionError(f"cannot reach {target.describe()}: nothing answers at {target.ray_address}")
+    unlike = not_ray(target.ray_address)
+    if unlike is not None:  # ray.init would wait for it for minutes, silently
+        raise ConnectionError(
+            f"{target.ray_address} is not a Ray cluster's address ({unlike}): give the Ray address "
+            "`pdserve serve` printed (GCS, port 6379 by default), or the HTTP endpoint with --endpoint"
+        )
     if environment.is_loopback(target.ray_address.rsplit(":", 1)[0]):
         environment.keep_ray_on_loopback()  # else Ray takes this client for another machine's
     _use_token(target.record)
@@ -64,6 +70,28 @@ def connect(target: Target) -> None:
             f"is on): {hint}"
         )
     raise ConnectionError(f"cannot connect to {target.describe()}: {_first_line(error)}")
+
+
+def not_ray(address: str, timeout_s: float = 3.0) -> str | None:
+    """Why ``address`` (which accepts connections) is no Ray GCS, or None when it answers as one: a
+    GCS call (``GetClusterId``) over gRPC. An HTTP server (the service's endpoint, an easy mistake)
+    never completes gRPC's handshake, another gRPC server does not know the method."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        ask = channel.unary_unary(GCS_PROBE_METHOD)  # bytes in, bytes out: no Ray protobufs needed
+        try:
+            ask(b"", timeout=timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                return "a gRPC server, not Ray's"
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return "it does not answer gRPC: an HTTP port?"
+    return None  # answered (or refused us as a GCS does: token auth is checked by ray.init)
+
+
+GCS_PROBE_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 
 
 def stdout_for_results():

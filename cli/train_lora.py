@@ -22,7 +22,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cli.train_tiny import Recipe, corpus_files, encode, evaluate, split, train, train_tiny
+from cli.train_tiny import (
+    Recipe,
+    corpus_files,
+    encode,
+    evaluate,
+    keyed,
+    resolve_corpus,
+    reuse,
+    split,
+    train,
+    train_tiny,
+)
 
 CACHE = Path.home() / ".cache" / "pdserve" / "trained-lora"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -91,22 +102,29 @@ def train_lora(
     force: bool = False,
 ) -> dict:
     """Train (or reuse) one adapter per slice; returns the metrics (paths, validation losses)."""
-    import sysconfig
 
     import torch
     import transformers
 
     from engine.lora.adapter import save_adapter
 
+    root = resolve_corpus(corpus)
     base = Path(base or train_tiny(Recipe(), progress=progress)["target"]["path"])
-    out = Path(out or CACHE / recipe.key(base))
+    key = recipe.key(base) if corpus is None else keyed(recipe.key(base), str(root))
+    out = Path(out or CACHE / key)
+    wanted = {"recipe": dataclasses.asdict(recipe), "base": str(base), "corpus": str(root)}
     done = out / "metrics.json"
-    if done.exists() and not force:
-        return json.loads(done.read_text())
-    root = Path(corpus or sysconfig.get_paths()["stdlib"])
+    reused = reuse(done, wanted, force)
+    if reused is not None:
+        return reused
     files = corpus_files(root)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
-    metrics: dict = {"recipe": dataclasses.asdict(recipe), "base": str(base), "adapters": {}}
+    if (base.is_absolute() or str(base).startswith((".", "~"))) and not base.expanduser().is_dir():
+        raise ValueError(f"--base {base}: no such directory")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    except OSError as exc:  # no such directory, nor a model id transformers can fetch
+        raise ValueError(f"--base {base}: {str(exc).splitlines()[0]}") from None
+    metrics: dict = {**wanted, "adapters": {}}
     t0 = time.perf_counter()
     for name in recipe.slices:
         train_files, val_files = split(slice_files(files, root, name), recipe.val_every)

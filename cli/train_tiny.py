@@ -61,6 +61,36 @@ def corpus_files(root: Path | None = None) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
 
 
+def resolve_corpus(corpus: Path | None) -> Path:
+    """The corpus directory (default: this Python's standard library), which must exist."""
+    root = Path(corpus or sysconfig.get_paths()["stdlib"]).expanduser().resolve()
+    if not root.is_dir():
+        raise ValueError(f"--corpus {corpus}: no such directory")
+    return root
+
+
+def keyed(*parts: str) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
+
+
+def reuse(done: Path, wanted: dict, force: bool) -> dict | None:
+    """A finished run's metrics when it was trained as ``wanted`` says (recipe, corpus...); None to
+    train (nothing there, or ``force``). A run trained otherwise is refused, not returned as if it
+    were the one asked for (a later --corpus, --steps or --seed got the first run's model). A run
+    written before its corpus was recorded counts as the default corpus's."""
+    if force or not done.exists():
+        return None
+    metrics = json.loads(done.read_text())
+    metrics.setdefault("corpus", str(resolve_corpus(None)))
+    differ = [k for k, v in wanted.items() if json.loads(json.dumps(v)) != metrics.get(k)]
+    if differ:
+        raise ValueError(
+            f"{done.parent} holds a run trained with another {' and '.join(differ)}: --force retrains "
+            "it there, or give another --out"
+        )
+    return metrics
+
+
 def split(files: list[Path], every: int) -> tuple[list[Path], list[Path]]:
     """(train, validation): a file is held out by a hash of its name, stable across machines."""
 
@@ -152,21 +182,25 @@ def train_tiny(
 
     from engine.tiny_model import build_byte_level_tokenizer
 
-    out = Path(out or CACHE / recipe.key())
+    source = resolve_corpus(corpus)
+    # The default corpus keeps the recipe's own key (the cache ``trained_target`` reads).
+    out = Path(out or CACHE / (recipe.key() if corpus is None else keyed(recipe.key(), str(source))))
+    wanted = {"recipe": dataclasses.asdict(recipe), "corpus": str(source)}
     done = out / "metrics.json"
-    if done.exists() and not force:
-        return json.loads(done.read_text())
+    reused = reuse(done, wanted, force)
+    if reused is not None:
+        return reused
     random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
-    train_files, val_files = split(corpus_files(corpus), recipe.val_every)
+    train_files, val_files = split(corpus_files(source), recipe.val_every)
     if not train_files or not val_files:
-        raise ValueError(f"too few source files under {corpus} to train and validate")
+        raise ValueError(f"too few source files under {source} to train and validate")
     train_texts, val_texts = _read(train_files), _read(val_files)
     t0 = time.perf_counter()
     tokenizer = build_byte_level_tokenizer(recipe.vocab_size, train_texts, chat_template=None)
     data, val = encode(tokenizer, train_texts), encode(tokenizer, val_texts)
     metrics: dict = {
-        "recipe": dataclasses.asdict(recipe),
+        **wanted,
         "train_tokens": len(data),
         "validation_tokens": len(val),
         "validation_files": len(val_files),

@@ -42,7 +42,15 @@ class Candidate:
 
 
 def check_feasible(profile: ModelProfile, traffic: Traffic) -> None:
-    """Refuse SLOs that even an idle worker cannot meet (before searching)."""
+    """Refuse traffic the model cannot serve at all (a request longer than its context: the server
+    answers it 400), and SLOs that even an idle worker cannot meet (before searching)."""
+    context = profile.model.get("max_model_len")
+    longest = max(traffic.generate(), key=lambda r: len(r.prompt) + r.output_len, default=None)
+    if context and longest is not None and len(longest.prompt) + longest.output_len > context:
+        raise PlanError(
+            f"the traffic's longest request needs {len(longest.prompt)} prompt + {longest.output_len} "
+            f"output tokens, above the profiled model's context of {context}: the server refuses it"
+        )
     slo = traffic.slo
     if slo.ttft_p90_s is not None:
         alone = profile.prefill_s(round(traffic.prompt.mean))
@@ -69,14 +77,16 @@ def evaluate(
     meets = (
         (slo.ttft_p90_s is None or summary.ttft_p90 <= slo.ttft_p90_s)
         and (slo.itl_p50_s is None or summary.itl_p50 <= slo.itl_p50_s)
-        and summary.goodput >= keep_up * _offered(requests)
+        and _keeps_up(summary.goodput, requests, keep_up)
     )
     return Candidate(deployment, summary, meets)
 
 
-def _offered(requests) -> float:
+def _keeps_up(goodput: float, requests, keep_up: float) -> bool:
+    """Goodput at least ``keep_up`` of the arrivals' rate. Arrivals with no span (one request) have
+    no rate to keep up with: the SLOs alone decide (the rate was infinite, and nothing met it)."""
     span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
-    return (len(requests) - 1) / span if span > 0 else float("inf")
+    return span <= 0 or goodput >= keep_up * (len(requests) - 1) / span
 
 
 def layouts(max_workers: int, thresholds=THRESHOLDS, host_cores: int | None = None) -> list[Deployment]:

@@ -125,6 +125,36 @@ def test_the_command_line_errors_are_one_line(tmp_path, gcs, monkeypatch, capsys
     ]
 
 
+@pytest.mark.parametrize("command", ["status", "scale"])
+def test_an_address_that_is_no_ray_cluster_is_one_line_not_a_wait(tmp_path, monkeypatch, capsys, command):
+    """The service's HTTP port given as --address (the banner prints it): ray.init waited minutes on
+    it without a word; a gRPC server that is not Ray's is told apart too."""
+    import http.server
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    extra = ["--prefill", "2"] if command == "scale" else []
+    http_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=http_server.serve_forever, daemon=True).start()
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(1))
+    grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    try:
+        for address, why in (
+            (f"127.0.0.1:{http_server.server_address[1]}", "it does not answer gRPC: an HTTP port?"),
+            (f"127.0.0.1:{grpc_port}", "a gRPC server, not Ray's"),
+        ):
+            assert main([command, *extra, "--address", address]) == 1
+            (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+            assert line.startswith(f"error: {address} is not a Ray cluster's address ({why}): ")
+    finally:
+        http_server.shutdown()
+        grpc_server.stop(0)
+
+
 def test_an_endpoint_or_address_asked_by_any_loopback_name_is_the_recorded_one():
     from cli.service_target import _same_address, _same_endpoint
     from settings.environment import is_loopback

@@ -10,6 +10,7 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import pytest
 from test_train_tiny import TOY
 
 from cli.train_lora import LoraRecipe, slice_files, train_lora
@@ -61,3 +62,10 @@ def test_toy_adapters_train_save_and_serve(tmp_path, hf_lora_greedy):
     stamp = (tmp_path / "lora" / "metrics.json").stat().st_mtime_ns
     assert train_lora(TOY_LORA, base, corpus, tmp_path / "lora", progress=False) == m
     assert (tmp_path / "lora" / "metrics.json").stat().st_mtime_ns == stamp
+    # Asked for with another corpus or base, the run is refused rather than returned as theirs.
+    with pytest.raises(ValueError, match="holds a run trained with another base"):
+        train_lora(TOY_LORA, tmp_path / "base" / "draft", corpus, tmp_path / "lora", progress=False)
+    with pytest.raises(ValueError, match="no such directory"):
+        train_lora(TOY_LORA, base, tmp_path / "nowhere", tmp_path / "lora", progress=False)
+    with pytest.raises(ValueError, match="--base /nowhere/model: no such directory"):
+        train_lora(TOY_LORA, Path("/nowhere/model"), corpus, tmp_path / "lora2", progress=False)

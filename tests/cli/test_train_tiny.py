@@ -4,11 +4,14 @@ finished run is reused; validation files are held out by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
 import sysconfig
 from pathlib import Path
+
+import pytest
 
 from cli.train_tiny import Recipe, corpus_files, split, train_tiny
 
@@ -75,6 +78,16 @@ def test_toy_training_saves_a_pair_the_engine_loads(tmp_path):
     stamp = (tmp_path / "out" / "metrics.json").stat().st_mtime_ns
     assert train_tiny(TOY, tmp_path / "out", corpus, progress=False) == m
     assert (tmp_path / "out" / "metrics.json").stat().st_mtime_ns == stamp
+    # Asked otherwise, it is refused, not returned as the run asked for (it was, whatever changed).
+    other = tmp_path / "other"
+    shutil.copytree(corpus, other)
+    with pytest.raises(ValueError, match="holds a run trained with another recipe: --force retrains"):
+        train_tiny(dataclasses.replace(TOY, seed=5), tmp_path / "out", corpus, progress=False)
+    with pytest.raises(ValueError, match="holds a run trained with another corpus"):
+        train_tiny(TOY, tmp_path / "out", other, progress=False)
+    with pytest.raises(ValueError, match=r"--corpus .*nowhere: no such directory"):
+        train_tiny(TOY, tmp_path / "out", tmp_path / "nowhere", progress=False)
+    assert m["corpus"] == str(corpus.resolve()) and m["recipe"]["seed"] == 0
 
 
 def test_the_recipe_key_names_the_recipe():

@@ -14,7 +14,7 @@ import yaml
 from synthetic import synthetic_profile
 
 from cli.main import main as pdserve
-from planner.plan import PlanError, evaluate, plan
+from planner.plan import PlanError, check_feasible, evaluate, plan
 from planner.traffic import Traffic, TrafficError, load_traffic, parse_traffic
 
 TRAFFIC = {
@@ -151,6 +151,25 @@ def test_an_slo_no_hardware_could_meet_is_refused_before_searching():
         plan(profile, parse_traffic({**TRAFFIC, "slo": {"ttft_p90_s": 0.01}}))
     with pytest.raises(PlanError, match="impossible ITL SLO"):
         plan(profile, parse_traffic({**TRAFFIC, "slo": {"itl_p50_s": 0.001}}))
+
+
+def test_requests_longer_than_the_models_context_are_refused_before_searching():
+    """The server answers them 400: a plan for them recommended a layout for traffic nobody serves."""
+    profile = synthetic_profile()
+    profile.model["max_model_len"] = 4096
+    long = parse_traffic({**TRAFFIC, "prompt_tokens": 8000, "prefix": {"groups": 0, "tokens": 0}})
+    with pytest.raises(
+        PlanError,
+        match="longest request needs 8000 prompt \\+ 16 output tokens, above the profiled model's context of 4096",
+    ):
+        plan(profile, long)
+    check_feasible(profile, parse_traffic(TRAFFIC))  # at most 768 + 16 tokens: they fit
+
+
+def test_one_request_of_traffic_can_be_planned():
+    """A single arrival has no span: its offered rate was infinite, so no layout ever kept up."""
+    best, _ = plan(synthetic_profile(), parse_traffic({**TRAFFIC, "requests": 1}), max_workers=2)
+    assert best.meets and best.workers == 1
 
 
 def test_traffic_beyond_the_largest_layout_is_an_error_saying_how_close_it_came():

@@ -259,6 +259,22 @@ def test_the_command_stores_the_served_path_in_the_profile(server, tiny_llama, t
     nobody = f"http://127.0.0.1:{free_port()}"
     assert pdserve(["profile", "--out", str(path), "--served", nobody, "--served-mode", "aggregated"]) == 1
     assert f"cannot reach {nobody}" in capsys.readouterr().err
+    # Flags of the engine's measurement are refused rather than ignored.
+    served = ["profile", "--out", str(path), "--served", server, "--served-mode", "aggregated"]
+    assert pdserve([*served, "--quick", "--block-size", "8", "--model", "m"]) == 2
+    assert "--quick, --model, --block-size do not apply with --served" in capsys.readouterr().err
+
+
+def test_an_unwritable_out_fails_before_the_measurement(tmp_path, capsys, monkeypatch):
+    """Checked first: a profile takes minutes on a GPU, and the results were lost to a traceback."""
+    import planner.profile
+
+    monkeypatch.setattr(planner.profile, "profile_engine", lambda *a, **k: pytest.fail("measured first"))
+    assert pdserve(["profile", "--quick", "--out", str(tmp_path / "missing" / "p.json")]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: --out {tmp_path / 'missing' / 'p.json'}: no directory {tmp_path / 'missing'}"
+    )
 
 
 def test_a_fit_of_all_zeros_warns_that_the_engine_profile_was_too_slow():
