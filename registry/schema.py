@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -196,6 +197,12 @@ def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0, health_check_interval=10)
 
 
+# How long a confirmed ownership lets events skip the check (two round trips of three): a
+# replacement registered within it (two live processes of one id) can get a stale write or two,
+# which the stale one's next check stops; one stopped and continued checks at once.
+OWNERSHIP_TRUST_S = 0.5
+
+
 class SupersededError(RuntimeError):
     """A newer incarnation of this worker id owns its registry entries (a replacement started while
     this one was stopped or cut off): this one must write none of them again."""
@@ -212,7 +219,8 @@ class WorkerRegistration:
     the snapshot meta's epoch, WATCHed, is its own (or, to register, none or an older one). An
     incarnation that comes back after its replacement registered (a process stopped, then
     continued) raises ``SupersededError`` instead of overwriting the replacement's record and
-    snapshot every second, and leaves without deleting them.
+    snapshot every second, and leaves without deleting them. Events skip the check (one round trip,
+    not three) for ``OWNERSHIP_TRUST_S`` after a check passed.
 
     Not thread-safe; one owner thread (the worker's publisher) calls it.
     """
@@ -222,6 +230,7 @@ class WorkerRegistration:
         self.record = record
         self.ttl_ms = int(ttl_s * 1000)
         self.seq = 0
+        self._owned_until = 0.0  # (monotonic) until when events go out without checking the owner
 
     def register(
         self, cached_hashes: list[bytes], host_hashes: list[bytes] = (), disk_hashes: list[bytes] = ()
@@ -258,6 +267,7 @@ class WorkerRegistration:
         are gone or an older incarnation's (Redis restarted empty: register again, with a snapshot);
         ``SupersededError`` when a newer incarnation owns them."""
         meta, mine = snapshot_meta_key(self.record.worker_id), self.record.epoch
+        seen = time.monotonic()
         for _ in range(3):  # a concurrent write to the meta: look again
             with self.client.pipeline(transaction=True) as pipe:
                 try:
@@ -271,6 +281,7 @@ class WorkerRegistration:
                     pipe.multi()
                     write(pipe)
                     pipe.execute()
+                    self._owned_until = seen + OWNERSHIP_TRUST_S
                     return True
                 except redis.WatchError:
                     continue
@@ -312,13 +323,16 @@ class WorkerRegistration:
             self.seq = seq  # (a transaction tried again numbers its entries again)
             for kind, hashes in merged:
                 self._add_event(pipe, kind, hashes)
-            pipe.hset(
-                snapshot_meta_key(self.record.worker_id),
-                mapping={"epoch": self.record.epoch, "seq": self.seq},
-            )
+            # The sequence only: the epoch is register's to write. Entries gone with a Redis
+            # restarted empty are not recreated as ours (a partial snapshot would pass for the whole
+            # one): the next heartbeat finds no owner and registers again with the whole cache.
+            pipe.hset(snapshot_meta_key(self.record.worker_id), "seq", self.seq)
 
-        # Not ours (Redis restarted empty): written now, a partial snapshot would pass for the whole
-        # one; the next heartbeat registers again with the whole cache.
+        if time.monotonic() < self._owned_until:  # ownership seen lately: one round trip
+            pipe = self.client.pipeline(transaction=True)
+            events(pipe)
+            pipe.execute()
+            return len(merged)
         return len(merged) if self._as_owner(events) else 0
 
     def _add_event(self, pipe, kind: str, hashes: list[bytes]) -> None:
