@@ -54,6 +54,6 @@ def decoded_arguments(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         decoded = json.loads(args)
-    except ValueError:
-        return call  # not JSON: the template gets the text as sent
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's recursion limit:
+        return call  # the template gets the text as sent
     return {**call, "function": {**fn, "arguments": decoded}}

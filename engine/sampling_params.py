@@ -36,8 +36,8 @@ class StructuredOutput:
         if self.kind in ("json_schema", "choice"):
             try:
                 parsed = json.loads(self.value)
-            except ValueError as exc:
-                raise ValueError(f"structured output {self.kind} is not valid JSON: {exc}") from exc
+            except (ValueError, RecursionError) as exc:  # (nested past the parser's recursion limit)
+                raise ValueError(f"structured output {self.kind} is not valid JSON: {exc}") from None
             if self.kind == "json_schema" and not isinstance(parsed, dict):
                 raise ValueError("a JSON schema must be a JSON object")
             if self.kind == "json_schema":

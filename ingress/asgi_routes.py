@@ -82,7 +82,7 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-def _route_path(scope) -> str:
+def route_path(scope) -> str:
     """The path the app routes on: without the mount's ``root_path`` (Starlette's rule)."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root) :] if root and path.startswith(root) else path
@@ -97,7 +97,7 @@ class GenerationRoutes:
     async def __call__(self, scope, receive, send) -> None:
         handler = None
         if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self.routes.get(_route_path(scope))
+            handler = self.routes.get(route_path(scope))
         if handler is None:
             await self.app(scope, receive, send)
             return

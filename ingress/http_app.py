@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from ingress.adapter_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, change_adapter
-from ingress.asgi_routes import GenerationRoutes, answer, read_body
+from ingress.asgi_routes import GenerationRoutes, answer, read_body, route_path
 from ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ingress.openai_serving import OpenAIServing
 from ingress.request_timing import DEBUG_HEADER, wants_timing
@@ -75,7 +75,7 @@ class _APIKeyGuard:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            path = scope["path"]
+            path = route_path(scope)  # what routing matches: a mount's root_path stripped, as it is
             if path.startswith("/v1/") or path.startswith(self.guarded):
                 header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
                 scheme, _, token = header.partition(b" ")

@@ -82,8 +82,8 @@ def structured_param(req) -> str | None:
 def _json_object(text: str) -> dict:
     try:
         schema = json.loads(text)
-    except ValueError as exc:
-        raise APIError(400, f"guided_json is not valid JSON: {exc}", param="guided_json") from exc
+    except (ValueError, RecursionError) as exc:  # (nested past the parser's recursion limit)
+        raise APIError(400, f"guided_json is not valid JSON: {exc}", param="guided_json") from None
     if not isinstance(schema, dict):
         raise APIError(400, "guided_json must be a JSON schema object", param="guided_json")
     return schema

@@ -207,7 +207,7 @@ class DecodeRelay:
                                     msg.finished.usage.completion_tokens += 1
                             elif kind == "error":
                                 if msg.error.code == "unavailable":  # it cannot go on: resume elsewhere
-                                    raise DecodeLost(w.worker_id, msg.error.message)
+                                    raise DecodeLost(w.worker_id, msg.error.message, cause="unavailable")
                                 ended = samples  # a refusal or failure of this request: passed on as is
                             yield msg
                     if ended < samples:
@@ -220,11 +220,15 @@ class DecodeRelay:
                     if _expired(deadline) or code not in MIGRATABLE:
                         raise
                     if started or code != grpc.StatusCode.UNAVAILABLE:
-                        raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
+                        raise DecodeLost(
+                            w.worker_id, f"{code.name}: {exc.details()}", cause=_cause(code)
+                        ) from exc
                     tried.add(w.worker_id)
                     others = self.decode_candidates(tried, params.lora)
                     if not others:
-                        raise DecodeLost(w.worker_id, f"{code.name}: {exc.details()}") from exc
+                        raise DecodeLost(
+                            w.worker_id, f"{code.name}: {exc.details()}", cause=_cause(code)
+                        ) from exc
                     logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)
                     self.stats.decode_retries += 1
                     w = min(others, key=lambda d: self.inflight.get(d.worker_id, WorkerLoad()).requests)
@@ -271,3 +275,9 @@ def _remaining(deadline: float | None) -> float | None:
 
 def _expired(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
+
+
+def _cause(code: grpc.StatusCode) -> str:
+    """A lost call's cause as its caller may read it: the status, not its details (which name the
+    worker's address: ``call stream to 10.1.2.3:50051: cannot connect``)."""
+    return code.name.lower().replace("_", " ")

@@ -84,13 +84,19 @@ class MigrationOptions:
 
 
 class DecodeLost(Exception):
-    """The request's decode worker was lost mid-stream; ``stalled``/``failed``: it is suspect."""
+    """The request's decode worker was lost mid-stream; ``stalled``/``failed``: it is suspect.
+    ``reason`` is for the router's log (it may name addresses: a connection's error); the caller
+    gets ``cause``, a few words (default: the reason up to its first colon)."""
 
-    def __init__(self, worker_id: str, reason: str, *, suspect: bool = True) -> None:
+    def __init__(self, worker_id: str, reason: str, *, suspect: bool = True, cause: str = "") -> None:
         super().__init__(f"decode worker {worker_id} lost: {reason}")
         self.worker_id = worker_id
         self.reason = reason
         self.suspect = suspect
+        self.cause = cause or reason.split(":", 1)[0]
+
+    def public(self) -> str:
+        return f"decode worker {self.worker_id} lost ({self.cause})"
 
 
 class MigrationRefused(Exception):
@@ -166,7 +172,7 @@ class Resumption:
         self, lost: DecodeLost, options: MigrationOptions, others: int, deadline: float | None
     ) -> None:
         """Move on to the next attempt, or raise ``MigrationRefused`` saying why not."""
-        what = f"{lost}; the request"
+        what = f"{lost.public()}; the request"  # (the full reason is the router's log's)
         if deadline is not None and time.monotonic() >= deadline:
             raise MigrationRefused(f"{what} reached its deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
         if self.n > 1:

@@ -220,8 +220,9 @@ class Router(DecodeRelay):
                 try:
                     candidates = self.decode_candidates(lost, res.params.lora)
                     res.resume(exc, self.migration, len(candidates), deadline)
-                except MigrationRefused:
+                except MigrationRefused as refused:
                     self.stats.migrations_refused += 1
+                    logger.warning("%s: %s; not resumed: %s", request_id, exc, refused)  # the whole reason
                     raise
                 self.stats.migrations += 1
                 logger.warning(

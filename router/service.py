@@ -30,6 +30,18 @@ class RouteFailed(Exception):
         self.code, self.details = code, details
 
 
+# A worker call's failures whose details are the transport's (connections, addresses), not the
+# worker's words about the request (INVALID_ARGUMENT, NOT_FOUND... are passed on as they are).
+TRANSPORT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+
+
 async def caller_stream(
     router: Router, request_id: str, prompt: list[int], params, priority: int, deadline: float | None
 ) -> AsyncIterator[pb.GenerateResponse]:
@@ -50,9 +62,13 @@ async def caller_stream(
     except MigrationRefused as exc:  # its decode worker was lost and it cannot move (a 503)
         router.stats.fail(exc.code)
         raise RouteFailed(exc.code, str(exc)) from None
-    except grpc.aio.AioRpcError as exc:  # a worker's refusal or failure, passed on as is
+    except grpc.aio.AioRpcError as exc:  # a worker's refusal (passed on as is) or failure
         router.stats.fail(exc.code())
-        raise RouteFailed(exc.code(), exc.details() or str(exc.code())) from None
+        details = exc.details() or str(exc.code())
+        if exc.code() in TRANSPORT_CODES:  # the details name addresses (gRPC's, the socket stream's)
+            logger.warning("%s failed: %s", request_id, details)
+            details = f"a worker could not serve the request ({exc.code().name.lower().replace('_', ' ')})"
+        raise RouteFailed(exc.code(), details) from None
 
 
 class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):

@@ -36,7 +36,13 @@ class Response:
 
 
 async def call(
-    app, path: str, body: dict | bytes | None = None, headers: dict | None = None, out=None, method=None
+    app,
+    path: str,
+    body: dict | bytes | None = None,
+    headers: dict | None = None,
+    out=None,
+    method=None,
+    root_path: str = "",
 ):
     raw = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else b""
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
@@ -49,7 +55,7 @@ async def call(
         "scheme": "http",
         "path": path,
         "raw_path": path.encode(),
-        "root_path": "",
+        "root_path": root_path,
         "query_string": b"",
         "headers": hdrs,
         "client": ("127.0.0.1", 1),

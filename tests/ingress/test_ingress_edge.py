@@ -145,6 +145,59 @@ def test_the_api_description_needs_the_key_when_one_is_configured(info):
     asyncio.run(run())
 
 
+def test_a_mounted_app_asks_for_the_key_on_the_paths_it_routes(info):
+    """Served under a prefix (Ray Serve sets ``root_path`` for a route_prefix other than /), the key
+    check looked at the whole path, which no guarded route started: every route answered without it."""
+
+    async def run():
+        app = _app(info, FedRouter([]), api_key="sesame")
+        body = {"model": "tiny", "prompt": "a"}
+        for path, sent in (("/api/v1/completions", body), ("/api/tokenize", body), ("/api/version", None)):
+            r = await call(app, path, sent, root_path="/api")
+            assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        r = await call(app, "/api/version", headers={"Authorization": "Bearer sesame"}, root_path="/api")
+        assert r.status == 200
+        assert (await call(app, "/api/health", root_path="/api")).status == 200  # probes need no key
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("where", ["guided_json", "tool_arguments", "deep_schema"])
+def test_deeply_nested_json_in_a_field_is_a_400_or_text_not_a_500(info, where):
+    """JSON nested past the parser's recursion limit inside a string field raised RecursionError (a
+    500 and a traceback); a schema nested past ``MAX_DEPTH`` compiled for tens of seconds under the
+    workers' one compile lock (450 levels: 10 s, every structured request there waiting)."""
+    from engine.json_schema_support import MAX_DEPTH
+
+    deep = "[" * 100_000
+    if where == "guided_json":
+        body, path = {"model": "tiny", "prompt": "a", "guided_json": deep}, "/v1/completions"
+    elif where == "deep_schema":
+        schema: dict = {"type": "string"}
+        for _ in range(MAX_DEPTH + 1):
+            schema = {"type": "object", "properties": {"a": schema}}
+        body, path = {"model": "tiny", "prompt": "a", "guided_json": schema}, "/v1/completions"
+    else:
+        call_ = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+        messages = [
+            {"role": "assistant", "content": None, "tool_calls": [call_]},
+            {"role": "user", "content": "x"},
+        ]
+        body, path = {"model": "tiny", "messages": messages}, "/tokenize"
+
+    async def run():
+        return await call(_app(info, FedRouter([])), path, body)
+
+    r = asyncio.run(run())
+    if where == "tool_arguments":  # not JSON to the template: passed as the text it is
+        assert r.status == 200, r.json()
+    else:
+        assert r.status == 400 and r.json()["error"]["param"] == "guided_json", r.json()
+        assert ("nests subschemas more than" if where == "deep_schema" else "not valid JSON") in r.json()[
+            "error"
+        ]["message"]
+
+
 def _counters(text: str) -> dict[str, float]:
     return {
         s.name: s.value

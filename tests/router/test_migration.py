@@ -451,3 +451,42 @@ def test_a_resumed_attempts_cache_hit_counts_only_the_callers_prompt():
     fin = pb.Finished(finish_reason="length", usage=pb.Usage(cached_tokens=over))
     last = res.relay(pb.GenerateResponse(finished=fin))
     assert first.tokens.cached_tokens == last.finished.usage.cached_tokens == len(PROMPT)
+
+
+def test_a_lost_workers_address_stays_in_the_routers_log_not_the_callers_error():
+    """A connection's error names the worker's address (a pod IP on Kubernetes): the caller's
+    message says which worker and why in a few words, the router's log keeps the rest."""
+    import grpc.aio
+
+    from router.migration import MigrationRefused
+    from router.service import RouteFailed, caller_stream
+
+    lost = DecodeLost("d0", "UNAVAILABLE: call stream to 10.1.2.3:5: cannot connect", cause="unavailable")
+    res = Resumption(PROMPT, GREEDY, 1)
+    with pytest.raises(MigrationRefused) as refused:
+        res.resume(lost, MigrationOptions(), others=0, deadline=None)
+    assert str(refused.value) == (
+        "decode worker d0 lost (unavailable); the request cannot be resumed: no other decode worker is available"
+    )
+
+    class Failing:
+        stats = type("S", (), {"fail": lambda self, code: None})()
+
+        async def generate(self, *args, **kwargs):
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "failed to connect to 10.1.2.3:5",
+            )
+            yield
+
+    async def run() -> RouteFailed:
+        with pytest.raises(RouteFailed) as failed:
+            async for _ in caller_stream(Failing(), "r", [1], GREEDY, 0, None):
+                pass
+        return failed.value
+
+    failed = asyncio.run(run())
+    assert failed.code == grpc.StatusCode.UNAVAILABLE and "10.1.2.3" not in failed.details
+    assert failed.details == "a worker could not serve the request (unavailable)"
