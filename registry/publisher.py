@@ -5,7 +5,7 @@ a snapshot is wanted (``snapshot_wanted`` / ``offer_snapshot``) and its load (``
 queue, never touching Redis itself. A publisher thread drains the queue into Redis: the event
 batches it finds queued together go out in one transaction as their net effect (per tier, the
 blocks whose last event removed them, then those whose last event stored them; a clear stays a
-barrier: ``schema.net_events``), a stream entry each (a busy engine offers one or two batches every
+barrier: ``registration.net_events``), a stream entry each (a busy engine offers one or two batches every
 step; a transaction each kept a decode worker's publisher thread at ~6% of its process under short
 requests). Event transactions
 are at least ``PUBLISH_INTERVAL_S`` apart: what arrives meanwhile waits for the next one (a prefill
@@ -30,7 +30,8 @@ from typing import Any
 
 import redis
 
-from registry.schema import SupersededError, WorkerRecord, WorkerRegistration, connect
+from registry.registration import SupersededError, WorkerRegistration
+from registry.schema import WorkerRecord, connect
 
 logger = logging.getLogger(__name__)
 

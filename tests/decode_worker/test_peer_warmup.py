@@ -12,7 +12,8 @@ from decode_worker.service import serve
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine import EngineConfig
 from kv_transfer import InProcessFabric, RemoteKVInfo
-from registry.schema import WorkerRecord, WorkerRegistration, connect, read_workers
+from registry.registration import WorkerRegistration
+from registry.schema import WorkerRecord, connect, read_workers
 
 
 def _register_prefill(client, wid: str, address: str) -> None:

@@ -11,13 +11,13 @@ import pytest
 
 from registry.cluster_view import ClusterView
 from registry.publisher import RegistryPublisher
+from registry.registration import WorkerRegistration
 from registry.schema import (
     CLEARED,
     DRAINING_KEY,
     REMOVED,
     STORED,
     WorkerRecord,
-    WorkerRegistration,
     connect,
     read_workers,
     set_draining,

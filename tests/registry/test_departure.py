@@ -8,7 +8,8 @@ import time
 import pytest
 
 from registry.cluster_view import ClusterView
-from registry.schema import WorkerRecord, WorkerRegistration, connect, worker_key
+from registry.registration import WorkerRegistration
+from registry.schema import WorkerRecord, connect, worker_key
 
 LONG_GRACE_S = 600.0  # far beyond every wait below: only the left marker can drop a worker in time
 
@@ -56,7 +57,8 @@ def test_an_older_incarnation_that_comes_back_leaves_the_id_to_its_replacement(r
     overwriting the replacement's record every second (the router sent traffic to the old address),
     and its leaving deletes nothing of the replacement's (the router said "no decode worker")."""
     from registry.publisher import RegistryPublisher
-    from registry.schema import STORED, SupersededError, read_snapshot, read_workers
+    from registry.registration import SupersededError
+    from registry.schema import STORED, read_snapshot, read_workers
 
     client = connect(redis_server.url)
     old = _register(client, "d0", epoch=1)

@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SIDE = """
 import sys
-from registry.schema import WorkerRecord, WorkerRegistration, connect, read_workers
+from registry.schema import WorkerRecord, connect, read_workers
+from registry.registration import WorkerRegistration
 client = connect(sys.argv[1])
 if len(sys.argv) > 2:
     WorkerRegistration(client, WorkerRecord(worker_id=sys.argv[2], role="decode", address="-", epoch=1)).register([])

@@ -110,7 +110,8 @@ def test_the_net_effect_of_events_leaves_an_index_where_the_events_one_by_one_le
     end in the same index; between clears the net effect has at most one entry of each kind."""
     import random
 
-    from registry.schema import DISK_REMOVED, DISK_STORED, HOST_REMOVED, HOST_STORED, net_events
+    from registry.registration import net_events
+    from registry.schema import DISK_REMOVED, DISK_STORED, HOST_REMOVED, HOST_STORED
 
     kinds = [STORED, REMOVED, HOST_STORED, HOST_REMOVED, DISK_STORED, DISK_REMOVED]
     rng = random.Random(5)

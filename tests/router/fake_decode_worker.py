@@ -16,7 +16,8 @@ import grpc
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedDecode
-from registry.schema import WorkerRecord, WorkerRegistration, connect
+from registry.registration import WorkerRegistration
+from registry.schema import WorkerRecord, connect
 
 
 class FakeDecodeWorker(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):

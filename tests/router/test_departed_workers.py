@@ -13,7 +13,8 @@ import redis
 
 from engine.block_hash import hash_blocks
 from registry.cluster_view import ClusterView
-from registry.schema import WorkerRecord, WorkerRegistration, connect, worker_key
+from registry.registration import WorkerRegistration
+from registry.schema import WorkerRecord, connect, worker_key
 from router.policies import POLICIES
 from router.router import Router
 from router.service import _indexed

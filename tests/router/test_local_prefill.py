@@ -16,7 +16,8 @@ from engine.block_hash import hash_blocks
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from registry.cluster_view import ClusterView
-from registry.schema import WorkerRecord, WorkerRegistration, connect
+from registry.registration import WorkerRegistration
+from registry.schema import WorkerRecord, connect
 from router.router import Router
 from router.service import serve
 

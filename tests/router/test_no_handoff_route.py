@@ -10,7 +10,8 @@ import time
 import pytest
 
 from registry.cluster_view import ClusterView
-from registry.schema import WorkerRecord, WorkerRegistration, connect
+from registry.registration import WorkerRegistration
+from registry.schema import WorkerRecord, connect
 from router.router import Router
 
 

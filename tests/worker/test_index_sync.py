@@ -12,7 +12,8 @@ import pytest
 from engine import EngineConfig, EngineCore, SamplingParams
 from registry.cluster_view import ClusterView
 from registry.publisher import RegistryPublisher
-from registry.schema import STORED, WorkerRecord, WorkerRegistration, connect, snapshot_key, snapshot_meta_key
+from registry.registration import WorkerRegistration
+from registry.schema import STORED, WorkerRecord, connect, snapshot_key, snapshot_meta_key
 from worker.registry_link import RegistryLink
 
 
