@@ -16,8 +16,17 @@ from settings import environment
 
 TINY_MODEL_NAME = "pdserve-tiny-random"
 TRAINED_MODEL_NAME = "pdserve-tiny-python"
-# The ingress's request limits, flags of their own (their default and help from ``IngressOptions``).
-REQUEST_LIMITS = ("max_body_bytes", "max_n", "max_prompt_chars", "max_logprobs", "request_timeout_s")
+# The ingress options that are flags of ``serve`` (their default and help from ``IngressOptions``):
+# the request limits, and run-time LoRA loading (the README's `pdserve serve ... --allow-runtime-lora`
+# was refused as an unknown flag: only a config file could turn it on).
+REQUEST_LIMITS = (
+    "max_body_bytes",
+    "max_n",
+    "max_prompt_chars",
+    "max_logprobs",
+    "request_timeout_s",
+    "allow_runtime_lora",
+)
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:

@@ -5,8 +5,11 @@ stream: TTFT (send -> first token), ITL (gaps between token chunks), TPOT ((E2E 
 1)), E2E latency, request and token throughput, and goodput (requests/s meeting ``--goodput``
 SLOs). Load is closed-loop (``--max-concurrency`` clients back to back) or open-loop
 (``--request-rate`` arrivals, Poisson or gamma with ``--burstiness``), after ``--warmup`` requests
-that are not counted. ``--sweep 1,4,16`` repeats a closed-loop run per concurrency. Results go to
-JSON, and PNG plots: latency CDFs, and throughput / latency against concurrency for a sweep.
+that are not counted. ``--sweep 1,4,16`` repeats a closed-loop run per concurrency. No two of these
+send the same prompt (``serving_datasets.RequestSets``): the warm-up's prompts are not measured
+again, and each level of a sweep has prompts of its own, or every request after the first would
+measure a prefix-cache hit. Results go to JSON, and PNG plots: latency CDFs, and throughput /
+latency against concurrency for a sweep.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from dataclasses import dataclass, field
 import aiohttp
 from tqdm import tqdm
 
-from loadgen.serving_datasets import DATASETS, ServingRequest, build
-from loadgen.vllm_result import percentile, vllm_fields
+from loadgen import flag_types
+from loadgen.serving_datasets import DATASETS, RequestSets, ServingRequest
+from loadgen.vllm_result import percentile, vllm_fields, write_results
 
 
 @dataclass(slots=True)
@@ -115,7 +119,17 @@ def server_root(base_url: str) -> str:
     return root.removesuffix("/v1") if root.endswith("/v1") else root
 
 
-async def run_load(args, requests: list[ServingRequest], concurrency: int | None, rate: float | None) -> dict:
+async def run_load(
+    args,
+    requests: list[ServingRequest],
+    concurrency: int | None,
+    rate: float | None,
+    warmup: list[ServingRequest] | None = None,
+) -> dict:
+    """Send ``warmup`` (None: ``RequestSets(args).warmup()``, prompts no measured request shares),
+    then measure ``requests``: closed loop at ``concurrency``, or open loop at ``rate``."""
+    if warmup is None:
+        warmup = RequestSets(args).warmup() if args.warmup else []
     url = server_root(args.base_url) + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if getattr(args, "debug_timing", False):
@@ -124,10 +138,7 @@ async def run_load(args, requests: list[ServingRequest], concurrency: int | None
     limit = concurrency or 0
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit)) as session:
         model = args.model or await _first_model(session, args.base_url, headers)
-        if args.warmup:
-            await asyncio.gather(
-                *(send(session, url, model, r, args, headers) for r in requests[: args.warmup])
-            )
+        await asyncio.gather(*(send(session, url, model, r, args, headers) for r in warmup))
         bar = tqdm(total=len(requests), desc=_label(concurrency, rate), unit="req", disable=args.no_progress)
         results: list[RequestResult] = []
 
@@ -199,12 +210,7 @@ def _stats(values: list[float]) -> dict[str, float]:
 def summarize(results: list[RequestResult], elapsed: float, goodput: dict, concurrency, rate) -> dict:
     ok = [r for r in results if r.ok]
     itl = [g for r in ok for g in r.itl_s]
-    good = [
-        r
-        for r in ok
-        if r.ttft_s * 1000 <= goodput.get("ttft", float("inf"))
-        and r.tpot_s * 1000 <= goodput.get("tpot", float("inf"))
-    ]
+    good = [r for r in ok if meets_slo(r, goodput)]
     out_tokens = sum(r.output_tokens for r in ok)
     return {
         "concurrency": concurrency,
@@ -232,6 +238,12 @@ def summarize(results: list[RequestResult], elapsed: float, goodput: dict, concu
     }
 
 
+def meets_slo(r: RequestResult, goodput: dict[str, float]) -> bool:
+    """Whether a completed request is within every ``--goodput`` SLO (milliseconds)."""
+    measured_ms = {"ttft": r.ttft_s * 1000, "tpot": r.tpot_s * 1000, "e2e": r.e2e_s * 1000}
+    return all(measured_ms[name] <= slo for name, slo in goodput.items())
+
+
 def hop_summary(results: list[RequestResult]) -> dict[str, dict[str, float]]:
     """Per hop of the server's timing (--debug-timing), plus ``http_proxy``: the client's TTFT less
     the ingress's (the HTTP proxy, the network and the client's own parsing)."""
@@ -244,16 +256,6 @@ def hop_summary(results: list[RequestResult]) -> dict[str, dict[str, float]]:
         for name, ms in hops.items():
             by_hop.setdefault(name, []).append(ms)
     return {name: _stats(values) for name, values in by_hop.items()}
-
-
-def parse_goodput(items: list[str] | None) -> dict[str, float]:
-    slo = {}
-    for item in items or []:
-        key, _, value = item.partition(":")
-        if key not in ("ttft", "tpot", "e2e") or not value:
-            raise ValueError(f"--goodput takes ttft:MS tpot:MS, got {item!r}")
-        slo[key] = float(value)
-    return slo
 
 
 def print_report(s: dict) -> None:
@@ -280,35 +282,10 @@ def print_report(s: dict) -> None:
         print(f"   hop {hop:22s} median {st['median']:8.2f}  p90 {st['p90']:8.2f} ms")
 
 
-def write_results(path: str, runs: list[dict], result: dict, args) -> list[str]:
-    """vLLM's result file at ``path`` (``vllm bench serve`` field names, pdserve's own summary under
-    ``"pdserve"``); a sweep writes one such file per level (``<path stem>.c<N>.json``) and, at
-    ``path``, ``{"runs": [...]}`` of them."""
-    from pathlib import Path
-
-    meta = {"dataset": result["dataset"], "base_url": result["base_url"]}
-    meta["args"] = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
-
-    def flat(run: dict) -> dict:
-        pdserve = {k: v for k, v in run.items() if k not in ("vllm", "samples")}
-        return run["vllm"] | {"pdserve": pdserve | meta}
-
-    target = Path(path)
-    written = []
-    if len(runs) == 1:
-        payload = flat(runs[0])
-    else:
-        for run in runs:
-            level = target.with_name(f"{target.stem}.c{run['concurrency']}{target.suffix or '.json'}")
-            level.write_text(json.dumps(flat(run), default=str))
-            written.append(str(level))
-        payload = {"runs": [flat(r) for r in runs]}
-    target.write_text(json.dumps(payload, default=str))
-    return [*written, str(target)]
-
-
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--base-url", required=True, type=flag_types.base_url, help="server root, e.g. http://127.0.0.1:8000"
+    )
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--api-key", default=None, help="bearer key (or env PDSERVE_API_KEY)")
     p.add_argument("--dataset", default="random", choices=DATASETS)
@@ -316,26 +293,61 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer", default=None, help="count ShareGPT answer lengths in this tokenizer's tokens"
     )
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument(
+        "--num-prompts", type=flag_types.positive_int, default=100, help="measured requests (per level)"
+    )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=0.0)
-    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--num-prefixes", type=flag_types.positive_int, default=4)
     p.add_argument("--prefix-len", type=int, default=256)
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--long-len", type=int, default=1024, help="interference: long prompt length")
     p.add_argument("--long-fraction", type=float, default=0.2, help="interference: share of long prompts")
     p.add_argument("--vocab-size", type=int, default=1000, help="token ids are drawn from [10, this)")
-    p.add_argument("--max-concurrency", type=int, default=8, help="closed loop: clients back to back")
-    p.add_argument("--request-rate", type=float, default=None, help="open loop: arrivals per second")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    p.add_argument("--sweep", default=None, help="comma-separated concurrencies, closed loop each")
-    p.add_argument("--warmup", type=int, default=2, help="requests sent first and not counted")
+    p.add_argument(
+        "--max-concurrency",
+        type=flag_types.positive_int,
+        default=8,
+        help="closed loop: clients back to back (at least 1)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=flag_types.request_rate,
+        default=None,
+        help="open loop: arrivals per second (> 0); left out, a closed loop of --max-concurrency clients",
+    )
+    p.add_argument(
+        "--burstiness", type=flag_types.positive_float, default=1.0, help="gamma shape (> 0; 1 = Poisson)"
+    )
+    p.add_argument(
+        "--sweep",
+        type=flag_types.concurrency_levels,
+        default=None,
+        help="comma-separated concurrencies (each at least 1), a closed loop each; "
+        "level i draws its own prompts, with --seed + i",
+    )
+    p.add_argument(
+        "--warmup",
+        type=flag_types.non_negative_int,
+        default=2,
+        help="requests sent first and not counted, with prompts of their own (none measured)",
+    )
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--goodput", nargs="*", help="SLOs, e.g. ttft:500 tpot:50 (milliseconds)")
+    p.add_argument(
+        "--goodput",
+        nargs="*",
+        type=flag_types.goodput_slo,
+        help="SLOs, e.g. ttft:500 tpot:50 e2e:2000 (milliseconds): goodput counts the requests within all",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=flag_types.non_negative_int,
+        default=0,
+        help="the prompts' seed (level i of a --sweep draws with seed + i, the warm-up with one of its own)",
+    )
     p.add_argument(
         "--output-json", default=None, help="write the results here (vllm bench serve's field names)"
     )
@@ -352,22 +364,22 @@ def run(args) -> dict:
     from settings import environment
 
     args.api_key = args.api_key or environment.api_key()
-    args.goodput = parse_goodput(args.goodput)
-    requests = build(args)
+    args.goodput = dict(args.goodput or [])
+    sets = RequestSets(args)
+    warmup = sets.warmup()
     if args.sweep:
-        levels = [int(x) for x in args.sweep.split(",")]
-        runs = [asyncio.run(run_load(args, requests, c, None)) for c in levels]
+        runs = [asyncio.run(run_load(args, sets.level(i), c, None, warmup)) for i, c in enumerate(args.sweep)]
     else:
-        runs = [
-            asyncio.run(
-                run_load(
-                    args, requests, None if args.request_rate else args.max_concurrency, args.request_rate
-                )
-            )
-        ]
+        concurrency = None if args.request_rate else args.max_concurrency
+        runs = [asyncio.run(run_load(args, sets.level(0), concurrency, args.request_rate, warmup))]
     for s in runs:
         print_report(s)
-    result = {"base_url": args.base_url, "dataset": args.dataset, "num_prompts": len(requests), "runs": runs}
+    result = {
+        "base_url": args.base_url,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "runs": runs,
+    }
     if args.output_json:
         for path in write_results(args.output_json, runs, result, args):
             print(f"\nwrote {path}")

@@ -14,7 +14,9 @@ the summaries, as in vLLM.
 from __future__ import annotations
 
 import datetime
+import json
 import statistics
+from pathlib import Path
 
 PERCENTILES = (90, 95, 99)
 
@@ -74,3 +76,28 @@ def vllm_fields(results, elapsed: float, goodput_per_s: float | None, concurrenc
     out |= latency_fields("itl", [g for r in ok for g in r.itl_s])
     out |= latency_fields("e2el", [r.e2e_s for r in ok])
     return out
+
+
+def write_results(path: str, runs: list[dict], result: dict, args) -> list[str]:
+    """vLLM's result file at ``path`` (``vllm bench serve`` field names, pdserve's own summary under
+    ``"pdserve"``); a sweep writes one such file per level (``<path stem>.c<N>.json``) and, at
+    ``path``, ``{"runs": [...]}`` of them."""
+    meta = {"dataset": result["dataset"], "base_url": result["base_url"]}
+    meta["args"] = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
+
+    def flat(run: dict) -> dict:
+        pdserve = {k: v for k, v in run.items() if k not in ("vllm", "samples")}
+        return run["vllm"] | {"pdserve": pdserve | meta}
+
+    target = Path(path)
+    written = []
+    if len(runs) == 1:
+        payload = flat(runs[0])
+    else:
+        for run in runs:
+            level = target.with_name(f"{target.stem}.c{run['concurrency']}{target.suffix or '.json'}")
+            level.write_text(json.dumps(flat(run), default=str))
+            written.append(str(level))
+        payload = {"runs": [flat(r) for r in runs]}
+    target.write_text(json.dumps(payload, default=str))
+    return [*written, str(target)]

@@ -62,6 +62,15 @@ def test_serve_flags_reach_the_application_config():
     assert (engine.cuda_graphs, engine.block_size, engine.swap_space) == (False, 32, 1.5)
 
 
+def test_run_time_lora_loading_is_a_serve_flag_off_by_default():
+    """The README's ``pdserve serve ... --allow-runtime-lora`` (it was an unknown flag there)."""
+    from cli.serve_args import config_from_args
+
+    parse = _subparser("serve").parse_args
+    assert config_from_args(parse([]), "m", tiny=False).ingress.allow_runtime_lora is False
+    assert config_from_args(parse(["--allow-runtime-lora"]), "m", tiny=False).ingress.allow_runtime_lora
+
+
 def test_the_stream_interval_reaches_the_decode_pool_and_must_be_positive():
     from pydantic import ValidationError
 

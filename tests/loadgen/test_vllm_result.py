@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from loadgen.serving_client import RequestResult, summarize, write_results
-from loadgen.vllm_result import percentile, vllm_fields
+from loadgen.serving_client import RequestResult, summarize
+from loadgen.vllm_result import percentile, vllm_fields, write_results
 
 # The names a dashboard built on vLLM's result files reads (the p99 ones are vLLM's defaults).
 VLLM_NAMES = [
