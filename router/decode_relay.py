@@ -207,12 +207,17 @@ class DecodeRelay:
                                     msg.finished.usage.completion_tokens += 1
                             elif kind == "error":
                                 if msg.error.code == "unavailable":  # it cannot go on: resume elsewhere
-                                    raise DecodeLost(w.worker_id, msg.error.message, cause="unavailable")
+                                    raise DecodeLost(
+                                        w.worker_id, msg.error.message, cause="unavailable", epoch=w.epoch
+                                    )
                                 ended = samples  # a refusal or failure of this request: passed on as is
                             yield msg
                     if ended < samples:
                         raise DecodeLost(
-                            w.worker_id, "its stream ended before the request did", suspect=False
+                            w.worker_id,
+                            "its stream ended before the request did",
+                            suspect=False,
+                            epoch=w.epoch,
                         )
                     return
                 except grpc.aio.AioRpcError as exc:
@@ -221,13 +226,13 @@ class DecodeRelay:
                         raise
                     if started or code != grpc.StatusCode.UNAVAILABLE:
                         raise DecodeLost(
-                            w.worker_id, f"{code.name}: {exc.details()}", cause=_cause(code)
+                            w.worker_id, f"{code.name}: {exc.details()}", cause=_cause(code), epoch=w.epoch
                         ) from exc
                     tried.add(w.worker_id)
                     others = self.decode_candidates(tried, params.lora)
                     if not others:
                         raise DecodeLost(
-                            w.worker_id, f"{code.name}: {exc.details()}", cause=_cause(code)
+                            w.worker_id, f"{code.name}: {exc.details()}", cause=_cause(code), epoch=w.epoch
                         ) from exc
                     logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)
                     self.stats.decode_retries += 1
@@ -255,7 +260,9 @@ class DecodeRelay:
 
     async def _decode(self, opened: OpenDecode):
         try:
-            async for msg in self.watch.watch(opened.call, opened.worker.worker_id):  # DecodeLost on a stall
+            async for msg in self.watch.watch(
+                opened.call, opened.worker.worker_id, opened.worker.epoch
+            ):  # on a stall: DecodeLost
                 yield msg
         finally:
             opened.close()  # no-op when finished; aborts the request on the worker otherwise

@@ -88,15 +88,24 @@ class DecodeLost(Exception):
     ``reason`` is for the router's log (it may name addresses: a connection's error); the caller
     gets ``cause``, a few words (default: the reason up to its first colon)."""
 
-    def __init__(self, worker_id: str, reason: str, *, suspect: bool = True, cause: str = "") -> None:
+    def __init__(
+        self, worker_id: str, reason: str, *, suspect: bool = True, cause: str = "", epoch: int | None = None
+    ) -> None:
         super().__init__(f"decode worker {worker_id} lost: {reason}")
         self.worker_id = worker_id
+        self.epoch = epoch  # the incarnation lost (None: not known)
         self.reason = reason
         self.suspect = suspect
         self.cause = cause or reason.split(":", 1)[0]
 
     def public(self) -> str:
         return f"decode worker {self.worker_id} lost ({self.cause})"
+
+    def replaced_by(self, current) -> bool:
+        """Whether ``current``, the id's record registered now, is a newer incarnation than the one
+        lost (a replacement registered under its id, then the old one handed its requests off): the
+        id is then no suspect and not lost to the request, or the replacement would be excluded."""
+        return self.epoch is not None and current is not None and current.epoch > self.epoch
 
 
 class MigrationRefused(Exception):
@@ -220,7 +229,7 @@ class ProgressWatch:
         return self.options.deadline_s(self._step_s.get(worker_id, 0.0))
 
     async def watch(
-        self, stream: AsyncIterator[pb.GenerateResponse], worker_id: str
+        self, stream: AsyncIterator[pb.GenerateResponse], worker_id: str, epoch: int | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
         """``stream``'s messages, ``Progress`` consumed here; raises ``DecodeLost`` on a stall."""
         it = aiter(stream)
@@ -233,7 +242,7 @@ class ProgressWatch:
                     return
                 except TimeoutError:
                     silence = self.deadline_s(worker_id) + self._interval_s.get(worker_id, 0.0)
-                    raise DecodeLost(worker_id, f"stalled: silent for {silence:.1f}s") from None
+                    raise DecodeLost(worker_id, f"stalled: silent for {silence:.1f}s", epoch=epoch) from None
                 if msg.WhichOneof("kind") != "progress":
                     yield msg
                     continue
@@ -243,7 +252,9 @@ class ProgressWatch:
                 self._interval_s[worker_id] = p.interval_ms / 1e3
                 if p.blocked_ms / 1e3 > limit:
                     raise DecodeLost(
-                        worker_id, f"stalled: its engine made no progress for {p.blocked_ms / 1e3:.1f}s"
+                        worker_id,
+                        f"stalled: its engine made no progress for {p.blocked_ms / 1e3:.1f}s",
+                        epoch=epoch,
                     )
         finally:
             quiet.close()

@@ -210,9 +210,10 @@ class Router(DecodeRelay):
             except DecodeLost as exc:
                 if exc.reason.startswith("stalled"):
                     self.stats.stalls += 1
-                if exc.suspect:
-                    self.suspect(exc.worker_id)
-                lost.add(exc.worker_id)
+                if not exc.replaced_by(self.view.workers.get(exc.worker_id)):
+                    if exc.suspect:
+                        self.suspect(exc.worker_id)
+                    lost.add(exc.worker_id)
                 end = res.ended_by_itself()
                 if end is not None:  # only its last message was lost
                     yield res.relay(end)
