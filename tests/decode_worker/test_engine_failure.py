@@ -169,3 +169,5 @@ def test_a_shutdown_leaves_the_registry_before_it_hands_requests_off(tiny_llama,
 
     asyncio.run(main())
     assert listed_at_hand_off == [[]] and not read_workers(client)
+    stats = worker.core.stats()
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0

@@ -49,6 +49,7 @@ def test_a_request_handed_off_by_a_replaced_incarnation_resumes_on_its_replaceme
                 await until(lambda: stack.view.workers["d0"].epoch == new.epoch, "the replacement is d0")
                 gate.set()
                 await old.shutdown(grace_s=5)  # hands the request off
+                assert old.core.stats().num_free_blocks == NUM_BLOCKS  # the handed-off request freed its
                 assert await s.result() == want and s.finished.finish_reason == "length"
                 assert stack.router.stats.migrations == 1 and "d0" not in stack.router.suspects
                 await stack.all_free([new])
