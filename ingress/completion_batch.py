@@ -79,7 +79,12 @@ def plan_completion(req: CompletionRequest, info: ModelInfo, limits: IngressOpti
             k = max(req.logprobs, part.prompt_logprobs or 0)
             part.params = dataclasses.replace(part.params, prompt_logprobs=k)
         parts.append(part)
-    echo = [p if isinstance(p, str) else info.tokenizer.decode(p) for p in prompts] if req.echo else None
+    # A token-id prompt echoes as its text, special tokens skipped as in the output (and as with logprobs).
+    echo = (
+        [p if isinstance(p, str) else info.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
+        if req.echo
+        else None
+    )
     return CompletionPlan(parts, req.n, best_of, echo, req.logprobs, req.stream, parts[0].include_usage)
 
 

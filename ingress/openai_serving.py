@@ -90,6 +90,12 @@ class Admission:
                 self.waiting += 1
                 try:
                     await self._cond.wait_for(lambda: self.running < self.limit)
+                except BaseException:
+                    # A waiter cancelled as a release woke it (its client left) passes the wake-up
+                    # on: Python before 3.13 drops it, and the others would wait by a free slot.
+                    if self.running < self.limit:
+                        self._cond.notify()
+                    raise
                 finally:
                     self.waiting -= 1
             self.running += 1
@@ -385,9 +391,16 @@ def _completion_logprobs(entries) -> dict:
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t: v for t, _, v in e.top} for e in entries],
+        "top_logprobs": [_with_sampled({t: v for t, _, v in e.top}, e.token, e.logprob) for e in entries],
         "text_offset": [e.offset for e in entries],
     }
+
+
+def _with_sampled(top: dict, token: str, logprob: float) -> dict:
+    """A completions ``top_logprobs`` entry: the k best and the sampled token, which OpenAI's
+    completions always return ("up to logprobs+1 elements"; chat's stay at k)."""
+    top.setdefault(token, logprob)
+    return top
 
 
 def _chat_logprobs(entries) -> list[dict]:

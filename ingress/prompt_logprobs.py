@@ -54,9 +54,9 @@ def echoed_logprobs(entries: Entries, prompt: list[int], k: int, texts: TokenTex
         lps.append(max(entry.get(tid, -9999.0), -9999.0))
         best = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
         context = prompt[max(0, pos - 4) : pos]
-        tops.append(
-            {(token if t == tid else texts.alternative(context, t)[0]): max(v, -9999.0) for t, v in best}
-        )
+        top = {(token if t == tid else texts.alternative(context, t)[0]): max(v, -9999.0) for t, v in best}
+        top.setdefault(token, lps[-1])  # the prompt's own token too, as for a sampled one
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, len(
         detok.text
     )

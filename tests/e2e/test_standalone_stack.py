@@ -239,7 +239,7 @@ def test_completions_batch_echo_best_of_and_sampling_controls_equal_the_engine_a
         base, "/v1/completions", {**req, "prompt": prompts[1], "n": 1, "echo": True, "temperature": 0}
     )
     greedy = engine_texts(prompts[1], temperature=0)[0][0]
-    prompt_text = llm.tokenizer.decode(prompts[1])
+    prompt_text = llm.tokenizer.decode(prompts[1], skip_special_tokens=True)  # as the output is decoded
     assert body["choices"][0]["text"] == prompt_text + greedy
 
     # best_of = 4: the sample with the highest mean token logprob; usage counts all four. The seed is
@@ -301,6 +301,9 @@ def test_completions_batch_echo_best_of_and_sampling_controls_equal_the_engine_a
     assert len(lp["tokens"]) == len(prompts[1]) + 3 and lp["token_logprobs"][0] is None
     assert "".join(lp["tokens"]) == body["choices"][0]["text"]
     assert all(body["choices"][0]["text"][o:].startswith(t) for t, o in zip(lp["tokens"], lp["text_offset"]))
+    # Each top_logprobs holds the k best and the token itself (OpenAI: up to logprobs + 1).
+    for t, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert top[t] == v and 1 <= len(top) <= 2
 
     # A stop token ends a choice with its id as stop_reason, a number (vLLM's API), as the engine
     # alone ends it: through prefill and decode processes (n = 1) and aggregated (n = 2).

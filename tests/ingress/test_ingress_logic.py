@@ -201,6 +201,39 @@ def test_admission_queues_then_refuses_with_retry_after():
     asyncio.run(main())
 
 
+def test_a_slot_handed_to_a_waiter_that_leaves_goes_to_the_next_one():
+    """The release wakes the first queued request, whose client leaves in the same instant: the
+    next queued one gets the slot (it waited by a free slot, until another request came)."""
+
+    async def main():
+        adm = Admission(limit=1, queue=4)
+        release, served = asyncio.Event(), []
+
+        async def hold():
+            async with adm.slot():
+                await release.wait()
+
+        async def queued(name):
+            async with adm.slot():
+                served.append(name)
+
+        holder = asyncio.create_task(hold())
+        while adm.running == 0:
+            await asyncio.sleep(0)
+        first, second = asyncio.create_task(queued("A")), asyncio.create_task(queued("B"))
+        while adm.waiting < 2:
+            await asyncio.sleep(0)
+        release.set()
+        await asyncio.sleep(0)  # the holder ran: released, its notify woke A, which has not run yet
+        assert adm.running == 0 and holder.done() and not first.done()
+        first.cancel()  # A's client went away in the same instant
+        await asyncio.wait_for(second, timeout=10)
+        assert served == ["B"] and adm.running == 0 and adm.waiting == 0
+        assert first.cancelled()
+
+    asyncio.run(main())
+
+
 def test_admission_queue_defaults_to_twice_the_limit_and_retry_after_follows_the_drain_rate():
     adm = Admission(limit=4)
     assert adm.queue == 8 and IngressOptions().max_queued_requests is None

@@ -71,6 +71,72 @@ def test_completion_tokens_concatenate_to_the_text_and_offsets_index_it(info):
     assert streamed == lp["tokens"] and offsets == lp["text_offset"]
 
 
+def test_completion_top_logprobs_hold_the_sampled_token_chat_stays_at_k(info):
+    """OpenAI's completions return the sampled token's logprob in ``top_logprobs`` too, "up to
+    logprobs+1 elements" (``logprobs=0``: the sampled one alone); chat's ``top_logprobs`` are k."""
+    ids = info.tokenizer.encode("the world is", add_special_tokens=False)
+    # The sampled token third best: the worker sends it first, then the k best.
+    worker = [
+        pb.TokenLogprobs(
+            entries=[pb.TokenLogprob(token_id=t, logprob=-5.0)]
+            + [pb.TokenLogprob(token_id=t + j, logprob=-1.0 - j) for j in range(1, 3)]
+        )
+        for t in ids
+    ]
+    script = [tokens(ids, worker), finished()]
+    for k, size in ((2, 3), (1, 2), (0, 1)):
+        body = {"model": "tiny", "prompt": "a", "max_tokens": len(ids), "logprobs": k}
+        for stream in (False, True):
+            r = asyncio.run(call(_app(info, script), "/v1/completions", {**body, "stream": stream}))
+            choices = [e["choices"][0] for e in r.events() if e["choices"]] if stream else r.json()["choices"]
+            lps = [c["logprobs"] for c in choices if c["logprobs"] and c["logprobs"]["tokens"]]
+            tops = [t for lp in lps for t in lp["top_logprobs"]]
+            sampled = [t for lp in lps for t in lp["tokens"]]
+            assert len(tops) == len(ids) and all(len(top) == size for top in tops), (k, stream, tops)
+            assert all(top[tok] == -5.0 for tok, top in zip(sampled, tops))
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "max_tokens": len(ids),
+    }
+    content = asyncio.run(call(_app(info, script), "/v1/chat/completions", chat)).json()["choices"][0]
+    assert all(len(c["top_logprobs"]) == 2 for c in content["logprobs"]["content"])
+    assert all(
+        c["token"] not in [a["token"] for a in c["top_logprobs"]] for c in content["logprobs"]["content"]
+    )
+
+
+def test_echo_of_a_token_prompt_reads_the_same_with_and_without_logprobs(info):
+    """A special token in a token-id prompt: echoed as the output is decoded (skipped) either way;
+    with logprobs, each prompt token's top_logprobs holds the token itself."""
+    prompt = [info.tokenizer.bos_token_id, *info.tokenizer.encode("the world", add_special_tokens=False)]
+    ids = info.tokenizer.encode("is", add_special_tokens=False)
+    entries = [  # positions 1.. of the prompt, each token third best
+        pb.TokenLogprobs(
+            entries=[pb.TokenLogprob(token_id=t, logprob=-4.0)]
+            + [pb.TokenLogprob(token_id=t + j, logprob=-1.0 - j) for j in (1, 2)]
+        )
+        for t in prompt[1:]
+    ]
+    first = pb.GenerateResponse(
+        tokens=pb.TokenChunk(token_ids=ids, logprobs=_logprobs(ids), prompt_logprobs=entries)
+    )
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": len(ids), "echo": True}
+    plain = asyncio.run(call(_app(info, [first, finished()]), "/v1/completions", body)).json()["choices"][0]
+    with_lp = asyncio.run(
+        call(_app(info, [first, finished()]), "/v1/completions", {**body, "logprobs": 1})
+    ).json()["choices"][0]
+    assert (
+        plain["text"] == with_lp["text"] == info.tokenizer.decode([*prompt, *ids], skip_special_tokens=True)
+    )
+    lp = with_lp["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for tok, v, top in zip(lp["tokens"][1 : len(prompt)], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert v == -4.0 and top[tok] == -4.0 and len(top) == 2
+
+
 def test_chat_bytes_are_the_tokens_own_bytes(info):
     ids = info.tokenizer.encode("the world is", add_special_tokens=False)
     script = [tokens(ids, _logprobs(ids)), finished()]
