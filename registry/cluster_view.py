@@ -161,7 +161,7 @@ class ClusterView:
 
     def _refresh_workers(self) -> None:
         self.draining = bool(self._client.exists(DRAINING_KEY))
-        live = read_workers(self._client)
+        live = read_workers(self._client, prune=True)
         now = time.monotonic()
         for wid in live:
             self._missing_since.pop(wid, None)

@@ -30,6 +30,7 @@ from registry.schema import (
     pack_hashes,
     snapshot_key,
     snapshot_meta_key,
+    snapshot_ttl_ms,
     worker_key,
 )
 
@@ -67,6 +68,7 @@ class WorkerRegistration:
         self.client = client
         self.record = record
         self.ttl_ms = int(ttl_s * 1000)
+        self.snapshot_ttl_ms = snapshot_ttl_ms(self.ttl_ms)
         self.seq = 0
         self._owned_until = 0.0  # (monotonic) until when events go out without checking the owner
 
@@ -91,6 +93,7 @@ class WorkerRegistration:
         if disk_hashes:
             pipe.sadd(disk_snapshot_key(wid), *disk_hashes)
         pipe.hset(snapshot_meta_key(wid), mapping={"epoch": self.record.epoch, "seq": self.seq})
+        self._keep_snapshot(pipe)
         anything = cached_hashes or host_hashes or disk_hashes
         entry = self._entry(RESYNCED if anything else CLEARED, cached_hashes)
         if host_hashes:
@@ -137,12 +140,25 @@ class WorkerRegistration:
         def beat(pipe) -> None:
             pipe.hset(key, mapping=self.record.to_fields())
             pipe.pexpire(key, self.ttl_ms)
+            self._keep_snapshot(pipe)
 
         # NOTE: checked before writing, under WATCH: a heartbeat that wrote first would list the
         # worker again with no snapshot (readers would take its cache for empty) until it registers.
         if not self._as_owner(beat):
             return False
         return not self.client.sadd(WORKERS_SET, wid)  # listed again (removed by hand): register
+
+    def _keep_snapshot(self, pipe) -> None:
+        """The snapshot's keys live ``snapshot_ttl_ms`` past this write: a worker that dies without
+        deregistering leaves none behind (a set its events recreate gets it at the next heartbeat)."""
+        wid = self.record.worker_id
+        for key in (
+            snapshot_meta_key(wid),
+            snapshot_key(wid),
+            host_snapshot_key(wid),
+            disk_snapshot_key(wid),
+        ):
+            pipe.pexpire(key, self.snapshot_ttl_ms)
 
     def publish(self, kind: str, hashes: list[bytes]) -> int:
         """One batch of stored/removed block hashes, snapshot and stream updated atomically."""

@@ -2,7 +2,8 @@
 
 Schema (all keys under ``pdserve:``; the wire format both the workers and the router speak):
 - ``worker:{id}`` HASH — role, address, epoch, model, block_size, num_blocks, cache_salt, load
-  fields; expires ``ttl_s`` after the last heartbeat. ``workers`` SET lists ids ever registered.
+  fields; expires ``ttl_s`` after the last heartbeat. ``workers`` SET lists registered ids (a reader
+  removes an id whose record and snapshot meta have both expired: a worker that died unregistered).
 - ``kv_events`` STREAM — one entry per kind of a transaction's net block events (removals before
   stores within a tier, so between two entries a reader may briefly miss a block, never see one
   the worker did not hold): ``w`` worker id, ``e``
@@ -18,7 +19,8 @@ Schema (all keys under ``pdserve:``; the wire format both the workers and the ro
   snapshot a reader resynchronises from, with ``kvhost:{id}`` / ``kvdisk:{id}`` SETs the blocks in its
   host / disk tier. A
   worker updates the snapshot and appends the stream entry in one MULTI/EXEC, so a snapshot at seq N
-  is exactly the state after events 1..N.
+  is exactly the state after events 1..N. Each heartbeat keeps them for ``snapshot_ttl_ms`` more:
+  a worker that dies without deregistering leaves nothing behind once readers' grace has passed.
 A worker that restarts registers a new epoch: its snapshot is replaced and a ``C`` event tells
 readers to drop the previous incarnation's entries.
 
@@ -57,6 +59,15 @@ DRAINING_KEY = PREFIX + "draining"
 ADAPTERS_KEY = PREFIX + "lora_adapters"
 STREAM_MAXLEN = 500_000
 LEFT_MARKER_TTL_MS = 120_000  # longer than any reader's grace period for a vanished record
+SNAPSHOT_TTL_MIN_MS = 60_000  # a snapshot outlives its record past readers' grace (10 s by default)
+
+
+def snapshot_ttl_ms(record_ttl_ms: int) -> int:
+    """How long a worker's snapshot keys live after its last heartbeat: well past its record (a
+    reader keeps a vanished worker's blocks through its grace period, and resynchronises from them)."""
+    return max(SNAPSHOT_TTL_MIN_MS, 6 * record_ttl_ms)
+
+
 HASH_BYTES = 16
 
 STORED, REMOVED, CLEARED, RESYNCED = "S", "R", "C", "Z"
@@ -219,17 +230,45 @@ def record_adapter(client: redis.Redis, name: str, path: str | None) -> None:
         client.hset(ADAPTERS_KEY, name, path)
 
 
-def read_workers(client: redis.Redis) -> dict[str, WorkerRecord]:
-    """Live workers (their record has not expired)."""
+def read_workers(client: redis.Redis, prune: bool = False) -> dict[str, WorkerRecord]:
+    """Live workers (their record has not expired). ``prune``: ids listed with neither a record nor
+    a snapshot meta (both expired: a worker that died without deregistering) leave the set, so it
+    does not grow with every crash nor cost every poll a read per dead id."""
     ids = sorted(i.decode() for i in client.smembers(WORKERS_SET))
     pipe = client.pipeline(transaction=False)
     for wid in ids:
         pipe.hgetall(worker_key(wid))
-    out = {}
+    out, gone = {}, []
     for wid, fields in zip(ids, pipe.execute()):
         if fields:
             out[wid] = WorkerRecord.from_fields(fields)
+        else:
+            gone.append(wid)
+    if prune and gone:
+        pipe = client.pipeline(transaction=False)
+        for wid in gone:
+            pipe.exists(snapshot_meta_key(wid))
+        for wid, meta in zip(gone, pipe.execute()):
+            if not meta:
+                _unlist(client, wid)
     return out
+
+
+def _unlist(client: redis.Redis, worker_id: str) -> None:
+    """Remove ``worker_id`` from the set if its record and snapshot meta are still both gone (a
+    registration in between, one transaction, makes this one fail: the id stays listed)."""
+    keys = (worker_key(worker_id), snapshot_meta_key(worker_id))
+    with client.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(*keys)
+            if pipe.exists(*keys):
+                return
+            pipe.multi()
+            pipe.srem(WORKERS_SET, worker_id)
+            pipe.execute()
+            logger.info("worker %s: its registration expired; unlisted", worker_id)
+        except redis.WatchError:
+            pass
 
 
 def read_departed(client: redis.Redis, worker_ids: list[str]) -> set[str]:

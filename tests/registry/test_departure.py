@@ -87,3 +87,54 @@ def test_an_older_incarnation_that_comes_back_leaves_the_id_to_its_replacement(r
     assert not new.heartbeat()  # the meta has no owner's epoch: register again, whole snapshot
     new.deregister()
     assert "d0" not in read_workers(client)
+
+
+def test_a_worker_that_dies_unregistered_leaves_nothing_behind(redis_server):
+    """SIGKILL, an OOM kill, a lost node: no deregistration. Its snapshot keys expire a while after
+    its record (each heartbeat keeps them past readers' grace), and a reader unlists its id once
+    record and meta are both gone; an id whose snapshot outlives its record stays listed (a Redis
+    that lost the record only, a worker about to beat again)."""
+    from registry.schema import (
+        WORKERS_SET,
+        disk_snapshot_key,
+        host_snapshot_key,
+        read_workers,
+        snapshot_key,
+        snapshot_meta_key,
+        snapshot_ttl_ms,
+    )
+
+    client = connect(redis_server.url)
+    reg = WorkerRegistration(
+        client, WorkerRecord(worker_id="d-dies", role="decode", address="127.0.0.1:1", epoch=1), ttl_s=5.0
+    )
+    reg.register([b"a" * 16], [b"b" * 16], [b"c" * 16])
+    keys = [
+        snapshot_meta_key("d-dies"),
+        snapshot_key("d-dies"),
+        host_snapshot_key("d-dies"),
+        disk_snapshot_key("d-dies"),
+    ]
+    bound = snapshot_ttl_ms(5000)
+    assert bound > 10_000  # past the readers' default grace
+    assert all(0 < client.pttl(k) <= bound for k in keys), [client.pttl(k) for k in keys]
+    for k in keys:
+        client.persist(k)
+    assert reg.heartbeat(beat=1)
+    assert all(0 < client.pttl(k) <= bound for k in keys)  # each heartbeat keeps them
+    # Its record expired, its snapshot not yet: still listed (a reader's grace may yet see it back).
+    client.delete(worker_key("d-dies"))
+    assert read_workers(client, prune=True) == {} and client.sismember(WORKERS_SET, "d-dies")
+    # Both gone: unlisted by the next reader that prunes.
+    client.delete(*keys)
+    assert read_workers(client) == {} and client.sismember(WORKERS_SET, "d-dies")  # a plain read keeps it
+    assert read_workers(client, prune=True) == {} and not client.sismember(WORKERS_SET, "d-dies")
+    # The router's view prunes as it polls.
+    _register(client, "d-dies-2")
+    client.delete(worker_key("d-dies-2"), snapshot_meta_key("d-dies-2"))
+    view = ClusterView(redis_server.url, poll_s=0.05, grace_s=LONG_GRACE_S)
+    view.start()
+    try:
+        _wait_until(lambda: not client.sismember(WORKERS_SET, "d-dies-2"), "the view unlists the dead id")
+    finally:
+        view.stop()
