@@ -140,6 +140,20 @@ class BlockPool:
         if self.recording and stored:
             self._events.append(BlockStored(stored))
 
+    def uncache(self, block_ids: list[int]) -> None:
+        """Blocks registered before their KV was written, which a failed step never wrote: out of
+        the prefix cache (one event), their content dropped, not handed to ``on_evict``."""
+        hashes, cached, removed = self.block_hash, self._cached, []
+        for b in block_ids:
+            h = hashes[b]
+            if h is not None:
+                hashes[b] = None
+                if cached.get(h) == b:
+                    del cached[h]
+                    removed.append(h)
+        if removed:
+            self._record(BlockRemoved(removed))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
         if len(self._free) != self.num_blocks:

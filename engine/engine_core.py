@@ -215,7 +215,7 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
     ) -> None:
         """Queue a request. ``prefill_only`` (prefill role): stop after the first token and hold the
         prompt's blocks until ``release_held``; the output carries their ids and the seed used."""
-        self._check_new_id(request_id)
+        self._check_new_id(request_id, params.n if isinstance(params.n, int) else 1)
         params = self.limits.resolved(len(prompt_token_ids), params)  # max_tokens None: up to the context
         self.validate(prompt_token_ids, params)
         if prefill_only and params.n != 1:
@@ -235,9 +235,20 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
             self.scheduler.add(req)
         self._serves_prefill_only |= prefill_only
 
-    def _check_new_id(self, request_id: str) -> None:
+    def _check_new_id(self, request_id: str, n: int = 1) -> None:
+        """Refuses an id in use: a group's, a sample's (``<group>#<k>``, forked or to come), held or
+        staged KV's; and one whose samples' ids would be (a group of n forks ``<id>#1`` on)."""
         staged = self.prefetch is not None and request_id in self.prefetch
-        if request_id in self.scheduler.groups or request_id in self.kv.held or staged:
+        groups, requests = self.scheduler.groups, self.scheduler.requests
+        base, mark, _ = request_id.rpartition("#")
+        if (
+            request_id in groups
+            or request_id in requests
+            or request_id in self.kv.held
+            or staged
+            or (mark and base in groups)
+            or any(f"{request_id}#{k}" in requests for k in range(1, n))
+        ):
             raise ValueError(f"request id {request_id!r} is already in use")
 
     def _seed_for(self, params: SamplingParams) -> int:
@@ -363,11 +374,12 @@ class EngineCore(TransferMixin, LoraMixin, TierMixin):
             exc_info=exc,
         )
         outs = []
-        groups = {
-            self.scheduler.requests[s].group_id
-            for s in sched.num_scheduled_tokens
-            if s in self.scheduler.requests
-        }
+        requests = self.scheduler.requests
+        for seq_id, num_new in sched.num_scheduled_tokens.items():
+            if seq_id in requests:  # what the step was to write was registered as cached: no more
+                req = requests[seq_id]
+                self.kv.forget_uncomputed(req, req.num_computed_tokens - num_new)
+        groups = {requests[s].group_id for s in sched.num_scheduled_tokens if s in requests}
         for g in groups:
             outs.extend(self._finish_group(g, RequestStatus.FINISHED_ERROR, f"engine error: {exc}"))
         return outs

@@ -174,6 +174,19 @@ class KVCacheManager(DecodeBlocks):
             self._cache_full_blocks(req, table, req.num_computed_tokens + num_new_tokens)
         return copies
 
+    def forget_uncomputed(self, req: Request, computed: int) -> None:
+        """A failed step's share of ``req``: its blocks past the ``computed`` tokens written before
+        the step were registered when allocated (``allocate``, a decode's fill) and never written;
+        they leave the prefix cache, or the same prompt would hit them and decode from garbage."""
+        table = self.tables.get(req.request_id)
+        if not table or not self.enable_caching:
+            return
+        first = computed // self.block_size  # a block partly written before the step is not whole
+        self.pool.uncache(table[first:])
+        rid = req.request_id
+        if self._num_cached_blocks.get(rid, 0) > first:
+            self._num_cached_blocks[rid] = first
+
     def fork(self, parent: Request, child: Request) -> None:
         table = self.tables[parent.request_id]
         self.pool.touch(table)

@@ -12,6 +12,7 @@ from engine.json_schema_support import check_schema
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily, as vLLM's (its _SAMPLING_EPS)
 MAX_N = 64
+MAX_TOP_K = 2**31 - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty / frequency_penalty
 
@@ -140,8 +141,10 @@ class SamplingParams:
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:  # past the vocabulary it keeps every token; packed as int64
+            raise ValueError(
+                f"top_k must be -1 or 0 (off) or a positive integer, at most {MAX_TOP_K}, got {self.top_k}"
+            )
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:

@@ -317,7 +317,9 @@ class Scheduler(TransferQueue, StepResults, Preemption):
                 self._emit(req, num_new, out, scheduled, budget)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], scheduled: dict[str, int]) -> None:
-        if not self.waiting or budget[0] <= 0:  # a steady decode batch: no pass over it below
+        # Nothing new while a swapped-out sequence waits to come back (as vLLM's swapping scheduler):
+        # new prompts would take its blocks a few at a time and it would wait out the traffic.
+        if not self.waiting or budget[0] <= 0 or self.swapped:  # steady decodes: no pass over it
             return
         # Parallel samples fork after their prompt: reserve their sequence slots at admission.
         # NOTE: every step a request arrives: a C-level pass over the running list.

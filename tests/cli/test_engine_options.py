@@ -225,7 +225,7 @@ def test_generate_submits_each_prompt_once_by_default():
     ("argv", "says"),
     [
         (["--repeat", "0"], "--repeat must be at least 1, got 0"),
-        (["--top-k", "-5"], "top_k must be -1 or 0 (off) or a positive integer, got -5"),
+        (["--top-k", "-5"], "top_k must be -1 or 0 (off) or a positive integer, at most 2147483647, got -5"),
         (["--device", "cuda:7"], "device 'cuda:7': this "),  # no torch here has 8 GPUs... or any
     ],
 )

@@ -202,6 +202,36 @@ def test_duplicate_request_id_is_refused(tiny_llama):
     core.abort_request("x")
 
 
+def test_an_id_a_parallel_sample_has_or_will_have_is_refused(tiny_llama):
+    """``a`` with n = 2 forks ``a#1``: a request named ``a#1`` (forked or not yet) is refused, and so
+    is ``b`` with n = 2 while a request ``b#1`` runs; either took over the other's scheduler entry and
+    KV table (a stream that never ended, tokens from another's KV)."""
+    core = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=32))
+    two = SamplingParams(max_tokens=3, n=2, ignore_eos=True)
+    one = SamplingParams(max_tokens=3, ignore_eos=True)
+    core.add_request("a", [1, 2, 3], two)
+    with pytest.raises(ValueError, match="'a#1' is already in use"):
+        core.add_request("a#1", [4, 5], one)  # before the fork
+    first = core.step()  # the prompt: forked now
+    assert "a#1" in core.scheduler.requests
+    with pytest.raises(ValueError, match="'a#1' is already in use"):
+        core.add_request("a#1", [4, 5], one)
+    core.add_request("b#1", [4, 5], one)
+    with pytest.raises(ValueError, match="'b' is already in use"):
+        core.add_request("b", [6, 7], two)
+    core.add_request("c", [6, 7], one)  # n = 1 forks nothing: free while b#1 runs
+    made, finished, outs = {}, set(), first
+    while outs or core.has_unfinished():
+        for o in outs:
+            key = (o.request_id, o.sample_index)
+            made[key] = made.get(key, 0) + len(o.new_token_ids)
+            if o.finished:
+                finished.add(key)
+        outs = core.step() if core.has_unfinished() else []
+    assert made == {("a", 0): 3, ("a", 1): 3, ("b#1", 0): 3, ("c", 0): 3} and finished == set(made)
+    assert core.stats().num_free_blocks == 32
+
+
 def test_model_step_failure_fails_requests_not_engine(tiny_llama):
     core = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=16))
     core.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4))
@@ -216,6 +246,49 @@ def test_model_step_failure_fails_requests_not_engine(tiny_llama):
     while core.has_unfinished():
         core.step()
     assert core.stats().generation_tokens == 2
+
+
+def test_a_failed_step_leaves_nothing_it_did_not_write_in_the_prefix_cache(tiny_llama):
+    """Blocks are registered as cached when allocated (a prompt's) or when a decode fills them, before
+    the step writes them. A step that fails takes them out again: the same prompt retried, or one that
+    runs on into a block a failed decode step was filling, recomputes them (it hit garbage KV)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def generate(core, rid, prompt, p=params):
+        core.add_request(rid, prompt, p)
+        out = []
+        while core.has_unfinished():
+            out += [t for o in core.step() if o.request_id == rid for t in o.new_token_ids]
+        return out
+
+    def engine():
+        return EngineCore(EngineConfig(model=str(tiny_llama), block_size=4, num_blocks=64))
+
+    prompt = [3 + (7 * i) % 200 for i in range(10)]
+    core, real = engine(), None
+
+    def fail(sched, overlap=False):
+        raise RuntimeError("out of memory (simulated)")
+
+    # A prompt's step fails: none of its blocks stays cached.
+    real, core.runner.launch = core.runner.launch, fail
+    core.add_request("first", prompt, params)
+    assert [o.finish_reason for o in core.step()] == ["error"]
+    assert core.kv.pool.num_cached == 0
+    core.runner.launch = real
+    assert generate(core, "retry", prompt) == generate(engine(), "ref", prompt)
+    # A decode step that fills block 2 (positions 8-11: the prompt's last two, then g0 and g1) fails.
+    core = engine()
+    core.add_request("d", prompt, params)
+    made = [t for _ in range(2) for o in core.step() for t in o.new_token_ids]  # prefill: g0; then g1
+    assert len(made) == 2 and core.kv.pool.num_cached == 2  # blocks 0 and 1, full and written
+    real, core.runner.launch = core.runner.launch, fail
+    assert [o.finish_reason for o in core.step()] == ["error"]  # its step would write position 11
+    assert core.kv.pool.num_cached == 2
+    core.runner.launch = real
+    longer = [*prompt, *made, 17]
+    assert generate(core, "on", longer) == generate(engine(), "ref", longer)
+    assert core.stats().num_free_blocks == 64
 
 
 def test_stats_count_prompt_and_generated_tokens(tiny_llama):
