@@ -20,14 +20,14 @@ import json
 from pathlib import Path
 
 from bench.serving_comparisons import interference_args, load, serving
+from loadgen.vllm_result import percentile
 
 RESULTS = Path(__file__).parent / "results"
 SHORT_MAX = 64  # prompt tokens: the chat turns are 32, the long prompts 768
 
 
 def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] if xs else 0.0
+    return percentile(xs, p)  # interpolated, as every other figure of pdserve bench's files
 
 
 def _ttft_by_length(run: dict) -> dict[str, float]:

@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadgen.vllm_result import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP_STEPS = 5
 VOCAB = 512
@@ -260,8 +262,8 @@ def measure(
         "context": context,
         "steps": steps,
         "mean_ms": statistics.fmean(ms),
-        "p50_ms": ms[len(ms) // 2],
-        "p90_ms": ms[min(len(ms) - 1, math.ceil(0.9 * len(ms)) - 1)],
+        "p50_ms": statistics.median(ms),
+        "p90_ms": percentile(ms, 90),
         "schedule_ms": mean["schedule"],
         "execute_ms": mean["execute"],
         "update_ms": mean["update"],

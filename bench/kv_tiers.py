@@ -34,12 +34,13 @@ import sys
 import time
 from pathlib import Path
 
+from loadgen.vllm_result import percentile
+
 RESULTS = Path(__file__).parent / "results"
 
 
 def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] if xs else 0.0
+    return percentile(xs, p)  # interpolated, as every other figure of pdserve bench's files
 
 
 def run_workload(

@@ -32,6 +32,7 @@ from pathlib import Path
 from bench.minimal_server import minimal_serving
 from bench.serving_harness import VOCAB, bench_args, load, serving
 from loadgen.serving_datasets import build
+from loadgen.vllm_result import percentile
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -94,8 +95,7 @@ def _split_by_length(run: dict, short_max: int) -> dict:
     short = sorted(t * 1000 for n, t in ok if n <= short_max)
     long_ = sorted(t * 1000 for n, t in ok if n > short_max)
 
-    def pct(xs: list[float], p: float) -> float:
-        return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] if xs else 0.0
+    pct = percentile  # interpolated, as the vLLM-format fields beside these
 
     return {
         "short_ttft_ms_median": pct(short, 50),

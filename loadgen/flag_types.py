@@ -57,8 +57,10 @@ def concurrency_levels(text: str) -> list[int]:
 
 
 def goodput_slo(text: str) -> tuple[str, float]:
-    """One ``--goodput`` SLO: ``ttft:MS``, ``tpot:MS`` or ``e2e:MS``, as (name, milliseconds)."""
+    """One ``--goodput`` SLO: ``ttft:MS``, ``tpot:MS`` or ``e2e:MS`` (``e2el:MS``, vLLM's name,
+    too), as (name, milliseconds)."""
     name, _, value = text.partition(":")
+    name = "e2e" if name == "e2el" else name
     try:
         ms = float(value)
     except ValueError:

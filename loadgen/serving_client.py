@@ -29,6 +29,8 @@ from loadgen import flag_types
 from loadgen.serving_datasets import DATASETS, RequestSets, ServingRequest
 from loadgen.vllm_result import percentile, vllm_fields, write_results
 
+DEFAULT_CONCURRENCY = 8  # a closed loop's clients without --max-concurrency
+
 
 @dataclass(slots=True)
 class RequestResult:
@@ -40,6 +42,7 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
     timing_ms: dict[str, float] = field(default_factory=dict)  # the server's hop timing (--debug-timing)
+    usage_missing: bool = False  # the server sent no usage: token counts are chunk counts
 
     @property
     def tpot_s(self) -> float:
@@ -63,6 +66,7 @@ async def send(
     res = RequestResult(ok=False)
     last = None
     chunks = 0
+    usage = False
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -77,14 +81,15 @@ async def send(
                     break
                 event = json.loads(data)
                 if "error" in event:
-                    res.error = event["error"].get("message", "stream error")
+                    res.error = _stream_error(event["error"])
                     return res
                 if "pdserve_timing" in event:
                     res.timing_ms = event["pdserve_timing"]
                 if event.get("usage"):
+                    usage = True
                     res.prompt_tokens = event["usage"].get("prompt_tokens", 0)
                     res.output_tokens = event["usage"].get("completion_tokens", 0)
-                if any(c.get("text") for c in event.get("choices", [])):
+                if _carries_tokens(event.get("choices"), last is None):
                     now = time.perf_counter()
                     if last is None:
                         res.ttft_s = now - t0
@@ -95,12 +100,34 @@ async def send(
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
         return res
+    except (ValueError, TypeError, AttributeError) as exc:  # a malformed event fails this request only
+        res.error = f"bad stream event: {type(exc).__name__}: {exc}"[:200]
+        return res
     res.e2e_s = time.perf_counter() - t0
-    res.output_tokens = res.output_tokens or chunks
+    if not usage:  # a server that ignores include_usage: token chunks counted, a token-id prompt's length
+        res.usage_missing = True
+        res.output_tokens = chunks
+        res.prompt_tokens = len(req.prompt) if isinstance(req.prompt, list) else 0
     res.ok = last is not None
     if not res.ok:
         res.error = "no tokens in the stream"
     return res
+
+
+def _carries_tokens(choices, first: bool) -> bool:
+    """Whether a stream event brings tokens, as vLLM's client counts them: any choice, its text
+    empty too (a special token, part of a character, text held back for a stop string); a choice
+    with empty text and a finish_reason only ends the stream, unless no token came before it."""
+    if not choices:
+        return False
+    return any(c.get("text") or c.get("finish_reason") is None or first for c in choices)
+
+
+def _stream_error(error) -> str:
+    """An error event's message: OpenAI's object, or a plain string (TGI's)."""
+    if isinstance(error, dict):
+        return str(error.get("message", "stream error"))
+    return str(error)
 
 
 def _arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -135,15 +162,21 @@ async def run_load(
     if getattr(args, "debug_timing", False):
         headers["x-pdserve-debug"] = "timing"  # pdserve returns each request's hop timing
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    limit = concurrency or 0
+    limit = concurrency or 0  # with a rate too: a cap on the requests in flight, as vLLM's
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit)) as session:
         model = args.model or await _first_model(session, args.base_url, headers)
         await asyncio.gather(*(send(session, url, model, r, args, headers) for r in warmup))
         bar = tqdm(total=len(requests), desc=_label(concurrency, rate), unit="req", disable=args.no_progress)
         results: list[RequestResult] = []
 
+        cap = asyncio.Semaphore(concurrency) if rate and concurrency else None
+
         async def one(r: ServingRequest) -> None:
-            results.append(await send(session, url, model, r, args, headers))
+            if cap is None:
+                results.append(await send(session, url, model, r, args, headers))
+            else:
+                async with cap:
+                    results.append(await send(session, url, model, r, args, headers))
             bar.update(1)
 
         t0 = time.perf_counter()
@@ -191,7 +224,9 @@ async def _first_model(session, base_url: str, headers: dict) -> str:
 
 
 def _label(concurrency, rate) -> str:
-    return f"rate {rate}/s" if rate else f"concurrency {concurrency}"
+    if rate:
+        return f"rate {rate}/s" + (f", at most {concurrency} in flight" if concurrency else "")
+    return f"concurrency {concurrency}"
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -218,6 +253,7 @@ def summarize(results: list[RequestResult], elapsed: float, goodput: dict, concu
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "usage_missing": sum(r.usage_missing for r in ok),
         "duration_s": elapsed,
         "request_throughput": len(ok) / elapsed,
         "output_token_throughput": out_tokens / elapsed,
@@ -267,6 +303,11 @@ def print_report(s: dict) -> None:
     )
     for e in s["errors"]:
         print(f"   error: {e}")
+    if s.get("usage_missing"):
+        print(
+            f"   note: {s['usage_missing']} responses carried no usage (the server ignores "
+            "stream_options.include_usage): their output tokens are counted as stream chunks"
+        )
     print(
         f"   requests/s {s['request_throughput']:.2f}   output tok/s {s['output_token_throughput']:.1f}   total tok/s {s['total_token_throughput']:.1f}"
     )
@@ -308,8 +349,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-concurrency",
         type=flag_types.positive_int,
-        default=8,
-        help="closed loop: clients back to back (at least 1)",
+        default=None,
+        help=f"closed loop: clients back to back (default {DEFAULT_CONCURRENCY}); with --request-rate: "
+        "the most requests in flight (default: no cap)",
     )
     p.add_argument(
         "--request-rate",
@@ -365,12 +407,17 @@ def run(args) -> dict:
 
     args.api_key = args.api_key or environment.api_key()
     args.goodput = dict(args.goodput or [])
+    if args.sweep and (args.request_rate or args.max_concurrency):
+        raise ValueError(
+            "--sweep runs a closed loop at each of its concurrencies: leave out --request-rate and "
+            "--max-concurrency"
+        )
     sets = RequestSets(args)
     warmup = sets.warmup()
     if args.sweep:
         runs = [asyncio.run(run_load(args, sets.level(i), c, None, warmup)) for i, c in enumerate(args.sweep)]
     else:
-        concurrency = None if args.request_rate else args.max_concurrency
+        concurrency = args.max_concurrency or (None if args.request_rate else DEFAULT_CONCURRENCY)
         runs = [asyncio.run(run_load(args, sets.level(0), concurrency, args.request_rate, warmup))]
     for s in runs:
         print_report(s)
