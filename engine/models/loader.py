@@ -17,6 +17,7 @@ from safetensors import safe_open
 from engine.attention.backend import AttentionBackend
 from engine.model_names import builtin_model_dir
 from engine.models.llama import LlamaForCausalLM, ModelSpec
+from engine.models.rotary import rope_positions, rope_type
 from engine.models.zero_cost import ARCHITECTURE as ZERO_COST_ARCHITECTURE
 from engine.models.zero_cost import build_zero_cost_model
 
@@ -90,6 +91,9 @@ def spec_from_hf_config(cfg) -> ModelSpec:
     rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
     if "rope_theta" not in rope and getattr(cfg, "rope_theta", None) is not None:
         rope["rope_theta"] = cfg.rope_theta
+    if getattr(cfg, "partial_rotary_factor", None) not in (None, 1, 1.0):
+        rope.setdefault("partial_rotary_factor", cfg.partial_rotary_factor)
+    _check_supported(cfg, rope)
     return ModelSpec(
         architecture=arch,
         vocab_size=cfg.vocab_size,
@@ -101,7 +105,7 @@ def spec_from_hf_config(cfg) -> ModelSpec:
         head_dim=head_dim,
         rms_norm_eps=cfg.rms_norm_eps,
         rope=rope,
-        max_position_embeddings=cfg.max_position_embeddings,
+        max_position_embeddings=rope_positions(cfg.max_position_embeddings, rope),
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False)),
         o_bias=arch != "Qwen2ForCausalLM" and bool(getattr(cfg, "attention_bias", False)),
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
@@ -109,6 +113,20 @@ def spec_from_hf_config(cfg) -> ModelSpec:
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         sliding_windows=_sliding_windows(cfg, arch),
     )
+
+
+def _check_supported(cfg, rope: dict) -> None:
+    """What the model's forward would compute differently from the checkpoint's, refused by name
+    (the pre-start check and the loader share it): an MLP activation other than SiLU, a rope this
+    engine does not compute, quantized weights."""
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {act!r}: pdserve's MLP computes silu")
+    rope_type(rope)
+    quant = getattr(cfg, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
+        raise ValueError(f"quantized checkpoints ({method}) are not supported: give unquantized weights")
 
 
 def _sliding_windows(cfg, arch: str) -> tuple[int | None, ...]:

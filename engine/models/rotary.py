@@ -6,12 +6,33 @@ import math
 
 import torch
 
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_type(rope: dict) -> str:
+    """A config's rope type, checked (a ValueError for one pdserve does not compute: before the
+    weights load, so ``pdserve serve`` refuses the model in a line)."""
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {kind!r}: pdserve supports {', '.join(ROPE_TYPES)}")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    return kind
+
+
+def rope_positions(max_position_embeddings: int, rope: dict) -> int:
+    """The positions a model handles: linear scaling stretches its trained ones by the factor (as
+    vLLM and HF read it); llama3's config already gives the stretched length."""
+    if rope_type(rope) == "linear":
+        return int(max_position_embeddings * float(rope["factor"]))
+    return max_position_embeddings
+
 
 def _inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
     theta = float(rope.get("rope_theta", 10000.0))
     rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
     inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    kind = rope_type(rope)
     if kind == "default":
         return inv
     if kind == "linear":
@@ -27,7 +48,7 @@ def _inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {kind!r}: pdserve supports default, linear and llama3")
+    raise AssertionError(kind)  # rope_type refused it
 
 
 class RotaryEmbedding(torch.nn.Module):

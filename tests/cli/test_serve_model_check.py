@@ -46,3 +46,32 @@ def test_the_check_names_a_directory_without_a_config_and_passes_a_real_model(tm
         check_model(str(tmp_path))
     check_model(str(tiny_llama))
     check_model(ZERO_COST)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu': pdserve's MLP computes silu"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "unsupported rope_type 'dynamic'"),
+        ({"partial_rotary_factor": 0.5}, "partial rotary embeddings are not supported"),
+        (
+            {"quantization_config": {"quant_method": "fp8"}},
+            r"quantized checkpoints \(fp8\) are not supported",
+        ),
+    ],
+)
+def test_the_check_refuses_what_the_engine_would_compute_wrong_or_fail_on(
+    tmp_path, tiny_llama, overrides, says
+):
+    """Read from the config alone, before any weight: an activation, a rope or quantized weights the
+    engine does not compute (a non-SiLU MLP loaded and generated other tokens than HF's; the others
+    passed the pre-start check and failed in every replica)."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | overrides))
+    with pytest.raises(ValueError, match=says):
+        check_model(str(model))

@@ -129,3 +129,15 @@ def test_half_precision_runs_and_mostly_agrees(tiny_llama, hf_greedy, dtype):
         assert len(out.token_ids) == 8
         # Rounding may flip a later argmax, but the first token of a non-flat model agrees.
         assert out.token_ids[0] == hf_greedy(tiny_llama, prompt, 1)[0]
+
+
+def test_linear_rope_scaling_serves_its_stretched_context_as_hf(tiny_model_factory, hf_greedy):
+    """A linear rope factor stretches the trained positions (vicuna-16k: 4096 x 4): the engine's
+    context is max_position_embeddings x factor, as vLLM's, and output past the trained length
+    matches HF's (it was capped at the trained length: such a prompt was refused)."""
+    model = tiny_model_factory(
+        "llama", max_position_embeddings=32, rope_scaling={"rope_type": "linear", "factor": 4.0}
+    )
+    llm = LLM(str(model), block_size=8, num_blocks=64)
+    assert llm.core.max_model_len == 128
+    _check(llm, model, _prompts(3, [70, 9]), hf_greedy)
