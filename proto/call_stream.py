@@ -38,6 +38,7 @@ Handler = Callable[[object, object], AsyncIterator[pb.GenerateResponse]]
 _MESSAGES = (pb.GenerateResponse, pb.PrefillResponse)  # what a call's items carry
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _END = object()  # a call's last item when it ended OK
+Late = Callable[[pb.CallStreamItem], None]  # a caller's hook for items of calls it left
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -261,10 +262,12 @@ class StreamedCall:
 class _Stream:
     """One call stream: a writer task sends opens and cancels in order (batched: whatever queued while
     a write was in flight goes out as one message), a reader task hands each batch's items to their
-    calls."""
+    calls, and an item of a call no longer open (cancelled or expired: it crossed the cancel) to
+    ``late``."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, address: str) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, address: str, late: Late | None = None) -> None:
         self.address = address
+        self._late = late
         self.calls: dict[int, StreamedCall] = {}
         self.broken = False
         self._outgoing: asyncio.Queue[pb.CallStreamRequest] = asyncio.Queue()
@@ -302,6 +305,8 @@ class _Stream:
                     call = calls.get(item.call_id)
                     if call is not None:
                         call.deliver(item)
+                    elif self._late is not None:
+                        self._late(item)
         except grpc.aio.AioRpcError as exc:
             error = exc
         except Exception as exc:  # whatever else ends it, its calls fail rather than hang
@@ -331,10 +336,18 @@ class _Stream:
 
 class CallMux:
     """The calls to one server on one call stream (a new one after a break). ``open_stream``: the
-    stub's stream-stream method (``stub.DecodeStream``); ``kind``: the field an open sets."""
+    stub's stream-stream method (``stub.DecodeStream``); ``kind``: the field an open sets; ``late``:
+    gets the items of calls no longer open (a Prefill answer that crossed its cancel holds KV)."""
 
-    def __init__(self, open_stream: Callable[[], grpc.aio.StreamStreamCall], address: str, kind: str) -> None:
+    def __init__(
+        self,
+        open_stream: Callable[[], grpc.aio.StreamStreamCall],
+        address: str,
+        kind: str,
+        late: Late | None = None,
+    ) -> None:
         self._open_stream = open_stream
+        self._late = late
         self.address = address
         self._kind = kind
         self._ids = itertools.count(1)
@@ -343,7 +356,7 @@ class CallMux:
     def open(self, request, timeout: float | None = None) -> StreamedCall:
         stream = self._stream
         if stream is None or stream.broken:
-            stream = self._stream = _Stream(self._open_stream(), self.address)
+            stream = self._stream = _Stream(self._open_stream(), self.address, self._late)
         call = StreamedCall(stream, next(self._ids), timeout)
         stream.calls[call.call_id] = call
         req = pb.CallStreamRequest(call_id=call.call_id, timeout_s=timeout or 0.0)

@@ -158,6 +158,7 @@ class WorkerRecord:
     loras: str = "{}"  # the LoRA adapters it serves, as JSON: name -> the salt suffix of its prefix hashes
     resident_loras: str = "[]"  # of those, the ones in device slots at the last heartbeat (JSON list)
     streams: str = ""  # host:port of its call stream over a socket (proto.socket_stream); "": gRPC's only
+    max_model_len: int = 0  # its context length in tokens (0: not published, a worker of an older version)
 
     def resident(self, name: str) -> bool:
         """Whether adapter ``name`` was in a device slot at the last heartbeat (no swap-in to run it)."""
@@ -192,6 +193,7 @@ class WorkerRecord:
             "host_hit_cost_pct",
             "disk_hit_cost_pct",
             "peer_hit_cost_pct",
+            "max_model_len",
         )
         return cls(**{k: (int(v) if k in ints else v) for k, v in d.items() if k in cls.__slots__})
 

@@ -24,10 +24,11 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from proto.call_stream import StreamedCall
+from registry.cluster_view import ClusterView
 from registry.schema import WorkerRecord
 from router.affinity import RoutedPrefixes
 from router.cancellation import Cancellation
-from router.migration import MIGRATABLE, DecodeLost, ProgressWatch, continuation
+from router.migration import MIGRATABLE, DecodeLost, ProgressWatch, continuation, replaced
 from router.policies import PromptWork, Route, WorkerLoad
 from router.worker_stubs import WorkerStubs
 
@@ -67,9 +68,18 @@ class DecodeRelay:
     routed: RoutedPrefixes
 
     stubs: WorkerStubs
+    view: ClusterView
 
     def decode_candidates(self, lost=frozenset(), lora: str = "") -> list[WorkerRecord]: ...
+    def suspect(self, worker_id: str) -> None: ...
     def _in_background(self, coro) -> None: ...
+
+    def suspect_unreachable(self, w: WorkerRecord) -> None:
+        """A worker found unreachable (it died; its record lives on until it expires) is kept out of
+        routing for a while, as a stalled one is, unless its id has registered a newer incarnation
+        since (the lost one is gone, not the replacement: ``DecodeLost.replaced_by``)."""
+        if not replaced(w.epoch, self.view.workers.get(w.worker_id)):
+            self.suspect(w.worker_id)
 
     def _streams_kv(self, num_uncached_tokens: int) -> bool:
         """Whether the KV of a prompt with this many uncached tokens streams to the decode worker
@@ -229,6 +239,7 @@ class DecodeRelay:
                             w.worker_id, f"{code.name}: {exc.details()}", cause=_cause(code), epoch=w.epoch
                         ) from exc
                     tried.add(w.worker_id)
+                    self.suspect_unreachable(w)  # or it stays the idlest choice of every request
                     others = self.decode_candidates(tried, params.lora)
                     if not others:
                         raise DecodeLost(
@@ -266,6 +277,15 @@ class DecodeRelay:
                 yield msg
         finally:
             opened.close()  # no-op when finished; aborts the request on the worker otherwise
+
+    def _release_late(self, resp: pb.PrefillResponse) -> None:
+        """A Prefill answer that crossed its call's cancel (the caller left, or it expired or stalled
+        while the answer was on its way): nobody will read the KV it holds, so it is released now
+        rather than left to its lease (``router.worker_stubs``)."""
+        h = resp.handle
+        if h.request_id and h.address:
+            logger.info("%s: its prefill answered after the call was left; releasing its KV", h.request_id)
+            self._in_background(self._release_at(h.address, h.request_id, h.epoch))
 
     async def _release_at(self, address: str, rid: str, epoch: int) -> None:
         try:

@@ -105,7 +105,13 @@ class DecodeLost(Exception):
         """Whether ``current``, the id's record registered now, is a newer incarnation than the one
         lost (a replacement registered under its id, then the old one handed its requests off): the
         id is then no suspect and not lost to the request, or the replacement would be excluded."""
-        return self.epoch is not None and current is not None and current.epoch > self.epoch
+        return self.epoch is not None and replaced(self.epoch, current)
+
+
+def replaced(epoch: int, current) -> bool:
+    """Whether ``current`` (a worker id's record registered now, or None) is a newer incarnation than
+    the one of ``epoch``."""
+    return current is not None and current.epoch > epoch
 
 
 class MigrationRefused(Exception):

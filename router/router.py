@@ -103,7 +103,7 @@ class Router(DecodeRelay):
         self.stats = RouterStats()
         self.hops = HopWindow()  # hop timings of the last finished requests (pdserve status)
         self.active = 0  # Generate streams in progress (shutdown waits for them)
-        self.stubs = WorkerStubs()
+        self.stubs = WorkerStubs(self._release_late)  # a late Prefill answer's KV: released
         self._background: set[asyncio.Future] = set()
         self.cancellation = Cancellation(self.stubs.decode)  # what ``abort`` acts on
 
@@ -173,19 +173,16 @@ class Router(DecodeRelay):
         priority: int = 0,
         deadline: float | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Yields the caller's stream: the first token as soon as prefill has it, then the rest."""
+        """Yields the caller's stream: the first token as soon as prefill has it, then the rest; an
+        ``abort`` ends it with finish reason ``abort`` (``router.cancellation``)."""
         self.active += 1
-        task = self.cancellation.track(request_id)
         try:
-            async with aclosing(self._generate(request_id, prompt, params, priority, deadline)) as stream:
+            messages = self._generate(request_id, prompt, params, priority, deadline)
+            async with aclosing(self.cancellation.stream(request_id, messages, params.n)) as stream:
                 async for msg in stream:
                     yield msg
         finally:
             self.active -= 1
-            self.cancellation.untrack(request_id, task)
-
-    def take_aborted(self) -> bool:
-        return self.cancellation.take_aborted()
 
     async def _generate(
         self, request_id, prompt, params, priority, deadline
@@ -299,9 +296,11 @@ class Router(DecodeRelay):
                     stalled = isinstance(exc, PrefillStalled)
                     if (not stalled and exc.code() not in _RETRYABLE) or _expired(deadline):
                         raise
-                    if stalled:  # its KV, if it ever wakes up, is left to its lease
+                    if stalled:  # its KV, if it answers still, is released (``_release_late``)
                         self.stats.stalls += 1
                         self.suspect(exc.worker_id)
+                    elif exc.code() == grpc.StatusCode.UNAVAILABLE:  # dead, its record not expired yet
+                        self.suspect_unreachable(route.prefill)
                     logger.warning(
                         "prefill on %s failed (%s); retrying elsewhere", route.prefill.worker_id, exc
                     )

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
@@ -14,6 +15,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedGenerate
 from proto.convert import params_from_proto
 from proto.socket_stream import CallStreamServer
+from registry.cluster_view import ClusterView
 from router.adapters import AdapterChangeFailed, change_adapter
 from router.migration import MigrationRefused
 from router.policies import AdapterNotServed
@@ -48,13 +50,10 @@ async def caller_stream(
     """``Router.generate`` as its caller sees it, over gRPC or in the same process: an abort by
     ``Router.Abort`` ends the stream with an ``abort`` finish; every failure is a ``RouteFailed``."""
     try:
-        async for msg in router.generate(request_id, prompt, params, priority=priority, deadline=deadline):
-            yield msg
-    except asyncio.CancelledError:
-        if not router.take_aborted():
-            raise  # the caller went away
-        asyncio.current_task().uncancel()  # Router.Abort cancelled it: end the stream normally
-        yield pb.GenerateResponse(finished=pb.Finished(finish_reason="abort"))
+        stream = router.generate(request_id, prompt, params, priority=priority, deadline=deadline)
+        async with aclosing(stream):  # a caller that leaves closes it now, not when it is collected
+            async for msg in stream:
+                yield msg
     except NoWorkersError as exc:
         code = grpc.StatusCode.NOT_FOUND if isinstance(exc, AdapterNotServed) else grpc.StatusCode.UNAVAILABLE
         router.stats.fail(code)
@@ -71,28 +70,54 @@ async def caller_stream(
         raise RouteFailed(exc.code(), details) from None
 
 
+def check_context(prompt_len: int, max_tokens: int | None, view: ClusterView) -> None:
+    """Refuse (``ValueError``) a request no decode worker could hold, before it is hashed or routed:
+    the router's gRPC API is public, and a prompt of a million tokens would cost its event loop
+    seconds before a worker refused it. The bound is the largest context (``max_model_len``) of the
+    live decode workers (every request ends on one); none while one does not publish it (0: a worker
+    of an older version; the workers check then). ``max_tokens`` unset: at least one token."""
+    limits = [w.max_model_len for w in view.live_workers("decode")]
+    if not limits or 0 in limits:
+        return
+    limit = max(limits)
+    if max_tokens is None:
+        if prompt_len >= limit:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) leaves no room to generate within the model's context "
+                f"length of {limit} tokens"
+            )
+    elif prompt_len + max_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} exceeds "
+            f"the model's context length of {limit} tokens"
+        )
+
+
 class RouterService(MultiplexedGenerate, pb_grpc.RouterServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
         self.call_streams = ""  # host:port of the Generate call stream on a socket, once served
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        prompt = list(request.prompt_token_ids)
         try:
             if not request.request_id:
                 raise ValueError("request_id is required")
-            if not prompt:
+            if not request.prompt_token_ids:
                 raise ValueError("prompt must contain at least one token")
             params = params_from_proto(request.params)
+            check_context(len(request.prompt_token_ids), params.max_tokens, self.router.view)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        prompt = list(request.prompt_token_ids)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            async for msg in caller_stream(
+            stream = caller_stream(
                 self.router, request.request_id, prompt, params, request.priority, deadline
-            ):
-                yield msg
+            )
+            async with aclosing(stream):
+                async for msg in stream:
+                    yield msg
         except RouteFailed as exc:
             await context.abort(exc.code, exc.details)
 

@@ -1,6 +1,8 @@
 """The router's connections to its workers: one channel per worker address, its stubs made once, one
 ``DecodeStream`` per decode worker carrying all Decode calls to it and one ``PrefillStream`` per
-prefill worker carrying all Prefill calls to it.
+prefill worker carrying all Prefill calls to it. A Prefill answer that arrives after its call was
+left (the caller went away or it expired while the answer was on its way: the worker holds its KV)
+goes to ``late_prefill``.
 
 A generated stub builds a callable for every method of its service when it is constructed, so one
 made per request cost the router ~0.1 ms of CPU per request for nothing; these are kept for the
@@ -10,9 +12,11 @@ router's lifetime, as the channels are.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import grpc
 
+from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import CallMux, rpc_error
 from proto.socket_stream import SocketCall
@@ -20,7 +24,8 @@ from registry.schema import WorkerRecord
 
 
 class WorkerStubs:
-    def __init__(self) -> None:
+    def __init__(self, late_prefill: Callable[[pb.PrefillResponse], None] | None = None) -> None:
+        self._late_prefill = late_prefill
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._prefill: dict[str, pb_grpc.PrefillWorkerStub] = {}
         self._decode: dict[str, pb_grpc.DecodeWorkerStub] = {}
@@ -55,16 +60,26 @@ class WorkerStubs:
         """The worker's Prefill calls, all on one call stream as ``decode_stream``'s (a unary gRPC
         call each cost the router and the worker a call's setup per request)."""
         return self._mux(
-            self._prefill_streams, worker, "prefill", lambda: self.prefill(worker.address).PrefillStream
+            self._prefill_streams,
+            worker,
+            "prefill",
+            lambda: self.prefill(worker.address).PrefillStream,
+            self._late if self._late_prefill is not None else None,
         )
 
-    def _mux(self, muxes: dict[str, CallMux], worker: WorkerRecord, kind: str, grpc_stream) -> CallMux:
+    def _late(self, item: pb.CallStreamItem) -> None:
+        if item.WhichOneof("kind") == "prefill":
+            self._late_prefill(item.prefill)
+
+    def _mux(
+        self, muxes: dict[str, CallMux], worker: WorkerRecord, kind: str, grpc_stream, late=None
+    ) -> CallMux:
         self._check_open()
         key = worker.streams or worker.address
         mux = muxes.get(key)
         if mux is None:
             opener = functools.partial(SocketCall, worker.streams) if worker.streams else grpc_stream()
-            mux = muxes[key] = CallMux(opener, key, kind)
+            mux = muxes[key] = CallMux(opener, key, kind, late)
         return mux
 
     def _check_open(self) -> None:

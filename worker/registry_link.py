@@ -110,6 +110,7 @@ def worker_record(
         model=compat.model,
         block_size=limits.block_size,
         num_blocks=limits.num_blocks,
+        max_model_len=limits.max_model_len,
         cache_salt=salt,
         kv_compat=compat.hash(),
         kv_layout=describe_layout(compat),

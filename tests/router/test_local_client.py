@@ -35,7 +35,7 @@ def test_abort_ends_the_local_stream_and_reaches_the_decode_worker(redis_server,
                 return [msg async for msg in stream]
 
             rest = asyncio.create_task(read_rest())
-            await until(lambda: router.cancellation._tasks.get("r1") is not None, "the stream is tracked")
+            await until(lambda: router.cancellation.tracks("r1"), "the stream is tracked")
             resp = await stub.Abort(pb.AbortRequest(request_id="r1"), timeout=10)
             assert resp.aborted and "r1" in serving.aborts
             msgs = await asyncio.wait_for(rest, 10)
