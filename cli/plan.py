@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"recommended: {best.describe()} ({best.workers} workers) for {traffic.rate:.2f} req/s")
+    rate = best.arriving if math.isfinite(best.arriving) else traffic.rate  # the simulated arrivals'
+    print(f"recommended: {best.describe()} ({best.workers} workers) for {rate:.2f} req/s")
     print(
         f"predicted: TTFT p50 {s.ttft_p50:.3f} s, p90 {s.ttft_p90:.3f} s; ITL p50 {s.itl_p50 * 1e3:.1f} ms, "
         f"p90 {s.itl_p90 * 1e3:.1f} ms; throughput {s.throughput:.2f} req/s, goodput {s.goodput:.2f} req/s"

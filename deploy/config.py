@@ -9,7 +9,7 @@ come from the environment (PDSERVE_API_KEY, PDSERVE_REDIS_URL) or from files.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from deploy.pd_autoscaler import PDAutoscalingConfig
+from deploy.pool_autoscaling import AutoscalingOptions
 from engine.args import engine_options, option_type
 from ingress.options import IngressOptions
 from router.decode_relay import KV_STREAMING_TOKENS
@@ -71,33 +72,11 @@ EngineOptions = create_model(
 )
 
 
-class AutoscalingOptions(_Strict):
-    """Ray Serve autoscaling bounds for one pool (the P/D policy reads its own signals)."""
-
-    min_replicas: int = Field(1, ge=0, description="fewest replicas Serve scales the deployment down to")
-    max_replicas: int = Field(4, ge=1, description="most replicas Serve scales the deployment up to")
-    initial_replicas: int | None = Field(
-        None, ge=0, description="replicas at deploy time (default: `min_replicas`)"
-    )
-    target_ongoing_requests: float = Field(
-        8.0, gt=0, description="requests in flight per replica that Serve scales toward"
-    )
-    upscale_delay_s: float = Field(
-        10.0, ge=0, description="seconds the load must ask for more replicas before Serve adds them"
-    )
-    downscale_delay_s: float = Field(
-        120.0, ge=0, description="seconds the load must ask for fewer replicas before Serve removes them"
-    )
-
-    @model_validator(mode="after")
-    def _bounds(self) -> AutoscalingOptions:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
-        return self
-
-
 class ReplicaOptions(_Strict):
     """How many replicas of a deployment run, and what each one reserves."""
+
+    # Serve autoscaling on the requests the replicas' engines report (``deploy.pool_autoscaling``).
+    SCALES_ON_ENGINE_LOAD: ClassVar[bool] = False
 
     num_replicas: int = Field(
         1,
@@ -140,7 +119,7 @@ class ReplicaOptions(_Strict):
             "health_check_timeout_s": 30.0,
         }
         if self.autoscaling is not None:
-            opts["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
+            opts["autoscaling_config"] = self.autoscaling.serve_config(engine_load=self.SCALES_ON_ENGINE_LOAD)
         else:
             opts["num_replicas"] = self.num_replicas
         return opts
@@ -154,6 +133,7 @@ SHARED_ENGINE_OPTIONS = frozenset(
 
 
 class _WorkerPoolOptions(ReplicaOptions):
+    SCALES_ON_ENGINE_LOAD: ClassVar[bool] = True  # the router's calls reach them outside Serve
     # Each pool may tune its engine, as vLLM's prefill and decode instances take their own arguments;
     # ``PDServeConfig.engine_for`` merges and checks them.
     engine: dict[str, Any] = Field(
@@ -258,7 +238,7 @@ class RouterOptions(ReplicaOptions):
     suspect_s: float = Field(
         _MIGRATION.suspect_s,
         ge=0,
-        description="seconds a decode worker that stalled or failed gets no new requests while "
+        description="seconds a worker that stalled, failed or was unreachable gets no new requests while "
         "others are live",
     )
     socket_streams: bool = Field(
@@ -364,14 +344,26 @@ class PDServeConfig(_Strict):
 
     @model_validator(mode="after")
     def _pools(self) -> PDServeConfig:
-        if self.decode.autoscaling is None and self.decode.num_replicas < 1:
-            raise ValueError("at least one decode replica is required")
-        if (
-            self.mode == "disaggregated"
-            and self.prefill.autoscaling is None
-            and self.prefill.num_replicas < 1
-        ):
-            raise ValueError("disaggregated mode needs at least one prefill replica (or use mode=aggregated)")
+        pools = ("decode", "prefill") if self.mode == "disaggregated" else ("decode",)
+        for role in pools:
+            pool = getattr(self, role)
+            if pool.autoscaling is None and pool.num_replicas < 1:
+                raise ValueError(
+                    "at least one decode replica is required"
+                    if role == "decode"
+                    else "disaggregated mode needs at least one prefill replica (or use mode=aggregated)"
+                )
+            if pool.autoscaling is not None and pool.autoscaling.min_replicas < 1:
+                raise ValueError(
+                    f"{role}.autoscaling.min_replicas must be at least 1: Serve scales the {role} pool on "
+                    "the load its replicas report, and at 0 replicas none would report it"
+                )
+        if self.mode == "disaggregated" and self.prefill.lease_seconds <= self.decode.transfer_timeout_s:
+            raise ValueError(
+                f"prefill.lease_seconds ({self.prefill.lease_seconds:g}) must be longer than "
+                f"decode.transfer_timeout_s ({self.decode.transfer_timeout_s:g}): a lease that lapses while "
+                "a decode worker's KV read is in flight lets the prefill worker reuse the blocks being read"
+            )
         if self.autoscaling is not None:
             if self.mode != "disaggregated":
                 raise ValueError("the P/D autoscaling policy needs mode=disaggregated")

@@ -17,6 +17,7 @@ import time
 from ray import serve
 
 from deploy.config import PDServeConfig
+from deploy.pool_autoscaling import ENGINE_REQUESTS
 from deploy.replica_grpc import keep_replica_grpc_on_loopback
 from settings import environment, gc_policy
 
@@ -78,6 +79,11 @@ class _WorkerReplica:
         stuck = loop.stuck_for()
         if stuck > self.config.engine_stuck_timeout_s:
             raise RuntimeError(f"{self.worker.worker_id}: engine loop made no progress for {stuck:.0f}s")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling hook: the pool scales on its engines' requests (deploy/pool_autoscaling.py)."""
+        s = await self.worker.stats()
+        return {ENGINE_REQUESTS: s.num_running + s.num_waiting + s.num_transferring}
 
     async def __del__(self) -> None:
         if self.worker is None:

@@ -10,7 +10,9 @@ running requests per replica. Each decision is a desired count from the signal, 
   evaluations before it acts (one spike does not add a replica, one lull does not remove one);
 - cooldown: after a change, the pool waits ``cooldown_s`` before the next one;
 - bounds per pool, and a P:D ratio kept in [min_pd_ratio, max_pd_ratio] by raising the lagging pool
-  (never by refusing needed capacity to the other).
+  (never by refusing needed capacity to the other). An idle service (no prompt pending, no decode
+  request) with ``prefill.min_replicas`` 0 may drop prefill below the ratio, to zero: the decode
+  workers then prefill the first prompts themselves, and the ratio raises prefill again at once.
 The policy is a pure function of (signals, time, state); ``AutoscalerLoop`` applies it to a running
 application through Serve's external-scaling API.
 """
@@ -81,7 +83,7 @@ class PDAutoscalingConfig(BaseModel):
         0.1,
         gt=0,
         description="fewest prefill replicas per decode replica; below it prefill is raised (up to its "
-        "`max_replicas`)",
+        "`max_replicas`), except that an idle service with `prefill.min_replicas` 0 drops prefill to 0",
     )
     max_pd_ratio: float = Field(
         4.0,
@@ -137,7 +139,8 @@ class PDAutoscaler:
         d_want = self._desired(s.decode_replicas, d_needed, c.decode)
         p = self._gate(self.prefill, s.prefill_replicas, p_want, c.prefill, now)
         d = self._gate(self.decode, s.decode_replicas, d_want, c.decode, now)
-        p, d = self._ratio(p, d)
+        idle = s.pending_prompt_tokens == 0 and s.decode_running == 0
+        p, d = self._ratio(p, d, prefill_floor=not (idle and c.prefill.min_replicas == 0))
         if p != s.prefill_replicas:
             self.prefill.last_change, self.prefill.direction = now, 0
         if d != s.decode_replicas:
@@ -166,10 +169,11 @@ class PDAutoscaler:
             return current
         return want
 
-    def _ratio(self, p: int, d: int) -> tuple[int, int]:
-        """Keep P/D within bounds by raising the lagging pool, within its own max."""
+    def _ratio(self, p: int, d: int, prefill_floor: bool = True) -> tuple[int, int]:
+        """Keep P/D within bounds by raising the lagging pool, within its own max (prefill only with
+        ``prefill_floor``)."""
         c = self.config
-        if d > 0 and p < c.min_pd_ratio * d:
+        if prefill_floor and d > 0 and p < c.min_pd_ratio * d:
             p = min(c.prefill.max_replicas, math.ceil(c.min_pd_ratio * d))
         if p > c.max_pd_ratio * max(d, 1):
             d = min(c.decode.max_replicas, math.ceil(p / c.max_pd_ratio))

@@ -2,14 +2,17 @@
 
 Every layout up to ``max_workers`` GPUs (aggregated, and P prefill + D decode) and every candidate
 local-prefill threshold runs through the simulator on the same requests; a layout *meets* the traffic
-when its TTFT p90 and ITL p50 are within the SLOs and it keeps up with the arrivals (goodput at least
-``keep_up`` of the offered rate). The recommendation is the one that meets it with the fewest
+when its TTFT p90 and ITL p50 are within the SLOs and it keeps up with the arrivals (good requests
+completed at least at ``keep_up`` of the rate they arrive, both measured alike: ``pace``). The
+recommendation is the one that meets it with the fewest
 workers, then the most goodput. An SLO no layout can meet is an error that says how close the best
 came; one below what a lone request takes on this hardware is refused before any search.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 
 from planner.costs import ModelProfile
@@ -28,6 +31,8 @@ class Candidate:
     deployment: Deployment
     summary: Summary
     meets: bool
+    arriving: float  # the simulated arrivals' rate, requests/s (``pace``)
+    completing: float  # good requests completed per second, measured as ``arriving`` is
 
     @property
     def workers(self) -> int:
@@ -74,19 +79,27 @@ def evaluate(
     requests = Simulator(profile, deployment).run(traffic.generate())
     slo = traffic.slo
     summary = summarize(requests, slo.ttft_p90_s, slo.itl_p50_s)
+    arriving, completing = pace(requests, summary.good)
     meets = (
         (slo.ttft_p90_s is None or summary.ttft_p90 <= slo.ttft_p90_s)
         and (slo.itl_p50_s is None or summary.itl_p50 <= slo.itl_p50_s)
-        and _keeps_up(summary.goodput, requests, keep_up)
+        and completing >= keep_up * arriving
     )
-    return Candidate(deployment, summary, meets)
+    return Candidate(deployment, summary, meets, arriving, completing)
 
 
-def _keeps_up(goodput: float, requests, keep_up: float) -> bool:
-    """Goodput at least ``keep_up`` of the arrivals' rate. Arrivals with no span (one request) have
-    no rate to keep up with: the SLOs alone decide (the rate was infinite, and nothing met it)."""
-    span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
-    return span <= 0 or goodput >= keep_up * (len(requests) - 1) / span
+def pace(requests, good: int) -> tuple[float, float]:
+    """(arriving, completing): requests per second arriving, and good requests per second completed,
+    each the slope of its sorted times over the same requests. A latency that every request pays
+    shifts the completions and leaves their pace alone; a backlog that grows stretches it. One
+    arrival, or all at once, has no rate to keep up with (infinite: the SLOs alone decide)."""
+    ranks = range(len(requests))
+    arrivals = sorted(r.arrival for r in requests)
+    if len(requests) < 2 or arrivals[-1] <= arrivals[0]:
+        return math.inf, math.inf
+    arriving = 1 / statistics.linear_regression(ranks, arrivals).slope
+    completing = 1 / statistics.linear_regression(ranks, sorted(r.done for r in requests)).slope
+    return arriving, completing * good / len(requests)
 
 
 def layouts(max_workers: int, thresholds=THRESHOLDS, host_cores: int | None = None) -> list[Deployment]:
@@ -130,5 +143,6 @@ def plan(
     raise PlanError(
         f"no layout of up to {max_workers} workers meets the traffic: the best, {best.describe()}, "
         f"reached TTFT p90 {s.ttft_p90:.3f} s, ITL p50 {s.itl_p50 * 1e3:.1f} ms, goodput "
-        f"{s.goodput:.2f} of {traffic.rate:.2f} req/s (raise --max-workers or relax the SLOs)"
+        f"{best.completing:.2f} good requests/s completed of {best.arriving:.2f} req/s arriving "
+        "(raise --max-workers or relax the SLOs)"
     )

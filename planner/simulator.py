@@ -383,7 +383,8 @@ class Summary:
     itl_p50: float
     itl_p90: float
     throughput: float  # requests per second, first arrival to last token
-    goodput: float  # requests per second meeting both SLOs (when given)
+    goodput: float  # requests per second meeting both SLOs (when given), first arrival to last token
+    good: int = 0  # requests meeting both SLOs
 
     def as_dict(self) -> dict:
         return self.__dict__.copy()
@@ -435,4 +436,5 @@ def summarize(
         itl_p90=_pct(gaps, 0.9),
         throughput=len(requests) / span if span > 0 else 0.0,
         goodput=good / span if span > 0 else 0.0,
+        good=good,
     )

@@ -12,7 +12,7 @@ refused the request (passed on as before); or its decode worker was *lost* (``De
 - the ``ProgressWatch`` found it stalled: no message for longer than the stream's deadline, or a
   ``Progress`` message saying its engine thread has been blocked that long.
 
-A lost worker that stalled or failed is *suspect* for ``suspect_s`` (not routed to while others
+A lost worker that stalled, failed or was unreachable is *suspect* for ``suspect_s`` (not routed to while others
 exist). The request then resumes (``Resumption``): the prompt plus every token already relayed is the
 new prompt, ``max_tokens`` shrinks by those tokens and the seed is kept (the caller's, else the one
 the prefill worker drew), so every position samples what one engine would sample there: greedy
@@ -66,7 +66,7 @@ class MigrationOptions:
     stall_timeout_s: float | None = None  # a fixed stall deadline instead of the step-derived one
     stall_floor_s: float = 5.0  # the step-derived deadline is never shorter
     stall_step_multiple: float = 20.0  # deadline = this x the worker's step budget (engine.step_budget)
-    suspect_s: float = 30.0  # a stalled or failed worker is not routed to for this long
+    suspect_s: float = 30.0  # a stalled, failed or unreachable worker is not routed to for this long
 
     def __post_init__(self) -> None:
         if self.max_migrations < 0:

@@ -92,6 +92,7 @@ class EngineProcess:
         self._stopping = False
         self.failure: EngineLoopFailed | None = None
         self.step_started = time.monotonic()
+        self._work_since = 0.0  # when commands or streams last began waiting on the engine (none before)
         commands_r, self._commands_w = os.pipe()
         self._events_r, events_w = os.pipe()
         for fd in (commands_r, events_w):
@@ -165,6 +166,7 @@ class EngineProcess:
         self._failure_hooks.append(fn)
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
+        self._note_work()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         return q
@@ -198,9 +200,21 @@ class EngineProcess:
         return self._clock_values()[2]
 
     def stuck_for(self) -> float:
-        """Seconds the current step has run while the engine has not beaten since (0 when it has)."""
+        """Seconds the engine has had work without progress, as ``EngineLoop.stuck_for``: the current
+        step's age while it runs, and while commands or streams wait on the engine, the time since
+        its last beat or since they began waiting, whichever came later (a process hung between
+        steps, in a command or a transfer poll, no longer beats). 0 when idle or progressing."""
         beat, step_started, _ = self._clock_values()
-        return 0.0 if beat > step_started else time.monotonic() - step_started
+        now = time.monotonic()
+        stuck = 0.0 if beat > step_started else now - step_started
+        if self._pending or self._streams:
+            stuck = max(stuck, now - max(beat, self._work_since))
+        return stuck
+
+    def _note_work(self) -> None:
+        """A command or stream is about to wait on the engine: if none did, the waiting starts now."""
+        if not (self._pending or self._streams):
+            self._work_since = time.monotonic()
 
     # Commands ---------------------------------------------------------------------------------
 
@@ -215,6 +229,7 @@ class EngineProcess:
             fut.set_exception(self.failure)
             return fut
         cmd.command_id = next(self._ids)
+        self._note_work()
         self._pending[cmd.command_id] = fut
         if on_reply is not None:
             self._on_reply[cmd.command_id] = on_reply

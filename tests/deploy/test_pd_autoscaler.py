@@ -108,3 +108,24 @@ def test_the_policy_with_serve_autoscaling_on_a_front_end_is_refused():
     for pool in ("router", "ingress"):
         with pytest.raises(ValidationError, match="Serve refuses"):
             PDServeConfig(model="m", autoscaling={}, **{pool: {"autoscaling": serve_autoscaling}})
+
+
+def test_an_idle_service_drops_prefill_to_a_minimum_of_zero_and_load_brings_it_back():
+    """``prefill.min_replicas: 0`` is reachable: idle, prefill drops to 0 after its downscale delay
+    (the ratio does not hold it up); the first decode request raises it again at once. With a
+    minimum of 1 the ratio still holds prefill up while idle."""
+    pool = {"min_replicas": 0, "max_replicas": 4, "downscale_delay_s": 30, "cooldown_s": 0}
+    config = {
+        **CONFIG,
+        "prefill": pool,
+        "decode": {**CONFIG["decode"], "min_replicas": 4},
+        "min_pd_ratio": 0.5,
+    }
+    pol = PDAutoscaler(PDAutoscalingConfig(**config))
+    idle = sig(p=2, d=4)
+    assert run(pol, idle, 0, 30) == [(2, 4)] * 30  # the downscale delay holds
+    assert pol.decide(idle, 30) == (0, 4), "an idle service never reached prefill.min_replicas 0"
+    assert pol.decide(sig(p=0, d=4), 31) == (0, 4)
+    assert pol.decide(sig(p=0, d=4, running=3), 32) == (2, 4)  # ceil(0.5 x 4), without delay
+    held = PDAutoscaler(PDAutoscalingConfig(**{**config, "prefill": {**pool, "min_replicas": 1}}))
+    assert run(held, idle, 0, 100)[-1] == (2, 4)  # the ratio's floor, above min_replicas 1

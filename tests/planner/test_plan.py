@@ -228,3 +228,30 @@ def test_a_profile_measured_while_something_else_ran_is_flagged(tmp_path, capsys
     args = ["plan", "--profile", str(tmp_path / "p.json"), "--traffic", str(tmp_path / "t.yaml")]
     pdserve([*args, "--max-workers", "2"])  # planned or not, the warning comes first
     assert f"warning: {tmp_path / 'p.json'}: the prefill curve fits" in capsys.readouterr().err
+
+
+def test_keeping_up_does_not_depend_on_how_long_the_traffic_runs(capsys, tmp_path):
+    """Long answers (a request's latency ~6% of the whole traffic): a layout that serves every request
+    within its SLOs keeps up, as it does when the same traffic runs 40 times longer, while one worker
+    (falling behind) keeps up with neither; the command prints the arrivals' rate it planned for."""
+    from planner.simulator import Deployment
+
+    profile = synthetic_profile()
+    short = {"rate": 1, "requests": 50, "prompt_tokens": 256, "output_tokens": 1024}
+    short["slo"] = {"ttft_p90_s": 1.0, "itl_p50_s": 0.05}
+    for requests in (50, 2000):
+        traffic = parse_traffic({**short, "requests": requests})
+        served = evaluate(profile, traffic, Deployment(0, 8))
+        s = served.summary
+        assert s.ttft_p90 < 0.1 and s.itl_p50 < 0.01  # far within the SLOs, no queue
+        assert served.meets, f"{requests} requests within SLOs on 8 workers do not keep up: {s}"
+        assert not evaluate(profile, traffic, Deployment(0, 1)).meets
+    traffic = parse_traffic(short)
+    best, _ = plan(profile, traffic, max_workers=8)
+    assert best.workers == 2
+    profile.save(tmp_path / "p.json")
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(short))
+    assert (
+        pdserve(["plan", "--profile", str(tmp_path / "p.json"), "--traffic", str(tmp_path / "t.yaml")]) == 0
+    )
+    assert f"workers) for {best.arriving:.2f} req/s" in capsys.readouterr().out  # the rate it planned for
