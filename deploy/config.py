@@ -192,6 +192,8 @@ _MIGRATION = MigrationOptions()  # its defaults are the config's
 
 
 class RouterOptions(ReplicaOptions):
+    SCALES_ON_ENGINE_LOAD: ClassVar[bool] = True  # its callers (an ingress, HTTP) reach it outside Serve
+
     policy: Literal["round_robin", "least_load", "cache_aware"] = Field(
         "cache_aware",
         description="how the router picks a request's prefill and decode workers (router/policies.py): "
@@ -270,6 +272,11 @@ class IngressDeploymentOptions(ReplicaOptions, IngressOptions):
     """
 
     num_cpus: float = Field(0.1, ge=0, description="CPUs each ingress replica reserves in Ray")
+
+    @property
+    def SCALES_ON_ENGINE_LOAD(self) -> bool:  # ReplicaOptions' flag, here from the config
+        return self.http_server == "direct"  # its HTTP reaches it outside Serve's proxy
+
     http_server: Literal["serve_proxy", "direct", "router"] = Field(
         "serve_proxy",
         description="what serves HTTP: `serve_proxy` Serve's proxy in front of the ingress replicas, "
@@ -357,6 +364,18 @@ class PDServeConfig(_Strict):
                 raise ValueError(
                     f"{role}.autoscaling.min_replicas must be at least 1: Serve scales the {role} pool on "
                     "the load its replicas report, and at 0 replicas none would report it"
+                )
+        for name in ("router", "ingress"):
+            section = getattr(self, name)
+            if (
+                section.autoscaling is not None
+                and section.SCALES_ON_ENGINE_LOAD
+                and section.autoscaling.min_replicas < 1
+            ):
+                raise ValueError(
+                    f"{name}.autoscaling.min_replicas must be at least 1: Serve scales the {name} on the "
+                    "requests its replicas report (their callers reach them outside Serve), and at 0 "
+                    "replicas none would report them"
                 )
         if self.mode == "disaggregated" and self.prefill.lease_seconds <= self.decode.transfer_timeout_s:
             raise ValueError(

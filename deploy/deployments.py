@@ -199,6 +199,11 @@ class RouterServer:
     async def get_address(self) -> str:
         return self.address
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling hook: the requests streaming through this router (its callers, an
+        ingress or its own HTTP, reach it outside Serve: deploy/pool_autoscaling.py)."""
+        return {ENGINE_REQUESTS: self.router.active}
+
     async def check_health(self) -> None:
         if not self.view.alive:
             raise RuntimeError("the router's cluster view thread died")
@@ -261,6 +266,12 @@ class IngressServer:
 
     def __serve_build_asgi_app__(self):
         return self.ingress.http
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling hook, read with ``http_server: direct`` (HTTP reaches the replica
+        outside Serve's proxy): its requests admitted or queued."""
+        adm = self.ingress.serving.admission
+        return {ENGINE_REQUESTS: adm.running + adm.waiting}
 
     async def __del__(self) -> None:
         await self.ingress.close()  # new requests get 503 while the server stops

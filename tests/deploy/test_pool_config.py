@@ -40,11 +40,30 @@ def test_a_worker_pool_serve_scales_keeps_a_replica_and_scales_on_its_engines(po
     config = PDServeConfig(model="m", **{pool: {"autoscaling": {"min_replicas": 1, "max_replicas": 3}}})
     options = getattr(config, pool).deployment_options()
     assert options["autoscaling_config"]["policy"] == {"policy_function": POOL_POLICY}
-    # The router and the ingress are called through Serve: Serve's own count of calls serves them.
-    routed = PDServeConfig(model="m", router={"autoscaling": {"min_replicas": 1, "max_replicas": 3}})
-    assert "policy" not in routed.router.deployment_options()["autoscaling_config"]
     # Aggregated mode has no prefill deployment: its section is not checked.
     PDServeConfig(model="m", mode="aggregated", prefill={"autoscaling": {"min_replicas": 0}})
+
+
+def test_the_router_and_a_direct_ingress_scale_on_the_requests_they_report():
+    """Their callers reach them outside Serve (an ingress calls its router over gRPC or a socket, HTTP
+    reaches a router or a ``direct`` ingress on its own port): Serve counted no requests there, and
+    scaled them down under load. Behind Serve's proxy the ingress is called through Serve."""
+    bounds = {"min_replicas": 1, "max_replicas": 3}
+    config = PDServeConfig(model="m", router={"autoscaling": bounds}, ingress={"autoscaling": bounds})
+    assert config.router.deployment_options()["autoscaling_config"]["policy"] == {
+        "policy_function": POOL_POLICY
+    }
+    assert "policy" not in config.ingress.deployment_options()["autoscaling_config"]  # serve_proxy
+    direct = PDServeConfig(model="m", ingress={"autoscaling": bounds, "http_server": "direct"})
+    assert direct.ingress.deployment_options()["autoscaling_config"]["policy"] == {
+        "policy_function": POOL_POLICY
+    }
+    zero = {"min_replicas": 0, "max_replicas": 2}
+    assert "router.autoscaling.min_replicas must be at least 1" in refusal(router={"autoscaling": zero})
+    assert "ingress.autoscaling.min_replicas must be at least 1" in refusal(
+        ingress={"autoscaling": zero, "http_server": "direct"}
+    )
+    PDServeConfig(model="m", ingress={"autoscaling": zero})  # behind Serve's proxy: Serve counts its calls
 
 
 class _Context:  # the part of Serve's AutoscalingContext the policy reads
