@@ -51,10 +51,14 @@ def cores_between(before: dict, after: dict, seconds: float) -> dict:
     }
 
 
-def _machine_busy_s() -> float:
-    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
-    # user nice system idle iowait irq softirq steal: all but idle and iowait
-    return (sum(fields) - fields[3] - fields[4]) / _TICK
+def _machine_busy_s(stat: str | None = None) -> float:
+    """CPU seconds this machine's cores spent on work (``stat``: /proc/stat's text, read if None):
+    user, nice, system, irq and softirq. Not idle, iowait or steal: steal is time the hypervisor
+    gave another guest, which no process here spent (it read as the front end's CPU)."""
+    text = Path("/proc/stat").read_text() if stat is None else stat
+    fields = [int(x) for x in text.splitlines()[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, _steal = fields
+    return (user + nice + system + irq + softirq) / _TICK
 
 
 def _process_cpu_s(pid) -> float:

@@ -60,3 +60,15 @@ def test_a_run_is_split_into_the_cores_each_part_kept_busy():
     assert host_cpu.between({**before, "engines": {}}, after)["front"] == 0.0
     now = host_cpu.usage()
     assert set(now) == {"machine", "engines", "self"} and now["machine"] > 0
+
+
+def test_the_machines_busy_time_leaves_out_idle_iowait_and_steal():
+    """Steal is time the hypervisor gave another guest: no process here spent it (it was counted as
+    the front end's CPU on a shared VM)."""
+    tick = host_cpu._TICK
+    #          user nice system idle iowait irq softirq steal guest guest_nice
+    stat = (
+        f"cpu  {50 * tick} {10 * tick} {30 * tick} 900 80 {5 * tick} {5 * tick} {40 * tick} 0 0\ncpu0 1 2 3\n"
+    )
+    assert host_cpu._machine_busy_s(stat) == 100.0
+    assert host_cpu._machine_busy_s() > 0  # this machine's own
