@@ -364,6 +364,12 @@ class CallMux:
         stream.send(req)
         return call
 
+    @property
+    def broken(self) -> bool:
+        """Whether its stream broke (the server gone, or unreachable): its calls failed with
+        UNAVAILABLE, unlike a call the server itself refused."""
+        return self._stream is not None and self._stream.broken
+
     async def close(self) -> None:
         if self._stream is not None:
             await self._stream.close()

@@ -3,9 +3,10 @@
 Generate calls all travel on one call stream to the router (``proto.call_stream``): the tokens of
 every request in flight come back batched, one message per router wake-up rather than one per
 request per token. The stream is the router's socket one when it serves one (``proto.socket_stream``;
-its address from ``GetClusterState``), else its gRPC ``GenerateStream``. The router's address comes from ``resolve`` (the router deployment, through a Serve handle) and is
-looked up again when the router answers UNAVAILABLE (a restarted replica has a new port). Only
-protobuf crosses these connections.
+its address from ``GetClusterState``), else its gRPC ``GenerateStream``. The router's address comes
+from ``resolve`` (the router deployment, through a Serve handle) and is looked up again, with its
+socket's, when the stream breaks (a restarted router has a new socket port, a replaced replica a new
+address); a live router's own UNAVAILABLE is its answer. Only protobuf crosses these connections.
 """
 
 from __future__ import annotations
@@ -36,21 +37,24 @@ class RouterClient:
         self._router: pb_grpc.RouterStub | None = None  # the channel's stub, built once
         self._worker_channels: dict[str, grpc.aio.Channel] = {}
 
-    async def _stub(self, refresh: bool = False) -> pb_grpc.RouterStub:
-        if self._calls is not None and not refresh:
+    async def _stub(self, stale: CallMux | None = None) -> pb_grpc.RouterStub:
+        """The router's stub, connected once. ``stale``: the connection a caller found broken (the
+        router gone, or restarted with a new socket port): looked up and connected again, unless
+        another caller did so meanwhile (then its connection serves; its calls are not cut)."""
+        if self._calls is not None and (stale is None or self._calls is not stale):
             return self._router
         async with self._connecting:  # one (re)connection at a time; the others wait for it
-            if self._calls is None or refresh:
+            if self._calls is None or self._calls is stale:
                 address = await self._resolve()
-                if address != self._address or self._calls is None:
-                    old, self._calls = self._calls, None
-                    if old is not None:
-                        await old.close()
-                    if self._channel is not None:
-                        await self._channel.close()
-                    self._address, self._channel = address, grpc.aio.insecure_channel(address)
-                    self._router = pb_grpc.RouterStub(self._channel)
-                    self._calls = await self._generate_calls(self._router, address)
+                old, self._calls = self._calls, None
+                if old is not None:
+                    await old.close()  # broken: its calls have failed already
+                if self._channel is not None:
+                    await self._channel.close()
+                self._address, self._channel = address, grpc.aio.insecure_channel(address)
+                self._router = pb_grpc.RouterStub(self._channel)
+                # The socket's port is read again: a router restarted at the same address has a new one.
+                self._calls = await self._generate_calls(self._router, address)
         return self._router
 
     @staticmethod
@@ -76,10 +80,12 @@ class RouterClient:
         req = pb.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), priority=priority
         )
+        stale = None
         for attempt in range(2):
             if self._calls is None or attempt:
-                await self._stub(refresh=attempt > 0)
-            call = self._calls.open(req, timeout=timeout_s)
+                await self._stub(stale)
+            mux = self._calls
+            call = mux.open(req, timeout=timeout_s)
             started = False
             try:
                 async for msg in call:
@@ -87,8 +93,11 @@ class RouterClient:
                     yield msg
                 return
             except grpc.aio.AioRpcError as exc:
-                if started or attempt or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                # Only a broken stream is looked up again: a live router's own UNAVAILABLE ("no decode
+                # worker") would be its answer again, and closing its stream would cut every other call.
+                if started or attempt or exc.code() != grpc.StatusCode.UNAVAILABLE or not mux.broken:
                     raise
+                stale = mux
                 logger.warning(
                     "router at %s unavailable (%s); looking it up again", self._address, exc.details()
                 )
@@ -96,14 +105,14 @@ class RouterClient:
                 call.cancel()
 
     async def cluster_state(self, timeout_s: float = 5.0) -> pb.ClusterState:
+        stub = await self._stub()
+        mux = self._calls
         try:
-            return await (await self._stub()).GetClusterState(pb.ClusterStateRequest(), timeout=timeout_s)
+            return await stub.GetClusterState(pb.ClusterStateRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
-            return await (await self._stub(refresh=True)).GetClusterState(
-                pb.ClusterStateRequest(), timeout=timeout_s
-            )
+            return await (await self._stub(mux)).GetClusterState(pb.ClusterStateRequest(), timeout=timeout_s)
 
     async def adapter(self, req: pb.AdapterRequest) -> pb.AdapterResponse:
         """Load (``path``) or unload adapter ``name`` on every worker (``router.adapters``)."""
