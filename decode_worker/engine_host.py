@@ -4,9 +4,9 @@ The pulls (``decode_worker.kv_pull``) run where the engine's KV memory is: the N
 registered over that memory in this process, and the READs are posted and polled on the engine's
 thread every iteration, as they are on an in-process worker's engine thread. The worker's process
 keeps what needs the network (the prefill workers' metadata from their GetState, a streamed prompt's
-watch) and sends the rest as commands: ``add_peer``, ``pull``, ``pull_early``, ``pull_extend``,
-``pull_finish``. An abort ends the request's pull first, as the worker's ``_abort`` does. Messages
-carry the pulls that landed (the request's clock) and the kind of a failed pull's error.
+watch) and sends the rest as commands: ``add_peer``, ``remove_peer``, ``pull``, ``pull_early``,
+``pull_extend``, ``pull_finish``. An abort ends the request's pull first, as the worker's ``_abort``
+does. Messages carry the pulls that landed (the request's clock) and the kind of a failed pull's error.
 
 With a host tier, its memory gets an agent of its own (``<agent>-tier``): aggregated requests read a
 prompt's prefix from a peer decode worker's host tier and lend this one's (``worker.peer_tiers``: the
@@ -55,6 +55,8 @@ class DecodeEngineRole(EngineRole):
         kind = cmd.WhichOneof("kind")
         if kind == "add_peer":
             self.transfer.add_peer(transfer_info_from_proto(cmd.add_peer))
+        elif kind == "remove_peer":
+            self.transfer.remove_peer(cmd.remove_peer)
         elif kind == "pull":
             reply.started = self.pulls.start(_pending(cmd.pull), reachable=cmd.pull.reachable)
         elif kind == "pull_early":

@@ -5,13 +5,16 @@ A pull's states:
     start ──no room──> WAITING_FOR_ROOM ──room──> READING ──done──> (request joins the batch)
       │                    │ lease ends                 │ failed / timed out
       │                    └──> recompute locally       └──> recompute locally | fail the request
-      └──room──> READING                 abort in READING ──> ABORTING ──read settled──> (freed)
+      ├──room──> READING                 abort in READING ──> ABORTING ──read settled──> (freed)
+      └──lease (nearly) over──> recompute locally
 
     begin_early ──> STREAMING ──finish_early──> READING        (abort: ABORTING, as above)
 
 ``start`` allocates the prompt's blocks (reusing local prefix-cache hits) and starts the READ; with
 no room right now the pull waits, FIFO, while the prefill worker's lease lasts, then recomputes
-locally. ``tick`` polls the reads. A *streamed* pull starts while the prefill worker still computes
+locally. A READ must land inside the owner's lease (less ``LEASE_MARGIN_S``), which frees and reuses
+the blocks at expiry: its timeout is cut to the lease left; with none left the prompt is recomputed.
+``tick`` polls the reads. A *streamed* pull starts while the prefill worker still computes
 the prompt (``begin_early``): its blocks are allocated at once and each batch of newly computed
 blocks is read as it is announced (``extend``); the complete handle (first token, last blocks) comes
 later (``finish_early``), and only the blocks not read yet are left for the hand-off. Its reads carry
@@ -50,6 +53,7 @@ class FailurePolicy(str, enum.Enum):
 
 
 FAILURE_POLICIES = tuple(p.value for p in FailurePolicy)
+LEASE_MARGIN_S = 1.0  # a read ends this long before the lease: clocks differ, a poll may come late
 
 
 class PullState(enum.Enum):
@@ -85,6 +89,11 @@ class PulledKV:
     seed: int
     lease_expiry_unix: float = 0.0  # the prefill side frees the blocks then (0: unknown)
     owner_request_id: str = ""  # the id the prefill side holds the prompt under (default: ours)
+
+    def read_time_left(self) -> float:
+        """Seconds a read may still take: until the lease ends, less the margin (inf: no lease known)."""
+        expiry = self.lease_expiry_unix
+        return expiry - time.time() - LEASE_MARGIN_S if expiry else math.inf
 
 
 @dataclass(slots=True)
@@ -273,13 +282,19 @@ class KVPuller:
             pull.state = PullState.ABORTING  # freed once its reads settled; the owner holds nothing
             return False
         pull.state = PullState.READING
-        if not pull.broken and not any(h.state is TransferState.FAILED for h in pull.handles):
-            self._read_from(pull, kv.block_ids)
+        timeout = min(self.timeout_s, kv.read_time_left())
+        if timeout <= 0:  # the owner frees the prompt (lease over) before what is left could land
+            logger.warning("lease of %s's KV is (nearly) over: not reading the rest", request_id)
+            pull.broken = True  # settles as a failed pull (its early reads included)
+        elif not pull.broken and not any(h.state is TransferState.FAILED for h in pull.handles):
+            for h in pull.handles:  # early reads, started before the lease, end inside it too
+                h.deadline = min(h.deadline, time.monotonic() + timeout)
+            self._read_from(pull, kv.block_ids, timeout_s=timeout)
         return True
 
-    def _read_from(self, pull: PendingPull, block_ids: list[int], overlapped: bool = False) -> None:
+    def _read_from(self, pull: PendingPull, block_ids: list[int], overlapped=False, timeout_s=None) -> None:
         """Start a READ of ``block_ids[pull.requested:]`` into the pull's blocks (no notification);
-        ``overlapped``: the peer is still computing the prompt."""
+        ``overlapped``: the peer is still computing the prompt (no lease runs yet)."""
         plan, first = pull.plan, pull.requested
         skip = max(0, plan.first_block_index - first)  # local prefix-cache hits are not read
         remote = block_ids[first + skip :]
@@ -287,7 +302,8 @@ class KVPuller:
         remote = remote[: len(local)]
         if remote:
             try:
-                handle = self.transfer.start_read(pull.kv.agent_name, remote, local, b"", self.timeout_s)
+                timeout = timeout_s or self.timeout_s
+                handle = self.transfer.start_read(pull.kv.agent_name, remote, local, b"", timeout)
             except Exception as exc:  # nothing was posted; these blocks will never be read
                 logger.warning("KV read for %s could not start: %s", pull.request_id, exc)
                 pull.broken = True
@@ -316,7 +332,7 @@ class KVPuller:
         )
 
     def _read(self, pull: PendingPull) -> bool:
-        """Allocate the blocks and start the READ; raises NoKVRoomError with no room right now."""
+        """Allocate the blocks and start the READ (no lease left: recompute); NoKVRoomError: no room."""
         rid, kv = pull.request_id, pull.kv
         plan = self._plan(pull)
         if plan is None:
@@ -327,10 +343,17 @@ class KVPuller:
             self._notify_owner(pull)
             self.core.complete_transfer(rid)
             return True
+        timeout = min(self.timeout_s, kv.read_time_left())  # a read that outlives the lease fails
+        if timeout <= 0:  # the owner frees the blocks (and reuses them) before a read could land
+            logger.warning("lease of %s's KV is (nearly) over: recomputing it locally", rid)
+            self._notify_owner(pull)
+            self.stats.recomputed += 1
+            self.core.fail_transfer(rid)
+            return True
         pull.started = time.monotonic()  # before posting: a read over shared memory may copy at once
         pull.handles = [
             self.transfer.start_read(
-                kv.agent_name, remote, plan.local_block_ids, pull.owner_id.encode(), self.timeout_s
+                kv.agent_name, remote, plan.local_block_ids, pull.owner_id.encode(), timeout
             )
         ]
         pull.state = PullState.READING
@@ -340,10 +363,8 @@ class KVPuller:
         return True
 
     def _wait_for_room(self, pull: PendingPull) -> None:
-        kv = pull.kv
-        lease_left = kv.lease_expiry_unix - time.time() - 1.0 if kv.lease_expiry_unix else math.inf
         pull.state = PullState.WAITING_FOR_ROOM
-        pull.give_up_at = time.monotonic() + max(0.0, min(self.timeout_s, lease_left))
+        pull.give_up_at = time.monotonic() + max(0.0, min(self.timeout_s, pull.kv.read_time_left()))
         self.stats.waited += 1
         self._pulls[pull.request_id] = pull
 

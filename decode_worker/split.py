@@ -148,6 +148,9 @@ class SplitDecodeWorker(DecodeWorker):
     async def _add_peer(self, info: RemoteKVInfo) -> None:
         await self.engine.send(pb.EngineCommand(add_peer=transfer_info_to_proto(info)))
 
+    async def _remove_peer(self, agent_name: str) -> None:
+        await self.engine.send(pb.EngineCommand(remove_peer=agent_name))
+
     async def _pull(self, pull: PendingPull, reachable: bool) -> bool:
         return (await self.engine.send(pb.EngineCommand(pull=_pull_message(pull, reachable)))).started
 

@@ -130,9 +130,7 @@ class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
             )
             self.loop.add_tick(self.pulls.tick)
             self.loop.add_hurry(self.pulls.landing)  # a hand-off read is landing
-        self._peers: set[str] = set()  # agent names NIXL knows
-        self._warmed: set[str] = set()  # prefill addresses already tried
-        self._warmer: asyncio.Task | None = None
+        self._init_peers()  # the prefill workers NIXL knows, and those warmed (``decode_worker.peers``)
         self._handed_off: set[str] = set()  # requests ended by hand_off (engine thread writes)
         # streamed requests awaiting their complete handle (a None result: aborted meanwhile)
         self._provided: dict[str, asyncio.Future[PulledKV | None]] = {}
@@ -194,7 +192,9 @@ class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
         policy_ = FailurePolicy(policy or self.config.kv_failure_policy)
         if (kv is not None or kv_source) and peer is not None:
             raise ValueError("a peer to read the prefix from is for aggregated requests only")
-        stream = self.loop.open_stream(request_id)
+        if self.loop.has_stream(request_id):  # another call's: refused before anything of it is touched
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = self.loop.open_stream(request_id)  # from here on this call's, closed (and aborted) below
         self.clocks.arrive(request_id)
         if kv_source:
             admit = self._admit_streamed(request_id, prompt, params, priority, kv_source, policy_)
@@ -410,7 +410,7 @@ class DecodeWorker(PeerReads, PeerWarmup, WorkerRuntime):
                 f"prefill worker at {kv.address} is now {info.agent_name}, not {kv.agent_name} (it restarted)"
             )
         await self._add_peer(info)
-        self._peers.add(kv.agent_name)
+        self._peers[kv.agent_name] = kv.address
 
     # The engine's side of the pulls (engine thread; ``decode_worker.split``: the engine process) ----
 

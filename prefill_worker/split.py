@@ -76,7 +76,8 @@ class SplitPrefillWorker(PrefillWorker):
     ) -> PrefillResult:
         """Raises ValueError for a request the engine can never serve; RuntimeError on engine error.
         A grammar compiles in the engine process (on its helper thread)."""
-        stream = self.loop.open_stream(request_id)
+        self.check_new_id(request_id)
+        stream = self.loop.open_stream(request_id)  # this call's: only it closes the stream
         clock = self.clocks.arrive(request_id)
         try:
             if peer is not None:

@@ -123,7 +123,8 @@ class PrefillWorker(PeerReads, WorkerRuntime):
         ``peer``: read the prompt's first blocks from this peer first (whatever is not read is computed)."""
         if params.structured is not None:  # compiled here, not on the engine thread (cached after)
             await asyncio.to_thread(self.core.structured.compile, params.structured)
-        stream = self.loop.open_stream(request_id)
+        self.check_new_id(request_id)
+        stream = self.loop.open_stream(request_id)  # this call's: only it closes the stream
         clock = self.clocks.arrive(request_id)
 
         def add() -> None:
@@ -143,6 +144,12 @@ class PrefillWorker(PeerReads, WorkerRuntime):
             self.loop.close_stream(request_id)  # also when the engine refused the request
             self.clocks.forget(request_id)
         return self._result(request_id, prompt, out, clock, lease[1] if lease else 0.0)
+
+    def check_new_id(self, request_id: str) -> None:
+        """ValueError while another call waits for a prompt of this id: its stream, its clock and its
+        held KV are that call's, which the refused one must not touch."""
+        if self.loop.has_stream(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     def _result(self, request_id: str, prompt: list[int], out: SequenceOutput, clock, expiry_unix: float):
         if out.error:  # the loop's own failure fails every stream: the worker's, not the request's

@@ -750,7 +750,7 @@ class HopSummary(_message.Message):
     def __init__(self, hop: _Optional[str] = ..., count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ...) -> None: ...
 
 class EngineCommand(_message.Message):
-    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop", "add_peer", "pull", "pull_early", "pull_extend", "pull_finish", "release", "watch", "unwatch", "lend", "fetch", "adapter")
+    __slots__ = ("command_id", "start", "add", "abort", "stats", "watch_kv", "snapshot", "stop", "add_peer", "remove_peer", "pull", "pull_early", "pull_extend", "pull_finish", "release", "watch", "unwatch", "lend", "fetch", "adapter")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
@@ -760,6 +760,7 @@ class EngineCommand(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     ADD_PEER_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_PEER_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PULL_EARLY_FIELD_NUMBER: _ClassVar[int]
     PULL_EXTEND_FIELD_NUMBER: _ClassVar[int]
@@ -779,6 +780,7 @@ class EngineCommand(_message.Message):
     snapshot: bool
     stop: bool
     add_peer: KVTransferInfo
+    remove_peer: str
     pull: EnginePull
     pull_early: EnginePull
     pull_extend: EngineExtend
@@ -789,7 +791,7 @@ class EngineCommand(_message.Message):
     lend: LendRequest
     fetch: EngineFetch
     adapter: AdapterRequest
-    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ..., add_peer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., pull: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_early: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_extend: _Optional[_Union[EngineExtend, _Mapping]] = ..., pull_finish: _Optional[_Union[EnginePull, _Mapping]] = ..., release: _Optional[str] = ..., watch: _Optional[_Union[EngineWatch, _Mapping]] = ..., unwatch: _Optional[str] = ..., lend: _Optional[_Union[LendRequest, _Mapping]] = ..., fetch: _Optional[_Union[EngineFetch, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, command_id: _Optional[int] = ..., start: _Optional[str] = ..., add: _Optional[_Union[EngineAdd, _Mapping]] = ..., abort: _Optional[str] = ..., stats: _Optional[bool] = ..., watch_kv: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stop: _Optional[bool] = ..., add_peer: _Optional[_Union[KVTransferInfo, _Mapping]] = ..., remove_peer: _Optional[str] = ..., pull: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_early: _Optional[_Union[EnginePull, _Mapping]] = ..., pull_extend: _Optional[_Union[EngineExtend, _Mapping]] = ..., pull_finish: _Optional[_Union[EnginePull, _Mapping]] = ..., release: _Optional[str] = ..., watch: _Optional[_Union[EngineWatch, _Mapping]] = ..., unwatch: _Optional[str] = ..., lend: _Optional[_Union[LendRequest, _Mapping]] = ..., fetch: _Optional[_Union[EngineFetch, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRequest, _Mapping]] = ...) -> None: ...
 
 class EngineFetch(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "lent", "lease_id", "asked_s", "lora_salt")

@@ -57,7 +57,7 @@ def test_abort_ends_a_decoding_stream_with_finish_reason_abort(tiny_llama):
 
 def test_abort_ends_a_pull_waiting_for_room(tiny_llama):
     worker = _worker(tiny_llama, num_blocks=30)
-    worker._peers.add("p-agent")  # as if the peer were connected (no read starts: there is no room)
+    worker._peers["p-agent"] = "127.0.0.1:1"  # as if the peer were connected (no read starts: no room)
     prompt = list(range(200, 240))  # 10 blocks, none of them cached here
     kv = PulledKV("p-agent", "127.0.0.1:1", list(range(10)), len(prompt), worker.compat.hash(), 7, None, 1)
     short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -52,6 +52,7 @@ class RecordingBackend(InProcessBackend):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.reads: dict[str, int] = {}
+        self.timeouts: dict[str, float] = {}  # request id -> the read's timeout
 
     @property
     def started(self) -> list[str]:
@@ -59,6 +60,7 @@ class RecordingBackend(InProcessBackend):
 
     def start_read(self, remote_agent, remote_block_ids, local_block_ids, notify, timeout_s):
         self.reads[notify.decode()] = len(local_block_ids)
+        self.timeouts[notify.decode()] = timeout_s
         return super().start_read(remote_agent, remote_block_ids, local_block_ids, notify, timeout_s)
 
 
@@ -68,6 +70,7 @@ class Pair:
     p: PrefillWorker
     d: DecodeWorker
     d_blocks: int
+    p_blocks: int = P_BLOCKS
 
     async def prefill(self, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> PulledKV:
         return pulled_kv(self.p, await self.p.prefill(rid, prompt, params), "prefill-0:1")
@@ -91,7 +94,7 @@ class Pair:
     async def all_free(self) -> bool:
         p, d = await self.p.stats(), await self.d.stats()
         return (
-            p.num_free_blocks == P_BLOCKS
+            p.num_free_blocks == self.p_blocks
             and p.num_held == 0
             and d.num_free_blocks == self.d_blocks
             and d.num_held == 0
@@ -138,15 +141,16 @@ def engine_alone(tiny_llama):
 
 @pytest.fixture
 def make_pair(tiny_llama):
-    """``make(d_blocks=64, **decode_config)`` -> started prefill and decode workers on one fabric."""
+    """``make(d_blocks=64, p_blocks=P_BLOCKS, lease_s=600, **decode_config)`` -> started prefill and
+    decode workers on one fabric (the lease long by default: blocks are freed by notifications)."""
     started: list[Pair] = []
 
-    def make(d_blocks: int = 64, **decode_kw) -> Pair:
+    def make(d_blocks: int = 64, p_blocks: int = P_BLOCKS, lease_s: float = 600, **decode_kw) -> Pair:
         fabric = InProcessFabric()
         p = PrefillWorker(
             PrefillWorkerConfig(
-                EngineConfig(model=str(tiny_llama), block_size=BLOCK, num_blocks=P_BLOCKS),
-                lease_seconds=600,  # long: blocks freed in these tests are freed by notifications
+                EngineConfig(model=str(tiny_llama), block_size=BLOCK, num_blocks=p_blocks),
+                lease_seconds=lease_s,
             ),
             fabric.transfer_factory,
         )
@@ -164,7 +168,7 @@ def make_pair(tiny_llama):
             fetch_peer=fetch_peer,
             transfer_factory=transfer,
         )
-        started.append(pair := Pair(fabric, p, d, d_blocks))
+        started.append(pair := Pair(fabric, p, d, d_blocks, p_blocks))
         p.start()
         d.start()
         return pair
@@ -312,5 +316,46 @@ def test_timed_out_read_quarantines_blocks_until_it_settles(make_pair, engine_al
         pair.fabric.resume_reads()
         await pair.wait_all_free()
         assert pair.d.transfer.in_flight == 0
+
+    asyncio.run(run())
+
+
+def test_a_handle_whose_lease_is_over_is_recomputed_not_read(make_pair, engine_alone):
+    """The prefill worker frees a prompt when its lease ends and reuses the blocks for the next
+    prompts: a handle that comes later must not be read (that would decode another prompt's KV)."""
+    pair = make_pair(p_blocks=12, lease_s=0.5)
+    a, b = _prompt(4 * BLOCK + 2, 21), _prompt(7 * BLOCK + 2, 22)  # 5 and 8 blocks: B reuses A's
+
+    async def run():
+        kv = await pair.prefill("a", a)
+
+        async def expired() -> bool:
+            return (await pair.p.stats()).num_held == 0
+
+        await wait_until(expired, "A's lease to end")
+        assert pair.p.held.stats.expired_leases == 1
+        held_b = (await pair.p.prefill("b", b, GREEDY)).block_ids
+        assert set(kv.block_ids) & set(held_b), "B does not hold A's old blocks: nothing to see"
+        assert await pair.decode("a", a, kv) == engine_alone(a)
+        stats = await pair.d.transfer_snapshot()
+        assert "a" not in pair.d.transfer.reads, "read the blocks of a lease that was over"
+        assert stats.recomputed == 1 and stats.completed == 0
+        await pair.wait_all_free()  # B's lease frees it
+
+    asyncio.run(run())
+
+
+def test_a_read_is_bounded_by_the_lease_left(make_pair, engine_alone):
+    """A read's timeout is cut to the owner's lease left (less a margin): one that cannot land in
+    time fails (quarantine, recompute) instead of copying blocks already reused."""
+    pair = make_pair(transfer_timeout_s=120, lease_s=30)
+    prompt = _prompt(3 * BLOCK + 2, 23)
+
+    async def run():
+        kv = await pair.prefill("r", prompt)
+        assert await pair.decode("r", prompt, kv) == engine_alone(prompt)
+        lease_left = kv.lease_expiry_unix - time.time()
+        assert 0 < pair.d.transfer.timeouts["r"] < lease_left, pair.d.transfer.timeouts
+        await pair.wait_all_free()
 
     asyncio.run(run())

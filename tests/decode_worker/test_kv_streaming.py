@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 
 import pytest
 from test_decode_worker import BLOCK, P_BLOCKS, _prompt, collect, pulled_kv, wait_until
@@ -322,5 +323,28 @@ def test_a_hand_off_ends_a_stream_still_waiting_for_its_handle(pair):
         with pytest.raises(WorkerUnavailableError):
             await asyncio.wait_for(task, 30)
         await wait_until(pair.all_free, "every block free on both sides")
+
+    asyncio.run(run())
+
+
+def test_a_complete_handle_whose_lease_is_over_fails_the_pull_instead_of_reading_the_rest(pair, engine_alone):
+    """The owner frees the prompt when its lease ends: blocks left to read then are not read (the
+    pull fails: recompute, the default policy), and the owner is told to free the prompt."""
+    prompt = _prompt(12 * BLOCK + 3, 23)
+    pair.watch_blocks = 1  # the announcements stop early: the complete handle has blocks left to read
+
+    async def run():
+        task = asyncio.ensure_future(collect(0, pair.d.decode("r", prompt, GREEDY, kv_source="p")))
+        await wait_until(lambda: pair.watched("r"), "the decode worker to watch the prompt")
+        res = await pair.p.prefill("r", prompt, GREEDY)
+        expired = dataclasses.replace(pair.final(res), lease_expiry_unix=time.time() - 1)
+        assert pair.d.provide_kv("r", expired)
+        got = await task
+        assert [res.first_token, *got[1:]] == engine_alone(prompt)
+        assert sum(pair.d.transfer.sizes) < len(res.block_ids), "read the rest after the lease ended"
+        stats = await pair.d.transfer_snapshot()
+        assert stats.failures == 1 and stats.recomputed == 1
+        await wait_until(pair.all_free, "every block free on both sides")
+        assert pair.p.released["notification"] == 1
 
     asyncio.run(run())

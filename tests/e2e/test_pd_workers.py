@@ -267,7 +267,7 @@ def test_prefill_deadline_aborts_the_request(workers):
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("lease", ["30", "1.0"])
+@pytest.mark.parametrize("lease", ["30", "2.0"])  # 2.0: a second to start in (LEASE_MARGIN_S)
 def test_decode_without_room_waits_for_blocks_or_recomputes(workers, engine_alone, lease):
     """More pulled prompts than the decode pool holds: pulls wait (FIFO) for blocks instead of failing,
     and a pull that cannot start before the prefill lease ends recomputes locally; all outputs exact."""
