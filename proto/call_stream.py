@@ -6,9 +6,11 @@ the front end. On a call stream (``DecodeWorker.DecodeStream``: a router's Decod
 worker; ``PrefillWorker.PrefillStream``: its Prefill calls, one answer each; ``Router.GenerateStream``:
 a front end's Generate calls to its router) the server runs each
 opened call's handler exactly as a call of its own (same validation, messages, in-band errors), puts
-what they produce in one outbox, and sends the whole outbox as one ``CallStreamBatch`` whenever it
-has something. An engine step wakes all its streams in one callback, so it leaves as one message;
-a reader that falls behind gets larger batches, never a backlog of small ones.
+what they produce in one outbox, and sends what the outbox holds as one ``CallStreamBatch`` whenever
+it has something. An engine step wakes all its streams in one callback, so it leaves as one message;
+a reader that falls behind gets larger batches, never a backlog of small ones. Batches stay under a
+cap, and a reader that falls further behind holds the handlers back (``proto.stream_limits``): a
+message too large for the receiver fails its own call with RESOURCE_EXHAUSTED, never the stream.
 
 The caller's ``StreamedCall`` is what a unary-stream call object was to it: messages by
 ``async for``, ``cancel()`` to leave (the server cancels the handler, which aborts the request), a
@@ -26,10 +28,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 import grpc
 
 from proto import pdserve_pb2 as pb
+from proto.stream_limits import BATCH_BYTES, ITEM_OVERHEAD_BYTES, MessageTooLarge, Outbox, too_large
 
 logger = logging.getLogger(__name__)
 
@@ -77,33 +81,32 @@ async def serve_calls(
     """A call stream's batches, each call of ``kind`` ("decode", "generate", "prefill") run by
     ``handler``, its messages in the items' field ``out`` ("message"; "prefill": a Prefill call's
     answer), until the caller closes its side and every call has ended; the stream's end cancels
-    calls still open."""
+    calls still open. A batch is sent once the one before it is (``proto.stream_limits``)."""
     calls: dict[int, asyncio.Task] = {}
-    # The next batch, built in place: a message is copied once, into it (an item built apart and
-    # then the batch from the items copied it twice, 2.5 us a message against 0.7).
-    outbox = [pb.CallStreamBatch()]
-    ready = asyncio.Event()
+    outbox = Outbox(out)
     requests_done = False
 
     async def run(call_id: int, request, timeout_s: float) -> None:
         code, details = grpc.StatusCode.OK, ""
         try:
-            async for msg in handler(request, _CallContext(timeout_s)):
-                getattr(outbox[0].items.add(call_id=call_id), out).CopyFrom(msg)
-                ready.set()
+            # Closed when the call ends early (cancelled or refused while its handler waits at a
+            # yield for room in the outbox): the handler's cleanup runs now, not when collected.
+            async with aclosing(handler(request, _CallContext(timeout_s))) as messages:
+                async for msg in messages:
+                    await outbox.put(call_id, msg)
         except asyncio.CancelledError:
             return  # cancelled by its caller, or the stream ended: nobody reads an end
         except CallAborted as exc:
             code, details = exc.code, exc.details
+        except MessageTooLarge as exc:  # the receiver would refuse it, and the stream with it
+            code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
         except Exception as exc:  # handlers report their failures in-band; if one raises, say so
             logger.exception("call %d on a %s stream failed", call_id, kind)
             code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
         finally:
             if calls.get(call_id) is asyncio.current_task():
                 del calls[call_id]
-        end = outbox[0].items.add(call_id=call_id).end
-        end.code, end.details = code.value[0], details
-        ready.set()
+        outbox.end(call_id, code.value[0], details)
 
     async def read() -> None:
         nonlocal requests_done
@@ -122,18 +125,20 @@ async def serve_calls(
                         logger.warning("a %s stream got a %s for call %d: ignored", kind, which, req.call_id)
         finally:
             requests_done = True
-            ready.set()
+            outbox.ready.set()
 
     reader = asyncio.ensure_future(read())
     try:
         while True:
-            await ready.wait()
-            ready.clear()
-            if outbox[0].items:
-                batch, outbox[0] = outbox[0], pb.CallStreamBatch()
-                yield batch
-            if requests_done and not calls and not outbox[0].items:
+            taken = outbox.take()
+            if taken is not None:
+                yield taken[0]
+                outbox.sent(taken[1])
+            elif requests_done and not calls:
                 return
+            else:
+                await outbox.ready.wait()
+                outbox.ready.clear()
     finally:
         reader.cancel()
         open_calls = list(calls.values())
@@ -261,31 +266,39 @@ class StreamedCall:
 
 class _Stream:
     """One call stream: a writer task sends opens and cancels in order (batched: whatever queued while
-    a write was in flight goes out as one message), a reader task hands each batch's items to their
-    calls, and an item of a call no longer open (cancelled or expired: it crossed the cancel) to
-    ``late``."""
+    a write was in flight goes out as one message, up to ``BATCH_BYTES``), a reader task hands each
+    batch's items to their calls, and an item of a call no longer open (cancelled or expired: it
+    crossed the cancel) to ``late``."""
 
     def __init__(self, call: grpc.aio.StreamStreamCall, address: str, late: Late | None = None) -> None:
         self.address = address
         self._late = late
         self.calls: dict[int, StreamedCall] = {}
         self.broken = False
-        self._outgoing: asyncio.Queue[pb.CallStreamRequest] = asyncio.Queue()
+        self._outgoing: asyncio.Queue[tuple[pb.CallStreamRequest, int]] = asyncio.Queue()  # with bytes
         self._call = call
         self._writer = asyncio.ensure_future(self._write())
         self._reader = asyncio.ensure_future(self._read())
 
-    def send(self, req: pb.CallStreamRequest) -> None:
+    def send(self, req: pb.CallStreamRequest, size: int = ITEM_OVERHEAD_BYTES) -> None:
+        """Queue ``req`` (``size``: its bytes with its overhead; a cancel's are the overhead)."""
         if not self.broken:
-            self._outgoing.put_nowait(req)
+            self._outgoing.put_nowait((req, size))
 
     async def _write(self) -> None:
         try:
             outgoing = self._outgoing
+            carried = None  # the request that did not fit the last write
             while True:  # what queued while the last write was in flight goes out as one message
-                batch = [await outgoing.get()]
+                req, size = carried or await outgoing.get()
+                batch, carried = [req], None
                 while not outgoing.empty():
-                    batch.append(outgoing.get_nowait())
+                    req, n = queued = outgoing.get_nowait()
+                    if size + n > BATCH_BYTES:
+                        carried = queued
+                        break
+                    batch.append(req)
+                    size += n
                 await self._call.write(pb.CallStreamRequestBatch(requests=batch))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             self._break(exc if isinstance(exc, grpc.aio.AioRpcError) else None)
@@ -361,7 +374,11 @@ class CallMux:
         stream.calls[call.call_id] = call
         req = pb.CallStreamRequest(call_id=call.call_id, timeout_s=timeout or 0.0)
         getattr(req, self._kind).CopyFrom(request)
-        stream.send(req)
+        size = req.ByteSize() + ITEM_OVERHEAD_BYTES
+        if (refused := too_large(size)) is not None:  # the server would refuse the stream it came on
+            call.fail(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, refused))
+        else:
+            stream.send(req, size)
         return call
 
     @property

@@ -32,16 +32,20 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from proto.call_stream import Handler, rpc_error, serve_calls
+from proto.stream_limits import MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 64 << 20
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES  # the senders keep under it (``proto.stream_limits``)
 CONNECT_TIMEOUT_S = 20.0  # as gRPC's default connect deadline
 _LEN = struct.Struct("<I")
 
 
 def frame(msg) -> bytes:
+    """``msg`` framed; ValueError over ``MAX_FRAME_BYTES`` (the reader would drop the connection)."""
     data = msg.SerializeToString()
+    if len(data) > MAX_FRAME_BYTES:
+        raise ValueError(f"a frame of {len(data)} bytes is over the limit ({MAX_FRAME_BYTES})")
     return _LEN.pack(len(data)) + data
 
 
@@ -111,9 +115,13 @@ class CallStreamServer:
             async with aclosing(batches):
                 async for batch in batches:
                     writer.write(frame(batch))
-                    await writer.drain()  # a caller that stopped reading holds its calls back
+                    # A caller that stopped reading holds its calls back: the next batch waits, and
+                    # the handlers wait once a batch's worth is unsent (``serve_calls``).
+                    await writer.drain()
         except (OSError, asyncio.CancelledError):
             pass  # the caller left (its calls were cancelled with the stream) or the server stops
+        except ValueError as exc:  # a batch over the frame limit: serve_calls keeps under it
+            logger.error("a %s call stream ended: %s", self._kind, exc)
         finally:
             self._connections.discard(task)
             writer.transport.abort()  # nobody reads what is unsent: do not wait for it to drain

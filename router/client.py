@@ -23,6 +23,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import CallMux
 from proto.convert import params_to_proto
 from proto.socket_stream import SocketCall
+from proto.stream_limits import grpc_options
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,10 @@ class RouterClient:
                     await old.close()  # broken: its calls have failed already
                 if self._channel is not None:
                     await self._channel.close()
-                self._address, self._channel = address, grpc.aio.insecure_channel(address)
+                self._address, self._channel = (
+                    address,
+                    grpc.aio.insecure_channel(address, options=grpc_options()),
+                )
                 self._router = pb_grpc.RouterStub(self._channel)
                 # The socket's port is read again: a router restarted at the same address has a new one.
                 self._calls = await self._generate_calls(self._router, address)

@@ -15,6 +15,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import MultiplexedGenerate
 from proto.convert import params_from_proto
 from proto.socket_stream import CallStreamServer
+from proto.stream_limits import grpc_options
 from registry.cluster_view import ClusterView
 from router.adapters import AdapterChangeFailed, change_adapter
 from router.migration import MigrationRefused
@@ -229,7 +230,7 @@ class RouterServers:
 async def serve(
     router: Router, host: str = "127.0.0.1", port: int = 0, socket_streams: bool = True
 ) -> tuple[RouterServers, str]:
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=grpc_options())  # it carries GenerateStream
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")

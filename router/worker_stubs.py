@@ -20,6 +20,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from proto.call_stream import CallMux, rpc_error
 from proto.socket_stream import SocketCall
+from proto.stream_limits import grpc_options
 from registry.schema import WorkerRecord
 
 
@@ -36,7 +37,7 @@ class WorkerStubs:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=grpc_options())
         return ch
 
     def prefill(self, address: str) -> pb_grpc.PrefillWorkerStub:

@@ -35,6 +35,7 @@ from kv_transfer import KVCompat, KVTransferBackend, RemoteKVInfo
 from kv_transfer.stats import TransferStats
 from proto import pdserve_pb2 as pb
 from proto.socket_stream import CallStreamServer
+from proto.stream_limits import grpc_options
 from registry.publisher import RegistryPublisher
 from worker.adapters import AdapterMixin
 from worker.config import WorkerConfig
@@ -163,7 +164,7 @@ class WorkerRuntime(AdapterMixin, ABC):
         then), start the engine loop and the server, and ``calls`` (the role's call stream over a
         socket, on the same host: ``proto.socket_stream``) unless ``socket_streams`` is off; warm up,
         then register; returns (server, "host:port")."""
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=grpc_options())  # it carries the role's call stream
         bound = server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"cannot bind {host}:{port}")

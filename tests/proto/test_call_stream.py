@@ -16,8 +16,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from proto import socket_stream
 from proto.call_stream import CallMux, MultiplexedDecode, MultiplexedPrefill, serve_calls
 from proto.socket_stream import CallStreamServer, SocketCall
-
-TRANSPORTS = ("grpc", "socket")
+from tests.proto.served_stream import TRANSPORTS, Served, collect, until
 
 
 class SteppedDecode(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
@@ -56,71 +55,14 @@ class SteppedDecode(MultiplexedDecode, pb_grpc.DecodeWorkerServicer):
             yield batch
 
 
-class _Served:
-    """A servicer served over ``transport``; ``mux`` reaches it, ``stop()`` takes the server away."""
-
-    def __init__(self, servicer, transport: str, kind: str = "decode") -> None:
-        self.servicer, self.transport, self.kind = servicer, transport, kind
-        self.server = self.channel = self.calls = None
-
-    async def start(self) -> _Served:
-        if self.transport == "socket":
-            if self.kind == "decode":
-                self.calls = CallStreamServer(self.servicer.Decode, "decode")
-            else:
-                self.calls = CallStreamServer(self.servicer.prefill_call, "prefill", out="prefill")
-            address = await self.calls.start("127.0.0.1")
-            self.mux = CallMux(lambda: SocketCall(address), address, self.kind)
-            return self
-        self.server = grpc.aio.server()
-        if self.kind == "decode":
-            pb_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.server)
-        else:
-            pb_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.server)
-        address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        await self.server.start()
-        self.channel = grpc.aio.insecure_channel(address)
-        stub = (pb_grpc.DecodeWorkerStub if self.kind == "decode" else pb_grpc.PrefillWorkerStub)(
-            self.channel
-        )
-        self.mux = CallMux(
-            stub.DecodeStream if self.kind == "decode" else stub.PrefillStream, address, self.kind
-        )
-        return self
-
-    async def stop(self) -> None:
-        if self.calls is not None:
-            await self.calls.stop()
-        if self.server is not None:
-            await self.server.stop(0)
-
-    async def close(self) -> None:
-        await self.mux.close()
-        if self.channel is not None:
-            await self.channel.close()
-        await self.stop()
-
-
-async def _serve(servicer, transport: str) -> _Served:
-    return await _Served(servicer, transport).start()
+async def _serve(servicer, transport: str) -> Served:
+    return await Served(servicer, transport).start()
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int = 3) -> pb.DecodeRequest:
     return pb.DecodeRequest(
         request_id=rid, prompt_token_ids=prompt, params=pb.SamplingParams(max_tokens=max_tokens)
     )
-
-
-async def _until(cond, what: str) -> None:
-    for _ in range(500):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
-
-
-async def _collect(call) -> list[pb.GenerateResponse]:
-    return [msg async for msg in call]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -140,12 +82,12 @@ def test_a_step_of_many_calls_travels_as_one_batch_and_each_call_gets_its_own(tr
         mux = served.mux
         try:
             calls = [mux.open(_request(f"r{i}", [5, 6])) for i in range(8)]
-            readers = [asyncio.ensure_future(_collect(c)) for c in calls]
-            await _until(lambda: len(servicer.started) == 8, "all eight calls started")
+            readers = [asyncio.ensure_future(collect(c)) for c in calls]
+            await until(lambda: len(servicer.started) == 8, "all eight calls started")
             for _ in range(3):
                 n = len(servicer.batch_sizes)
                 servicer.step()
-                await _until(lambda n=n: len(servicer.batch_sizes) > n, "a step's batch went out")
+                await until(lambda n=n: len(servicer.batch_sizes) > n, "a step's batch went out")
             outs = await asyncio.gather(*readers)
             for out in outs:
                 assert [list(m.tokens.token_ids) for m in out[:3]] == [[0], [1], [2]]
@@ -168,11 +110,11 @@ def test_a_refused_call_ends_with_its_status_and_the_others_go_on(transport):
         try:
             good, bad = mux.open(_request("good", [5], 1)), mux.open(_request("bad", [0]))
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await _collect(bad)
+                await collect(bad)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details() == "bad: prompt refused"
-            reader = asyncio.ensure_future(_collect(good))
-            await _until(lambda: servicer.started == ["good"], "the good call started")
+            reader = asyncio.ensure_future(collect(good))
+            await until(lambda: servicer.started == ["good"], "the good call started")
             servicer.step()
             assert [m.WhichOneof("kind") for m in await reader] == ["tokens", "finished"]
         finally:
@@ -189,13 +131,13 @@ def test_cancel_and_deadline_end_the_call_on_the_worker(transport):
         mux = served.mux
         try:
             left, slow = mux.open(_request("left", [5])), mux.open(_request("slow", [5]), timeout=0.3)
-            await _until(lambda: len(servicer.started) == 2, "both calls started")
+            await until(lambda: len(servicer.started) == 2, "both calls started")
             assert left.cancel() and not left.cancel()
-            await _until(lambda: "left" in servicer.cancelled, "the cancel reached the worker")
+            await until(lambda: "left" in servicer.cancelled, "the cancel reached the worker")
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await _collect(slow)
+                await collect(slow)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            await _until(lambda: "slow" in servicer.cancelled, "the expired call ended on the worker")
+            await until(lambda: "slow" in servicer.cancelled, "the expired call ended on the worker")
         finally:
             await served.close()
 
@@ -210,14 +152,14 @@ def test_every_call_fails_unavailable_when_the_worker_goes_and_the_next_uses_a_n
         mux = served.mux
         try:
             calls = [mux.open(_request(f"r{i}", [5])) for i in range(3)]
-            await _until(lambda: len(servicer.started) == 3, "the calls started")
+            await until(lambda: len(servicer.started) == 3, "the calls started")
             await served.stop()
             for call in calls:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await _collect(call)
+                    await collect(call)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             with pytest.raises(grpc.aio.AioRpcError) as err:  # a new stream, to nobody
-                await _collect(mux.open(_request("late", [5])))
+                await collect(mux.open(_request("late", [5])))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         finally:
             await served.close()
@@ -255,7 +197,7 @@ def test_prefill_calls_answer_once_refuse_with_their_status_and_cancel_on_the_wo
 
     async def main() -> None:
         servicer = HeldPrefill()
-        served = await _Served(servicer, transport, "prefill").start()
+        served = await Served(servicer, transport, "prefill").start()
         mux = served.mux
         try:
             calls = {
@@ -269,9 +211,9 @@ def test_prefill_calls_answer_once_refuse_with_their_status_and_cancel_on_the_wo
                 err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 and "x: prompt refused" in err.value.details()
             )
-            await _until(lambda: len(servicer.started) == 3, "the three prefills to start")
+            await until(lambda: len(servicer.started) == 3, "the three prefills to start")
             calls["c"].cancel()
-            await _until(lambda: servicer.cancelled == ["c"], "the cancel to reach the worker")
+            await until(lambda: servicer.cancelled == ["c"], "the cancel to reach the worker")
             servicer.go.set()
             answers = {rid: await calls[rid].answer() for rid in ("a", "b")}
             assert {rid: (r.handle.request_id, r.handle.first_token) for rid, r in answers.items()} == {
@@ -294,12 +236,12 @@ def test_a_caller_leaving_the_socket_cancels_its_calls_and_a_bad_frame_ends_only
         served = await _serve(servicer, "socket")
         try:
             calls = [served.mux.open(_request(f"r{i}", [5])) for i in range(3)]
-            await _until(lambda: len(servicer.started) == 3, "the calls started")
+            await until(lambda: len(servicer.started) == 3, "the calls started")
             await served.mux.close()
-            await _until(lambda: sorted(servicer.cancelled) == ["r0", "r1", "r2"], "the calls cancelled")
+            await until(lambda: sorted(servicer.cancelled) == ["r0", "r1", "r2"], "the calls cancelled")
             for call in calls:
                 with pytest.raises(grpc.aio.AioRpcError):
-                    await _collect(call)
+                    await collect(call)
             host, _, port = served.calls.address.rpartition(":")
             for junk in (
                 socket_stream._LEN.pack(socket_stream.MAX_FRAME_BYTES + 1),
@@ -313,9 +255,9 @@ def test_a_caller_leaving_the_socket_cancels_its_calls_and_a_bad_frame_ends_only
             mux = CallMux(lambda: SocketCall(served.calls.address), served.calls.address, "decode")
             try:
                 call = mux.open(_request("after", [5], 1))
-                await _until(lambda: "after" in servicer.started, "a new caller's call started")
+                await until(lambda: "after" in servicer.started, "a new caller's call started")
                 servicer.step()
-                assert [m.WhichOneof("kind") for m in await _collect(call)] == ["tokens", "finished"]
+                assert [m.WhichOneof("kind") for m in await collect(call)] == ["tokens", "finished"]
             finally:
                 await mux.close()
         finally:
@@ -336,7 +278,7 @@ def test_a_socket_nobody_serves_fails_its_calls_unavailable_at_once():
             mux = CallMux(lambda addr=addr: SocketCall(addr), addr, "decode")
             try:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await asyncio.wait_for(_collect(mux.open(_request("r", [5]), timeout=60)), 10)
+                    await asyncio.wait_for(collect(mux.open(_request("r", [5]), timeout=60)), 10)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
             finally:
                 await mux.close()
@@ -370,11 +312,11 @@ def test_a_worker_that_breaks_the_framing_fails_its_calls_unavailable_and_the_ne
         try:
             first = mux.open(_request("first", [5]), timeout=60)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await asyncio.wait_for(_collect(first), 10)
+                await asyncio.wait_for(collect(first), 10)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
             second = mux.open(_request("second", [5]), timeout=60)
             with pytest.raises(grpc.aio.AioRpcError):
-                await asyncio.wait_for(_collect(second), 10)
+                await asyncio.wait_for(collect(second), 10)
             assert len(connections) == 2  # the second call came on a connection of its own
         finally:
             await mux.close()
