@@ -239,8 +239,9 @@ def test_completions_batch_echo_best_of_and_sampling_controls_equal_the_engine_a
         base, "/v1/completions", {**req, "prompt": prompts[1], "n": 1, "echo": True, "temperature": 0}
     )
     greedy = engine_texts(prompts[1], temperature=0)[0][0]
-    prompt_text = llm.tokenizer.decode(prompts[1], skip_special_tokens=True)  # as the output is decoded
-    assert body["choices"][0]["text"] == prompt_text + greedy
+    echoed = llm.tokenizer.decode(prompts[1], skip_special_tokens=True)  # as the output is decoded
+    assert body["choices"][0]["text"] == echoed + greedy
+    prompt_text = llm.tokenizer.decode(prompts[1])  # /detokenize keeps special tokens, as vLLM's
 
     # best_of = 4: the sample with the highest mean token logprob; usage counts all four. The seed is
     # one whose best sample is not the first, so returning the first would fail.
