@@ -93,7 +93,9 @@ async def serve_calls(
             # yield for room in the outbox): the handler's cleanup runs now, not when collected.
             async with aclosing(handler(request, _CallContext(timeout_s))) as messages:
                 async for msg in messages:
-                    await outbox.put(call_id, msg)
+                    if outbox.unsent >= BATCH_BYTES:  # a reader that fell behind holds them back
+                        await outbox.room()
+                    outbox.add(call_id, msg)
         except asyncio.CancelledError:
             return  # cancelled by its caller, or the stream ended: nobody reads an end
         except CallAborted as exc:

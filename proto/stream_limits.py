@@ -51,18 +51,31 @@ class Outbox:
 
     def __init__(self, out: str) -> None:
         self._out = out
-        self._batches: deque[list] = deque()  # [batch, its bytes], the last one growing
+        self._full: deque[tuple[pb.CallStreamBatch, int]] = deque()  # batches closed, oldest first
+        self._open: pb.CallStreamBatch | None = None  # the batch items go into, after those
+        self._open_bytes = 0
         self.unsent = 0  # bytes in the batches and in the batch being sent
         self.ready = asyncio.Event()  # something to send, or a change the sender must see
         self._room = asyncio.Event()
 
     async def put(self, call_id: int, msg) -> None:
-        size = msg.ByteSize() + ITEM_OVERHEAD_BYTES
-        if (refused := too_large(size)) is not None:
-            raise MessageTooLarge(refused)
+        """``add``, once there is room."""
+        if self.unsent >= BATCH_BYTES:
+            await self.room()
+        self.add(call_id, msg)
+
+    async def room(self) -> None:
+        """Until fewer than ``BATCH_BYTES`` are unsent."""
         while self.unsent >= BATCH_BYTES:
             self._room.clear()
             await self._room.wait()
+
+    def add(self, call_id: int, msg) -> None:
+        """``msg`` into the outbox now (``MessageTooLarge`` past the limit). NOTE: every message of
+        every call (a caller that checks ``unsent`` first saves an awaited call per message)."""
+        size = msg.ByteSize() + ITEM_OVERHEAD_BYTES
+        if size > MAX_MESSAGE_BYTES:
+            raise MessageTooLarge(too_large(size))
         # The message is copied once, into the batch (an item built apart and then the batch from
         # the items copied it twice, 2.5 us a message against 0.7).
         getattr(self._item(call_id, size), self._out).CopyFrom(msg)
@@ -73,18 +86,26 @@ class Outbox:
         end.code, end.details = code, details
 
     def _item(self, call_id: int, size: int) -> pb.CallStreamItem:
-        last = self._batches[-1] if self._batches else None
-        if last is None or (last[1] and last[1] + size > BATCH_BYTES):
-            last = [pb.CallStreamBatch(), 0]
-            self._batches.append(last)
-        last[1] += size
+        batch, held = self._open, self._open_bytes
+        if batch is None or (held and held + size > BATCH_BYTES):
+            if batch is not None:
+                self._full.append((batch, held))
+            batch = self._open = pb.CallStreamBatch()
+            held = 0
+        self._open_bytes = held + size
         self.unsent += size
         self.ready.set()
-        return last[0].items.add(call_id=call_id)
+        return batch.items.add(call_id=call_id)
 
     def take(self) -> tuple[pb.CallStreamBatch, int] | None:
         """The next batch to send and its bytes (``sent`` with them once it is sent), or None."""
-        return tuple(self._batches.popleft()) if self._batches else None
+        if self._full:
+            return self._full.popleft()
+        if self._open is None:
+            return None
+        taken = (self._open, self._open_bytes)
+        self._open, self._open_bytes = None, 0
+        return taken
 
     def sent(self, size: int) -> None:
         self.unsent -= size
