@@ -159,6 +159,7 @@ class WorkerRecord:
     resident_loras: str = "[]"  # of those, the ones in device slots at the last heartbeat (JSON list)
     streams: str = ""  # host:port of its call stream over a socket (proto.socket_stream); "": gRPC's only
     max_model_len: int = 0  # its context length in tokens (0: not published, a worker of an older version)
+    prefix_caching: int = 1  # 0: it caches no prompt prefixes (1 also for a worker of an older version)
 
     def resident(self, name: str) -> bool:
         """Whether adapter ``name`` was in a device slot at the last heartbeat (no swap-in to run it)."""
@@ -194,6 +195,7 @@ class WorkerRecord:
             "disk_hit_cost_pct",
             "peer_hit_cost_pct",
             "max_model_len",
+            "prefix_caching",
         )
         return cls(**{k: (int(v) if k in ints else v) for k, v in d.items() if k in cls.__slots__})
 

@@ -13,6 +13,7 @@ the request there and frees its blocks.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -66,13 +67,18 @@ class DecodeRelay:
     stats: object
     kv_streaming_tokens: int
     routed: RoutedPrefixes
+    _background: set[asyncio.Future]
 
     stubs: WorkerStubs
     view: ClusterView
 
     def decode_candidates(self, lost=frozenset(), lora: str = "") -> list[WorkerRecord]: ...
     def suspect(self, worker_id: str) -> None: ...
-    def _in_background(self, coro) -> None: ...
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def suspect_unreachable(self, w: WorkerRecord) -> None:
         """A worker found unreachable (it died; its record lives on until it expires) is kept out of
@@ -209,6 +215,8 @@ class DecodeRelay:
                                     msg.tokens.cached_tokens = handle.num_cached_tokens  # as below
                             elif kind == "finished":
                                 ended += 1
+                                if handle is None and not shifted and ended == 1:  # it computed the prompt
+                                    self.stats.delivered_hit_tokens += msg.finished.usage.cached_tokens
                                 if handle is not None:  # the prompt's hits are where it was computed:
                                     # the prefill worker's (the decode worker's own spared reads only)
                                     msg.finished.usage.cached_tokens = handle.num_cached_tokens
@@ -247,7 +255,7 @@ class DecodeRelay:
                         ) from exc
                     logger.warning("decode worker %s unavailable; %s goes to another", w.worker_id, rid)
                     self.stats.decode_retries += 1
-                    w = min(others, key=lambda d: self.inflight.get(d.worker_id, WorkerLoad()).requests)
+                    w = min(others, key=lambda d: _ours(self.inflight.get(d.worker_id)))
                     if handle is not None:
                         self._in_background(self._release_at(handle.address, handle.request_id, handle.epoch))
                         prompt, params = continuation(prompt, params, handle)
@@ -265,9 +273,8 @@ class DecodeRelay:
         if route.sole:
             return peer, None
         d, hit = route.decode, route.predicted_hit_tokens if route.prefill is None else 0
-        return peer, PromptWork(
-            self.inflight, self.routed, d.worker_id, len(prompt) - hit, hashes.all(), False
-        )
+        self.stats.predicted_hit_tokens += hit
+        return peer, PromptWork(self.inflight, self.routed, d, len(prompt) - hit, hashes.all(), False)
 
     async def _decode(self, opened: OpenDecode):
         try:
@@ -308,3 +315,8 @@ def _cause(code: grpc.StatusCode) -> str:
     """A lost call's cause as its caller may read it: the status, not its details (which name the
     worker's address: ``call stream to 10.1.2.3:50051: cannot connect``)."""
     return code.name.lower().replace("_", " ")
+
+
+def _ours(load: WorkerLoad | None) -> int:
+    """Our requests on a decode worker: those it runs and those held for it while prefilled."""
+    return load.requests + load.held if load else 0

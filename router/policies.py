@@ -27,7 +27,9 @@ moment a request is routed there), plus what the worker's heartbeat shows beyond
 replicas' work). The heartbeat alone is up to a period
 stale: taking it as is, a worker that just finished our requests would look busy for a second (and
 lose the next request of a conversation whose prefix it holds); so what a report shows up to the
-most requests of ours that ran there within a report's age is taken as ours.
+most requests (and queued prompt tokens) of ours that ran there within a report's age is taken as
+ours. Requests routed to a decode worker whose prefill still runs (held) are not on that worker
+yet, so no report shows them: they count on top of the report, never against it.
 """
 
 from __future__ import annotations
@@ -54,39 +56,43 @@ class WorkerLoad:
     """What the router itself has in flight on a worker (exact, unlike the periodic heartbeat)."""
 
     prompt_tokens: int = 0  # uncached prompt tokens of our requests queued or prefilling there
-    requests: int = 0
+    requests: int = 0  # our requests on the worker (a report can show them)
+    # Our requests routed to this decode worker whose Decode is not open yet (no report shows them).
+    held: int = 0
     _reported: int = -1  # the heartbeat's queued tokens when we last looked
     _others: int = 0  # of those, the part that was not ours then
     _reported_busy: int = -1  # the same for its running + waiting requests
     _others_busy: int = 0
-    # (when, how many of ours ran just before) for each of our requests there that ended, the last
-    # REPORT_AGE_S: the most of ours a report read now can hold
+    # (when, our requests there, our queued tokens there) just before each of ours there ended, the
+    # last REPORT_AGE_S: the most of ours a report read now can hold
     _ended: deque = field(default_factory=deque)
 
     def queued_tokens(self, reported: int) -> int:
         """Uncached prompt tokens queued on the worker: ours exactly, plus what its heartbeat
-        (``reported``) showed beyond ours when that figure first reached us."""
+        (``reported``) showed beyond the most of ours queued there within a report's age (the figure
+        may have been taken while they were), when that figure first reached us."""
         if reported != self._reported:
             self._reported = reported
-            self._others = max(0, reported - self.prompt_tokens)
+            self._others = max(0, reported - self._recent_peak(2, self.prompt_tokens))
         return self.prompt_tokens + self._others
 
     def busy(self, reported: int) -> int:
-        """Requests running or waiting on the worker: ours exactly, plus what its heartbeat
-        (``reported``) showed beyond the most of ours that ran there within a report's age (the
-        figure may have been taken while they ran), when that figure first reached us. Under a
-        steady load that most is ours now, and other routers' requests count in full."""
+        """Requests running or waiting on the worker: ours exactly (held ones included), plus what
+        its heartbeat (``reported``) showed beyond the most of ours that ran there within a report's
+        age (the figure may have been taken while they ran), when that figure first reached us.
+        Under a steady load that most is ours now, and other routers' requests count in full."""
         if reported != self._reported_busy:
             self._reported_busy = reported
-            self._others_busy = max(0, reported - self._recent_peak())
-        return self.requests + self._others_busy
+            self._others_busy = max(0, reported - self._recent_peak(1, self.requests))
+        return self.requests + self.held + self._others_busy
 
-    def end(self) -> None:
-        """One of our requests there ended (per request: O(1), the window's maximum is taken only
-        when a report changes)."""
+    def end(self, tokens: int = 0, request: bool = True) -> None:
+        """One of our requests there ended (``request``), or its ``tokens`` left the queue (per
+        request: O(1), the window's maximum is taken only when a report changes)."""
         now = time.monotonic()
-        self._ended.append((now, self.requests))
-        self.requests -= 1
+        self._ended.append((now, self.requests, self.prompt_tokens))
+        self.requests -= int(request)
+        self.prompt_tokens -= tokens
         self._prune(now)
 
     def _prune(self, now: float) -> None:
@@ -94,9 +100,9 @@ class WorkerLoad:
         while ended and ended[0][0] < since:
             ended.popleft()
 
-    def _recent_peak(self) -> int:
+    def _recent_peak(self, col: int, now: int) -> int:
         self._prune(time.monotonic())
-        return max(self.requests, max((n for _, n in self._ended), default=0))
+        return max(now, max((e[col] for e in self._ended), default=0))
 
 
 class NoWorkersError(RuntimeError):
@@ -128,11 +134,11 @@ class DecodeHold:
     def move(self, worker_id: str) -> None:
         self.release()
         self._load = self._inflight.setdefault(worker_id, WorkerLoad())
-        self._load.requests += 1
+        self._load.held += 1
 
     def release(self) -> None:
         if self._load is not None:
-            self._load.requests -= 1
+            self._load.held -= 1
             self._load = None
 
 
@@ -146,20 +152,18 @@ class PromptWork:
     __slots__ = ("_load", "_requests", "_routed", "_token", "_work")
 
     def __init__(
-        self, inflight, routed, worker_id: str, work: int, hashes: list[bytes], request: bool
+        self, inflight, routed, w: WorkerRecord, work: int, hashes: list[bytes], request: bool
     ) -> None:
-        self._load = inflight.setdefault(worker_id, WorkerLoad())
+        self._load = inflight.setdefault(w.worker_id, WorkerLoad())
         self._work, self._requests, self._routed = work, int(request), routed
         self._load.prompt_tokens += work
         self._load.requests += self._requests
-        self._token: int | None = routed.add(worker_id, hashes)
+        self._token: int | None = routed.add(w.worker_id, hashes if w.prefix_caching else [])
 
     def done(self, computed: bool) -> None:
         if self._token is None:
             return
-        self._load.prompt_tokens -= self._work
-        if self._requests:
-            self._load.end()
+        self._load.end(self._work, bool(self._requests))
         self._routed.settle(self._token, computed)
         self._token = None
 
@@ -262,30 +266,35 @@ class CacheAware(LeastLoad):
     name = "cache_aware"
 
     def choose(self, inp: RoutingInput, index: PrefixIndex) -> Route:
-        workers = [w.worker_id for w in inp.prefills] + [w.worker_id for w in inp.decodes]
+        workers = [w.worker_id for w in (*inp.prefills, *inp.decodes) if w.prefix_caching]
+        seen: list[bytes] = []
         with index.lock:
-            tiers = _capped(inp, index.match_tiers(inp.hashes, workers, inp.routed))
+            looked_up = (seen.append(h) or h for h in inp.hashes)
+            tiers = _capped(inp, index.match_tiers(looked_up, workers, inp.routed))
+            # A peer lends what it holds (its published blocks), not the prompts just routed to it.
+            lent = _capped(inp, index.match_tiers(seen, workers)) if inp.routed and self.peer_reads else tiers
             cached = {w.worker_id: index.num_blocks_of(w.worker_id) for w in inp.prefills}
         hits = {w: sum(runs) for w, runs in tiers.items()}
         if not inp.prefills:  # aggregated: the decode worker computes the prompt, its batch breaks ties
             ties = lambda w: (self._busy(inp, w), self._swaps(inp, w), -w.num_free_blocks, w.worker_id)  # noqa: E731
-            return Route(None, *self._cheapest(inp, inp.decodes, tiers, hits, ties))
+            return Route(None, *self._cheapest(inp, inp.decodes, tiers, lent, hits, ties))
         # A decode worker's pulled KV lands on its device hits only (its host tier serves prompts
         # it computes itself), so those break its ties.
         decode = self._decode(inp, {w: runs[0] for w, runs in tiers.items()})
         # Ties (e.g. a new prefix on idle workers) go where the cache has the most room, which
         # spreads tenants over the workers instead of piling them onto the first one.
         ties = lambda w: (self._swaps(inp, w), -hits.get(w.worker_id, 0), cached[w.worker_id], w.worker_id)  # noqa: E731
-        prefill, *rest = self._cheapest(inp, inp.prefills, tiers, hits, ties)
+        prefill, *rest = self._cheapest(inp, inp.prefills, tiers, lent, hits, ties)
         return Route(prefill, decode, *rest)
 
-    def _cheapest(self, inp: RoutingInput, candidates, tiers: dict[str, Runs], hits: dict[str, int], ties):
+    def _cheapest(self, inp: RoutingInput, candidates, tiers, lent, hits: dict[str, int], ties):
         """The worker among ``candidates`` that would give the prompt's first token soonest: the
         prompt tokens it would still compute (its own hits, or a peer's blocks read at its measured
-        cost) plus the uncached tokens queued there, ``ties(worker)`` ordering the rest. Returns
-        (worker, predicted hit tokens, the peer to read from or None, the peer's blocks)."""
+        cost: of those a peer has published, ``lent``) plus the uncached tokens queued there,
+        ``ties(worker)`` ordering the rest. Returns (worker, predicted hit tokens, the peer to read
+        from or None, the peer's blocks)."""
         bs = inp.block_size
-        peers = _PeerPrefixes(candidates if self.peer_reads else [], tiers)
+        peers = _PeerPrefixes(candidates if self.peer_reads else [], tiers, lent)
         saved = {w.worker_id: peers.saved(w) for w in candidates}
         best = min(
             candidates,
@@ -327,13 +336,14 @@ def _saved_blocks(w: WorkerRecord, tiers: Mapping[str, Runs]) -> float:
 
 class _PeerPrefixes:
     """For each prefill worker, the best peer to read the prompt's prefix from: the one whose
-    device-then-host run is longest (a lender serves those: engine/kv_lending.py)."""
+    device-then-host run is longest (a lender serves those: engine/kv_lending.py) among the blocks
+    it published (``lent``: not a prompt only routed to it, which it may not have computed yet)."""
 
-    def __init__(self, prefills: list[WorkerRecord], tiers: Mapping[str, Runs]) -> None:
+    def __init__(
+        self, prefills: list[WorkerRecord], tiers: Mapping[str, Runs], lent: Mapping[str, Runs]
+    ) -> None:
         self.tiers = tiers
-        runs = sorted(
-            ((sum(tiers.get(w.worker_id, (0, 0, 0))[:2]), w) for w in prefills), key=lambda x: -x[0]
-        )
+        runs = sorted(((sum(lent.get(w.worker_id, (0, 0, 0))[:2]), w) for w in prefills), key=lambda x: -x[0])
         self.best = runs[:2]  # the longest two: a worker's best peer is the first that is not itself
 
     def saved(self, w: WorkerRecord) -> tuple[float, WorkerRecord | None, int]:
@@ -366,16 +376,25 @@ def salt_of(w: WorkerRecord, lora: str) -> str:
     return w.cache_salt + (w.lora_salt(lora) or "") if lora else w.cache_salt
 
 
+def takes_hits(params) -> bool:
+    """Whether the engine serves a request (``pb.SamplingParams``) from the prefix cache: not one
+    that asks for ``prompt_logprobs`` (every prompt position is computed)."""
+    return not params.HasField("prompt_logprobs")
+
+
 def prefill_locally(
-    prompt: list[int], d: WorkerRecord, lora: str, limit: int, index: PrefixIndex
+    prompt: list[int], d: WorkerRecord, lora: str, limit: int, index: PrefixIndex | None
 ) -> int | None:
     """The prompt tokens decode worker ``d`` has cached when it should prefill this prompt itself
     (the part it has not cached is at most ``limit`` tokens, so a prefill hop and a KV transfer
-    would cost more than computing it there); None when it should not (``limit`` 0: never)."""
+    would cost more than computing it there); None when it should not (``limit`` 0: never).
+    ``index`` None: the request takes no prefix hits (``takes_hits``)."""
     if limit <= 0:
         return None
     if len(prompt) <= limit:
         return 0  # (not looked up: the whole prompt is short)
+    if index is None or not d.prefix_caching:
+        return None
     with index.lock:
         hit = index.match(iter_block_hashes(prompt, d.block_size, salt_of(d, lora)), [d.worker_id])
     cached = hit.get(d.worker_id, 0) * d.block_size
@@ -401,7 +420,7 @@ def make_policy(name: str) -> Policy:
 
 
 def _hit_tokens(inp: RoutingInput, index: PrefixIndex, w: WorkerRecord | None) -> int:
-    if w is None:
+    if w is None or not w.prefix_caching:
         return 0
     with index.lock:
         tiers = _capped(inp, index.match_tiers(inp.hashes, [w.worker_id], inp.routed))

@@ -52,6 +52,7 @@ from router.policies import (
     prefill_locally,
     salt_of,
     serves,
+    takes_hits,
     with_handoff,
 )
 from router.prefill_watch import PrefillStalled, watched
@@ -121,10 +122,12 @@ class Router(DecodeRelay):
         exclude: frozenset[str] = frozenset(),
         lost: frozenset[str] = frozenset(),
         lora="",
+        hits: bool = True,
     ) -> tuple[Route, PromptHashes]:
         """The policy's route and the prompt's block hashes (what the chosen worker will cache);
         ``exclude``: prefill workers that failed this request, ``lost``: decode workers that did;
-        ``lora``: its adapter (only workers serving it are candidates; hashes namespaced by it)."""
+        ``lora``: its adapter (only workers serving it are candidates; hashes namespaced by it);
+        ``hits`` False: the engine takes no prefix hits for it (``prompt_logprobs``), none predicted."""
         out = exclude | self.suspects.keys()
         prefills = [w for w in self.view.live_workers("prefill") if w.worker_id not in out]
         prefills = [w for w in prefills if serves(w, lora)]
@@ -140,8 +143,9 @@ class Router(DecodeRelay):
         if not prefills and len(decodes) == 1:  # nothing to choose: no lookup, no hashing, no record
             return Route(None, ref, sole=True), hashes
         holders = self.routed.holders()
+        looked_up = iter(hashes) if hits else iter(())
         inp = RoutingInput(
-            iter(hashes), len(prompt), ref.block_size, prefills, decodes, self.inflight, holders, lora
+            looked_up, len(prompt), ref.block_size, prefills, decodes, self.inflight, holders, lora
         )
         return with_handoff(self.policy.choose(inp, self.view.index), lora), hashes
 
@@ -239,9 +243,9 @@ class Router(DecodeRelay):
         prefill worker keeps until its release lands, a stalled worker that wakes up)."""
         prompt, proto_params = res.request()
         key, request_id = request_id, res.attempt_id(request_id)
-        route, hashes = self._route(prompt, lost=lost, lora=proto_params.lora)
-        n = proto_params.n or 1
-        lora, idx = proto_params.lora, self.view.index
+        hits, n = takes_hits(proto_params), proto_params.n or 1
+        route, hashes = self._route(prompt, lost=lost, lora=proto_params.lora, hits=hits)
+        lora, idx = proto_params.lora, self.view.index if hits else None
         local = None
         if route.prefill is not None and n == 1:
             local = prefill_locally(prompt, route.decode, lora, self.local_prefill_tokens, idx)
@@ -308,7 +312,8 @@ class Router(DecodeRelay):
                     if early is not None:
                         early.close()  # its KV source is gone: a retry decodes from a whole handle
                     exclude.add(route.prefill.worker_id)
-                    route, hashes = self._route(prompt, frozenset(exclude), lost, proto_params.lora)
+                    hits = takes_hits(proto_params)
+                    route, hashes = self._route(prompt, frozenset(exclude), lost, proto_params.lora, hits)
                     hold.move(route.decode.worker_id)  # (an early Decode was closed above)
                     if route.prefill is None:
                         break
@@ -421,7 +426,7 @@ class Router(DecodeRelay):
         work = PromptWork(
             self.inflight,
             self.routed,
-            w.worker_id,
+            w,
             len(prompt) - route.predicted_hit_tokens,
             hashes.all(),
             True,
@@ -438,11 +443,6 @@ class Router(DecodeRelay):
             return resp
         finally:
             work.done(computed)
-
-    def _in_background(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is (its stream ends with ``abort``: ``router.cancellation``)."""

@@ -101,6 +101,7 @@ def worker_record(
     kv_handoff: bool = True,
     loras: dict[str, str] | None = None,
     streams: str = "",
+    prefix_caching: bool = True,
 ) -> WorkerRecord:
     return WorkerRecord(
         worker_id=worker_id,
@@ -117,6 +118,7 @@ def worker_record(
         kv_handoff=int(kv_handoff),
         loras=json.dumps(loras or {}, sort_keys=True),
         streams=streams,
+        prefix_caching=int(prefix_caching),
     )
 
 

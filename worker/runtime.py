@@ -146,6 +146,7 @@ class WorkerRuntime(AdapterMixin, ABC):
             kv_handoff=self.transfer_info() is not None,  # an agent over its KV: it takes hand-offs
             loras=self.loras,
             streams=self.streams_address,
+            prefix_caching=self.config.engine.enable_prefix_caching,
         )
 
     # Lifecycle --------------------------------------------------------------------------------
