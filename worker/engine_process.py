@@ -119,6 +119,7 @@ class EngineHost:
         self.batches = SteadyBatchSender()  # a steady batch's members cross the channel once
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compiling: list[tuple[concurrent.futures.Future, pb.EngineCommand]] = []
+        self.answered: list[pb.EngineReply] = []  # replies to commands other than the one being run
         self.watching = False  # send the cache's events and the load (the worker publishes them)
         self.next_load = 0.0
         self.beat = self.step_started = time.monotonic()
@@ -141,6 +142,8 @@ class EngineHost:
             commands = self._read_commands()
             for cmd in commands:
                 replies.append(self._run(cmd, outputs))
+            replies.extend(self.answered)  # adds an abort answered while their grammar compiled
+            self.answered.clear()
             idle = not (busy or commands or outputs)
             wait = min(2 * wait, IDLE_WAIT_MAX_S) if idle else self.idle_tick_s
             self._land_compiled(replies)
@@ -266,7 +269,11 @@ class EngineHost:
             if cmd.add.request_id == request_id:  # not added yet: it never will be
                 fut.cancel()
                 del self.compiling[i]
-                outputs.append(SequenceOutput(request_id, 0, [], finish_reason="abort"))
+                # Its add is answered (the worker waits for it before it reads the stream), and every
+                # sample ends aborted, as the engine ends a request it had.
+                self.answered.append(pb.EngineReply(command_id=cmd.command_id))
+                n = max(1, cmd.add.params.n)
+                outputs.extend(SequenceOutput(request_id, j, [], finish_reason="abort") for j in range(n))
                 return True
         held = self.role.abort(request_id)  # its outputs published through ``publish``
         if held is not None:
