@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ from engine.stats import EngineStats
 from proto import pdserve_pb2 as pb
 from proto.convert import params_to_proto
 from settings import environment
+from worker.command_pipe import CommandPipe
 from worker.engine_channel import (
     PIPE_BYTES,
     EngineFacts,
@@ -44,6 +44,7 @@ from worker.engine_channel import (
     SteadyBatchReceiver,
     config_to_json,
     facts_from_proto,
+    frame,
     outputs_from_proto,
     read_frame,
     write_frame,
@@ -74,7 +75,6 @@ class EngineProcess:
         """``module``: the process's entry point (a role's, e.g. ``decode_worker.engine_host``, with
         ``role_args``)."""
         self._ids = itertools.count(1)
-        self._write_lock = threading.Lock()
         self._pending: dict[int, asyncio.Future] = {}
         self._on_reply: dict[int, Callable[[pb.EngineReply], None]] = {}
         self._kv_hooks: list[Callable[[pb.EngineEvents], None]] = []
@@ -93,7 +93,8 @@ class EngineProcess:
         self.failure: EngineLoopFailed | None = None
         self.step_started = time.monotonic()
         self._work_since = 0.0  # when commands or streams last began waiting on the engine (none before)
-        commands_r, self._commands_w = os.pipe()
+        commands_r, commands_w = os.pipe()
+        self._commands = CommandPipe(commands_w)
         self._events_r, events_w = os.pipe()
         for fd in (commands_r, events_w):
             with contextlib.suppress(OSError):  # over the system's limit: the default only waits more
@@ -128,7 +129,7 @@ class EngineProcess:
 
     def _handshake(self, config: EngineConfig) -> EngineFacts:
         write_frame(
-            self._commands_w, pb.EngineCommands(commands=[pb.EngineCommand(start=config_to_json(config))])
+            self._commands.fd, pb.EngineCommands(commands=[pb.EngineCommand(start=config_to_json(config))])
         )
         events = read_frame(self._events_r, pb.EngineEvents)
         if events is None or not events.replies:
@@ -149,6 +150,7 @@ class EngineProcess:
         self._aloop = asyncio.get_running_loop()
         os.set_blocking(self._events_r, False)
         self._aloop.add_reader(self._events_r, self._on_readable)
+        self._commands.attach(self._aloop, lambda exc: self._die(f"the engine process is gone ({exc})"))
 
     @property
     def alive(self) -> bool:
@@ -234,10 +236,7 @@ class EngineProcess:
         if on_reply is not None:
             self._on_reply[cmd.command_id] = on_reply
         try:
-            with self._write_lock:
-                if self._commands_w < 0:
-                    raise OSError("stopped")
-                write_frame(self._commands_w, pb.EngineCommands(commands=[cmd]))
+            self._commands.write(frame(pb.EngineCommands(commands=[cmd])))
         except OSError as exc:
             self._die(f"the engine process is gone ({exc})")
         return fut
@@ -290,10 +289,11 @@ class EngineProcess:
         """Ask the engine process to exit (any thread), and wait; kill it if it does not. Its end of
         file then ends the event reader quietly."""
         self._stopping = True
-        with self._write_lock:
-            if self._commands_w >= 0 and self.process.poll() is None:
-                with contextlib.suppress(OSError):  # it is gone already
-                    write_frame(self._commands_w, pb.EngineCommands(commands=[pb.EngineCommand(stop=True)]))
+        # Behind unsent commands, or into a full pipe, the stop cannot go whole: the pipe's end of
+        # file (the pipe closed here) tells the engine then.
+        stop = frame(pb.EngineCommands(commands=[pb.EngineCommand(stop=True)]))
+        if self.process.poll() is None and not self._commands.write_now(stop):
+            self._commands.close()
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -304,10 +304,7 @@ class EngineProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        with self._write_lock:
-            if self._commands_w >= 0:
-                os.close(self._commands_w)
-                self._commands_w = -1
+        self._commands.close()
         if self._aloop is None and self._events_r >= 0:  # no reader attached: nobody else closes it
             os.close(self._events_r)
             self._events_r = -1
