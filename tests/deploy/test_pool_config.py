@@ -91,3 +91,24 @@ def test_a_prefill_lease_must_outlast_the_decode_kv_read_timeout():
     assert refusal(prefill={"lease_seconds": 5})  # the default timeout is 10 s
     PDServeConfig(model="m", prefill={"lease_seconds": 11}, decode={"transfer_timeout_s": 10})
     PDServeConfig(model="m", mode="aggregated", prefill={"lease_seconds": 5})  # no prefill pool
+
+
+def test_the_router_and_the_ingress_report_the_requests_streaming_through_them():
+    """What their replicas hand Serve's hook: the router's open Generate streams, the ingress's
+    requests admitted or queued (a ``direct`` one's HTTP reaches it outside Serve)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deploy.deployments import IngressServer, RouterServer
+
+    def probe(deployment, **attrs):
+        cls = type("Probe", (deployment.func_or_class,), {"__del__": lambda self: None})
+        replica = cls.__new__(cls)
+        replica.__dict__.update(attrs)
+        return replica
+
+    router = probe(RouterServer, router=SimpleNamespace(active=3))
+    assert asyncio.run(router.record_autoscaling_stats()) == {ENGINE_REQUESTS: 3}
+    admission = SimpleNamespace(running=2, waiting=5)
+    ingress = probe(IngressServer, ingress=SimpleNamespace(serving=SimpleNamespace(admission=admission)))
+    assert asyncio.run(ingress.record_autoscaling_stats()) == {ENGINE_REQUESTS: 7}

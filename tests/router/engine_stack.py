@@ -56,6 +56,14 @@ class EngineStack:
     def workers(self) -> list:
         return [*self.prefills, *self.decodes]
 
+    @property
+    def prefill(self) -> PrefillWorker:
+        return self.prefills[0]
+
+    @property
+    def decode(self) -> DecodeWorker:
+        return self.decodes[0]
+
     async def __aenter__(self) -> EngineStack:
         self.view.start()
         for p in self.prefills:

@@ -11,7 +11,7 @@ import asyncio
 from contextlib import aclosing
 
 import grpc
-from pd_stack import PDStack
+from engine_stack import EngineStack
 
 import router.service as service
 from proto import pdserve_pb2 as pb
@@ -37,7 +37,7 @@ def test_abort_while_the_first_token_is_sent_ends_the_stream_with_abort(
     monkeypatch.setattr(service, "caller_stream", caller_stream)
 
     async def main() -> None:
-        async with PDStack(redis_server.url, tiny_llama) as s:
+        async with EngineStack(redis_server.url, tiny_llama) as s:
             params = pb.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
             req = pb.GenerateRequest(request_id="r", prompt_token_ids=PROMPT, params=params)
             kinds, status = [], "OK"

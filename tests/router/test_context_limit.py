@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from pd_stack import PDStack
+from engine_stack import EngineStack
 
 from proto import pdserve_pb2 as pb
 from registry.schema import WorkerRecord
@@ -33,7 +33,7 @@ async def _status(stub, prompt: list[int], max_tokens: int) -> tuple[str, str]:
 
 def test_a_request_past_the_context_is_refused_before_it_is_routed(redis_server, tiny_llama):
     async def main() -> None:
-        async with PDStack(redis_server.url, tiny_llama) as s:
+        async with EngineStack(redis_server.url, tiny_llama) as s:
             assert {w.max_model_len for w in s.view.live_workers()} == {CONTEXT}  # published
             code, details = await _status(s.stub, [(i % 200) + 3 for i in range(1_000_000)], 8)
             assert code == "INVALID_ARGUMENT" and f"context length of {CONTEXT} tokens" in details

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from engine_stack import EngineStack
 from fake_decode_worker import until
-from pd_stack import PDStack
 
 from proto import pdserve_pb2 as pb
 from proto.socket_stream import SocketCall
@@ -33,7 +33,7 @@ def test_a_prefill_answer_that_crosses_the_callers_cancel_is_released(redis_serv
     monkeypatch.setattr(SocketCall, "read", read)
 
     async def main() -> None:
-        async with PDStack(redis_server.url, tiny_llama) as s:
+        async with EngineStack(redis_server.url, tiny_llama) as s:
             assert s.view.workers["p0"].streams  # the router's Prefill calls go on its socket stream
             params = pb.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
             call = s.stub.Generate(pb.GenerateRequest(request_id="r", prompt_token_ids=PROMPT, params=params))
